@@ -1,0 +1,167 @@
+"""megatron-core's `torch_dist` distributed checkpoint, written and read in one process.
+
+The layout is what `megatron.core.dist_checkpointing.save(model.sharded_state_dict(), dir)`
+writes (checked against it in the tests):
+  * PyTorch DCP files (`.metadata`, `__0_*.distcp`) plus megatron's `metadata.json` and `common.pt`;
+  * every tensor has its *global* (TP=1) shape, so any TP/PP layout can load it;
+  * per-layer tensors are stacked: `decoder.layers.<name>` has shape [num_layers, ...], stored as
+    one chunk per layer; fc1 is the global [gate; up];
+  * `_extra_state` entries are byte objects keyed `<name>/shard_<layer>_<num_layers>`;
+  * tied output layers are not stored (the last stage loads them from the embedding).
+
+Writing goes through DCP's own FileSystemWriter with a planner that produces each chunk only
+when the writer asks for it, so memory holds about one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from toolkit.convert import naming
+
+MCORE_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+STACKED_PREFIX = "decoder.layers."
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a global tensor: `key` at `offsets`, produced lazily by `load()`."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+
+def stacked_key(canonical_layer_name: str) -> str:
+    """'decoder.layers.3.mlp.linear_fc2.weight' -> 'decoder.layers.mlp.linear_fc2.weight'."""
+    _, suffix = naming.split_layer(canonical_layer_name)
+    return STACKED_PREFIX + suffix
+
+
+class _LazySavePlanner(SavePlanner):
+    def __init__(self, chunks: list[Chunk], objects: dict[str, object], on_item: Callable[[], None]):
+        self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
+        self._objects = objects
+        self._on_item = on_item
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        items = [
+            WriteItem(
+                index=index,
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.shape)),
+                    properties=TensorProperties(dtype=c.dtype),
+                    size=torch.Size(c.global_shape),
+                ),
+            )
+            for index, c in self._chunks.items()
+        ]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self._objects]
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans):
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save(self._objects[write_item.index.fqn], buffer)
+            buffer.seek(0)
+            return buffer
+        chunk = self._chunks[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
+        tensor = chunk.load().contiguous()
+        expected = chunk.shape
+        if tuple(tensor.shape) != expected:  # a stacked chunk is [1, ...]
+            tensor = tensor.reshape(expected)
+        self._on_item()
+        return tensor
+
+
+def extra_state_objects(num_layers: int) -> dict[str, object]:
+    """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None])."""
+    return {
+        f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}": [None]
+        for module in naming.EXTRA_STATE_MODULES
+        for layer in range(num_layers)
+    }
+
+
+def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict, on_item=lambda: None) -> None:
+    directory.mkdir(parents=True)
+    planner = _LazySavePlanner(chunks, objects, on_item)
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1, sync_files=False)
+    dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    torch.save(common, directory / "common.pt")
+    (directory / "metadata.json").write_text(json.dumps(MCORE_METADATA))
+
+
+def tensor_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor in a torch_dist checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(directory).read_metadata()
+    return {
+        k: (tuple(v.size), v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+
+
+class _SliceLoadPlanner(DefaultLoadPlanner):
+    """Reads one box (offsets + shape) of one stored tensor into a buffer of that shape."""
+
+    def __init__(self, key: str, offsets: tuple[int, ...]):
+        super().__init__()
+        self._key, self._offsets = key, offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        buffer = self.state_dict[self._key]
+        box = ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=buffer.shape)
+        stored = self.metadata.state_dict_metadata[self._key]
+        return LoadPlan(create_read_items_for_chunk_list(self._key, stored, [box]))
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the buffer is the box itself, whatever its offset
+
+
+def read_box(directory: Path, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Part of a stored global tensor, e.g. one layer of a stacked tensor; DCP reads only the
+    chunks that overlap it."""
+    buffer = torch.empty(shape, dtype=dtype)
+    dcp_load({key: buffer}, storage_reader=FileSystemReader(directory), planner=_SliceLoadPlanner(key, offsets), no_dist=True)
+    return buffer

@@ -1,0 +1,167 @@
+"""A Hugging Face checkpoint directory, validated up front and read lazily.
+
+Every safetensors header is parsed and checked against the file (sizes, offsets, truncation)
+before any tensor is read, so a broken file fails early. Tensors are read slice by slice with
+`safe_open(...).get_slice`, and each file is opened per read so its mapping is released at once:
+neither anonymous nor file-backed memory grows with the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ConversionError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tokenizer and generation files copied verbatim next to converted checkpoints.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{directory} has no config.json: is this a Hugging Face model directory?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+
+
+def parse_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Read and check a safetensors header without trusting it: every tensor must lie inside the
+    file, have the byte size its dtype and shape imply, and not overlap another one."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ConversionError(f"{path} is truncated: shorter than a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise ConversionError(f"{path} has a corrupt or truncated header (claims {header_len} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConversionError(f"{path} has a header that is not valid JSON") from None
+    data_size = size - 8 - header_len
+    entries, spans = {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConversionError(f"{path}: malformed header entry for {name!r}") from None
+        if dtype not in _DTYPE_BYTES:
+            raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if end - begin != numel * _DTYPE_BYTES[dtype] or begin < 0:
+            raise ConversionError(f"{path}: tensor {name!r} offsets [{begin}, {end}) do not match its shape {list(shape)}")
+        if end > data_size:
+            raise ConversionError(f"{path} is truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section")
+        entries[name] = TensorEntry(path, dtype, shape)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ConversionError(f"{path}: tensors {n0!r} and {n1!r} overlap")
+    return entries
+
+
+class HFCheckpoint:
+    """A validated HF checkpoint: config, the tensor index, and lazy slice reads."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise ConversionError(f"{self.dir} is not a directory")
+        self.config = read_config(self.dir)
+        self.config_bytes = (self.dir / "config.json").read_bytes()
+        self.tensors = self._index()
+
+    def _weight_files(self) -> list[Path]:
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise ConversionError(f"{index} is not a valid safetensors index") from None
+            files = sorted({self.dir / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ConversionError(f"{index} names missing files: {', '.join(missing)}")
+            self._weight_map = weight_map
+            return files
+        self._weight_map = None
+        files = sorted(self.dir.glob("*.safetensors"))
+        if files:
+            return files
+        if list(self.dir.glob("*.bin")) or list(self.dir.glob("*.pt")):
+            raise ConversionError(
+                f"{self.dir} holds only pickled .bin/.pt weights; they are not loaded because unpickling "
+                "untrusted files can run code. Re-save them as safetensors first "
+                "(AutoModelForCausalLM.from_pretrained(...).save_pretrained(dir))."
+            )
+        raise ConversionError(f"{self.dir} contains no weights (*.safetensors)")
+
+    def _index(self) -> dict[str, TensorEntry]:
+        tensors: dict[str, TensorEntry] = {}
+        for path in self._weight_files():
+            for name, entry in parse_safetensors_header(path).items():
+                if name in tensors:
+                    raise ConversionError(f"tensor {name!r} appears in both {tensors[name].file.name} and {path.name}")
+                tensors[name] = entry
+        if self._weight_map is not None:
+            for name, file in self._weight_map.items():
+                if name not in tensors or tensors[name].file.name != file:
+                    raise ConversionError(f"{INDEX_FILE} places {name!r} in {file}, but that file does not hold it")
+        return tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        entry = self.tensors[name]
+        with safe_open(entry.file, framework="pt") as f:
+            view = f.get_slice(name)
+            if rows is None and cols is None:
+                return view[:]
+            if cols is None:
+                return view[rows]
+            return view[rows if rows is not None else slice(None), cols]
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.dir / n for n in TOKENIZER_FILES if (self.dir / n).is_file()]

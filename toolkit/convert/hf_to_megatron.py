@@ -1,0 +1,172 @@
+"""HF checkpoint -> megatron-core TP x PP checkpoint (`torch` per-rank or `torch_dist`).
+
+One process, plain tensor operations: each output file is assembled from slices read straight
+from the HF safetensors and written as soon as it is complete.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from toolkit.atomic import atomic_directory
+from toolkit.convert import dist_format, naming, torch_format
+from toolkit.convert.hf_source import HFCheckpoint
+from toolkit.convert.metadata import (
+    CHECKPOINT_VERSION,
+    HF_DIR,
+    RELEASE,
+    TRACKER,
+    CheckpointMeta,
+    checksum_tree,
+    copy_hf_files,
+    megatron_args,
+)
+from toolkit.convert.progress import progress_bar
+from toolkit.errors import ConversionError
+from toolkit.families import Family, ModelSpec, spec_from_config
+from toolkit.families.table import Row
+from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
+from toolkit.splits import Split, build_shard, megatron_shape
+
+FORMATS = ("torch", "torch_dist")
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the family table expects for this config, with its shape."""
+    out = {}
+    for row in family.rows_for(spec.tied_embeddings):
+        layers = range(spec.num_layers) if row.per_layer else [None]
+        for layer in layers:
+            for name, symbols in zip(row.hf_names(layer), row.shapes):
+                out[name] = tuple(spec.size_of(s) for s in symbols)
+    return out
+
+
+def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
+    """Refuse missing, extra or misshapen tensors before anything is written."""
+    expected = expected_hf_tensors(family, spec)
+    missing = sorted(set(expected) - set(src.tensors))
+    extra = sorted(set(src.tensors) - set(expected))
+    if missing:
+        raise ConversionError(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}")
+    if extra:
+        raise ConversionError(f"{len(extra)} unexpected tensor(s) for {family.name}, e.g. {extra[0]!r}")
+    for name, shape in expected.items():
+        if src.shape(name) != shape:
+            raise ConversionError(
+                f"tensor {name!r} has shape {list(src.shape(name))} but config.json implies {list(shape)}"
+            )
+
+
+def _on_stage(row: Row, stage: int, pp: int) -> bool:
+    if row.per_layer:
+        return True
+    return stage == 0 if row.megatron.startswith("embedding.") else stage == pp - 1
+
+
+def _embedding_row(family: Family) -> Row:
+    return next(r for r in family.rows if r.megatron.startswith("embedding."))
+
+
+def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> None:
+    geo = layout.geometry(spec)
+    rows = family.rows_for(spec.tied_embeddings)
+
+    def build_stage(tp_rank: int, pp_rank: int):
+        layers = layout.stage_layers(spec, pp_rank)
+        for row in rows:
+            if not _on_stage(row, pp_rank, layout.pp):
+                continue
+            for layer in layers if row.per_layer else [None]:
+                local = None if layer is None else layer - layers.start
+                yield row.megatron_name(local), build_shard(row.split, src, row.hf_names(layer), layout.tp, tp_rank, geo)
+                bar.update(1)
+        if spec.tied_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1:
+            # Megatron keeps a copy of the tied embedding as the last stage's output layer.
+            emb = _embedding_row(family)
+            yield "output_layer.weight", build_shard(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
+
+    torch_format.write_rank_files(
+        release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec, args
+    )
+
+
+def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
+    geo = layout.geometry(spec)
+    chunks = []
+    for row in family.rows_for(spec.tied_embeddings):
+        for layer in range(spec.num_layers) if row.per_layer else [None]:
+            names = row.hf_names(layer)
+            shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
+            dtype = _ST_DTYPES[src.tensors[names[0]].dtype]
+            load = lambda split=row.split, names=names: build_shard(split, src, names, 1, 0, geo)  # noqa: E731
+            if row.per_layer:
+                key = dist_format.stacked_key(row.megatron_name(layer))
+                global_shape, offsets, shape = (spec.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape)
+            else:
+                key, global_shape, offsets = row.megatron, shape, (0,) * len(shape)
+            chunks.append(dist_format.Chunk(key, global_shape, offsets, shape, dtype, load))
+    return chunks
+
+
+def hf_to_megatron(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    fmt: str = "torch",
+    layer_spec: str = "te",
+    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> Path:
+    """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir`.
+
+    Everything is validated before the first byte is written; the result appears at `out_dir`
+    only once complete (see toolkit.atomic).
+    """
+    if fmt not in FORMATS:
+        raise ConversionError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if layer_spec not in naming.LAYER_SPECS:
+        raise ConversionError(f"unknown layer spec {layer_spec!r} (choose from {', '.join(naming.LAYER_SPECS)})")
+    src = HFCheckpoint(hf_dir)
+    family, spec = spec_from_config(src.config)
+    layout = Layout(tp, pp, vocab_divisor)
+    layout.check(spec)
+    check_tensors(src, family, spec)
+    args = megatron_args(spec, layout, fmt)
+    with atomic_directory(out_dir, overwrite) as tmp:
+        release = tmp / RELEASE
+        if fmt == "torch":
+            rows = family.rows_for(spec.tied_embeddings)
+            total = layout.tp * sum(spec.num_layers if r.per_layer else 1 for r in rows)
+            with progress_bar(total, "writing shards", progress) as bar:
+                _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
+        else:
+            chunks = dist_chunks(src, family, spec, layout)
+            common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+            with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
+                dist_format.write(release, chunks, dist_format.extra_state_objects(spec.num_layers), common, bar.update)
+        (tmp / TRACKER).write_text(RELEASE)
+        copy_hf_files(src.config_bytes, src.tokenizer_files(), tmp / HF_DIR)
+        CheckpointMeta(
+            format=fmt,
+            layer_spec=layer_spec,
+            tp=tp,
+            pp=pp,
+            vocab_divisor=vocab_divisor,
+            vocab_size=spec.vocab_size,
+            padded_vocab_size=layout.padded_vocab(spec.vocab_size),
+            spec=spec.to_dict(),
+            checksums=checksum_tree(tmp),
+        ).write(tmp)
+    return Path(out_dir)

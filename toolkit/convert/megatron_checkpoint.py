@@ -1,0 +1,129 @@
+"""Open a megatron-core checkpoint on disk and stream its tensors back as HF tensors.
+
+Reads checkpoints written by this toolkit (with toolkit_checkpoint.json) in either format, and
+Megatron-LM's per-rank `torch` format given the HF config of the architecture.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from toolkit.convert import dist_format, torch_format
+from toolkit.convert.hf_source import read_config
+from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta, META_FILE
+from toolkit.errors import ConversionError
+from toolkit.families import Family, ModelSpec, family_named, spec_from_config
+from toolkit.layouts import Layout
+from toolkit.splits import merge_shards
+
+
+def resolve_iteration_dir(root: Path) -> Path:
+    """The directory holding the shards: `release/` or `iter_NNNNNNN/` per the tracker file."""
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        if any(root.glob("mp_rank_*")) or (root / "metadata.json").is_file():
+            return root
+        raise ConversionError(f"{root} has no {TRACKER}: not a Megatron checkpoint directory")
+    value = tracker.read_text().strip()
+    if value == RELEASE:
+        return root / RELEASE
+    if not value.isdigit():
+        raise ConversionError(f"{tracker} holds {value!r}, expected 'release' or an iteration number")
+    return root / f"iter_{int(value):07d}"
+
+
+@dataclass
+class MegatronCheckpoint:
+    root: Path
+    shards: Path  # release/ or iter_*/
+    fmt: str
+    family: Family
+    spec: ModelSpec
+    layout: Layout
+    config_bytes: bytes
+    tokenizer_files: list[Path]
+    meta: CheckpointMeta | None
+
+    @classmethod
+    def open(cls, root: str | Path, hf_config: str | Path | None = None) -> "MegatronCheckpoint":
+        root = Path(root)
+        if not root.is_dir():
+            raise ConversionError(f"{root} is not a directory")
+        shards = resolve_iteration_dir(root)
+        if (root / META_FILE).is_file():
+            return cls._ours(root, shards)
+        return cls._megatron_lm(root, shards, hf_config)
+
+    @classmethod
+    def _ours(cls, root: Path, shards: Path) -> "MegatronCheckpoint":
+        meta = CheckpointMeta.read(root)
+        spec = meta.model_spec
+        hf = root / HF_DIR
+        return cls(root, shards, meta.format, family_named(spec.family), spec, meta.layout,
+                   (hf / "config.json").read_bytes(), sorted(p for p in hf.iterdir() if p.name != "config.json"), meta)
+
+    @classmethod
+    def _megatron_lm(cls, root: Path, shards: Path, hf_config: str | Path | None) -> "MegatronCheckpoint":
+        if hf_config is None:
+            raise ConversionError(
+                f"{root} was not written by this toolkit: pass --hf-config (an HF config.json or model "
+                "directory) describing its architecture"
+            )
+        hf_config = Path(hf_config)
+        config_dir = hf_config if hf_config.is_dir() else hf_config.parent
+        config_path = config_dir / "config.json" if hf_config.is_dir() else hf_config
+        cfg = json.loads(config_path.read_text()) if config_path.is_file() else read_config(config_dir)
+        family, spec = spec_from_config(cfg)
+        if (shards / "metadata.json").is_file():
+            raise ConversionError("torch_dist checkpoints not written by this toolkit are not supported yet")
+        tp, pp = torch_format.discover_layout(shards)
+        from toolkit.convert.hf_source import TOKENIZER_FILES
+
+        tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
+        return cls(root, shards, "torch", family, spec, Layout(tp, pp, 1), config_path.read_bytes(), tokenizer, None)
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every tensor of the HF model, one at a time."""
+        if self.fmt == "torch":
+            yield from self._from_rank_files()
+        else:
+            yield from self._from_dist()
+
+    def _rows(self):
+        return self.family.rows_for(self.spec.tied_embeddings)
+
+    def _from_rank_files(self):
+        geo = self.layout.geometry(self.spec)
+        for pp_rank in range(self.layout.pp):
+            stage = torch_format.read_stage(self.shards, self.layout, pp_rank)
+            layers = self.layout.stage_layers(self.spec, pp_rank)
+            for row in self._rows():
+                for layer in layers if row.per_layer else [None]:
+                    name = row.megatron_name(None if layer is None else layer - layers.start)
+                    if name not in stage[0]:
+                        if row.per_layer:
+                            raise ConversionError(f"stage {pp_rank} of {self.shards} has no {name!r}")
+                        continue  # embedding / final norm / output layer live on one stage only
+                    shards = [rank_state[name] for rank_state in stage]
+                    yield from zip(row.hf_names(layer), merge_shards(row.split, shards, geo))
+            del stage
+
+    def _from_dist(self):
+        geo = self.layout.geometry(self.spec)
+        stored = dist_format.tensor_shapes(self.shards)
+        for row in self._rows():
+            for layer in range(self.spec.num_layers) if row.per_layer else [None]:
+                key = dist_format.stacked_key(row.megatron_name(layer)) if row.per_layer else row.megatron
+                if key not in stored:
+                    raise ConversionError(f"{self.shards} has no tensor {key!r}")
+                shape, dtype = stored[key]
+                if row.per_layer:
+                    t = dist_format.read_box(self.shards, key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]), dtype)[0]
+                else:
+                    t = dist_format.read_box(self.shards, key, (0,) * len(shape), shape, dtype)
+                yield from zip(row.hf_names(layer), merge_shards(row.split, [t], geo))

@@ -1,0 +1,82 @@
+"""megatron-core checkpoint -> HF directory (safetensors, sharded with an index when large)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from toolkit.atomic import atomic_directory
+from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+from toolkit.convert.progress import progress_bar
+
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+
+
+class SafetensorsShardWriter:
+    """Collects tensors into files of at most `max_bytes` (one tensor may exceed it) and writes
+    each file as soon as it is full, so memory holds at most one file's tensors."""
+
+    def __init__(self, directory: Path, max_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        self.dir, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.dir / f".shard-{len(self.files):05d}.safetensors"
+        save_file(self.pending, path, metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            os.rename(self.files[0][0], self.dir / "model.safetensors")
+            return
+        weight_map, total = {}, 0
+        n = len(self.files)
+        for i, (path, names) in enumerate(self.files, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            total += path.stat().st_size
+            os.rename(path, self.dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def megatron_to_hf(
+    megatron_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    hf_config: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool | None = None,
+) -> Path:
+    """Merge the TP x PP shards of `megatron_dir` into an HF checkpoint at `out_dir`."""
+    ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)
+    with atomic_directory(out_dir, overwrite) as tmp:
+        writer = SafetensorsShardWriter(tmp, max_shard_bytes)
+        with progress_bar(None, "merging shards", progress) as bar:
+            for name, tensor in ckpt.hf_tensors():
+                writer.add(name, tensor)
+                bar.update(1)
+        writer.close()
+        (tmp / "config.json").write_bytes(ckpt.config_bytes)
+        for f in ckpt.tokenizer_files:
+            shutil.copyfile(f, tmp / f.name)
+    return Path(out_dir)

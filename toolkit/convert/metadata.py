@@ -1,0 +1,134 @@
+"""What travels with a converted checkpoint, so export never needs the original HF directory.
+
+    OUT/
+      latest_checkpointed_iteration.txt   "release" (Megatron-LM's tracker file)
+      release/                            per-rank mp_rank_TT[_PPP]/model_optim_rng.pt, or torch_dist files
+      hf/                                 byte copies of config.json and the tokenizer files
+      toolkit_checkpoint.json             layout, true vocab, dtype, model spec, sha256 of every file
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from toolkit import __version__
+from toolkit.errors import ConversionError
+from toolkit.families.spec import ModelSpec
+from toolkit.layouts import Layout
+
+META_FILE = "toolkit_checkpoint.json"
+HF_DIR = "hf"
+RELEASE = "release"
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+
+
+@dataclass
+class CheckpointMeta:
+    format: str  # "torch" or "torch_dist"
+    layer_spec: str  # "te" or "local" (names used in per-rank torch files)
+    tp: int
+    pp: int
+    vocab_divisor: int
+    vocab_size: int
+    padded_vocab_size: int
+    spec: dict
+    checksums: dict = field(default_factory=dict)
+    toolkit_version: str = __version__
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec.from_dict(self.spec)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.vocab_divisor)
+
+    def write(self, directory: Path) -> None:
+        (directory / META_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> "CheckpointMeta":
+        path = directory / META_FILE
+        if not path.is_file():
+            raise ConversionError(f"{directory} has no {META_FILE}: not a checkpoint written by this toolkit")
+        return cls(**json.loads(path.read_text()))
+
+
+def sha256(path: Path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_tree(root: Path, under: str = RELEASE) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): sha256(p) for p in sorted((root / under).rglob("*")) if p.is_file()
+    }
+
+
+def bad_checksums(root: Path, meta: CheckpointMeta) -> list[str]:
+    """Files whose sha256 differs from the metadata, or that are missing or unexpected."""
+    actual = checksum_tree(root)
+    names = sorted(set(actual) | set(meta.checksums))
+    return [n for n in names if actual.get(n) != meta.checksums.get(n)]
+
+
+def copy_hf_files(config_bytes: bytes, tokenizer_files: list[Path], dest: Path) -> None:
+    dest.mkdir()
+    (dest / "config.json").write_bytes(config_bytes)
+    for f in tokenizer_files:
+        shutil.copyfile(f, dest / f.name)
+
+
+def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:
+    """The `args` Megatron-LM stores in every checkpoint and checks on load (check_checkpoint_args)."""
+    dtype = getattr(torch, spec.dtype, torch.float32)
+    return argparse.Namespace(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        group_query_attention=spec.num_kv_heads != spec.num_heads,
+        kv_channels=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        seq_length=spec.max_position_embeddings,
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        rotary_base=spec.rope_theta,
+        rotary_percent=1.0,
+        use_rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling_factor=spec.rope_scaling_factor or 1.0,
+        normalization="RMSNorm",
+        norm_epsilon=spec.norm_eps,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        untie_embeddings_and_output_weights=not spec.tied_embeddings,
+        window_size=(spec.window_size - 1, 0) if spec.window_size else None,
+        vocab_size=spec.vocab_size,
+        padded_vocab_size=layout.padded_vocab(spec.vocab_size),
+        make_vocab_size_divisible_by=layout.vocab_divisor,
+        tokenizer_type="HuggingFaceTokenizer",
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        ckpt_format=ckpt_format,
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )

@@ -1,0 +1,17 @@
+"""One exception type per domain. The CLI prints them as one line, without a traceback."""
+
+
+class ToolkitError(Exception):
+    """Base class: an error the user can act on (bad input, unsupported model, ...)."""
+
+
+class ConversionError(ToolkitError):
+    """A checkpoint cannot be converted exactly, or its files are inconsistent."""
+
+
+class VerificationError(ToolkitError):
+    """A converted checkpoint does not reproduce its source model."""
+
+
+class DistributedError(ToolkitError):
+    """A worker process of a multi-process run failed."""

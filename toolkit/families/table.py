@@ -1,0 +1,57 @@
+"""The shape of a model family: a table of mapping rows plus the few config facts that differ.
+
+A row pairs one megatron-core tensor (canonical Transformer Engine / dist-checkpoint name, `*`
+standing for the layer index) with the HF tensor(s) it is built from and how it splits across
+tensor-parallel ranks. Adding a family means writing a table, not new control flow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.splits import Split
+
+
+@dataclass(frozen=True)
+class Row:
+    megatron: str
+    hf: tuple[str, ...]
+    split: Split
+    # Expected HF shapes, in symbols resolved from the model spec (see ModelSpec.size_of).
+    shapes: tuple[tuple[str, ...], ...]
+
+    @property
+    def per_layer(self) -> bool:
+        return "*" in self.megatron
+
+    def megatron_name(self, layer: int | None = None) -> str:
+        return self.megatron.replace("*", str(layer)) if self.per_layer else self.megatron
+
+    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
+        return tuple(n.replace("*", str(layer)) for n in self.hf) if self.per_layer else self.hf
+
+
+def row(megatron: str, hf: str | tuple[str, ...], split: Split, *shapes: tuple[str, ...]) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes)
+
+
+OUTPUT_LAYER = "output_layer.weight"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    architecture: str  # the HF class written into config.json "architectures"
+    rows: tuple[Row, ...]
+    qkv_bias: bool = False
+    # config.json key holding a sliding-window size that applies to every layer, if any
+    window_key: str | None = None
+    # config.json flags this family can't map exactly: refuse if any is truthy
+    refuse_flags: tuple[str, ...] = ()
+    rope_types: tuple[str, ...] = ("default",)
+    notes: dict = field(default_factory=dict)
+
+    def rows_for(self, tied: bool) -> tuple[Row, ...]:
+        """With tied embeddings the output layer is the embedding, so its row is dropped."""
+        return tuple(r for r in self.rows if not (tied and r.megatron == OUTPUT_LAYER))

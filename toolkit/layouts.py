@@ -1,0 +1,63 @@
+"""A tensor x pipeline layout of a model: which layers live on which stage, the padded vocab,
+and the divisibility rules megatron-core imposes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import ConversionError
+from toolkit.families.spec import ModelSpec
+from toolkit.splits import Geometry
+
+# Megatron-LM's default: pad the vocab to a multiple of 128 * TP (arguments.py).
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        multiple = self.vocab_divisor * self.tp
+        return -(-vocab_size // multiple) * multiple
+
+    def stage_layers(self, spec: ModelSpec, stage: int) -> range:
+        per_stage = spec.num_layers // self.pp
+        return range(stage * per_stage, (stage + 1) * per_stage)
+
+    def geometry(self, spec: ModelSpec) -> Geometry:
+        return Geometry(
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            padded_vocab_size=self.padded_vocab(spec.vocab_size),
+        )
+
+    def rank_dir(self, tp_rank: int, pp_rank: int) -> str:
+        """Megatron-LM's per-rank directory name (checkpointing.py get_checkpoint_name)."""
+        return f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+    def check(self, spec: ModelSpec) -> None:
+        """Refuse layouts megatron-core cannot build for this model."""
+        if self.tp < 1 or self.pp < 1:
+            raise ConversionError(f"--tp and --pp must be >= 1 (got {self.tp}, {self.pp})")
+        if self.vocab_divisor < 1:
+            raise ConversionError("--vocab-divisor must be >= 1")
+        if spec.num_layers % self.pp:
+            raise ConversionError(
+                f"{spec.num_layers} layers cannot be split evenly over --pp {self.pp} "
+                "(uneven pipeline stages are not supported)"
+            )
+        if spec.num_heads % self.tp:
+            raise ConversionError(f"{spec.num_heads} attention heads are not divisible by --tp {self.tp}")
+        groups = spec.num_kv_heads
+        if groups % self.tp and self.tp % groups:
+            raise ConversionError(
+                f"{groups} key/value heads and --tp {self.tp}: neither divides the other, which "
+                "megatron-core cannot shard"
+            )
+        if spec.ffn_hidden_size % self.tp:
+            raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by --tp {self.tp}")

@@ -1,0 +1,189 @@
+"""Make megatron-core 0.16.x run on a CPU-only torch build (gloo backend).
+
+`apply()` is a no-op when CUDA is available, and idempotent. Each patch below names the
+upstream spot (megatron-core 0.16.1 file:line) it works around; each was shown necessary by
+disabling it and re-running a TP2 x PP2 forward/backward (../shared/reference/cpu_megatron_core.md §1).
+
+    UPSTREAM_SPOTS[name] -> what upstream does that fails without CUDA
+
+`torch.cuda.is_available()` and `device_count()` are deliberately left alone: DeepSpeed picks its
+accelerator from them (deepspeed/accelerator/real_accelerator.py:205).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+UPSTREAM_SPOTS = {
+    "current_device": "~90 uses of device=torch.cuda.current_device(), first in "
+    "models/common/embeddings/rotary_pos_embedding.py:162, tensor_parallel/mappings.py:91, "
+    "pipeline_parallel/p2p_communication.py:313, dist_checkpointing/strategies/state_dict_saver.py:252",
+    "synchronize": "torch.cuda.synchronize() in pipeline_parallel/p2p_communication.py:398 (every PP "
+    "send/recv), parallel_state.py:198, dist_checkpointing/strategies/fully_parallel.py:272",
+    "rng": "tensor_parallel/random.py:55/72-111/235: the model-parallel RNG tracker stores CUDA "
+    "generator states (used by dropout forks and activation recompute)",
+    "causal_mask": "transformer/utils.py:35/40 build the default causal and sliding-window masks with "
+    "device='cuda'; imported by name into fusions/fused_softmax.py:8",
+    "schedules": "pipeline_parallel/schedules.py:596/983/2138: torch.zeros(..., device='cuda') for the "
+    "token count in every forward_backward_* schedule",
+    "dist_ckpt": "dist_checkpointing/exchange_utils.py:98-110/326/336/499 (.cuda(), device='cuda') via "
+    "strategies/fully_parallel.py:258, and strategies/state_dict_saver.py:204",
+}
+
+APPLIED: list[str] = []
+_log = logging.getLogger(__name__)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Scoped: rewrite device='cuda' to cpu in factory calls and make Tensor.cuda() a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _run_on_cpu(fn):
+    if getattr(fn, "_cpu_compat", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaFactoriesOnCpu():
+            return fn(*args, **kwargs)
+
+    wrapper._cpu_compat = True
+    return wrapper
+
+
+class _TorchWithCpuFactories:
+    """Stands in for `torch` inside one upstream module; only zeros/ones/empty/tensor differ.
+    A module-level proxy costs nothing per op, unlike running a whole schedule under a
+    TorchFunctionMode (+15-20% step time, measured)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _factory(name):  # noqa: N805 - builds methods at class creation
+        def make(self, *args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return getattr(self._real, name)(*args, **kwargs)
+
+        return make
+
+    zeros = _factory("zeros")
+    ones = _factory("ones")
+    empty = _factory("empty")
+    tensor = _factory("tensor")
+    del _factory
+
+
+def _current_device():
+    # Every upstream use is `device=torch.cuda.current_device()`, so a cpu device is safe.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _synchronize():
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _rng():
+    from megatron.core.tensor_parallel import random as rng
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    rng._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    rng._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    rng.CudaRNGStatesTracker.add = add
+    # On CPU the tracked state *is* the CPU generator, so fork() would always warn.
+    logging.getLogger(rng.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
+
+
+def _causal_mask():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        allowed = torch.triu(torch.ones(sq, skv, dtype=torch.bool), diagonal=skv - sq - window_size[0])
+        return ~torch.tril(allowed, diagonal=skv - sq + window_size[1])
+
+    for module in (utils, fused_softmax):
+        module.get_default_causal_mask = get_default_causal_mask
+        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+def _schedules():
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _TorchWithCpuFactories):
+        schedules.torch = _TorchWithCpuFactories(torch)
+
+
+def _dist_ckpt():
+    from megatron.core.dist_checkpointing.strategies import fully_parallel, state_dict_saver
+
+    wrapper = fully_parallel.FullyParallelLoadStrategyWrapper
+    wrapper.load = _run_on_cpu(wrapper.load)
+    state_dict_saver.verify_global_md_reuse = _run_on_cpu(state_dict_saver.verify_global_md_reuse)
+
+
+_PATCHES = {
+    "current_device": _current_device,
+    "synchronize": _synchronize,
+    "rng": _rng,
+    "causal_mask": _causal_mask,
+    "schedules": _schedules,
+    "dist_ckpt": _dist_ckpt,
+}
+
+
+def apply(force: bool = False) -> list[str]:
+    """Apply every patch once, only on a machine without CUDA. Returns the names applied."""
+    if APPLIED or (torch.cuda.is_available() and not force):
+        return APPLIED
+    for name, patch in _PATCHES.items():
+        patch()
+        APPLIED.append(name)
+    _log.debug("megatron-core CPU patches applied: %s", APPLIED)
+    return APPLIED
+
+
+def skip_deepspeed_shm_op() -> None:
+    """DeepSpeed, CPU accelerator: every deepspeed.comm TorchBackend() JIT-builds the
+    `deepspeed_shm_comm` op (deepspeed/comm/torch.py:207, 20-35 s of gcc), used only by
+    inference_all_reduce. Training all-reduces go through gloo, so skip the build."""
+    # `import deepspeed.comm.torch` would bind the torch package (deepspeed.comm has a `torch` attribute).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

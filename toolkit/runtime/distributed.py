@@ -1,0 +1,93 @@
+"""Initialise torch.distributed and megatron-core's parallel state for a TP x PP x DP layout.
+
+NCCL and one GPU per local rank when CUDA is present; gloo on CPU, with the megatron-core CPU
+compatibility layer applied. Nothing else differs between the two.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from toolkit.errors import DistributedError
+from toolkit.runtime import cpu_compat
+
+# A rank that dies must not leave the others waiting forever in a collective.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=int(os.environ.get("TOOLKIT_DIST_TIMEOUT_MIN", "10")))
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group() -> torch.device:
+    """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, ...)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        cpu_compat.apply()
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend(), timeout=DEFAULT_TIMEOUT)
+    return device
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelInfo:
+    """Initialise the process group and megatron-core's TP/PP/DP groups; DP = world / (TP*PP)."""
+    device = init_process_group()
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise DistributedError(f"world size {world} is not divisible by TP*PP = {tp}*{pp}")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(seed)
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        dp=world // (tp * pp),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=device,
+    )
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

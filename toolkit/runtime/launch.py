@@ -1,0 +1,86 @@
+"""Run a function on N local processes joined in one torch.distributed group.
+
+Used by `toolkit convert verify` and by the multi-process tests. The function is named by
+"module:function" so that each child sets its environment before importing torch. If any rank
+raises, the others are killed and the failing rank's traceback is raised in the parent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any
+
+from toolkit.errors import DistributedError
+
+DEFAULT_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(target: str, rank: int, nprocs: int, port: int, results, args, kwargs) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # N ranks share few cores: one thread each avoids oversubscription.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        results.put((rank, True, func(*args, **kwargs)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_on_processes(target: str, nprocs: int, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list[Any]:
+    """Call `target(*args, **kwargs)` on ranks 0..nprocs-1 and return their results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(target, rank, nprocs, port, results, args, kwargs), daemon=False)
+        for rank in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < nprocs:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
+                if dead:
+                    raise DistributedError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                if time.monotonic() > deadline:
+                    raise DistributedError(f"{target} did not finish on {nprocs} processes within {timeout:.0f} s")
+                continue
+            if not ok:
+                raise DistributedError(f"rank {rank} of {nprocs} failed in {target}:\n{value}")
+            collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(collected) == nprocs else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [collected[r] for r in range(nprocs)]

@@ -1,0 +1,87 @@
+"""Tiny, real Hugging Face checkpoints for the quickstart, the tests and the benchmarks.
+
+Nothing can be fetched from a model hub here, so models are built from `transformers` configs
+with random weights and saved with `save_pretrained`, together with a small word-level
+tokenizer over digits. Norm weights and biases are randomised too, so a conversion that drops or
+swaps them cannot pass a logit comparison by accident.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Tokens of the tokenizer shipped with every tiny model (digits and a few specials).
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+DIGITS = [str(d) for d in range(10)]
+SEPARATOR = "="
+
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,  # divisible by PP = 1, 2, 3
+    num_attention_heads=4,  # divisible by TP = 1, 2, 4
+    num_key_value_heads=2,  # TP = 4 > 2 KV heads exercises megatron-core's QKV sub-sharding
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    vocab_size=256,
+    tie_word_embeddings=False,
+)
+
+# name -> (config class name, overrides)
+VARIANTS = {
+    "llama": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-odd-vocab": ("LlamaConfig", {"vocab_size": 250}),  # not a multiple of 128: padding
+    "llama3-scaled": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+         "max_position_embeddings": 16384},
+    ),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the test sequences
+}
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS + [SEPARATOR])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
+def make_config(variant: str, **overrides):
+    import transformers
+
+    cls_name, variant_overrides = VARIANTS[variant]
+    kwargs = {**BASE, **variant_overrides, **overrides}
+    kwargs.setdefault("bos_token_id", 1)
+    kwargs.setdefault("eos_token_id", 2)
+    kwargs.setdefault("pad_token_id", 0)
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
+    """Create and save a tiny random model of `variant`; returns its directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(variant, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model = model.to(getattr(torch, dtype))
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return directory
