@@ -33,6 +33,9 @@ UPSTREAM_SPOTS = {
     "token count in every forward_backward_* schedule",
     "dist_ckpt": "dist_checkpointing/exchange_utils.py:98-110/326/336/499 (.cuda(), device='cuda') via "
     "strategies/fully_parallel.py:258, and strategies/state_dict_saver.py:204",
+    "tied_embeddings": "models/common/language_module/language_module.py:244: "
+    "setup_embeddings_and_output_layer() moves the shared embedding with .cuda() before the "
+    "first/last-stage all-reduce (tied embeddings with PP > 1; not in the reference's six spots)",
 }
 
 APPLIED: list[str] = []
@@ -160,6 +163,12 @@ def _dist_ckpt():
     state_dict_saver.verify_global_md_reuse = _run_on_cpu(state_dict_saver.verify_global_md_reuse)
 
 
+def _tied_embeddings():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _run_on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+
+
 _PATCHES = {
     "current_device": _current_device,
     "synchronize": _synchronize,
@@ -167,6 +176,7 @@ _PATCHES = {
     "causal_mask": _causal_mask,
     "schedules": _schedules,
     "dist_ckpt": _dist_ckpt,
+    "tied_embeddings": _tied_embeddings,
 }
 
 

@@ -14,6 +14,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from typing import Any
 
 from toolkit.errors import DistributedError
@@ -38,10 +39,13 @@ def _child(target: str, rank: int, nprocs: int, port: int, results, args, kwargs
     )
     # N ranks share few cores: one thread each avoids oversubscription.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not os.environ.get("TOOLKIT_DEBUG"):
+        warnings.filterwarnings("ignore")  # megatron-core warns about missing apex/TE on every import
     try:
         import torch
 
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         module_name, func_name = target.split(":")
         func = getattr(importlib.import_module(module_name), func_name)

@@ -1,0 +1,52 @@
+"""`toolkit` command line: a thin shell over the library.
+
+Each module in toolkit/commands registers its subcommand with `register(subparsers)` and sets a
+handler `func(args) -> int`. Handlers import heavy libraries lazily, so `toolkit --help` is fast.
+Errors the user can act on (ToolkitError) print as one line; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from toolkit import __version__
+from toolkit.errors import ToolkitError
+
+COMMAND_MODULES = ("convert", "quickstart")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="toolkit",
+        description="Hugging Face <-> megatron-core conversion, DeepSpeed configs and 3D-parallel fine-tuning.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"toolkit.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ToolkitError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

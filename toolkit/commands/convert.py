@@ -1,0 +1,109 @@
+"""`toolkit convert {hf-to-megatron,megatron-to-hf,verify}`."""
+
+from __future__ import annotations
+
+import argparse
+
+from toolkit.layouts import DEFAULT_VOCAB_DIVISOR
+
+TO_MEGATRON_HELP = """\
+Split an HF checkpoint (config.json + *.safetensors) into megatron-core GPTModel shards for a
+TP x PP layout. Reads each tensor slice straight from the safetensors files and writes every
+output file as soon as it is complete (memory: about one output file). The result is built under
+a temporary name and appears at OUT_DIR only when complete.
+
+Formats:
+  torch       Megatron-LM per-rank files: release/mp_rank_TT[_PPP]/model_optim_rng.pt
+  torch_dist  megatron-core distributed checkpoint; loads into any TP/PP layout
+
+Supported families: llama (2, 3, 3.1, 3.2; llama3 rope scaling), mistral (sliding window), qwen2.
+"""
+
+VERIFY_HELP = """\
+Run the megatron checkpoint in megatron-core on TP x PP local processes (gloo on CPU, NCCL on
+GPUs) and the HF model on the same random tokens, then print max |dlogit| over the true vocab,
+top-1 agreement and the first decoder layer whose output diverges. Exits 1 on a mismatch,
+including a file whose sha256 differs from the conversion metadata.
+
+Tolerances (max |dlogit|): float32 1e-4, bfloat16 5e-2, float16 1e-2.
+Memory: the HF model in the chosen dtype in this process (4 bytes/parameter in float32) plus
+each worker's shard (4 bytes/parameter / (TP*PP) in float32): about 8 bytes/parameter in all
+for float32, 4 for bfloat16.
+"""
+
+
+def register(sub) -> None:
+    convert = sub.add_parser("convert", help="convert checkpoints between HF and megatron-core")
+    csub = convert.add_subparsers(dest="convert_command", metavar="SUBCOMMAND", required=True)
+
+    p = csub.add_parser("hf-to-megatron", help="HF checkpoint -> megatron-core TP x PP shards",
+                        description=TO_MEGATRON_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--format", dest="fmt", choices=("torch", "torch_dist"), default="torch")
+    p.add_argument("--layer-spec", choices=("te", "local"), default="te",
+                   help="parameter names in torch-format files: Transformer Engine (default, what GPU "
+                        "training uses) or megatron-core's local spec")
+    p.add_argument("--vocab-divisor", type=int, default=DEFAULT_VOCAB_DIVISOR,
+                   help="pad the vocab with zero rows to a multiple of this x TP (Megatron-LM's "
+                        "make_vocab_size_divisible_by; default 128)")
+    _add_output_flags(p)
+    p.set_defaults(func=_to_megatron)
+
+    p = csub.add_parser("megatron-to-hf", help="megatron-core shards -> HF safetensors directory",
+                        description="Merge TP x PP shards back into an HF directory that "
+                                    "AutoModelForCausalLM.from_pretrained loads. Vocab padding is stripped.")
+    p.add_argument("megatron_dir", help="checkpoint written by hf-to-megatron, or a Megatron-LM torch-format checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--hf-config", help="HF config.json (or model directory) for checkpoints not written by this toolkit")
+    p.add_argument("--max-shard-gb", type=float, default=4.0, help="split the safetensors output above this size")
+    _add_output_flags(p)
+    p.set_defaults(func=_to_hf)
+
+    p = csub.add_parser("verify", help="compare megatron-core logits with the HF model",
+                        description=VERIFY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("hf_dir")
+    p.add_argument("megatron_dir")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2)
+    p.set_defaults(func=_verify)
+
+
+def _add_output_flags(p) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty OUT_DIR: the new result is built aside, then swapped in with "
+                        "two renames and the old one deleted")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _to_megatron(args) -> int:
+    from toolkit.convert import hf_to_megatron
+
+    out = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, fmt=args.fmt, layer_spec=args.layer_spec,
+                         vocab_divisor=args.vocab_divisor, overwrite=args.overwrite, progress=_progress(args))
+    print(f"wrote {args.fmt} checkpoint TP={args.tp} PP={args.pp} to {out}")
+    return 0
+
+
+def _to_hf(args) -> int:
+    from toolkit.convert import megatron_to_hf
+
+    out = megatron_to_hf(args.megatron_dir, args.out_dir, hf_config=args.hf_config, overwrite=args.overwrite,
+                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args))
+    print(f"wrote HF checkpoint to {out}")
+    return 0
+
+
+def _verify(args) -> int:
+    from toolkit.convert import verify
+
+    report = verify(args.hf_dir, args.megatron_dir, dtype=args.dtype, seq_len=args.seq_len, batch=args.batch)
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def _progress(args) -> bool | None:
+    return False if args.no_progress else None
