@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny real HF checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+# Several gloo ranks share two cores; one thread each avoids oversubscription.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Families and variants every conversion test covers (see toolkit/tinymodels.py).
+VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> dict[str, Path]:
+    """variant -> directory of a saved tiny model (bf16 weights, plus one fp32 Llama)."""
+    from toolkit.tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("hf")
+    models = {v: make_tiny_model(v, root / v, dtype="bfloat16", seed=i) for i, v in enumerate(VARIANTS)}
+    models["llama-fp32"] = make_tiny_model("llama", root / "llama-fp32", dtype="float32", seed=42)
+    return models
+
+
+@pytest.fixture
+def hf_copy(tiny_hf, tmp_path):
+    """A writable copy of a tiny model, for tests that damage it."""
+
+    def copy(variant: str = "llama") -> Path:
+        dest = tmp_path / f"copy-{variant}"
+        shutil.copytree(tiny_hf[variant], dest)
+        return dest
+
+    return copy

@@ -1,0 +1,46 @@
+"""Functions run inside multi-process test launches (toolkit.runtime.launch needs importable names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) -> dict:
+    """On one process, with megatron-core itself as the judge:
+    - the sharded keys of a local-spec GPTModel, vs the keys of our TE-named torch file;
+    - megatron's own dist_checkpointing.save of the model loaded from our torch_dist output,
+      vs our torch_dist metadata (same tensors, global shapes and objects). Dtypes are not
+      compared: the local spec keeps its norms in fp32 whatever params_dtype is."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.convert.torch_format import load_trusted_types
+    from toolkit.model import build_gpt_model, load_converted
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    meta = CheckpointMeta.read(Path(dist_dir))
+    model = build_gpt_model(meta.model_spec, meta.layout.__class__(1, 1, meta.vocab_divisor), torch.bfloat16)
+    load_converted(model, dist_dir)
+    sharded_keys = {v.key for v in model.sharded_state_dict().values()}
+
+    te_keys = set(load_trusted_types(Path(te_torch_dir) / "release/mp_rank_00/model_optim_rng.pt")["model"])
+    Path(resave_dir).mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), resave_dir)
+
+    def layout_of(directory):
+        md = FileSystemReader(directory).read_metadata().state_dict_metadata
+        return {
+            k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else "bytes"
+            for k, v in md.items()
+        }
+
+    return {
+        "sharded_keys": sorted(sharded_keys),
+        "te_keys": sorted(te_keys),
+        "ours": layout_of(Path(dist_dir) / "release"),
+        "megatrons": layout_of(resave_dir),
+    }

@@ -1,0 +1,246 @@
+"""Bad input fails early with one actionable line, and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from toolkit.convert import hf_to_megatron
+from toolkit.errors import ToolkitError
+
+
+def convert_fails(src: Path, out: Path, match: str, **kwargs) -> None:
+    with pytest.raises(ToolkitError, match=match):
+        hf_to_megatron(src, out, progress=False, **kwargs)
+    assert not out.exists(), "a failed conversion must not create its output"
+    assert not list(out.parent.glob(f".{out.name}.partial-*")), "no partial directory may be left behind"
+
+
+def edit_config(src: Path, **changes) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(src: Path, change) -> None:
+    path = src / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def rewrite_header(path: Path, change) -> None:
+    """Edit the JSON header in place, keeping its length (padding with spaces)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= n
+    path.write_bytes(data[:8] + encoded.ljust(n) + data[8 + n :])
+
+
+def test_missing_config_json(hf_copy, tmp_path):
+    src = hf_copy()
+    (src / "config.json").unlink()
+    convert_fails(src, tmp_path / "out", "no config.json")
+
+
+def test_no_weights(hf_copy, tmp_path):
+    src = hf_copy()
+    (src / "model.safetensors").unlink()
+    convert_fails(src, tmp_path / "out", "contains no weights")
+
+
+def test_bin_only_weights_are_refused_not_unpickled(hf_copy, tmp_path):
+    src = hf_copy()
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    convert_fails(src, tmp_path / "out", "pickled .bin")
+
+
+def test_missing_tensor(hf_copy, tmp_path):
+    src = hf_copy()
+    edit_tensors(src, lambda t: t.pop("model.layers.3.mlp.up_proj.weight"))
+    convert_fails(src, tmp_path / "out", "missing.*model.layers.3.mlp.up_proj.weight")
+
+
+def test_extra_tensor(hf_copy, tmp_path):
+    src = hf_copy()
+    edit_tensors(src, lambda t: t.__setitem__("model.layers.0.self_attn.rotary.inv_freq", torch.zeros(8)))
+    convert_fails(src, tmp_path / "out", "unexpected tensor")
+
+
+def test_shape_contradicting_config(hf_copy, tmp_path):
+    src = hf_copy()
+    edit_config(src, intermediate_size=96)
+    convert_fails(src, tmp_path / "out", "shape .* config.json implies")
+
+
+def test_truncated_safetensors(hf_copy, tmp_path):
+    src = hf_copy()
+    path = src / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    convert_fails(src, tmp_path / "out", "truncated")
+
+
+def test_safetensors_offsets_inconsistent_with_shape(hf_copy, tmp_path):
+    src = hf_copy()
+
+    def shift(header):
+        entry = header["model.norm.weight"]
+        entry["data_offsets"] = [entry["data_offsets"][0], entry["data_offsets"][1] - 2]
+
+    rewrite_header(src / "model.safetensors", shift)
+    convert_fails(src, tmp_path / "out", "do not match its shape")
+
+
+def test_safetensors_overlapping_tensors(hf_copy, tmp_path):
+    src = hf_copy()
+
+    def overlap(header):
+        a, b = header["model.norm.weight"], header["model.layers.0.input_layernorm.weight"]
+        b["data_offsets"] = list(a["data_offsets"])
+
+    rewrite_header(src / "model.safetensors", overlap)
+    convert_fails(src, tmp_path / "out", "overlap")
+
+
+def test_safetensors_header_length_garbage(hf_copy, tmp_path):
+    src = hf_copy()
+    path = src / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 1 << 40) + path.read_bytes()[8:])
+    convert_fails(src, tmp_path / "out", "corrupt or truncated header")
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope scaling type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "rope_theta": 5e5}},
+            "low_freq_factor",
+        ),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_unsupported_architecture_is_refused(hf_copy, tmp_path, changes, match):
+    src = hf_copy()
+    edit_config(src, **changes)
+    convert_fails(src, tmp_path / "out", match)
+
+
+def test_qwen2_per_layer_sliding_window_is_refused(hf_copy, tmp_path):
+    src = hf_copy("qwen2")
+    edit_config(src, use_sliding_window=True, sliding_window=16)
+    convert_fails(src, tmp_path / "out", "use_sliding_window")
+
+
+@pytest.mark.parametrize(
+    "changes, layout, match",
+    [
+        ({}, {"tp": 3}, "attention heads are not divisible by --tp 3"),
+        ({}, {"pp": 4}, "6 layers cannot be split evenly over --pp 4"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 16}, {"tp": 4}, "neither divides"),
+        ({}, {"tp": 0}, "must be >= 1"),
+    ],
+)
+def test_layout_that_does_not_divide_is_refused(hf_copy, tmp_path, changes, layout, match):
+    src = hf_copy()
+    edit_config(src, **changes)
+    convert_fails(src, tmp_path / "out", match, **layout)
+
+
+def test_existing_non_empty_output_refused_without_overwrite(tiny_hf, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(ToolkitError, match="not empty.*--overwrite"):
+        hf_to_megatron(tiny_hf["llama"], out, progress=False)
+    assert (out / "keep.txt").read_text() == "user data"
+    hf_to_megatron(tiny_hf["llama"], out, overwrite=True, progress=False)
+    assert not (out / "keep.txt").exists() and (out / "toolkit_checkpoint.json").is_file()
+    assert not list(tmp_path.glob(".out.*")), "the swapped-out old directory must be deleted"
+
+
+def test_existing_empty_output_directory_is_used(tiny_hf, tmp_path):
+    (tmp_path / "out").mkdir()
+    hf_to_megatron(tiny_hf["llama"], tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "toolkit_checkpoint.json").is_file()
+
+
+def test_output_under_a_regular_file_is_refused(tiny_hf, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ToolkitError, match="is not a directory"):
+        hf_to_megatron(tiny_hf["llama"], tmp_path / "file" / "out", progress=False)
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/toolkit-pickle-planted",))
+
+
+def test_untrusted_pickle_is_not_executed(tiny_hf, tmp_path):
+    from toolkit.convert import megatron_to_hf
+
+    out = hf_to_megatron(tiny_hf["llama"], tmp_path / "m", progress=False)
+    rank_file = out / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    marker = Path("/tmp/toolkit-pickle-planted")
+    marker.unlink(missing_ok=True)
+    rank_file.write_bytes(b"")
+    torch.save({"model": {}, "planted": _Planted()}, rank_file, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    with pytest.raises(ToolkitError, match="allow-list"):
+        megatron_to_hf(out, tmp_path / "h", progress=False)
+    assert not marker.exists(), "the planted object ran"
+
+
+def cli(*args, env=None, **kwargs):
+    return subprocess.run([sys.executable, "-m", "toolkit", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, **kwargs)
+
+
+def test_cli_prints_one_line_error_and_exits_2(hf_copy, tmp_path):
+    src = hf_copy()
+    (src / "config.json").unlink()
+    result = cli("convert", "hf-to-megatron", src, tmp_path / "out")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: ")
+    assert "Traceback" not in result.stderr
+
+
+def test_kill_9_before_rename_leaves_no_finished_looking_output_and_rerun_succeeds(tiny_hf, tmp_path):
+    out, flag = tmp_path / "out", tmp_path / "paused"
+    env = {"TOOLKIT_FAULT_PAUSE": f"before-rename:{flag}"}
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(tiny_hf["llama"]),
+                             str(out), "--tp", "2", "--pp", "2", "--no-progress"], env={**os.environ, **env})
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert proc.poll() is None, "converter exited before reaching the fault point"
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    partial = list(tmp_path.glob(".out.partial-*"))
+    assert len(partial) == 1 and (partial[0] / "release").is_dir()  # complete files, but not where users look
+    result = cli("convert", "hf-to-megatron", tiny_hf["llama"], out, "--tp", "2", "--pp", "2", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert (out / "toolkit_checkpoint.json").is_file()
+    assert not list(tmp_path.glob(".out.partial-*")), "the stale partial directory is cleaned up on rerun"
