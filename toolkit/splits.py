@@ -62,6 +62,20 @@ def chunk_range(size: int, parts: int, index: int) -> slice:
 
 def build_shard(split: Split, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
     """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
+    return _compact(_build_shard(split, src, names, tp, rank, geo))
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes: a slice view would make torch.save write the whole
+    underlying buffer (a column slice keeps every full row alive)."""
+    if not t.is_contiguous():
+        return t.contiguous()  # a fresh, compact copy
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+def _build_shard(split: Split, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
     if split is Split.REPLICATED:
         return src.read(names[0])
     if split is Split.COLUMN:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from toolkit.layouts import DEFAULT_VOCAB_DIVISOR
-
 TO_MEGATRON_HELP = """\
 Split an HF checkpoint (config.json + *.safetensors) into megatron-core GPTModel shards for a
 TP x PP layout. Reads each tensor slice straight from the safetensors files and writes every
@@ -46,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--layer-spec", choices=("te", "local"), default="te",
                    help="parameter names in torch-format files: Transformer Engine (default, what GPU "
                         "training uses) or megatron-core's local spec")
-    p.add_argument("--vocab-divisor", type=int, default=DEFAULT_VOCAB_DIVISOR,
+    p.add_argument("--vocab-divisor", type=int, default=128,
                    help="pad the vocab with zero rows to a multiple of this x TP (Megatron-LM's "
                         "make_vocab_size_divisible_by; default 128)")
     _add_output_flags(p)

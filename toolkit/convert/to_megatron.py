@@ -76,7 +76,7 @@ def _embedding_row(family: Family) -> Row:
     return next(r for r in family.rows if r.megatron.startswith("embedding."))
 
 
-def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> None:
+def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> dict[Path, str]:
     geo = layout.geometry(spec)
     rows = family.rows_for(spec.tied_embeddings)
 
@@ -94,9 +94,7 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar
             emb = _embedding_row(family)
             yield "output_layer.weight", build_shard(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
 
-    torch_format.write_rank_files(
-        release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec, args
-    )
+    return torch_format.write_rank_files(release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec, args)
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
@@ -150,12 +148,14 @@ def hf_to_megatron(
             rows = family.rows_for(spec.tied_embeddings)
             total = layout.tp * sum(spec.num_layers if r.per_layer else 1 for r in rows)
             with progress_bar(total, "writing shards", progress) as bar:
-                _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
+                written = _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
+            checksums = {str(p.relative_to(tmp)): digest for p, digest in written.items()}
         else:
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
                 dist_format.write(release, chunks, dist_format.extra_state_objects(spec.num_layers), common, bar.update)
+            checksums = checksum_tree(tmp)
         (tmp / TRACKER).write_text(RELEASE)
         copy_hf_files(src.config_bytes, src.tokenizer_files(), tmp / HF_DIR)
         CheckpointMeta(
@@ -167,6 +167,6 @@ def hf_to_megatron(
             vocab_size=spec.vocab_size,
             padded_vocab_size=layout.padded_vocab(spec.vocab_size),
             spec=spec.to_dict(),
-            checksums=checksum_tree(tmp),
+            checksums=checksums,
         ).write(tmp)
     return Path(out_dir)

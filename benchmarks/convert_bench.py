@@ -1,0 +1,136 @@
+"""Conversion benchmark: wall time relative to `cp -r` of the same bytes, and peak memory.
+
+    python benchmarks/convert_bench.py [--sizes 1b,3b] [--workdir DIR] [--tp 2 --pp 2]
+
+For each size, a synthetic Llama (random bf16 weights, written straight to sharded safetensors,
+no model instantiated) is copied with `cp -r` (the baseline), then converted in a subprocess
+while /proc is sampled for its peak anonymous and total RSS. Goals, reported and not gated:
+time <= 1.3 x cp, peak anonymous memory <= largest output file + 1 GiB and flat in model size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+SHARD_BYTES = 1 * GIB
+
+# Llama-3.2-1B and -3B shapes (tied embeddings, GQA with 8 KV heads).
+SIZES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=8192),
+    "3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, intermediate_size=8192),
+}
+COMMON = dict(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
+              rms_norm_eps=1e-5, model_type="llama", architectures=["LlamaForCausalLM"], dtype="bfloat16",
+              rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
+def hf_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    from toolkit.convert.to_megatron import expected_hf_tensors
+    from toolkit.families import spec_from_config
+
+    family, spec = spec_from_config(cfg)
+    return expected_hf_tensors(family, spec)
+
+
+def write_synthetic_llama(directory: Path, size: str) -> int:
+    """Random bf16 weights in ~1 GiB safetensors shards with an index; returns the parameter count."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {**COMMON, **SIZES[size]}
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    shapes = hf_tensor_shapes(cfg)
+    gen = torch.Generator().manual_seed(0)
+    shards, current, current_bytes, params = [], {}, 0, 0
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        t.view(-1)[:] = torch.rand(min(t.numel(), 1 << 20), generator=gen).to(torch.bfloat16).repeat(-(-t.numel() // (1 << 20)))[: t.numel()]
+        current[name] = t
+        current_bytes += t.numel() * 2
+        params += t.numel()
+        if current_bytes >= SHARD_BYTES:
+            shards.append(current)
+            save_file(current, directory / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+            current, current_bytes = {}, 0
+    if current:
+        shards.append(current)
+        save_file(current, directory / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+    weight_map = {n: f"part-{i}.safetensors" for i, s in enumerate(shards, 1) for n in s}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return params
+
+
+def run_sampled(cmd: list[str]) -> tuple[float, int, int]:
+    """Run `cmd`, sampling /proc every 20 ms: (wall seconds, peak RssAnon bytes, peak VmRSS bytes)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    peak_anon = peak_total = 0
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except FileNotFoundError:
+            break
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        peak_anon = max(peak_anon, int(fields.get("RssAnon", "0 kB").split()[0]) * 1024)
+        peak_total = max(peak_total, int(fields.get("VmRSS", "0 kB").split()[0]) * 1024)
+        time.sleep(0.02)
+    if proc.wait():
+        raise SystemExit(f"{cmd} failed with exit code {proc.returncode}")
+    return time.perf_counter() - start, peak_anon, peak_total
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def largest_file(path: Path) -> int:
+    return max(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def bench(size: str, workdir: Path, tp: int, pp: int) -> list[str]:
+    src = workdir / f"llama-{size}"
+    params = write_synthetic_llama(src, size)
+    rows = []
+    cp_time, _, _ = run_sampled(["cp", "-r", str(src), str(workdir / "cp-baseline")])
+    shutil.rmtree(workdir / "cp-baseline")
+    for fmt in ("torch", "torch_dist"):
+        out = workdir / f"out-{fmt}"
+        cmd = [sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(src), str(out),
+               "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--no-progress"]
+        wall, anon, total = run_sampled(cmd)
+        biggest = largest_file(out / "release")
+        rows.append(
+            f"{size:>3} {params / 1e9:5.2f}B {fmt:<10} TP{tp}xPP{pp}  {wall:7.1f} s  cp {cp_time:6.1f} s  "
+            f"ratio {wall / cp_time:4.2f}x  peak anon {anon / GIB:5.2f} GiB  peak RSS {total / GIB:5.2f} GiB  "
+            f"largest file {biggest / GIB:5.2f} GiB  anon - largest {(anon - biggest) / GIB:+5.2f} GiB"
+        )
+        print(rows[-1], flush=True)
+        shutil.rmtree(out)
+    shutil.rmtree(src)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1b,3b")
+    parser.add_argument("--workdir", default=None, help="scratch directory (needs ~3x the largest model on disk)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="convert-bench-") as tmp:
+        rows = [r for size in args.sizes.split(",") for r in bench(size, Path(tmp), args.tp, args.pp)]
+    print("\nsummary (wall time vs cp -r of the same bytes; peak memory of the converter process)")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
