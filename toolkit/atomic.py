@@ -11,15 +11,21 @@ from pathlib import Path
 
 from toolkit.errors import ToolkitError
 
-# Fault injection for tests: TOOLKIT_FAULT_PAUSE="<point>:<flag file>" makes the process create
-# the flag file and sleep when it reaches <point>, so a test can kill -9 it at a known moment.
+# Fault injection for tests: TOOLKIT_FAULT_PAUSE="<point>[@N]:<flag file>" makes the process
+# create the flag file and sleep the N-th time (default 1st) it reaches <point>, so a test can
+# kill -9 it at a known moment instead of guessing a time.
 FAULT_ENV = "TOOLKIT_FAULT_PAUSE"
+_hits: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     point, _, flag = spec.partition(":")
+    point, _, nth = point.partition("@")
     if point != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] != int(nth or 1):
         return
     Path(flag).write_text(str(os.getpid()))
     while True:

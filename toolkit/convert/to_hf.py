@@ -69,11 +69,13 @@ def megatron_to_hf(
 ) -> Path:
     """Merge the TP x PP shards of `megatron_dir` into an HF checkpoint at `out_dir`."""
     ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)
+    # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype.
+    dtype = getattr(torch, ckpt.spec.dtype, None)
     with atomic_directory(out_dir, overwrite) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in ckpt.hf_tensors():
-                writer.add(name, tensor)
+                writer.add(name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
                 bar.update(1)
         writer.close()
         (tmp / "config.json").write_bytes(ckpt.config_bytes)

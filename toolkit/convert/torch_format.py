@@ -77,6 +77,17 @@ def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int) -> Path
     return release / layout.rank_dir(tp_rank, pp_rank) / RANK_FILE
 
 
+def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int) -> str:
+    """Write one rank's file from canonical names (stage-local layer numbers); returns its sha256."""
+    named = {naming.to_spec_name(name, layer_spec): t for name, t in model.items()}
+    for layer in range(num_stage_layers):
+        for module in naming.EXTRA_STATE_MODULES:
+            named[naming.layer_name(layer, f"{module}._extra_state")] = None
+    path.parent.mkdir(parents=True)
+    state = {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    return save_with_sha256(state, path)
+
+
 def write_rank_files(
     release: Path,
     layout: Layout,
@@ -92,15 +103,10 @@ def write_rank_files(
     checksums = {}
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            model = {naming.to_spec_name(name, layer_spec): t for name, t in build_stage(tp_rank, pp_rank)}
-            for layer in range(num_stage_layers):
-                for module in naming.EXTRA_STATE_MODULES:
-                    model[naming.layer_name(layer, f"{module}._extra_state")] = None
             path = rank_file(release, layout, tp_rank, pp_rank)
-            path.parent.mkdir(parents=True)
-            state = {"model": model, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
-            checksums[path] = save_with_sha256(state, path)
-            del model, state
+            model = dict(build_stage(tp_rank, pp_rank))
+            checksums[path] = save_rank_file(path, model, args, layer_spec, num_stage_layers)
+            del model
     return checksums
 
 

@@ -1,0 +1,131 @@
+"""3D-parallel fine-tuning: megatron-core TP/PP + DeepSpeed ZeRO data parallelism.
+
+    deepspeed --num_gpus 4 recipes/finetune.py --config recipes/tiny-cpu.yaml [key.sub=value ...]
+    torchrun --nproc_per_node 4 recipes/finetune.py --config recipes/tiny-cpu.yaml
+    srun ... torchrun ... recipes/finetune.py ...             (see toolkit slurm)
+
+Who owns what:
+  megatron-core  tensor-parallel layers (GPTModel) and the pipeline schedule (1F1B)
+  DeepSpeed      data parallelism (ZeRO), precision, the optimizer step, checkpoint files
+  this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients,
+                 data order, checkpoint markers, metrics and the export to HF
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # appended by `deepspeed`
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-4 parallel.tp=2")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from toolkit.errors import ToolkitError
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return finetune(args.config, args.overrides)
+    except ToolkitError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def finetune(config_path, overrides) -> int:
+    import torch.distributed as dist
+
+    from toolkit.runtime.distributed import init_parallel, shutdown
+    from toolkit.train import build, checkpoint
+    from toolkit.train.config import load_config
+    from toolkit.train.loss import padded_vocab_mask
+    from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
+    from toolkit.train.parallel import mark_tied_output_replica
+    from toolkit.train.step import StepContext, count_global_tokens, eval_loss, train_step
+
+    # 1. Config: defaults < recipe YAML < overrides; everything checkable without processes first.
+    cfg = load_config(config_path, overrides)
+    meta = build.read_checkpoint_meta(cfg)
+    spec = meta.model_spec
+
+    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP groups.
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+    dp = build.check_layout(cfg, info.world_size)
+
+    # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
+    model, layout = build.build_model(meta, cfg)
+    mark_tied_output_replica(model, spec.tied_embeddings)
+
+    # 5. Data: this DP rank's share of every global batch, in a deterministic order.
+    tokenizer, train_data, valid_data, data_stats = build.build_data(cfg, info, meta)
+    num_microbatches = train_data.num_microbatches
+
+    # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule.
+    ds_config = build.ds_config(cfg, dp, num_microbatches)
+    from toolkit.train.parallel import build_engine
+
+    engine = build_engine(model, cfg, ds_config)
+
+    # 7. Resume (exactly: weights, optimizer, scheduler, RNG, data position) if asked.
+    run_dir = Path(cfg.run_dir)
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
+    start_step = 0
+    resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    if resume_from is not None:
+        start_step = checkpoint.resume(resume_from, engine, train_data, layout_key)
+
+    resolved = {"config": cfg.to_dict(), "layout": {**layout_key, "world_size": info.world_size,
+                "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
+    logger = MetricsLogger(run_dir, info.rank == 0, cfg.wandb, resolved, start_step)
+    if info.rank == 0:
+        (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2, default=str))
+        print(f"resolved layout {resolved['layout']}; data {resolved['data']}; resuming at step {start_step}", flush=True)
+
+    vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
+    peak, peak_source = peak_tflops(cfg.peak_tflops)
+    step_flops = flops_per_token(spec, cfg.data.seq_len) * cfg.global_batch * cfg.data.seq_len
+
+    def context(batches):
+        return StepContext(len(batches), dp, count_global_tokens(batches), vocab_mask, cfg.data.seq_len, cfg.micro_batch)
+
+    # 8. The loop.
+    for step in range(start_step + 1, cfg.steps + 1):
+        batches = train_data.next_global_batch()
+        lr = engine.get_lr()[0]
+        began = time.perf_counter()
+        loss, grad_norm = train_step(engine, model, batches, context(batches), spec.tied_embeddings)
+        seconds = time.perf_counter() - began
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
+                   "tokens_per_s": cfg.global_batch * cfg.data.seq_len / seconds,
+                   "tflops_per_device": step_flops / seconds / info.world_size / 1e12}
+        metrics["mfu"] = metrics["tflops_per_device"] / peak if peak else None
+        if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            valid_data.consumed = 0
+            vbatches = valid_data.next_global_batch()
+            metrics["eval_loss"] = eval_loss(model, vbatches, context(vbatches))
+        if step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1:
+            logger.log(step, metrics)
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            checkpoint.save(run_dir, step, engine, model, train_data, layout_key, meta, cfg.model.checkpoint, cfg.keep_last)
+
+    # 9. Export the final fp32 master weights to HF (cast to the source dtype).
+    if cfg.export_hf and info.rank == 0 and cfg.steps > start_step:
+        from toolkit.convert import megatron_to_hf
+
+        megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / "hf", overwrite=True, progress=False)
+        print(f"exported HF model to {run_dir / 'hf'} (peak FLOP/s reference: {peak_source})", flush=True)
+    logger.close()
+    dist.barrier()
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # required: dist-checkpoint saves spawn a manager that re-imports __main__
+    raise SystemExit(main())

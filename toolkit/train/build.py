@@ -1,0 +1,94 @@
+"""The pieces recipes/finetune.py assembles: checks, model, DeepSpeed config, data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolkit.convert.metadata import HF_DIR, CheckpointMeta
+from toolkit.layouts import Layout
+from toolkit.runtime.distributed import ParallelInfo
+from toolkit.train.config import ConfigError, TrainConfig
+from toolkit.train.data import BatchSource, load_rows
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
+    meta = CheckpointMeta.read(Path(cfg.model.checkpoint))
+    spec = meta.model_spec
+    expected = {"family": cfg.model.family, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size}
+    for key, value in expected.items():
+        if value is not None and getattr(spec, key) != value:
+            raise ConfigError(f"checkpoint {cfg.model.checkpoint} has {key}={getattr(spec, key)}, the recipe expects {value}")
+    if cfg.data.seq_len > spec.max_position_embeddings:
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {spec.max_position_embeddings}")
+    if cfg.data.pack and spec.window_size:
+        raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
+    return meta
+
+
+def check_layout(cfg: TrainConfig, world_size: int) -> int:
+    """Refuse layouts that don't divide, before any heavy work; returns DP."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by TP*PP = {tp}*{pp}")
+    dp = world_size // (tp * pp)
+    if cfg.global_batch % (cfg.micro_batch * dp):
+        raise ConfigError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} x DP {dp}")
+    return dp
+
+
+def build_model(meta: CheckpointMeta, cfg: TrainConfig):
+    from toolkit.model import build_gpt_model, load_converted, transformer_config
+
+    layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor)
+    if layout.padded_vocab(meta.vocab_size) != meta.padded_vocab_size and meta.format == "torch":
+        raise ConfigError("the checkpoint's vocab padding was made for another TP size; convert with --format torch_dist")
+    recompute = {}
+    if cfg.parallel.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.parallel.recompute == "selective":
+        recompute = dict(recompute_granularity="selective")
+    dtype = DTYPES[cfg.precision]
+    config = transformer_config(meta.model_spec, layout, dtype, **recompute)
+    model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
+    load_converted(model, cfg.model.checkpoint)
+    return model, layout
+
+
+def ds_config(cfg: TrainConfig, dp: int, num_microbatches: int) -> dict:
+    """DeepSpeed config in megatron-core schedule mode: the schedule runs the micro-batches and
+    DeepSpeed sees one step per global batch (see toolkit.dsconfig)."""
+    config = {
+        "train_batch_size": cfg.global_batch,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch * num_microbatches,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "gradient_clipping": cfg.optim.clip_grad,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
+                       "weight_decay": cfg.optim.weight_decay, "torch_adam": True},
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def build_data(cfg: TrainConfig, info: ParallelInfo, meta: CheckpointMeta):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(cfg.model.checkpoint) / HF_DIR)
+    rows, stats = load_rows(cfg.data.train_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
+    train = BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle, cfg.data.pack)
+    valid = None
+    if cfg.data.valid_file:
+        vrows, _ = load_rows(cfg.data.valid_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
+        valid = BatchSource(vrows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
+    return tokenizer, train, valid, stats

@@ -1,0 +1,160 @@
+"""Training checkpoints that are never torn, resumable exactly, and exportable to HF.
+
+    RUN_DIR/checkpoints/
+      latest                      name of the newest complete checkpoint (replaced atomically)
+      step_0000010/
+        ds/                       DeepSpeed's save_checkpoint (engine, ZeRO optimizer, LR scheduler)
+        model/                    fp32 master weights in our per-rank `torch` format + conversion
+                                  metadata and HF config/tokenizer: `toolkit convert megatron-to-hf` reads it
+        ranks/rank_00003.pt       each rank's RNG states and data position (DeepSpeed's client_state
+                                  is written by DP rank 0 only)
+        train_state.json          step and layout
+
+A checkpoint is written under .step_0000010.partial and renamed only after every rank finished
+(DeepSpeed's own `latest` file is written by rank 0 without a barrier, so save_latest=False).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toolkit.atomic import fault_point
+from toolkit.convert import naming, torch_format
+from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta, megatron_args
+from toolkit.errors import ToolkitError
+
+LATEST = "latest"
+DS_TAG = "ds"
+
+
+class CheckpointError(ToolkitError):
+    """A checkpoint cannot be saved or resumed."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _rank_states(source) -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": list(random.getstate()[1]),
+        "tracker": get_cuda_rng_tracker().get_states(),
+        "data": source.state_dict(),
+    }
+
+
+def _restore_rank_states(state: dict, source) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate((3, tuple(state["python"]), None))
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    source.load_state_dict(state["data"])
+
+
+def _master_weights(module) -> dict[str, torch.Tensor]:
+    """fp32 master copy of every parameter (collective over DP under ZeRO), canonical names."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        out[naming.to_canonical(name)] = (param.detach() if full is None else full).float().cpu().clone()
+    return out
+
+
+def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir: Path) -> None:
+    """Our per-rank torch format with the fp32 master weights, so export needs only this checkpoint."""
+    from megatron.core import parallel_state as ps
+
+    weights = _master_weights(module)  # every rank takes part in the DP collectives
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp})
+    digest = None
+    if ps.get_data_parallel_rank() == 0:
+        path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_rank())
+        args = megatron_args(meta.model_spec, meta.layout, "torch")
+        layers = meta.model_spec.num_layers // pp
+        digest = (str(path.relative_to(step_dir / "model")), torch_format.save_rank_file(path, weights, args, "local", layers))
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if dist.get_rank() == 0:
+        meta.checksums = dict(d for d in digests if d)
+        meta.write(step_dir / "model")
+        (step_dir / "model" / TRACKER).write_text(RELEASE)
+        shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
+
+
+def save(run_dir: Path, step: int, engine, module, source, layout: dict, source_meta, source_dir, keep_last: int) -> Path:
+    """Collective: every rank calls it."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / step_name(step)
+    tmp = root / f".{step_name(step)}.partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "ranks").mkdir(parents=True)
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+    _write_model(tmp, module, source_meta, Path(source_dir))
+    torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
+    if dist.get_rank() == 0:
+        (tmp / "train_state.json").write_text(json.dumps({"step": step, **layout}, indent=2))
+    dist.barrier()  # every rank's files are on disk
+    if dist.get_rank() == 0:
+        fault_point("checkpoint-before-marker")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        marker = root / f".{LATEST}.tmp"
+        marker.write_text(final.name)
+        os.replace(marker, root / LATEST)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[: max(0, len(steps) - keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint: the one `latest` names (partial ones never are)."""
+    marker = Path(run_dir) / "checkpoints" / LATEST
+    if not marker.is_file():
+        return None
+    path = marker.parent / marker.read_text().strip()
+    if not (path / "train_state.json").is_file():
+        raise CheckpointError(f"{marker} names {path.name}, which is incomplete or missing")
+    return path
+
+
+def resume(path: Path, engine, source, layout: dict) -> int:
+    """Load a checkpoint written by `save` with the same layout; returns its step."""
+    state = json.loads((path / "train_state.json").read_text())
+    saved = {k: state[k] for k in layout}
+    if saved != layout:
+        raise CheckpointError(
+            f"{path} was written with {saved}, this run uses {layout}: resuming on another layout or "
+            "DP size is not supported (export to HF and convert again instead)"
+        )
+    load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
+    rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
+    _restore_rank_states(torch.load(rank_file, weights_only=True), source)
+    return int(state["step"])

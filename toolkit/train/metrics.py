@@ -1,0 +1,86 @@
+"""Per-step metrics: console (one rank), RUN_DIR/metrics.jsonl, and Weights & Biases when enabled.
+
+Throughput uses the standard dense-transformer estimate of training FLOPs per token,
+6 * N (forward + backward of every weight) + 12 * layers * hidden * seq_len (attention scores),
+(Kaplan et al. 2020; PaLM appendix B), against a per-device peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device, from vendor datasheets.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
+# Nothing meaningful exists for a CPU; MFU on CPU is reported against this nominal figure.
+CPU_NOMINAL_TFLOPS = 1.0
+
+
+def peak_tflops(override: float | None) -> tuple[float, str]:
+    if override:
+        return override, "given"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value, name
+        return 0.0, f"unknown GPU {name} (pass peak_tflops)"
+    return CPU_NOMINAL_TFLOPS, "CPU, nominal"
+
+
+def flops_per_token(spec, seq_len: int) -> float:
+    params = spec.num_layers * (
+        spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim  # qkv
+        + spec.num_heads * spec.head_dim * spec.hidden_size  # output projection
+        + 3 * spec.hidden_size * spec.ffn_hidden_size  # gate, up, down
+    ) + spec.vocab_size * spec.hidden_size  # output layer
+    return 6.0 * params + 12.0 * spec.num_layers * spec.hidden_size * seq_len
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, active: bool, wandb_cfg, run_config: dict, resume_step: int = 0):
+        self.active = active
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if not active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        if wandb_cfg.enabled:
+            self.wandb = _init_wandb(run_dir, wandb_cfg, run_config)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run re-logs the steps after its checkpoint: drop the killed run's copies."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+        print(shown, flush=True)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _init_wandb(run_dir: Path, cfg, run_config: dict):
+    """Our trainer owns the W&B run (DeepSpeed's monitor would start its own and logs no loss).
+    A stable id with resume="allow" makes a restarted job continue the same run."""
+    import wandb
+
+    if cfg.mode and "WANDB_MODE" not in os.environ:
+        os.environ["WANDB_MODE"] = cfg.mode
+    return wandb.init(project=cfg.project, id=cfg.run_id, resume="allow" if cfg.run_id else None,
+                      dir=str(run_dir), config=run_config)

@@ -1,0 +1,108 @@
+"""Where the two frameworks meet. megatron-core owns the tensor-parallel layers and the pipeline
+schedule; DeepSpeed owns data parallelism (ZeRO), mixed precision, the optimizer step and the
+checkpoint files. This module builds both and does the gradient work DeepSpeed doesn't know of.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from toolkit.train.config import TrainConfig
+
+
+class MegatronCoreMPU:
+    """The Megatron-LM `mpu` surface DeepSpeed calls, over megatron.core.parallel_state
+    (megatron-core removed get_model_parallel_rank/world_size, which DeepSpeed needs).
+
+    "Model parallel" for DeepSpeed = every rank holding a distinct shard (TP x PP), which gives
+    one mp_rank_XX checkpoint file per shard."""
+
+    def __getattr__(self, name):
+        from megatron.core import parallel_state
+
+        return getattr(parallel_state, name)
+
+    @staticmethod
+    def get_model_parallel_group():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_model_parallel_group()
+
+    def get_model_parallel_rank(self):
+        return dist.get_rank(group=self.get_model_parallel_group())
+
+    def get_model_parallel_world_size(self):
+        return dist.get_world_size(group=self.get_model_parallel_group())
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: never on norms or biases (1-D parameters)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warmup to optim.lr, then cosine decay to optim.min_lr (or constant)."""
+    o = cfg.optim
+
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps))
+        floor = o.min_lr / o.lr if o.lr else 0.0
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def mark_tied_output_replica(model, tied: bool) -> None:
+    """With tied embeddings and PP > 1 the last stage's output layer is a copy of the first
+    stage's embedding: tell DeepSpeed's grad-norm code to count it once (ds_pipe_replicated is
+    how DeepSpeed's own PipelineModule marks tied copies)."""
+    from megatron.core import parallel_state as ps
+
+    if tied and not ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage():
+        model.output_layer.weight.ds_pipe_replicated = True
+
+
+def allreduce_tied_embedding_grads(model, tied: bool) -> None:
+    """megatron's finalize_model_grads sums the grads of the two tied copies over the embedding
+    group; DeepSpeed never does, and without it the copies silently drift apart."""
+    from megatron.core import parallel_state as ps
+
+    if not tied or ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if ps.is_pipeline_first_stage():
+        weight = model.embedding.word_embeddings.weight
+    elif ps.is_pipeline_last_stage():
+        weight = model.output_layer.weight
+    else:
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+def build_engine(model, cfg: TrainConfig, ds_config: dict):
+    """DeepSpeed engine with our param groups and LR schedule; DeepSpeed steps the scheduler in
+    engine.step() and keeps its state in checkpoints."""
+    import deepspeed
+
+    from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+
+    if not torch.cuda.is_available():
+        skip_deepspeed_shm_op()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, cfg.optim.weight_decay),
+        config=ds_config,
+        mpu=MegatronCoreMPU(),
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+    )
+    return engine

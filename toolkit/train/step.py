@@ -1,0 +1,94 @@
+"""One optimizer step (and one evaluation pass) through megatron-core's pipeline schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from toolkit.train import loss as loss_lib
+
+
+@dataclass
+class StepContext:
+    """What every micro-batch of a step needs to know."""
+
+    num_microbatches: int
+    dp: int
+    global_tokens: int
+    vocab_mask: torch.Tensor | None
+    seq_len: int
+    micro_batch: int
+
+
+def count_global_tokens(batches: list[dict]) -> int:
+    """Loss tokens of the whole global batch: this rank's micro-batches, summed over DP."""
+    from megatron.core import parallel_state as ps
+
+    local = torch.tensor(sum(int(b["loss_mask"].sum()) for b in batches), dtype=torch.float64)
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    return int(local.item())
+
+
+def _forward_step_func(model_call, ctx: StepContext, device):
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(device)
+        positions = torch.arange(tokens.shape[1], device=device)[None].expand(tokens.shape[0], -1)
+        mask = batch.get("attention_mask")
+        logits = model_call(tokens, positions, None if mask is None else mask.to(device))
+
+        def loss_func(output):
+            losses = loss_lib.token_losses(output, batch["labels"].to(device), ctx.vocab_mask)
+            scaled, total = loss_lib.scaled_loss(losses, batch["loss_mask"].to(device), ctx.num_microbatches, ctx.dp, ctx.global_tokens)
+            return scaled, {"loss_sum": total}
+
+        return logits, loss_func
+
+    return forward_step
+
+
+def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool) -> float:
+    """Run the micro-batches; returns the global-batch mean loss (valid on every rank)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(module.parameters()).device
+    outputs = get_forward_backward_func()(
+        forward_step_func=_forward_step_func(model_call, ctx, device),
+        data_iterator=iter(batches),
+        model=module,
+        num_microbatches=len(batches),
+        seq_length=ctx.seq_len,
+        micro_batch_size=ctx.micro_batch,
+        forward_only=forward_only,
+    )
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage():
+        total += sum(float(o["loss_sum"]) for o in outputs)
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())  # only the last stage is non-zero
+    return float(total) / max(ctx.global_tokens, 1)
+
+
+def train_step(engine, module, batches, ctx: StepContext, tied: bool) -> tuple[float, float | None]:
+    """Forward/backward every micro-batch, finish the gradients DeepSpeed doesn't know about, step.
+
+    Returns (loss, gradient norm before clipping)."""
+    from toolkit.train.parallel import allreduce_tied_embedding_grads
+
+    # engine(...) registers DeepSpeed's backward hooks; the schedule calls backward itself.
+    loss = run_schedule(engine, module, batches, ctx, forward_only=False)
+    allreduce_tied_embedding_grads(module, tied)
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return loss, None if norm is None else float(norm)
+
+
+def eval_loss(module, batches, ctx: StepContext) -> float:
+    module.eval()
+    with torch.no_grad():
+        loss = run_schedule(module, module, batches, ctx, forward_only=True)
+    module.train()
+    return loss
