@@ -15,3 +15,7 @@ class VerificationError(ToolkitError):
 
 class DistributedError(ToolkitError):
     """A worker process of a multi-process run failed."""
+
+
+class ConfigError(ToolkitError):
+    """A DeepSpeed config or a parallel layout cannot work as asked (bad arithmetic, incompatible options)."""

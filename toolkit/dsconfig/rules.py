@@ -1,0 +1,127 @@
+"""The compatibility rules a DeepSpeed layout must satisfy, in one place.
+
+`build()` raises on the first broken rule; `check()` reports every broken rule of a JSON file.
+Each function returns None when the rule holds, else a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from toolkit.dsconfig.settings import OFFLOAD_DEVICES, PRECISIONS, SCHEDULE_MEGATRON
+
+
+def layout(gpus: int, tp: int, pp: int) -> str | None:
+    if min(gpus, tp, pp) < 1:
+        return f"GPUs, TP and PP must be >= 1 (got {gpus}, {tp}, {pp})"
+    if gpus % (tp * pp):
+        return (
+            f"{gpus} GPUs cannot be split into model replicas of TP x PP = {tp} x {pp} = {tp * pp} GPUs "
+            f"({gpus} % {tp * pp} = {gpus % (tp * pp)}); choose TP x PP dividing {gpus}"
+        )
+    return None
+
+
+def global_batch(global_batch: int, micro: int, dp: int) -> str | None:
+    if micro < 1 or global_batch < 1:
+        return f"micro-batch and global batch must be >= 1 (got {micro}, {global_batch})"
+    per_step = micro * dp
+    if global_batch % per_step:
+        lower = max(per_step, global_batch // per_step * per_step)
+        return (
+            f"global batch {global_batch} is not divisible by micro-batch x DP = {micro} x {dp} = {per_step}; "
+            f"use {lower} or {lower + per_step}, or another micro-batch"
+        )
+    return None
+
+
+def batch_invariant(train_batch: int, micro: int, gas: int, dp: int) -> str | None:
+    """DeepSpeed's own assertion (runtime/config.py _batch_assertion), with DP as the world size."""
+    if train_batch != micro * gas * dp:
+        return (
+            f"train_batch_size {train_batch} != train_micro_batch_size_per_gpu x gradient_accumulation_steps x DP "
+            f"= {micro} x {gas} x {dp} = {micro * gas * dp}; DeepSpeed checks this against the data-parallel size, "
+            "not the GPU count"
+        )
+    return None
+
+
+def pipeline_zero(pp: int, stage: int) -> str | None:
+    if pp > 1 and stage >= 2:
+        return (
+            f"ZeRO-{stage} cannot be combined with pipeline parallelism (PP={pp}): DeepSpeed's PipelineEngine "
+            "asserts 'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism', and under megatron-core's "
+            "1F1B schedule ZeRO-2 fails in step() and ZeRO-3 deadlocks. Use ZeRO-1 with PP, or PP=1"
+        )
+    return None
+
+
+def offload(stage: int, optimizer_device: str, param_device: str, nvme_path: str | None = None) -> str | None:
+    for what, device in (("optimizer", optimizer_device), ("parameter", param_device)):
+        if device not in OFFLOAD_DEVICES:
+            return f"{what} offload device must be one of {', '.join(OFFLOAD_DEVICES)} (got {device!r})"
+    if stage == 0 and (optimizer_device, param_device) != ("none", "none"):
+        return "offload needs ZeRO: ZeRO-0 ignores offload_optimizer/offload_param; use ZeRO-1 or higher"
+    if param_device != "none" and stage < 3:
+        return (
+            f"parameter offload needs ZeRO-3 (ZeRO-{stage} silently keeps parameters on the GPU); use ZeRO-3, "
+            "or offload the optimizer only"
+        )
+    if optimizer_device == "nvme" and stage < 3:
+        return (
+            f"NVMe optimizer offload needs ZeRO-3 (ZeRO-{stage} silently treats it as CPU offload); "
+            "use ZeRO-3 or --offload-optimizer cpu"
+        )
+    if "nvme" in (optimizer_device, param_device) and not nvme_path:
+        return "NVMe offload needs an nvme_path (a directory on a local NVMe drive)"
+    return None
+
+
+def precision(enabled: list[str]) -> str | None:
+    unknown = [p for p in enabled if p not in PRECISIONS]
+    if unknown:
+        return f"unknown precision {unknown[0]!r}; choose one of {', '.join(PRECISIONS)}"
+    if "bf16" in enabled and "fp16" in enabled:
+        return "fp16 and bf16 cannot both be enabled (DeepSpeed asserts); choose one"
+    return None
+
+
+def unmanaged_accumulation(managed: bool, stage: int, overlap_comm: bool, gas: int) -> str | None:
+    """managed_gradient_accumulation=false: megatron-core's schedule runs the micro-batches."""
+    if managed:
+        return None
+    if overlap_comm and stage < 2:
+        return (
+            f"managed_gradient_accumulation=false with overlap_comm=true needs ZeRO-2 or 3 (DeepSpeed asserts "
+            f"in deepspeed.initialize); set zero_optimization.overlap_comm=false for ZeRO-{stage}"
+        )
+    if gas != 1:
+        return (
+            f"managed_gradient_accumulation=false with gradient_accumulation_steps={gas}: DeepSpeed would divide "
+            "every gradient by it, on top of megatron-core's division by the number of micro-batches; set "
+            "gradient_accumulation_steps=1 and train_micro_batch_size_per_gpu = micro-batch x micro-batches"
+        )
+    return None
+
+
+def megatron_schedule(schedule: str, pp: int, wandb: bool, activation_checkpointing: bool, hf_trainer: bool) -> str | None:
+    if schedule != SCHEDULE_MEGATRON:
+        return None
+    if hf_trainer:
+        return "--hf-trainer and the megatron-core schedule exclude each other: the HF Trainer runs its own loop"
+    if wandb:
+        return (
+            "the toolkit's trainer logs to W&B itself; DeepSpeed's wandb monitor would call wandb.init first and "
+            "take over the run. Drop the DeepSpeed wandb block (use the recipe's W&B options)"
+        )
+    if activation_checkpointing:
+        return (
+            "with the megatron-core schedule, activation recomputation is megatron-core's "
+            "(TransformerConfig.recompute_granularity); DeepSpeed's activation_checkpointing block would be "
+            "dead. Pass recompute to the recipe instead"
+        )
+    return None
+
+
+def hf_trainer(enabled: bool, tp: int, pp: int) -> str | None:
+    if enabled and tp * pp > 1:
+        return f"the HF Trainer runs data parallelism only; TP={tp} x PP={pp} needs the toolkit's recipe"
+    return None

@@ -1,0 +1,92 @@
+"""What a user asks for when generating a DeepSpeed config: a typed tree with defaults.
+
+`Setup` describes one training run on a cluster: the layout (GPUs, TP, PP, derived DP), ZeRO and
+offload, precision, the batch in the usual terms (micro-batch, global batch), the optimizer, the
+LR schedule and monitoring. `build()` turns it into DeepSpeed JSON; nothing here knows DeepSpeed's
+key names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# Who runs the micro-batches of one optimizer step.
+SCHEDULE_DEEPSPEED = "deepspeed"  # DeepSpeed counts micro-steps (plain DeepSpeed, HF users)
+SCHEDULE_MEGATRON = "megatron"  # megatron-core's pipeline schedule; DeepSpeed sees one step per batch
+SCHEDULES = (SCHEDULE_DEEPSPEED, SCHEDULE_MEGATRON)
+
+SCHEDULERS = ("WarmupCosineLR", "WarmupDecayLR", "WarmupLR")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    type: str = "AdamW"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    # torch.optim.AdamW instead of DeepSpeed's FusedAdam: no JIT build (CPU, CI).
+    torch_adam: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    type: str = "WarmupCosineLR"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    # Final LR as a fraction of the peak LR (WarmupCosineLR's cos_min_ratio; 0 for the others).
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class Monitoring:
+    tensorboard_dir: str | None = None
+    csv_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_group: str | None = None
+    job_name: str = "toolkit"
+
+
+@dataclass(frozen=True)
+class Setup:
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 1
+    precision: str = "bf16"
+    micro_batch: int = 1
+    # Samples per optimizer step over all data-parallel ranks; None means micro_batch * DP.
+    global_batch: int | None = None
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    nvme_path: str | None = None
+    schedule: str = SCHEDULE_DEEPSPEED
+    activation_checkpointing: bool = False
+    # Pinned: DeepSpeed's default moved from 0.0 (off) to 1.0 in ~0.19.3 (PR #8068).
+    gradient_clipping: float = 1.0
+    steps_per_print: int = 100
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    scheduler: SchedulerSettings | None = field(default_factory=SchedulerSettings)
+    monitoring: Monitoring = field(default_factory=Monitoring)
+    # Emit "auto" values for the HF Trainer / Accelerate to fill in.
+    hf_trainer: bool = False
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.model_parallel
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.global_batch if self.global_batch is not None else self.micro_batch * self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.samples_per_step // (self.micro_batch * self.dp)

@@ -1,0 +1,33 @@
+"""Read a ModelSpec from whatever the user points at: an HF model directory, a config.json, or a
+checkpoint written by `toolkit convert hf-to-megatron` (which records the spec it was built from)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from toolkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from toolkit.families.spec import ModelSpec
+
+CONVERTED_META = "toolkit_checkpoint.json"  # toolkit.convert.metadata.META_FILE, without importing torch
+
+
+def read(path: str | Path) -> "ModelSpec":
+    p = Path(path)
+    if p.is_dir() and (p / CONVERTED_META).is_file():
+        from toolkit.convert.metadata import CheckpointMeta
+
+        return CheckpointMeta.read(p).model_spec
+    config_file = p / "config.json" if p.is_dir() else p
+    if not config_file.is_file():
+        raise ConfigError(f"{path}: expected an HF model directory, a config.json, or a converted checkpoint")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_file} is not valid JSON: {e}") from None
+    from toolkit.families import spec_from_config
+
+    return spec_from_config(cfg)[1]
