@@ -32,3 +32,25 @@ def write_reversal_task(directory: str | Path, n_train: int = 4000, n_valid: int
     for path, chunk in zip(paths, (pairs[:n_train], pairs[n_train:])):
         path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in chunk))
     return paths
+
+
+def exact_match(hf_dir: str | Path, pairs: list[tuple[str, str]], batch: int = 100) -> float:
+    """Fraction of prompts whose greedy continuation (up to EOS) is exactly the expected response."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    correct = 0
+    for i in range(0, len(pairs), batch):
+        chunk = pairs[i : i + batch]
+        ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chunk])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=DIGITS_PER_PROMPT + 1,
+                                 do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for (_, expected), row in zip(chunk, out[:, ids.shape[1] :].tolist()):
+            text = tokenizer.decode(row, skip_special_tokens=True).replace(" ", "")
+            correct += text == expected
+    return correct / len(pairs)

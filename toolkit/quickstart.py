@@ -1,44 +1,71 @@
-"""The built-in example job run by the README's first command.
+"""The built-in example job run by the README's first command, end to end on CPU:
 
-Creates a tiny Llama (random weights, saved with save_pretrained), converts it to megatron-core
-TP=2 x PP=2, checks the megatron logits against HF on 4 CPU/GPU processes, converts back to HF
-and checks that every tensor round-trips bit-exactly.
+  1. create a tiny Llama (random weights, save_pretrained) and a digit-reversal task
+  2. convert it to megatron-core TP=2 x PP=2 and check its logits against HF on 4 processes
+  3. fine-tune it with recipes/finetune.py (megatron-core TP/PP + DeepSpeed ZeRO-1) on 4 processes
+  4. the recipe exports the result to HF; greedy generation must answer >= 90% of held-out prompts
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from toolkit.errors import VerificationError
+from toolkit.errors import ToolkitError, VerificationError
+
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=16, max_position_embeddings=64)
+REQUIRED_ACCURACY = 0.9
 
 
-def run(workdir: str | Path, tp: int = 2, pp: int = 2, log=print) -> None:
-    import torch
-    from safetensors.torch import load_file
-
-    from toolkit.convert import hf_to_megatron, megatron_to_hf, verify
+def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None, log=print) -> float:
+    from toolkit.convert import hf_to_megatron, verify
+    from toolkit.examples import exact_match, reversal_pairs, write_reversal_task
     from toolkit.tinymodels import make_tiny_model
 
-    workdir = Path(workdir)
-    hf_dir = workdir / "tiny-llama-hf"
-    mcore_dir = workdir / f"tiny-llama-tp{tp}-pp{pp}"
-    back_dir = workdir / "tiny-llama-roundtrip-hf"
+    workdir = Path(workdir).absolute()
+    hf_dir, mcore_dir, run_dir = workdir / "tiny-llama-hf", workdir / f"tiny-llama-tp{tp}-pp{pp}", workdir / "run"
+    log(f"[1/4] creating a tiny Llama and a digit-reversal task in {workdir}")
     if not hf_dir.exists():
-        log(f"[1/4] creating a tiny Llama at {hf_dir}")
-        make_tiny_model("llama", hf_dir, dtype="bfloat16")
-    log(f"[2/4] converting to megatron-core TP={tp} PP={pp} at {mcore_dir}")
-    hf_to_megatron(hf_dir, mcore_dir, tp=tp, pp=pp, overwrite=True)
-    log(f"[3/4] comparing megatron-core logits with HF on {tp * pp} processes")
+        make_tiny_model("llama", hf_dir, dtype="float32", **TINY)
+    train, valid = write_reversal_task(workdir / "data")
+    held_out = reversal_pairs(4200, 0)[4000:]  # the pairs written to valid.jsonl
+
+    log(f"[2/4] converting to megatron-core TP={tp} PP={pp} and comparing logits with HF on {tp * pp} processes")
+    hf_to_megatron(hf_dir, mcore_dir, tp=tp, pp=pp, overwrite=True, progress=False)
     report = verify(hf_dir, mcore_dir)
     for line in report.lines():
         log("      " + line)
     if not report.ok:
         raise VerificationError("megatron-core logits do not match the HF model")
-    log(f"[4/4] converting back to HF at {back_dir}")
-    megatron_to_hf(mcore_dir, back_dir, overwrite=True)
-    original, restored = load_file(hf_dir / "model.safetensors"), load_file(back_dir / "model.safetensors")
-    same = set(original) == set(restored) and all(torch.equal(original[k], restored[k]) for k in original)
-    if not same:
-        raise VerificationError("round trip HF -> megatron -> HF is not bit-exact")
-    log(f"      round trip bit-exact: {len(original)} tensors equal")
+    before = exact_match(hf_dir, held_out)
+
+    log(f"[3/4] fine-tuning at TP={tp} x PP={pp} with DeepSpeed ZeRO-1 (recipes/tiny-cpu.yaml)")
+    overrides = [f"model.checkpoint={mcore_dir}", f"data.train_file={train}", f"data.valid_file={valid}",
+                 f"run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.pp={pp}", "resume=none"]
+    if steps:
+        overrides.append(f"steps={steps}")
+    _launch_recipe(tp * pp, RECIPE_DIR / "tiny-cpu.yaml", overrides, run_dir)
+
+    log(f"[4/4] greedy generation with the exported HF model ({run_dir / 'hf'})")
+    after = exact_match(run_dir / "hf", held_out)
+    log(f"      exact match on {len(held_out)} held-out prompts: {before:.1%} before fine-tuning, {after:.1%} after")
+    if after < REQUIRED_ACCURACY:
+        raise VerificationError(f"the fine-tuned model answered only {after:.1%} of held-out prompts")
     log("quickstart finished")
+    return after
+
+
+def _launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path) -> None:
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
+           str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if subprocess.run(cmd, env=env).returncode != 0:
+        raise ToolkitError(f"fine-tuning failed: {' '.join(cmd)}")

@@ -6,16 +6,19 @@ from __future__ import annotations
 def register(sub) -> None:
     p = sub.add_parser(
         "quickstart",
-        help="run the built-in example: tiny Llama -> TP2 x PP2 -> verify -> back to HF",
-        description="Create a tiny Llama, convert it to megatron-core TP=2 x PP=2, compare logits with HF "
-        "on 4 processes, and convert it back bit-exactly. Runs on CPU in about a minute.",
+        help="run the built-in example: tiny Llama -> TP2 x PP2 -> verify -> fine-tune -> HF -> generate",
+        description="Create a tiny Llama and a digit-reversal task, convert the model to megatron-core TP=2 x PP=2, "
+        "check its logits against HF on 4 processes, fine-tune it with recipes/finetune.py (megatron-core TP/PP + "
+        "DeepSpeed ZeRO-1), export it to HF and check that greedy generation answers >= 90%% of held-out "
+        "prompts. Runs on CPU in a few minutes.",
     )
     p.add_argument("--workdir", default="quickstart_out", help="where to put the example files (default ./quickstart_out)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's 400)")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
     from toolkit.quickstart import run
 
-    run(args.workdir)
+    run(args.workdir, steps=args.steps)
     return 0

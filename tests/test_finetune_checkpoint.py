@@ -1,0 +1,118 @@
+"""Training checkpoints: exact resume after SIGKILL, torn saves never picked, export to HF."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.finetune_harness import launch, read_metrics, recipe, write_uneven_data
+from toolkit.convert import hf_to_megatron
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    from toolkit.tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    hf = make_tiny_model("llama-odd-vocab", root / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    return hf, mc, write_uneven_data(root / "data.jsonl", 300)
+
+
+@pytest.mark.multiprocess
+def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, tmp_path):
+    hf, mc, data = model_and_data
+    parallel = {"tp": 1, "pp": 2, "zero_stage": 1}
+    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+    straight_dir.mkdir(), killed_dir.mkdir()
+    launch(4, recipe(straight_dir, mc, data, parallel=parallel, save_every=5))
+    straight = read_metrics(straight_dir / "run")
+
+    # Second run: pause rank 0 in its 2nd save (step 10) between the shard writes and the marker, then SIGKILL all.
+    flag = tmp_path / "paused"
+    cfg = recipe(killed_dir, mc, data, parallel=parallel, save_every=5)
+    proc = launch(4, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-before-marker@2:{flag}"}, wait=False)
+    deadline = time.monotonic() + 600
+    while not flag.exists():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    checkpoints = killed_dir / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_0000005", "a torn save must never become latest"
+    assert (checkpoints / ".step_0000010.partial").is_dir() and not (checkpoints / "step_0000010").exists()
+
+    launch(4, cfg, "resume=auto")
+    resumed = read_metrics(killed_dir / "run")
+    assert [m["step"] for m in resumed] == list(range(1, 11)), "every step logged exactly once"
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
+    assert [m["grad_norm"] for m in resumed[5:]] == [m["grad_norm"] for m in straight[5:]]
+
+
+@pytest.mark.multiprocess
+def test_resume_on_another_layout_is_refused(model_and_data, tmp_path):
+    hf, mc, data = model_and_data
+    launch(2, recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=2))
+    result = launch_expect_failure(2, recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4), "resume=auto")
+    assert "resuming on another layout" in result
+
+
+def launch_expect_failure(nprocs, cfg, *overrides) -> str:
+    import subprocess
+    import sys
+
+    from tests.finetune_harness import RECIPE
+
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(nprocs), str(RECIPE), "--config", str(cfg), *overrides],
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert result.returncode != 0
+    return result.stdout + result.stderr
+
+
+@pytest.mark.multiprocess
+def test_export_at_tp2_pp2_equals_the_trained_model_and_matches_megatron_logits(model_and_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+    from toolkit.convert.parity import verify_many
+    from toolkit.splits import merge_shards
+
+    hf, mc, data = model_and_data
+    launch(4, recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 2, "zero_stage": 1}, steps=4, export_hf=True))
+    run = tmp_path / "run"
+    step_dir = run / "checkpoints" / "step_0000004"
+    exported = load_file(run / "hf" / "model.safetensors")
+    AutoModelForCausalLM.from_pretrained(run / "hf")  # loads
+    original = load_file(hf / "model.safetensors")
+    assert set(exported) == set(original) and any(not torch.equal(exported[k], original[k]) for k in original)
+
+    # Independent path: DeepSpeed's own per-model-parallel-rank module files (fp32 training, so
+    # module weights are the master weights), merged with the conversion split rules.
+    # weights_only=False: these are files this test just wrote, and DeepSpeed stores non-tensor objects.
+    ckpt = MegatronCheckpoint.open(step_dir / "model")
+    geo = ckpt.layout.geometry(ckpt.spec)
+    ds_states = {}
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            mp_rank = pp_rank * 2 + tp_rank  # megatron-core orders the model-parallel group TP-fastest
+            state = torch.load(step_dir / "ds" / f"mp_rank_{mp_rank:02d}_model_states.pt", weights_only=False)["module"]
+            ds_states[(tp_rank, pp_rank)] = state
+    from toolkit.convert.naming import to_canonical
+
+    for row in ckpt.family.rows_for(ckpt.spec.tied_embeddings):
+        for layer in range(4) if row.per_layer else [None]:
+            pp_rank = 0 if layer is None and row.megatron.startswith("embedding") else (1 if layer is None else layer // 2)
+            local = row.megatron_name(None if layer is None else layer % 2)
+            shards = [{to_canonical(k): v for k, v in ds_states[(t, pp_rank)].items()}[local] for t in range(2)]
+            for name, tensor in zip(row.hf_names(layer), merge_shards(row.split, shards, geo)):
+                assert torch.equal(exported[name], tensor.float()), name
+
+    (report,) = verify_many([(run / "hf", step_dir / "model")])
+    assert report.ok and report.max_logit_diff < 1e-4, "\n".join(report.lines())
