@@ -44,19 +44,21 @@ AIO = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1, "si
 
 def validate(setup: Setup, spec: "ModelSpec | None" = None) -> None:
     """Raise ConfigError for the first rule the setup breaks."""
+    # In order, and lazily: later rules assume the earlier ones hold (e.g. DP >= 1).
     checks = (
-        rules.layout(setup.gpus, setup.tp, setup.pp),
-        None if setup.zero in (0, 1, 2, 3) else f"ZeRO stage must be 0, 1, 2 or 3 (got {setup.zero})",
-        rules.precision([setup.precision]),
-        rules.hf_trainer(setup.hf_trainer, setup.tp, setup.pp),
-        rules.global_batch(setup.samples_per_step, setup.micro_batch, setup.dp),
-        rules.pipeline_zero(setup.pp, setup.zero),
-        rules.offload(setup.zero, setup.offload_optimizer, setup.offload_param, setup.nvme_path),
-        rules.megatron_schedule(setup.schedule, setup.pp, bool(setup.monitoring.wandb_project),
-                                setup.activation_checkpointing, setup.hf_trainer),
-        _scheduler_problem(setup),
+        lambda: rules.layout(setup.gpus, setup.tp, setup.pp),
+        lambda: None if setup.zero in (0, 1, 2, 3) else f"ZeRO stage must be 0, 1, 2 or 3 (got {setup.zero})",
+        lambda: rules.precision([setup.precision]),
+        lambda: rules.hf_trainer(setup.hf_trainer, setup.tp, setup.pp),
+        lambda: rules.global_batch(setup.samples_per_step, setup.micro_batch, setup.dp),
+        lambda: rules.pipeline_zero(setup.pp, setup.zero),
+        lambda: rules.offload(setup.zero, setup.offload_optimizer, setup.offload_param, setup.nvme_path),
+        lambda: rules.megatron_schedule(setup.schedule, bool(setup.monitoring.wandb_project),
+                                        setup.activation_checkpointing, setup.hf_trainer),
+        lambda: _scheduler_problem(setup),
     )
-    for problem in checks:
+    for rule in checks:
+        problem = rule()
         if problem:
             raise ConfigError(problem)
     if spec is not None:

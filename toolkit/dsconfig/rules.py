@@ -6,7 +6,7 @@ Each function returns None when the rule holds, else a message that says what to
 
 from __future__ import annotations
 
-from toolkit.dsconfig.settings import OFFLOAD_DEVICES, PRECISIONS, SCHEDULE_MEGATRON
+from toolkit.dsconfig.settings import OFFLOAD_DEVICES, PRECISIONS, SCHEDULE_MEGATRON, SCHEDULES
 
 
 def layout(gpus: int, tp: int, pp: int) -> str | None:
@@ -102,7 +102,9 @@ def unmanaged_accumulation(managed: bool, stage: int, overlap_comm: bool, gas: i
     return None
 
 
-def megatron_schedule(schedule: str, pp: int, wandb: bool, activation_checkpointing: bool, hf_trainer: bool) -> str | None:
+def megatron_schedule(schedule: str, wandb: bool, activation_checkpointing: bool, hf_trainer: bool) -> str | None:
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
     if schedule != SCHEDULE_MEGATRON:
         return None
     if hf_trainer:

@@ -82,6 +82,7 @@ def check(config: dict, report: Report, gpus: int | None, tp: int, pp: int, hf_t
         _add(report, "unmanaged-accumulation", "managed_gradient_accumulation",
              rules.unmanaged_accumulation(facts.managed, facts.stage, facts.overlap_comm, facts.gas))
     _grad_accum_dtype(config, facts, report)
+    _stage_requirements(config, facts, report)
     _optimizer(config, facts, report)
     _scheduler(config, report)
     if not hf_trainer:
@@ -164,6 +165,20 @@ def _grad_accum_dtype(config: dict, f: Facts, report: Report) -> None:
     report.add("grad-accum-dtype", "data_types.grad_accum_dtype",
                f"{model} parameters with {accum} gradient accumulation need ZeRO-1 or higher; ZeRO-0 raises "
                "NotImplementedError in deepspeed.initialize")
+
+
+def _stage_requirements(config: dict, f: Facts, report: Report) -> None:
+    """The option/stage pairs DeepSpeedConfig._do_error_check refuses (runtime/config.py)."""
+    if config.get("gradient_allreduce_op") == "sum" and f.stage == 3:
+        report.add("incompatible-options", "gradient_allreduce_op", "'sum' is not supported with ZeRO-3; use 'mean'")
+    flags = (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
+             ("bf16", "bf16_optimizer_states"))
+    for block, key in flags:
+        if _dict(config, block).get(key) is True and f.stage == 0:
+            report.add("incompatible-options", f"{block}.{key}", "needs ZeRO stage 1, 2 or 3")
+    bf16 = _dict(config, "bf16")
+    if bf16.get("bf16_optimizer_states") is True and bf16.get("bf16_master_weights_and_grads") is not True:
+        report.add("incompatible-options", "bf16.bf16_optimizer_states", "needs bf16_master_weights_and_grads: true")
 
 
 def _dtype_name(name) -> str | None:
