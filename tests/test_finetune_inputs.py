@@ -1,0 +1,141 @@
+"""Fine-tuning data and configuration: formats, masking, batching, and early, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from toolkit.errors import ToolkitError
+from toolkit.tinymodels import build_tokenizer
+from toolkit.train.config import load_config
+from toolkit.train.data import BatchSource, DataStats, collate, load_rows, pack_rows, parse_line, read_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}={% else %}"
+        "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    )
+    return tok
+
+
+def write(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_prompt_is_masked_and_eos_appended(tokenizer):
+    s = parse_line(tokenizer, {"prompt": "12=", "response": "21"})
+    assert s.tokens[-1] == tokenizer.eos_token_id
+    assert s.loss_mask == [0, 0, 0, 1, 1, 1]
+
+
+def test_messages_count_only_assistant_turns(tokenizer):
+    s = parse_line(tokenizer, {"messages": [{"role": "user", "content": "12"}, {"role": "assistant", "content": "21"},
+                                            {"role": "user", "content": "3"}, {"role": "assistant", "content": "3"}]})
+    assert tokenizer.decode(s.tokens).replace(" ", "") == "12=21</s>3=3</s>"
+    assert s.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_text_counts_every_token(tokenizer):
+    assert parse_line(tokenizer, {"text": "123"}).loss_mask == [1, 1, 1, 1]
+
+
+def test_malformed_line_names_file_and_line(tokenizer, tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"prompt": "1=", "response": "1"}, "{not json", {"text": "1"}])
+    with pytest.raises(ToolkitError, match=r"d\.jsonl:2"):
+        read_jsonl(path, tokenizer, 64, "truncate", "error", DataStats())
+    stats = DataStats()
+    assert len(read_jsonl(path, tokenizer, 64, "truncate", "skip", stats)) == 2 and stats.skipped_malformed == 1
+
+
+def test_missing_and_empty_data_files(tokenizer, tmp_path):
+    with pytest.raises(ToolkitError, match="does not exist"):
+        read_jsonl(tmp_path / "nope.jsonl", tokenizer, 64, "truncate", "error", DataStats())
+    with pytest.raises(ToolkitError, match="no usable samples"):
+        read_jsonl(write(tmp_path / "e.jsonl", []), tokenizer, 64, "truncate", "error", DataStats())
+
+
+def test_overlong_samples_are_truncated_or_dropped_and_counted(tokenizer, tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"prompt": "1=", "response": "1"}, {"prompt": "1234567=", "response": "7654321"}])
+    stats = DataStats()
+    samples = read_jsonl(path, tokenizer, 10, "truncate", "error", stats)
+    assert stats.truncated == 1 and max(len(s.tokens) for s in samples) == 10
+    stats = DataStats()
+    assert len(read_jsonl(path, tokenizer, 10, "drop", "error", stats)) == 1 and stats.dropped_overlong == 1
+
+
+def test_padding_never_counts_in_the_loss(tokenizer, tmp_path):
+    rows, _ = load_rows(write(tmp_path / "d.jsonl", [{"prompt": "1=", "response": "1"}]), tokenizer, 8, False, "truncate", "error")
+    batch = collate(rows, packed=False)
+    assert batch["tokens"].shape == (1, 8) and batch["loss_mask"].sum() == 2  # "1" and EOS
+
+
+def test_packed_rows_mask_attention_across_documents(tokenizer):
+    samples = [parse_line(tokenizer, {"prompt": "1=", "response": "1"}), parse_line(tokenizer, {"prompt": "22=", "response": "22"})]
+    (row,) = pack_rows(samples, 12, tokenizer.pad_token_id)
+    mask = collate([row], packed=True)["attention_mask"][0, 0]  # True = masked
+    assert not mask[5, 4] and mask[5, 3], "token 5 (second document) must not see token 3 (first document)"
+    assert mask[2, 3], "causal"
+
+
+def test_each_dp_rank_reads_its_own_part_and_resume_continues(tokenizer, tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"prompt": f"{i}=", "response": str(i)} for i in range(10)])
+    rows, _ = load_rows(path, tokenizer, 8, False, "truncate", "error")
+    sources = [BatchSource(rows, 4, 1, 2, r, seed=3, shuffle=True, packed=False) for r in range(2)]
+    first = [torch.cat([b["tokens"] for b in s.next_global_batch()]) for s in sources]
+    assert not torch.equal(first[0], first[1])
+    again = BatchSource(rows, 4, 1, 2, 1, seed=3, shuffle=True, packed=False)
+    again.load_state_dict(sources[1].state_dict())
+    assert torch.equal(torch.cat([b["tokens"] for b in again.next_global_batch()]),
+                       torch.cat([b["tokens"] for b in sources[1].next_global_batch()]))
+
+
+def recipe_file(tmp_path, **extra):
+    cfg = {"model": {"checkpoint": str(tmp_path)}, "data": {"train_file": "x.jsonl"}, **extra}
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["parallel.pp=2", "parallel.zero_stage=2"], "ZeRO-2/3 do not work with pipeline parallelism"),
+        (["precision=fp16"], "fp16 is refused"),
+        (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
+        (["steps=abc"], "steps"),
+        (["parallel.recompute=sometimes"], "recompute"),
+    ],
+)
+def test_bad_recipe_values_are_refused(tmp_path, overrides, match):
+    with pytest.raises(ToolkitError, match=match):
+        load_config(recipe_file(tmp_path), overrides)
+
+
+def test_overrides_reach_nested_fields(tmp_path):
+    cfg = load_config(recipe_file(tmp_path), ["optim.lr=1e-4", "parallel.tp=2", "optim.betas=[0.9, 0.95]", "wandb.run_id=none"])
+    assert (cfg.optim.lr, cfg.parallel.tp, cfg.optim.betas, cfg.wandb.run_id) == (1e-4, 2, (0.9, 0.95), None)
+
+
+def test_checkpoint_and_layout_checks(tiny_hf, tmp_path):
+    from toolkit.convert import hf_to_megatron
+    from toolkit.train import build
+
+    mc = hf_to_megatron(tiny_hf["mistral"], tmp_path / "mc", fmt="torch_dist", progress=False)
+    ok = load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}))
+    with pytest.raises(ToolkitError, match="expects llama"):
+        build.read_checkpoint_meta(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc), "family": "llama"})))
+    with pytest.raises(ToolkitError, match="exceeds the model's max_position_embeddings"):
+        build.read_checkpoint_meta(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["data.seq_len=4096"]))
+    with pytest.raises(ToolkitError, match="sliding window"):
+        build.read_checkpoint_meta(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["data.pack=true"]))
+    with pytest.raises(ToolkitError, match="not divisible by TP\\*PP"):
+        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["parallel.tp=4"]), 6)
+    with pytest.raises(ToolkitError, match="global_batch 8 is not divisible by micro_batch 3"):
+        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["micro_batch=3"]), 2)
+    assert build.check_layout(ok, 4) == 4
