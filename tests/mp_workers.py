@@ -44,3 +44,39 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) ->
         "ours": layout_of(Path(dist_dir) / "release"),
         "megatrons": layout_of(resave_dir),
     }
+
+
+def packed_vs_unpacked_losses(checkpoint: str, documents: list[dict], seq_len: int) -> float:
+    """Max |per-token loss| difference between documents packed into one row (block-diagonal
+    attention) and the same documents run one per row."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.model import build_gpt_model, load_converted
+    from toolkit.runtime.distributed import init_parallel
+    from toolkit.train.data import collate, pack_rows, pad_rows, parse_line
+    from toolkit.train.loss import token_losses
+
+    init_parallel(1, 1)
+    meta = CheckpointMeta.read(Path(checkpoint))
+    model = build_gpt_model(meta.model_spec, meta.layout).eval()
+    load_converted(model, checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(Path(checkpoint) / "hf")
+    samples = [parse_line(tokenizer, d) for d in documents]
+
+    def losses(batch):
+        positions = torch.arange(seq_len)[None].expand(batch["tokens"].shape[0], -1)
+        mask = batch.get("attention_mask")
+        with torch.no_grad():
+            logits = model(batch["tokens"], positions, mask)
+        return token_losses(logits, batch["labels"], None)
+
+    packed_rows = pack_rows(samples, seq_len + 1, tokenizer.pad_token_id)
+    assert len(packed_rows) == 1, "the documents must fit one packed row"
+    packed = collate(packed_rows, packed=True)
+    packed_loss = losses(packed)[0][packed["loss_mask"][0] > 0]
+    single = collate(pad_rows(samples, seq_len + 1, tokenizer.pad_token_id), packed=False)
+    single_loss = losses(single)[single["loss_mask"] > 0]
+    assert packed_loss.shape == single_loss.shape
+    return float((packed_loss - single_loss).abs().max())

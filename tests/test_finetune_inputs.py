@@ -139,3 +139,17 @@ def test_checkpoint_and_layout_checks(tiny_hf, tmp_path):
     with pytest.raises(ToolkitError, match="global_batch 8 is not divisible by micro_batch 3"):
         build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["micro_batch=3"]), 2)
     assert build.check_layout(ok, 4) == 4
+
+
+PACKING_TOLERANCE = 1e-4  # fp32; RoPE is relative, so shifted positions differ only by rounding
+
+
+@pytest.mark.multiprocess
+def test_packed_and_unpacked_documents_give_the_same_token_losses(tiny_hf, tmp_path):
+    from toolkit.convert import hf_to_megatron
+    from toolkit.runtime.launch import run_on_processes
+
+    mc = hf_to_megatron(tiny_hf["llama-fp32"], tmp_path / "mc", fmt="torch_dist", progress=False)
+    docs = [{"prompt": "123=", "response": "321"}, {"prompt": "98765=", "response": "56789"}, {"text": "4444"}]
+    (diff,) = run_on_processes("tests.mp_workers:packed_vs_unpacked_losses", 1, str(mc), docs, 32)
+    assert diff < PACKING_TOLERANCE

@@ -136,7 +136,8 @@ def pack_rows(samples: list[Sample], length: int, pad_id: int) -> list[Row]:
             cur = Row([], [], [])
         doc = (cur.doc_ids[-1] + 1) if cur.doc_ids else 0
         cur.tokens += s.tokens
-        cur.loss_mask += s.loss_mask
+        # A document's first token would be "predicted" from the previous document: never a target.
+        cur.loss_mask += [0] + s.loss_mask[1:]
         cur.doc_ids += [doc] * len(s.tokens)
     if cur.tokens:
         rows.append(cur)
