@@ -13,7 +13,7 @@ def register(sub) -> None:
         "prompts. Runs on CPU in a few minutes.",
     )
     p.add_argument("--workdir", default="quickstart_out", help="where to put the example files (default ./quickstart_out)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's 400)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's 300)")
     p.set_defaults(func=_run)
 
 

@@ -1,0 +1,37 @@
+"""Loss curves of a run, from RUN_DIR/metrics.jsonl, drawn to a PNG (matplotlib is an optional extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolkit.errors import ToolkitError
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    run_dir = Path(run_dir)
+    metrics_file = run_dir / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise ToolkitError(f"{run_dir} has no metrics.jsonl")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ToolkitError("plotting needs matplotlib: pip install 'megatron-ds-toolkit[plot]'") from None
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("loss", "eval_loss"):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="." if key == "eval_loss" else None, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(run_dir.name)
+    out = Path(out) if out else run_dir / "loss.png"
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out
