@@ -48,9 +48,11 @@ def finetune(config_path, overrides) -> int:
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
     from toolkit.train.parallel import mark_tied_output_replica
+    from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.step import StepContext, count_global_tokens, eval_loss, train_step
 
     # 1. Config: defaults < recipe YAML < overrides; everything checkable without processes first.
+    preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
     cfg = load_config(config_path, overrides)
     meta = build.read_checkpoint_meta(cfg)
     spec = meta.model_spec
@@ -112,8 +114,15 @@ def finetune(config_path, overrides) -> int:
             metrics["eval_loss"] = eval_loss(model, vbatches, context(vbatches))
         if step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1:
             logger.log(step, metrics)
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        stop = preemption.agreed(info.device)
+        if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             checkpoint.save(run_dir, step, engine, model, train_data, layout_key, meta, cfg.model.checkpoint, cfg.keep_last)
+        if stop:
+            if info.rank == 0:
+                print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)
+            logger.close()
+            shutdown()
+            return PREEMPTED_EXIT_CODE
 
     # 9. Export the final fp32 master weights to HF (cast to the source dtype).
     if cfg.export_hf and info.rank == 0 and cfg.steps > start_step:
