@@ -54,15 +54,27 @@ def recipe(tmp: Path, checkpoint: Path, data: Path, **overrides) -> Path:
     return path
 
 
-def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-           str(RECIPE), "--config", str(recipe_path), *overrides]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+def launcher_command(nprocs: int, launcher: str) -> list[str]:
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
+    # DeepSpeed's launcher starts one process per "GPU"; on CPU it must be told how many.
+    from toolkit.runtime.launch import free_port
+
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port())]
+
+
+def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
+           launcher: str = "torchrun", expect_failure: bool = False):
+    cmd = [*launcher_command(nprocs, launcher), str(RECIPE), "--config", str(recipe_path), *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu", **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    if expect_failure:
+        assert result.returncode != 0, result.stdout[-4000:]
+    else:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
     return result
 
 

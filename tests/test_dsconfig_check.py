@@ -112,6 +112,8 @@ CASES = {
                                          "gradient_clipping", "accepts"),
     "untested optimizer with ZeRO": ("untested-optimizer", 1, put("optimizer", {"type": "SGD", "params": {"lr": 0.1}}),
                                      {}, "zero_allow_untested_optimizer", "accepts"),
+    "no warmup written as 0 steps": ("scheduler", 1, put("scheduler.params.warmup_num_steps", 0), {},
+                                    "positive integer", "accepts"),
     "typo in scheduler params": ("scheduler", 1, put("scheduler.params.warmup_num_step", 10), {},
                                  "did you mean 'warmup_num_steps'", "accepts"),
     "unmanaged accumulation with overlap below ZeRO-2": (

@@ -37,9 +37,20 @@ def grid():
                         global_batch=2 * dp * steps, offload_optimizer=opt, offload_param=par, nvme_path="/local_nvme")
 
 
+def instantiate_scheduler(config: dict) -> None:
+    """DeepSpeedConfig does not build the LR scheduler; deepspeed.initialize does, with these params."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    if "scheduler" in config:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config["optimizer"]["params"]["lr"])
+        getattr(lr_schedules, config["scheduler"]["type"])(optimizer, **config["scheduler"]["params"]).step()
+
+
 def assert_deepspeed_agrees(oracle, config: dict, setup: Setup) -> None:
     error = oracle.error(config, setup.dp)
     assert error is None, (setup, error)
+    instantiate_scheduler(config)
     for wrong in {setup.dp * 2, max(1, setup.dp // 2)} - {setup.dp}:
         assert "Check batch related parameters" in (oracle.error(config, wrong) or ""), (setup, wrong)
     report = check(config, gpus=setup.gpus, tp=setup.tp, pp=setup.pp)

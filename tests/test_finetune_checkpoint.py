@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -56,24 +57,22 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, t
 
 
 @pytest.mark.multiprocess
-def test_resume_on_another_layout_is_refused(model_and_data, tmp_path):
+def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout_refused(model_and_data, tmp_path):
+    """One run under the `deepspeed` launcher with W&B offline, then a resume at TP=2 is refused."""
     hf, mc, data = model_and_data
-    launch(2, recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=2))
-    result = launch_expect_failure(2, recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4), "resume=auto")
-    assert "resuming on another layout" in result
+    wandb = {"enabled": True, "mode": "offline", "run_id": "test-run-1", "project": "toolkit-tests"}
+    launch(2, recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=2, wandb=wandb),
+           launcher="deepspeed", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    run = tmp_path / "run"
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    offline = list((run / "wandb").glob("offline-run-*-test-run-1"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb")), "the offline W&B run holds our records"
+    resolved = json.loads((run / "resolved_config.json").read_text())
+    assert resolved["deepspeed"]["gradient_accumulation_steps"] == 1 and "wandb" not in resolved["deepspeed"]
 
-
-def launch_expect_failure(nprocs, cfg, *overrides) -> str:
-    import subprocess
-    import sys
-
-    from tests.finetune_harness import RECIPE
-
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(nprocs), str(RECIPE), "--config", str(cfg), *overrides],
-                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert result.returncode != 0
-    return result.stdout + result.stderr
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4)
+    result = launch(2, cfg, "resume=auto", expect_failure=True)
+    assert "resuming on another layout" in result.stdout + result.stderr
 
 
 @pytest.mark.multiprocess

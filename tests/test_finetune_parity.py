@@ -64,10 +64,11 @@ def run_and_compare(setup, tmp_path, nprocs, model="untied", tolerance=LOSS_TOLE
         (4, {"tp": 2, "pp": 1, "zero_stage": 1}),
         (4, {"tp": 1, "pp": 2, "zero_stage": 1}),
         (2, {"tp": 1, "pp": 1, "zero_stage": 1}),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 2}),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 3}),
+        (2, {"tp": 1, "pp": 1, "zero_stage": 2, "recompute": "full"}),
+        (2, {"tp": 1, "pp": 1, "zero_stage": 3, "recompute": "selective"}),
     ],
-    ids=["TP2xPP2xDP2-zero1", "TP2xDP2-zero1", "PP2xDP2-zero1", "DP2-zero1", "DP2-zero2", "DP2-zero3"],
+    ids=["TP2xPP2xDP2-zero1", "TP2xDP2-zero1", "PP2xDP2-zero1", "DP2-zero1", "DP2-zero2-recompute-full",
+         "DP2-zero3-recompute-selective"],
 )
 def test_losses_and_grad_norms_match_hf_reference(setup, tmp_path, nprocs, parallel):
     run_and_compare(setup, tmp_path, nprocs, parallel=parallel)

@@ -1,0 +1,303 @@
+"""Run inside multi-process launches: real DeepSpeed engines around megatron-core GPTModels, built
+from toolkit.dsconfig configs, and what each rank actually holds.
+
+Bytes are counted per unique tensor storage (views share one), skipping meta tensors, so a flat
+buffer and the parameters that are views into it are counted once:
+  params     storages of every parameter's data (and its ZeRO-3 partition, ds_tensor)
+  optimizer  storages of the inner torch optimizer's state and of the tensors it is keyed by (the
+             fp32 master copies; DeepSpeed empties param_groups between ZeRO-3 steps), other than
+             the parameters
+  buckets    storages under DeepSpeed attributes named *ipg* (the reduce buckets)
+  grads      every other storage reachable from the engine's optimizer and the parameters, after
+             each backward and before step(); the largest count over the micro-steps is kept
+Whatever remains after step() (outside those three) is returned as `unaccounted`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEQ = 32
+SEED = 1234
+
+
+def tiny_spec(num_layers: int = 4):
+    from toolkit.families import spec_from_config
+    from toolkit.tinymodels import make_config
+
+    return spec_from_config(make_config("llama", num_hidden_layers=num_layers).to_dict())[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor census
+
+
+def _storages(obj, out: dict, seen: set, depth: int = 0, path: str = "") -> None:
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "meta" and obj.untyped_storage().nbytes():
+            out.setdefault(obj.untyped_storage().data_ptr(), (obj.untyped_storage().nbytes(), path))
+        for attr in ("grad", "ds_tensor"):
+            if getattr(obj, attr, None) is not None:
+                _storages(getattr(obj, attr), out, seen, depth + 1, f"{path}.{attr}")
+        return
+    if isinstance(obj, (list, tuple, set)):
+        for item in obj:
+            _storages(item, out, seen, depth + 1, path)
+    elif isinstance(obj, dict):
+        for key, item in list(obj.items()):
+            _storages(item, out, seen, depth + 1, f"{path}[{key}]" if isinstance(key, str) else path)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+        if type(obj).__module__.split(".")[0] in ("deepspeed", "torch"):
+            for name, item in list(vars(obj).items()):
+                _storages(item, out, seen, depth + 1, f"{path}.{name}")
+
+
+def storages(*roots) -> dict[int, tuple[int, str]]:
+    out: dict = {}
+    seen: set = set()
+    for root in roots:
+        _storages(root, out, seen)
+    return out
+
+
+def census(engine) -> dict[str, dict]:
+    params = list(engine.module.parameters())
+    param_keys = storages([p.data for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")])
+    basic = engine.basic_optimizer
+    masters = [t.detach() for t in basic.state] + [p.detach() for g in basic.param_groups for p in g["params"]]
+    optimizer = {k: v for k, v in storages(basic.state, masters).items() if k not in param_keys}
+    everything = storages(engine.optimizer, params)
+    buckets = {k: v for k, v in everything.items() if "ipg" in v[1] and k not in param_keys}
+    rest = {k: v for k, v in everything.items() if k not in param_keys and k not in optimizer and k not in buckets}
+    return {"params": param_keys, "optimizer": optimizer, "buckets": buckets, "rest": rest}
+
+
+def _bytes(d: dict) -> int:
+    return sum(n for n, _ in d.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# model states on real engines
+
+
+def _batches(spec, n: int, micro: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, spec.vocab_size, (micro, SEQ), generator=g) for _ in range(n)]
+
+
+def _run_step(engine, setup, spec, seed: int) -> int:
+    """Forward and backward every micro-batch of one optimizer step; stop before step().
+    Returns the most gradient bytes seen after a backward."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = _batches(spec, setup.micro_batches, setup.micro_batch, seed)
+    pos = torch.arange(SEQ)[None].expand(setup.micro_batch, -1)
+    if setup.schedule == "deepspeed":
+        grads = 0
+        for i, tokens in enumerate(batches):
+            loss = engine(tokens, pos, None, labels=tokens).float().mean()
+            engine.backward(loss)
+            grads = max(grads, _bytes(census(engine)["rest"]))
+            if i < len(batches) - 1:
+                engine.step()  # DeepSpeed counts micro-steps; the last one is the boundary
+        return grads
+    # megatron-core schedule: engine(...) registers DeepSpeed's backward hooks; ZeRO-0 has no
+    # torch-style backward support in DeepSpeed, so the module is called directly there.
+    call = engine.module if setup.zero == 0 else engine
+
+    def forward_step(data_iterator, model):
+        tokens = next(data_iterator)
+        out = call(tokens, pos, None, labels=tokens)
+        return out, lambda o: (o.float().mean() / len(batches), {})
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=engine.module,
+                                num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=setup.micro_batch,
+                                forward_only=False)
+    return _bytes(census(engine)["rest"])  # accumulation only grows until step()
+
+
+def _engine(case: dict, spec, world: int):
+    import deepspeed
+
+    from toolkit.dsconfig import OptimizerSettings, Setup, build
+    from toolkit.layouts import Layout
+    from toolkit.model import build_gpt_model
+    from toolkit.train.parallel import MegatronCoreMPU
+
+    tp, pp = case["tp"], case["pp"]
+    dp = world // (tp * pp)
+    setup = Setup(gpus=world, tp=tp, pp=pp, zero=case["zero"], precision=case["precision"], micro_batch=2,
+                  global_batch=2 * case["micro_batches"] * dp, schedule=case["schedule"], steps_per_print=10**9,
+                  optimizer=OptimizerSettings(lr=1e-3, torch_adam=True))
+    config = build(setup, spec)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case["precision"]]
+    torch.manual_seed(SEED)
+    model = build_gpt_model(spec, Layout(tp, pp), dtype)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      mpu=MegatronCoreMPU())
+    return engine, setup
+
+
+def model_state_case(case: dict, spec, world: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from toolkit.memory import CPU_LOCAL, estimate
+
+    engine, setup = _engine(case, spec, world)
+    grads = _run_step(engine, setup, spec, seed=case["zero"])
+    after_backward = census(engine)
+    engine.step()
+    after_step = census(engine)
+    stage = ps.get_pipeline_model_parallel_rank()
+    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0).stages[stage].states
+    result = {
+        **case,
+        "stage": stage,
+        "engine": type(engine).__name__,
+        "optimizer_class": type(engine.optimizer).__name__,
+        "measured": {"params": _bytes(after_step["params"]), "grads": grads,
+                     "optimizer": _bytes(after_step["optimizer"]), "buckets": _bytes(after_backward["buckets"]),
+                     "unaccounted": _bytes(after_step["rest"])},
+        "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer,
+                      "buffers": predicted.buffers},
+        "lr_after_step": engine.get_lr()[0],
+        "global_steps": engine.global_steps,
+    }
+    del engine
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# activations
+
+
+class _Live:
+    """Saved-for-backward bytes alive right now, per unique storage, and the peak."""
+
+    def __init__(self, params: set):
+        self.params, self.refs, self.live, self.peak, self.total = params, {}, 0, 0, 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params or t.device.type == "meta":
+            return t
+        if key not in self.refs:
+            self.refs[key] = [0, t.untyped_storage().nbytes()]
+            self.live += self.refs[key][1]
+            self.total += self.refs[key][1]
+            self.peak = max(self.peak, self.live)
+        self.refs[key][0] += 1
+        return _Held(t, key, self)
+
+    def release(self, key):
+        ref = self.refs[key]
+        ref[0] -= 1
+        if not ref[0]:
+            self.live -= ref[1]
+            del self.refs[key]
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
+class _Held:
+    def __init__(self, tensor, key, live):
+        self.tensor, self.key, self.live = tensor, key, live
+
+    def __del__(self):
+        self.live.release(self.key)
+
+
+def _model(spec, tp, pp, dtype, recompute):
+    from toolkit.layouts import Layout
+    from toolkit.model import build_gpt_model, transformer_config
+
+    extra = {"none": {}, "selective": dict(recompute_granularity="selective"),
+             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
+    torch.manual_seed(SEED)
+    layout = Layout(tp, pp)
+    return build_gpt_model(spec, layout, dtype, config=transformer_config(spec, layout, dtype, **extra))
+
+
+def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int) -> int:
+    """Bytes saved for backward by one forward of one micro-batch (PP = 1), parameters excluded."""
+    model = _model(spec, tp, 1, dtype, recompute)
+    live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
+    tokens = _batches(spec, 1, micro, seed=7)[0]
+    pos = torch.arange(SEQ)[None].expand(micro, -1)
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        loss = model(tokens, pos, None, labels=tokens).float().mean()
+    total = live.total
+    loss.backward()
+    return total
+
+
+def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
+    """Peak saved-for-backward bytes on this rank's stage during one 1F1B step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = _model(spec, 1, 2, dtype, "none")
+    live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
+    batches = _batches(spec, micro_batches, micro, seed=9)
+    pos = torch.arange(SEQ)[None].expand(micro, -1)
+
+    def forward_step(data_iterator, m):
+        tokens = next(data_iterator)
+        return m(tokens, pos, None, labels=tokens), lambda o: (o.float().mean(), {})
+
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+                                    num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=micro,
+                                    forward_only=False)
+    return live.peak
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch
+
+
+def _switch_layout(tp: int, pp: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from toolkit.runtime.distributed import init_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    info = init_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(SEED)
+    return info
+
+
+def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_cases: list[dict]) -> dict:
+    """Every case, grouped by layout so each TP x PP is initialised once."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+
+    skip_deepspeed_shm_op()
+    _switch_layout(1, 1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    out = {"states": [], "activations": [], "pipeline": []}
+    layouts = sorted({(c["tp"], c["pp"]) for c in state_cases + activation_cases + pipeline_cases})
+    for tp, pp in layouts:
+        _switch_layout(tp, pp)
+        for case in [c for c in state_cases if (c["tp"], c["pp"]) == (tp, pp)]:
+            out["states"].append(model_state_case(case, tiny_spec(), world))
+        for case in [c for c in activation_cases if (c["tp"], c["pp"]) == (tp, pp)]:
+            saved = {n: forward_saved_bytes(tiny_spec(n), tp, dtypes[case["precision"]], case["recompute"], case["micro"])
+                     for n in (2, 4)}
+            out["activations"].append({**case, "saved": saved})
+        for case in [c for c in pipeline_cases if (c["tp"], c["pp"]) == (tp, pp)]:
+            from megatron.core import parallel_state as ps
+
+            peak = pipeline_peak_bytes(tiny_spec(), dtypes[case["precision"]], case["micro"], case["micro_batches"])
+            out["pipeline"].append({**case, "stage": ps.get_pipeline_model_parallel_rank(), "peak": peak})
+    return out
