@@ -1,0 +1,121 @@
+"""Fine-tuning benchmark on CPU, all in one run:
+
+1. Step time of our recipe at TP1 x PP1 x DP2 (ZeRO-1, megatron-core schedule) against a plain
+   HF model wrapped by DeepSpeed ZeRO-1 (engine.backward/step per micro-batch), same model,
+   data shape and batch: ratio of medians, with the spread over repeated runs.
+   Goal (reported, not gated): <= 1.05.
+2. Pipeline bubble at PP=2 for m = 4 and 8 micro-batches, against (PP-1)/(m+PP-1):
+   measured bubble = 1 - m * t_stage / T_step, with t_stage = the PP=1 step time / (PP * m).
+
+    python benchmarks/finetune_bench.py [--repeats 3] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+             vocab_size=1024, max_position_embeddings=256)
+SEQ, MICRO = 128, 4
+
+
+def prepare(root: Path) -> tuple[Path, Path, Path]:
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("llama", root / "hf", dtype="float32", **MODEL)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", vocab_divisor=1, progress=False)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": "0123456789" * 13}) + "\n" for _ in range(512)))
+    return hf, mc, data
+
+
+def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: int, global_batch: int) -> list[float]:
+    """Per-step seconds (after 3 warm-up steps) of recipes/finetune.py."""
+    run_dir = Path(tempfile.mkdtemp(dir=root))
+    overrides = [f"model.checkpoint={mc}", f"data.train_file={data}", f"data.seq_len={SEQ}", f"micro_batch={MICRO}",
+                 f"global_batch={global_batch}", f"steps={steps}", "log_every=1", f"run_dir={run_dir}", "precision=fp32",
+                 "export_hf=false", "save_every=0", f"parallel.pp={pp}", "optim.warmup_steps=0", "resume=none"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
+                    str(REPO / "recipes" / "finetune.py"), *overrides],
+                   env=env, check=True, capture_output=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [global_batch * SEQ / r["tokens_per_s"] for r in records[3:]]
+
+
+def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[float]:
+    """Baseline: HF LlamaForCausalLM under DeepSpeed ZeRO-1, DeepSpeed's own accumulation."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+
+    skip_deepspeed_shm_op()
+    deepspeed.init_distributed(dist_backend="gloo")
+    dp = torch.distributed.get_world_size()
+    gas = global_batch // (MICRO * dp)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+              "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ))
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        for _ in range(gas):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+        times.append(time.perf_counter() - began)
+    return times[3:]
+
+
+def run_baseline(hf: Path, steps: int, global_batch: int) -> list[float]:
+    from toolkit.runtime.launch import run_on_processes
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    return run_on_processes("finetune_bench:hf_deepspeed_worker", 2, str(hf), steps, global_batch)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
+        root = Path(tmp)
+        hf, mc, data = prepare(root)
+        ours, base = [], []
+        for _ in range(args.repeats):
+            ours.append(statistics.median(run_recipe(root, mc, data, 2, args.steps, 1, 16)))
+            base.append(statistics.median(run_baseline(hf, args.steps, 16)))
+        ratios = [o / b for o, b in zip(ours, base)]
+        print(f"step time, DP2 ZeRO-1, global batch 16 x {SEQ} tokens, {args.repeats} runs x {args.steps} steps:")
+        print(f"  ours (megatron-core + DeepSpeed)  median {statistics.median(ours) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in ours]}")
+        print(f"  HF + DeepSpeed ZeRO-1             median {statistics.median(base) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in base]}")
+        print(f"  ratio ours/baseline               median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 1.05)")
+
+        print("pipeline bubble at PP=2 (1 process per stage):")
+        for m in (4, 8):
+            t_pp1 = statistics.median(run_recipe(root, mc, data, 1, args.steps, 1, MICRO * m))
+            t_pp2 = statistics.median(run_recipe(root, mc, data, 2, args.steps, 2, MICRO * m))
+            t_stage = t_pp1 / (2 * m)
+            measured = 1 - m * t_stage / t_pp2
+            print(f"  m={m}: step {t_pp2 * 1e3:7.1f} ms, PP=1 step {t_pp1 * 1e3:7.1f} ms, "
+                  f"bubble measured {measured:.3f} vs (PP-1)/(m+PP-1) = {1 / (m + 1):.3f}")
+
+
+if __name__ == "__main__":
+    main()
