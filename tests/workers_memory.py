@@ -4,13 +4,14 @@ from toolkit.dsconfig configs, and what each rank actually holds.
 Bytes are counted per unique tensor storage (views share one), skipping meta tensors, so a flat
 buffer and the parameters that are views into it are counted once:
   params     storages of every parameter's data (and its ZeRO-3 partition, ds_tensor)
-  optimizer  storages of the inner torch optimizer's state and of the tensors it is keyed by (the
-             fp32 master copies; DeepSpeed empties param_groups between ZeRO-3 steps), other than
-             the parameters
+  optimizer  storages of the inner torch optimizer's state and of the fp32 master copies (found
+             under DeepSpeed's MASTER_ATTRS, since its param_groups are emptied between ZeRO-3
+             steps and its state is empty before the first step), other than the parameters
   buckets    storages under DeepSpeed attributes named *ipg* (the reduce buckets)
   grads      every other storage reachable from the engine's optimizer and the parameters, after
              each backward and before step(); the largest count over the micro-steps is kept
-Whatever remains after step() (outside those three) is returned as `unaccounted`.
+Whatever appears after step() outside those categories (and the gradient buffers ZeRO keeps
+allocated) is returned as `unaccounted`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 
 SEQ = 32
 SEED = 1234
+# Where DeepSpeed's optimizers keep fp32 master weights: stage_1_and_2.py, stage3.py and the
+# FP16/BF16 optimizer wrappers (runtime/fp16/*.py).
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups", "fp32_groups_flat")
 
 
 def tiny_spec(num_layers: int = 4):
@@ -67,12 +71,23 @@ def census(engine) -> dict[str, dict]:
     params = list(engine.module.parameters())
     param_keys = storages([p.data for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")])
     basic = engine.basic_optimizer
-    masters = [t.detach() for t in basic.state] + [p.detach() for g in basic.param_groups for p in g["params"]]
+    masters = [getattr(engine.optimizer, a) for a in MASTER_ATTRS if hasattr(engine.optimizer, a)]
+    masters = [t.detach() for t in _flat(masters)] + [p.detach() for g in basic.param_groups for p in g["params"]]
     optimizer = {k: v for k, v in storages(basic.state, masters).items() if k not in param_keys}
     everything = storages(engine.optimizer, params)
     buckets = {k: v for k, v in everything.items() if "ipg" in v[1] and k not in param_keys}
     rest = {k: v for k, v in everything.items() if k not in param_keys and k not in optimizer and k not in buckets}
     return {"params": param_keys, "optimizer": optimizer, "buckets": buckets, "rest": rest}
+
+
+def _flat(items) -> list:
+    out = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            out.extend(_flat(item))
+    return out
 
 
 def _bytes(d: dict) -> int:
@@ -160,7 +175,8 @@ def model_state_case(case: dict, spec, world: int) -> dict:
         "optimizer_class": type(engine.optimizer).__name__,
         "measured": {"params": _bytes(after_step["params"]), "grads": grads,
                      "optimizer": _bytes(after_step["optimizer"]), "buckets": _bytes(after_backward["buckets"]),
-                     "unaccounted": _bytes(after_step["rest"])},
+                     "unaccounted": _bytes({k: v for k, v in after_step["rest"].items()
+                                            if k not in after_backward["rest"]})},
         "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer,
                       "buffers": predicted.buffers},
         "lr_after_step": engine.get_lr()[0],

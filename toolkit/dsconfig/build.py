@@ -191,12 +191,15 @@ def _optimizer(setup: Setup) -> dict:
 
 def _scheduler(setup: Setup) -> dict:
     sched, lr = setup.scheduler, setup.optimizer.lr
-    # warmup_type pinned to linear: DeepSpeed's default is "log".
-    warmup = {"warmup_num_steps": sched.warmup_steps, "warmup_type": "linear"}
+    # DeepSpeed's warmup schedulers need warmup_num_steps >= 1 (and warm up over max(2, n) steps);
+    # no warmup is a "warmup" that starts at the peak LR. warmup_type pinned: the default is log.
+    steps = max(1, sched.warmup_steps)
+    start = 0.0 if sched.warmup_steps else 1.0  # fraction of the peak LR at step 0
+    warmup = {"warmup_num_steps": steps, "warmup_type": "linear"}
     if sched.type == "WarmupCosineLR":
-        params = {"total_num_steps": sched.total_steps, "warmup_min_ratio": 0.0, "cos_min_ratio": sched.min_lr_ratio}
+        params = {"total_num_steps": sched.total_steps, "warmup_min_ratio": start, "cos_min_ratio": sched.min_lr_ratio}
     else:
-        params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr}
+        params = {"warmup_min_lr": start * lr, "warmup_max_lr": lr}
         if sched.type == "WarmupDecayLR":
             params["total_num_steps"] = sched.total_steps
     return {"type": sched.type, "params": {**params, **warmup}}

@@ -294,6 +294,23 @@ def _scheduler(config: dict, report: Report) -> None:
                and signature[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     for key in missing:
         report.add("scheduler", f"scheduler.params.{key}", f"{name} needs '{key}'")
+    _warmup_steps(name, params, signature, report)
+
+
+def _warmup_steps(name: str, params: dict, signature, report: Report) -> None:
+    """DeepSpeed's warmup schedulers raise unless warmup_num_steps is a positive int, and default
+    it to 1000 (lr_schedules.py WarmupLR / WarmupCosineLR)."""
+    if "warmup_num_steps" not in signature:
+        return
+    steps = params.get("warmup_num_steps")
+    if steps is None:
+        default = signature["warmup_num_steps"].default
+        report.add("unpinned-default", "scheduler.params.warmup_num_steps",
+                   f"not set: {name} warms up for {default} steps by default; write the value you mean", WARNING)
+    elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        report.add("scheduler", "scheduler.params.warmup_num_steps",
+                   f"{name} raises unless warmup_num_steps is a positive integer (got {steps!r}); for no "
+                   "warmup use 1 with a warmup start LR equal to the peak")
 
 
 def _pinned_defaults(config: dict, f: Facts, report: Report) -> None:

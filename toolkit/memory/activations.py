@@ -1,0 +1,141 @@
+"""Activation memory: the bytes a transformer layer keeps for backward, per micro-batch.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+Table 2) count sbh(34 + 5as/h) per GPT layer: LayerNorm, a 4h GELU MLP, dropout masks and the
+s^2 attention scores. Our models differ, term by term:
+  RMSNorm instead of LayerNorm      the norm keeps its input and an fp32 1/rms per token
+  SwiGLU with ffn f                 fc1 output is 2f wide; the glu output feeds fc2
+  GQA                               k and v are kv = groups x head_dim wide, not h
+  no dropout                        no masks (their 5as/h term's mask and 2sbh of masks)
+  flash attention (GPU)             no s^2 terms: q, k, v, output and an fp32 log-sum-exp
+Which tensors are kept depends on the kernels, so each term is switchable (`Kernels`). The CPU
+profile (megatron-core's local spec: torch's composite rms_norm, unfused attention and glu) is
+validated against torch.autograd.graph.saved_tensors_hooks byte counts in
+tests/test_memory_measured.py; the GPU profile follows the same terms with the fused kernels'
+saved tensors (Transformer Engine: fused RMSNorm saves input + rsigma, flash attention saves
+q, k, v, output + softmax LSE, fused SwiGLU saves its input) and is not measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.families.spec import ModelSpec
+
+FP32 = 4
+INT64 = 8
+BOOL = 1
+# Cross entropy (megatron-core VocabParallelCrossEntropy) keeps a bool target mask and int64
+# masked targets per token.
+CE_PER_TOKEN = BOOL + INT64
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    fused_norm: bool  # saves input + fp32 rstd; torch's composite rms_norm keeps two fp32 copies instead
+    flash_attention: bool  # else: q, repeated k/v, fp32 softmax, the probabilities and the mask (s^2 terms)
+    fused_swiglu: bool  # else megatron's unfused glu also keeps silu(x) and (x_linear + offset)
+
+
+GPU = Kernels("gpu: Transformer Engine (fused RMSNorm, flash attention, fused SwiGLU)", True, True, True)
+CPU_LOCAL = Kernels("cpu: megatron-core local spec (torch rms_norm, unfused attention and glu)", False, False, False)
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch through one TP rank: tokens, widths already divided by TP."""
+
+    seq: int
+    batch: int
+    tp: int
+    act_bytes: int
+    sequence_parallel: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.batch
+
+    def hidden_tokens(self, spec: ModelSpec) -> int:
+        """Elements of one [s, b, h] tensor on this rank (sequence-sharded under SP)."""
+        return self.tokens * spec.hidden_size // (self.tp if self.sequence_parallel else 1)
+
+
+def layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str = "none") -> int:
+    """Bytes one layer keeps for backward for one micro-batch."""
+    if recompute == "full":
+        return shape.act_bytes * shape.hidden_tokens(spec)  # only the checkpointed layer input
+    attention = _selective_attention(spec, shape, kernels) if recompute == "selective" else _attention(spec, shape, kernels)
+    return 2 * _norm(spec, shape, kernels) + _linear_inputs(spec, shape) + attention + _swiglu(spec, shape, kernels)
+
+
+def recompute_working_set(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str) -> int:
+    """With full recompute, backward rebuilds one layer's activations at a time."""
+    return layer_bytes(spec, shape, kernels) if recompute == "full" else 0
+
+
+def _norm(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    elements = shape.hidden_tokens(spec)
+    rstd = FP32 * elements // spec.hidden_size
+    return (shape.act_bytes if kernels.fused_norm else 2 * FP32) * elements + rstd
+
+
+def _linear_inputs(spec: ModelSpec, shape: Shape) -> int:
+    """Inputs kept by linear_qkv and linear_fc1 (the norm outputs), linear_proj and linear_fc2."""
+    q, f = spec.num_heads * spec.head_dim, spec.ffn_hidden_size
+    sharded = shape.tokens * (q + f) // shape.tp
+    return shape.act_bytes * (2 * shape.hidden_tokens(spec) + sharded)
+
+
+def _attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    heads, q, kv = spec.num_heads // shape.tp, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    t, b = shape.tokens, shape.act_bytes
+    rope = 4 * shape.seq * spec.head_dim * b  # cos and sin for q and k
+    if kernels.flash_attention:
+        lse = FP32 * heads * t
+        return b * t * (2 * q + 2 * kv) // shape.tp + lse + rope
+    # q and k, v repeated to every query head (GQA), fp32 softmax, the probabilities cast back
+    # for the second matmul (the same tensor in fp32), and the causal mask.
+    scores = heads * shape.batch * shape.seq**2
+    probs = b * scores if b != FP32 else 0
+    return b * t * 3 * q // shape.tp + FP32 * scores + probs + BOOL * shape.seq**2 + rope
+
+
+def _selective_attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    """Core attention recomputed: its inputs are kept, q and k after RoPE plus v, a view that
+    keeps the whole fused qkv output alive."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    kept = shape.act_bytes * shape.tokens * (q + kv + (q + 2 * kv)) // shape.tp
+    mask = 0 if kernels.flash_attention else BOOL * shape.seq**2
+    return kept + mask
+
+
+def _swiglu(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    f = spec.ffn_hidden_size // shape.tp
+    widths = 2 * f if kernels.fused_swiglu else 4 * f  # fc1 output (+ silu(x), x_linear + offset)
+    return shape.act_bytes * shape.tokens * widths
+
+
+def first_stage_bytes(shape: Shape) -> int:
+    """The embedding keeps the token ids."""
+    return INT64 * shape.tokens
+
+
+def last_stage_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, padded_vocab: int) -> int:
+    """Final norm, output-layer input and the cross entropy's fp32 softmax over the vocab shard."""
+    logits = FP32 * shape.tokens * padded_vocab // shape.tp
+    return _norm(spec, shape, kernels) + shape.act_bytes * shape.hidden_tokens(spec) + logits + CE_PER_TOKEN * shape.tokens
+
+
+def logits_temporary(shape: Shape, padded_vocab: int) -> int:
+    """The 16-bit logits before the loss casts them to fp32 (and their gradient after)."""
+    return shape.act_bytes * shape.tokens * padded_vocab // shape.tp if shape.act_bytes != FP32 else 0
+
+
+def attention_buffer(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    """Unfused attention reuses one global [b*heads, s, s] buffer for the QK^T product."""
+    if kernels.flash_attention:
+        return 0
+    return shape.act_bytes * shape.batch * spec.num_heads // shape.tp * shape.seq**2

@@ -1,0 +1,135 @@
+"""Per-GPU memory of a training layout: model states (ZeRO) and activations (1F1B), stage by stage.
+
+    est = estimate(spec, setup, seq_len=4096, recompute="full")
+    print("\\n".join(est.table()))
+
+The DeepSpeed config the estimate assumes is the one `toolkit.dsconfig.build` writes for `setup`,
+so bucket sizes and ZeRO-3 thresholds are the ones the job will run with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.dsconfig import Setup, build
+from toolkit.families.spec import ModelSpec
+from toolkit.layouts import Layout
+from toolkit.memory import activations as act
+from toolkit.memory.activations import GPU, Kernels, Shape
+from toolkit.memory.params import stage_param_numels
+from toolkit.memory.states import ModelStates, ZeroSettings, model_states
+
+GIB = 1 << 30
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# CUDA context, cuBLAS workspaces and NCCL communicator buffers on each GPU. An assumption for
+# planning (typically 1-3 GiB on H100/A100 with NCCL), not measured here; 0 on CPU.
+RUNTIME_RESERVE_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    states: ModelStates
+    activations: int
+    temporaries: int  # logits, attention buffer, recompute working set
+    reserve: int
+
+    @property
+    def buffers(self) -> int:
+        return self.states.buffers + self.temporaries
+
+    @property
+    def gpu(self) -> int:
+        return self.states.params + self.states.grads + self.states.optimizer + self.activations + self.buffers + self.reserve
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("parameters", self.states.params), ("gradients", self.states.grads),
+                ("optimizer states", self.states.optimizer), ("activations", self.activations),
+                ("buffers and temporaries", self.buffers), ("runtime reserve (assumed)", self.reserve)]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    setup: Setup
+    seq_len: int
+    recompute: str
+    kernels: Kernels
+    stages: tuple[StageMemory, ...] = field(default_factory=tuple)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.gpu)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.peak.gpu
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        return max(s.states.host for s in self.stages)
+
+    @property
+    def nvme_bytes_per_gpu(self) -> int:
+        return max(s.states.nvme for s in self.stages)
+
+    def fits(self, gpu_memory: int) -> bool:
+        return self.gpu_bytes <= gpu_memory
+
+    def table(self, gpus_per_node: int = 8) -> list[str]:
+        stages = self.stages
+        header = f"{'per GPU':<28}" + "".join(f"{'stage ' + str(s.stage):>12}" for s in stages)
+        lines = [header]
+        for i, (label, _) in enumerate(stages[0].rows()):
+            lines.append(f"{label:<28}" + "".join(f"{_gib(s.rows()[i][1]):>12}" for s in stages))
+        lines.append(f"{'total':<28}" + "".join(f"{_gib(s.gpu):>12}" for s in stages))
+        if self.host_bytes_per_gpu or self.nvme_bytes_per_gpu:
+            host = self.host_bytes_per_gpu
+            lines.append(f"offload: host memory {_gib(host)} per GPU, {_gib(host * gpus_per_node)} per "
+                         f"{gpus_per_node}-GPU node; NVMe {_gib(self.nvme_bytes_per_gpu)} per GPU")
+        return lines
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
+             sequence_parallel: bool = False, reserve: int | None = None) -> Estimate:
+    """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`)."""
+    if recompute not in act.RECOMPUTE:
+        raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
+    zero = ZeroSettings.from_config(build(setup, spec))
+    reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
+    shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)
+    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve) for s in range(setup.pp))
+    return Estimate(setup, seq_len, recompute, kernels, stages)
+
+
+def backward_calls(setup: Setup) -> int:
+    """Backward passes per optimizer step on one rank: one per micro-batch either way; DeepSpeed
+    accumulates for gradient_accumulation_steps, megatron-core for the micro-batches."""
+    return setup.micro_batches
+
+
+def in_flight(setup: Setup, stage: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at once under 1F1B: the first stage
+    runs pp warm-up forwards before its first backward; the last stage only one."""
+    if setup.pp == 1:
+        return 1
+    return min(setup.pp - stage, setup.micro_batches)
+
+
+def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve) -> StageMemory:
+    layers = spec.num_layers // setup.pp
+    padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
+    first, last = stage == 0, stage == setup.pp - 1
+    per_microbatch = layers * act.layer_bytes(spec, shape, kernels, recompute) + first * act.first_stage_bytes(shape)
+    activations = in_flight(setup, stage) * per_microbatch + last * act.last_stage_bytes(spec, shape, kernels, padded_vocab)
+    temporaries = (act.recompute_working_set(spec, shape, kernels, recompute) + act.attention_buffer(spec, shape, kernels)
+                   + last * act.logits_temporary(shape, padded_vocab))
+    numels = stage_param_numels(spec, setup.tp, setup.pp, stage)
+    states = model_states(numels, WEIGHT_BYTES[setup.precision], setup.dp, zero, backward_calls(setup))
+    return StageMemory(stage, states, activations, temporaries, reserve)
+
+
+__all__ = ["Estimate", "StageMemory", "estimate", "GIB"]

@@ -1,0 +1,45 @@
+"""Which parameter tensors one rank holds, from the family's mapping table (the same rows the
+converter uses), so the count is exact for every TP x PP layout."""
+
+from __future__ import annotations
+
+import math
+
+from toolkit.families import family_named
+from toolkit.families.spec import ModelSpec
+from toolkit.layouts import Layout
+from toolkit.splits import Split
+
+EMBEDDING_PREFIX = "embedding."
+LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
+
+
+def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[int]:
+    """Element count of every parameter tensor on one TP rank of pipeline stage `stage`."""
+    family = family_named(spec.family)
+    padded_vocab = Layout(tp, pp).padded_vocab(spec.vocab_size)
+    first, last = stage == 0, stage == pp - 1
+    numels: list[int] = []
+    for row in family.rows_for(spec.tied_embeddings):
+        numel = sum(math.prod(padded_vocab if s == "vocab" else spec.size_of(s) for s in shape) for shape in row.shapes)
+        if row.split is not Split.REPLICATED:
+            numel //= tp
+        if row.per_layer:
+            numels += [numel] * (spec.num_layers // pp)
+        elif row.megatron.startswith(EMBEDDING_PREFIX):
+            numels += [numel] * first
+            # Tied embeddings with PP > 1: megatron-core keeps a copy on the last stage as its output layer.
+            numels += [numel] * (spec.tied_embeddings and last and not first)
+        elif row.megatron.startswith(LAST_STAGE_PREFIXES):
+            numels += [numel] * last
+    return numels
+
+
+def total_params(spec: ModelSpec) -> int:
+    """Parameters of the whole model (true vocab, tied embeddings counted once)."""
+    family = family_named(spec.family)
+    total = 0
+    for row in family.rows_for(spec.tied_embeddings):
+        numel = sum(math.prod(spec.size_of(s) for s in shape) for shape in row.shapes)
+        total += numel * (spec.num_layers if row.per_layer else 1)
+    return total
