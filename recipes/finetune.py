@@ -49,7 +49,7 @@ def finetune(config_path, overrides) -> int:
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
     from toolkit.train.parallel import mark_tied_output_replica
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
-    from toolkit.train.step import StepContext, count_global_tokens, eval_loss, train_step
+    from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
     # 1. Config: defaults < recipe YAML < overrides; everything checkable without processes first.
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
@@ -109,9 +109,7 @@ def finetune(config_path, overrides) -> int:
                    "tflops_per_device": step_flops / seconds / info.world_size / 1e12}
         metrics["mfu"] = metrics["tflops_per_device"] / peak if peak else None
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            valid_data.consumed = 0
-            vbatches = valid_data.next_global_batch()
-            metrics["eval_loss"] = eval_loss(model, vbatches, context(vbatches))
+            metrics["eval_loss"] = evaluate(model, valid_data, context)
         if step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)

@@ -103,8 +103,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
 def load_converted(model, checkpoint_dir: str | Path) -> CheckpointMeta:
     """Load a checkpoint written by `toolkit convert hf-to-megatron` into `model`.
 
-    torch_dist loads into any TP/PP layout; per-rank torch files need the layout they were
-    written for.
+    torch_dist loads into any TP/PP layout through megatron-core's loader; per-rank torch files
+    written for another layout are merged and re-split in memory (this stage's tensors only).
     """
     from megatron.core import parallel_state as ps
 
@@ -115,15 +115,25 @@ def load_converted(model, checkpoint_dir: str | Path) -> CheckpointMeta:
         load_dist(model, shards)
         return meta
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    if (tp, pp) != (meta.tp, meta.pp):
-        raise ConversionError(
-            f"{root} holds per-rank files for TP={meta.tp} PP={meta.pp}, but this run uses TP={tp} PP={pp}; "
-            "convert with --format torch_dist to load into any layout"
-        )
-    path = torch_format.rank_file(shards, meta.layout, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-    state = torch_format.load_trusted_types(path)["model"]
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if (tp, pp) == (meta.tp, meta.pp):
+        state = torch_format.load_trusted_types(torch_format.rank_file(shards, meta.layout, tp_rank, pp_rank))["model"]
+    else:
+        state = dict(_reshard(root, meta, Layout(tp, pp, meta.vocab_divisor), tp_rank, pp_rank))
     load_state_by_name(model, state)
     return meta
+
+
+def _reshard(root: Path, meta: CheckpointMeta, layout: Layout, tp_rank: int, pp_rank: int):
+    """This rank's shard of a per-rank checkpoint written for another layout: merge the HF
+    tensors this stage needs from the stored shards, then split them for the new layout."""
+    from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+    from toolkit.convert.stages import TensorSource, stage_hf_names, stage_tensors
+
+    ckpt = MegatronCheckpoint.open(root)
+    wanted = stage_hf_names(ckpt.family, ckpt.spec, layout, pp_rank)
+    source = TensorSource(dict(ckpt.hf_tensors(wanted)))
+    return stage_tensors(source, ckpt.family, ckpt.spec, layout, tp_rank, pp_rank)
 
 
 def load_state_by_name(model, state: dict) -> None:

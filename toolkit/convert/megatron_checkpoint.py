@@ -22,6 +22,17 @@ from toolkit.layouts import Layout
 from toolkit.splits import merge_shards
 
 
+def _training_model_dir(root: Path) -> Path:
+    """Fine-tuning checkpoints keep an exportable model in `model/`: accept a run directory, its
+    checkpoints/ directory or one step directory as well."""
+    for candidate in (root / "checkpoints", root):
+        latest = candidate / "latest"
+        if latest.is_file():
+            root = candidate / latest.read_text().strip()
+            break
+    return root / "model" if (root / "model" / META_FILE).is_file() else root
+
+
 def resolve_iteration_dir(root: Path) -> Path:
     """The directory holding the shards: `release/` or `iter_NNNNNNN/` per the tracker file."""
     tracker = root / TRACKER
@@ -51,7 +62,7 @@ class MegatronCheckpoint:
 
     @classmethod
     def open(cls, root: str | Path, hf_config: str | Path | None = None) -> "MegatronCheckpoint":
-        root = Path(root)
+        root = _training_model_dir(Path(root))
         if not root.is_dir():
             raise ConversionError(f"{root} is not a directory")
         shards = resolve_iteration_dir(root)
@@ -87,23 +98,27 @@ class MegatronCheckpoint:
         tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
         return cls(root, shards, "torch", family, spec, Layout(tp, pp, 1), config_path.read_bytes(), tokenizer, None)
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for every tensor of the HF model, one at a time."""
+    def hf_tensors(self, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every tensor of the HF model (or only `wanted` ones), one at a time."""
         if self.fmt == "torch":
-            yield from self._from_rank_files()
+            yield from self._from_rank_files(wanted)
         else:
-            yield from self._from_dist()
+            yield from self._from_dist(wanted)
 
     def _rows(self):
         return self.family.rows_for(self.spec.tied_embeddings)
 
-    def _from_rank_files(self):
+    def _from_rank_files(self, wanted):
         geo = self.layout.geometry(self.spec)
         for pp_rank in range(self.layout.pp):
-            stage = torch_format.read_stage(self.shards, self.layout, pp_rank)
             layers = self.layout.stage_layers(self.spec, pp_rank)
+            if wanted is not None and not any(_needed(r, layers, wanted) for r in self._rows()):
+                continue
+            stage = torch_format.read_stage(self.shards, self.layout, pp_rank)
             for row in self._rows():
                 for layer in layers if row.per_layer else [None]:
+                    if wanted is not None and not wanted.intersection(row.hf_names(layer)):
+                        continue
                     name = row.megatron_name(None if layer is None else layer - layers.start)
                     if name not in stage[0]:
                         if row.per_layer:
@@ -113,11 +128,13 @@ class MegatronCheckpoint:
                     yield from zip(row.hf_names(layer), merge_shards(row.split, shards, geo))
             del stage
 
-    def _from_dist(self):
+    def _from_dist(self, wanted):
         geo = self.layout.geometry(self.spec)
         stored = dist_format.tensor_shapes(self.shards)
         for row in self._rows():
             for layer in range(self.spec.num_layers) if row.per_layer else [None]:
+                if wanted is not None and not wanted.intersection(row.hf_names(layer)):
+                    continue
                 key = dist_format.stacked_key(row.megatron_name(layer)) if row.per_layer else row.megatron
                 if key not in stored:
                     raise ConversionError(f"{self.shards} has no tensor {key!r}")
@@ -127,3 +144,7 @@ class MegatronCheckpoint:
                 else:
                     t = dist_format.read_box(self.shards, key, (0,) * len(shape), shape, dtype)
                 yield from zip(row.hf_names(layer), merge_shards(row.split, [t], geo))
+
+
+def _needed(row, layers, wanted: set[str]) -> bool:
+    return any(wanted.intersection(row.hf_names(layer)) for layer in (layers if row.per_layer else [None]))

@@ -25,11 +25,11 @@ from toolkit.convert.metadata import (
     megatron_args,
 )
 from toolkit.convert.progress import progress_bar
+from toolkit.convert.stages import stage_tensors
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec, spec_from_config
-from toolkit.families.table import Row
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
-from toolkit.splits import Split, build_shard, megatron_shape
+from toolkit.splits import build_shard, megatron_shape
 
 FORMATS = ("torch", "torch_dist")
 _ST_DTYPES = {
@@ -66,33 +66,9 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
             )
 
 
-def _on_stage(row: Row, stage: int, pp: int) -> bool:
-    if row.per_layer:
-        return True
-    return stage == 0 if row.megatron.startswith("embedding.") else stage == pp - 1
-
-
-def _embedding_row(family: Family) -> Row:
-    return next(r for r in family.rows if r.megatron.startswith("embedding."))
-
-
 def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> dict[Path, str]:
-    geo = layout.geometry(spec)
-    rows = family.rows_for(spec.tied_embeddings)
-
     def build_stage(tp_rank: int, pp_rank: int):
-        layers = layout.stage_layers(spec, pp_rank)
-        for row in rows:
-            if not _on_stage(row, pp_rank, layout.pp):
-                continue
-            for layer in layers if row.per_layer else [None]:
-                local = None if layer is None else layer - layers.start
-                yield row.megatron_name(local), build_shard(row.split, src, row.hf_names(layer), layout.tp, tp_rank, geo)
-                bar.update(1)
-        if spec.tied_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1:
-            # Megatron keeps a copy of the tied embedding as the last stage's output layer.
-            emb = _embedding_row(family)
-            yield "output_layer.weight", build_shard(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
+        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, on_tensor=lambda: bar.update(1))
 
     return torch_format.write_rank_files(release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec, args)
 

@@ -44,8 +44,6 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     from toolkit.model import build_gpt_model, load_converted, transformer_config
 
     layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor)
-    if layout.padded_vocab(meta.vocab_size) != meta.padded_vocab_size and meta.format == "torch":
-        raise ConfigError("the checkpoint's vocab padding was made for another TP size; convert with --format torch_dist")
     recompute = {}
     if cfg.parallel.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

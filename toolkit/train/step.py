@@ -92,3 +92,15 @@ def eval_loss(module, batches, ctx: StepContext) -> float:
         loss = run_schedule(module, module, batches, ctx, forward_only=True)
     module.train()
     return loss
+
+
+def evaluate(module, source, make_context) -> float:
+    """Token-weighted mean loss over every full global batch of the validation set (at least one)."""
+    source.consumed = 0
+    total = tokens = 0.0
+    for _ in range(max(1, len(source.rows) // source.global_batch)):
+        batches = source.next_global_batch()
+        ctx = make_context(batches)
+        total += eval_loss(module, batches, ctx) * ctx.global_tokens
+        tokens += ctx.global_tokens
+    return total / max(tokens, 1.0)

@@ -1,0 +1,78 @@
+"""What one (TP rank, PP stage) of a megatron-core model holds, built from HF tensors.
+
+Used by the converter (writing per-rank files) and by the trainer (loading a per-rank checkpoint
+into another layout)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from toolkit.families import Family, ModelSpec
+from toolkit.families.table import Row
+from toolkit.layouts import Layout
+from toolkit.splits import Split, build_shard
+
+
+def on_stage(row: Row, stage: int, pp: int) -> bool:
+    """Layers are split over stages; the embedding is on the first, final norm and output on the last."""
+    if row.per_layer:
+        return True
+    return stage == 0 if row.megatron.startswith("embedding.") else stage == pp - 1
+
+
+def embedding_row(family: Family) -> Row:
+    return next(r for r in family.rows if r.megatron.startswith("embedding."))
+
+
+def _ties_output_here(spec: ModelSpec, layout: Layout, pp_rank: int) -> bool:
+    # Megatron keeps a copy of the tied embedding as the last stage's output layer.
+    return spec.tied_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1
+
+
+def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int) -> set[str]:
+    layers = layout.stage_layers(spec, pp_rank)
+    names = {
+        name
+        for row in family.rows_for(spec.tied_embeddings)
+        if on_stage(row, pp_rank, layout.pp)
+        for layer in (layers if row.per_layer else [None])
+        for name in row.hf_names(layer)
+    }
+    if _ties_output_here(spec, layout, pp_rank):
+        names |= set(embedding_row(family).hf_names())
+    return names
+
+
+def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank: int, pp_rank: int,
+                  on_tensor=lambda: None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name with stage-local layer number, this rank's shard) for every tensor of the stage."""
+    geo = layout.geometry(spec)
+    layers = layout.stage_layers(spec, pp_rank)
+    for row in family.rows_for(spec.tied_embeddings):
+        if not on_stage(row, pp_rank, layout.pp):
+            continue
+        for layer in layers if row.per_layer else [None]:
+            local = None if layer is None else layer - layers.start
+            yield row.megatron_name(local), build_shard(row.split, src, row.hf_names(layer), layout.tp, tp_rank, geo)
+            on_tensor()
+    if _ties_output_here(spec, layout, pp_rank):
+        emb = embedding_row(family)
+        yield "output_layer.weight", build_shard(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
+
+
+class TensorSource:
+    """A Source (see toolkit.splits) over tensors already in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        if rows is not None:
+            t = t[rows]
+        return t if cols is None else t[:, cols]

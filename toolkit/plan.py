@@ -1,0 +1,158 @@
+"""`plan`: every valid (TP, PP, DP, ZeRO, offload, micro-batch, recompute) layout for a model on a
+GPU budget, the ones that fit in memory, ranked by a simple throughput model.
+
+A layout is valid when `toolkit.dsconfig.build` accepts it (so `plan` can never propose a config
+the builder would refuse); it fits when `toolkit.memory.estimate` stays within the GPU memory
+(and the host memory, if given). TP stays inside a node. When nothing fits, the result says so
+and says what would: offload, more GPUs, or recompute.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from toolkit.dsconfig import OptimizerSettings, Setup, build
+from toolkit.errors import ConfigError
+from toolkit.families.spec import ModelSpec
+from toolkit.memory import GIB, GPU, Estimate, estimate
+from toolkit.throughput import Hardware, StepTime, step_time
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = ("none", "selective", "full")
+# (optimizer, parameter) offload options, least traffic first
+OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
+MAX_PP = 16
+# How far `plan` looks for "more GPUs would fit": node counts up to this multiple.
+MAX_GPU_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory: int  # bytes
+    gpus_per_node: int = 8
+    host_memory_per_node: int | None = None  # bytes; None = don't limit offload
+    hardware: Hardware = field(default_factory=Hardware)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: Setup
+    recompute: str
+    memory: Estimate
+    time: StepTime
+
+    @property
+    def offloaded(self) -> bool:
+        return self.setup.offload_optimizer != "none" or self.setup.offload_param != "none"
+
+    def explain(self, cluster: Cluster) -> str:
+        s, t = self.setup, self.time
+        parts = [
+            f"TP{s.tp} {'in-node' if s.tp <= cluster.gpus_per_node else 'ACROSS nodes'}",
+            f"PP{s.pp} bubble {t.bubble:.0%} (m={s.micro_batches})" if s.pp > 1 else "no PP",
+            f"DP{s.dp} ZeRO-{s.zero}" + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
+            f"mb {s.micro_batch}, recompute {self.recompute}",
+        ]
+        if self.offloaded:
+            parts.append(f"offload {s.offload_optimizer}/{s.offload_param} {t.offload:.2f}s, "
+                         f"host {self.memory.host_bytes_per_gpu * cluster.gpus_per_node / GIB:.0f} GiB/node")
+        parts.append(f"{self.memory.gpu_bytes / GIB:.1f}/{cluster.gpu_memory / GIB:.0f} GiB")
+        return "; ".join(parts) + f" -> ~{t.tokens_per_gpu_s:,.0f} tok/s/GPU"
+
+
+@dataclass
+class Plan:
+    cluster: Cluster
+    ranked: list[Candidate]  # fitting layouts, best first
+    smallest: Candidate | None  # the least memory of all, when nothing fits
+    advice: list[str]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def fits_without_offload(self) -> bool:
+        return any(not c.offloaded for c in self.ranked)
+
+
+def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: int | None = None,
+         precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True) -> Plan:
+    global_batch = global_batch or default_global_batch(cluster.gpus)
+    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload))
+    fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
+    smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
+    result = Plan(cluster, fitting, None if fitting else smallest, [])
+    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result)
+    return result
+
+
+def default_global_batch(gpus: int) -> int:
+    """A global batch every DP size of this cluster divides: GPUs x 4 sequences, at least 64."""
+    return max(64, 4 * gpus)
+
+
+def layouts(spec: ModelSpec, gpus: int, gpus_per_node: int):
+    """(TP, PP) pairs megatron-core can build for this model; TP within one node."""
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= min(gpus_per_node, gpus)):
+        for pp in (p for p in range(1, min(MAX_PP, spec.num_layers) + 1) if spec.num_layers % p == 0):
+            if gpus % (tp * pp) == 0:
+                yield tp, pp
+
+
+def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload):
+    offloads = OFFLOADS if allow_offload else OFFLOADS[:1]
+    for (tp, pp), zero, offload, micro in itertools.product(
+            layouts(spec, cluster.gpus, cluster.gpus_per_node), range(4), offloads, MICRO_BATCHES):
+        setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, zero=zero, precision=precision, micro_batch=micro,
+                      global_batch=global_batch, offload_optimizer=offload[0], offload_param=offload[1],
+                      schedule=schedule, optimizer=OptimizerSettings())
+        try:
+            build(setup, spec)
+        except ConfigError:
+            continue
+        for recompute in RECOMPUTE:
+            memory = estimate(spec, setup, seq_len, recompute, GPU)
+            yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
+                                                                 cluster.gpus_per_node, cluster.hardware))
+
+
+def _fits(c: Candidate, cluster: Cluster) -> bool:
+    if not c.memory.fits(cluster.gpu_memory):
+        return False
+    host = c.memory.host_bytes_per_gpu * cluster.gpus_per_node
+    return cluster.host_memory_per_node is None or host <= cluster.host_memory_per_node
+
+
+def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan) -> list[str]:
+    budget = f"{cluster.gpus} x {cluster.gpu_memory / GIB:.0f} GiB"
+    if result.fits_without_offload:
+        return [f"{len(result.ranked)} layouts fit in {budget}"]
+    advice = [f"nothing fits in {budget} without offload"]
+    if result.smallest is not None:
+        s = result.smallest
+        advice.append(f"the smallest layout needs {s.memory.gpu_bytes / GIB:.1f} GiB per GPU "
+                      f"(TP{s.setup.tp} PP{s.setup.pp} ZeRO-{s.setup.zero}, recompute {s.recompute})")
+    offloaded = [c for c in result.ranked if c.offloaded]
+    if offloaded:
+        host = offloaded[0].memory.host_bytes_per_gpu * cluster.gpus_per_node / GIB
+        advice.append(f"offload fits: {len(offloaded)} layouts, best ZeRO-{offloaded[0].setup.zero} with "
+                      f"{offloaded[0].setup.offload_optimizer}/{offloaded[0].setup.offload_param} offload "
+                      f"(needs ~{host:.0f} GiB host memory per node)")
+    more = _more_gpus(spec, cluster, seq_len, precision, schedule)
+    if more:
+        advice.append(f"more GPUs: {more} GPUs fit without offload")
+    return advice
+
+
+def _more_gpus(spec, cluster, seq_len, precision, schedule) -> int | None:
+    """The smallest multiple of a node that fits without offload (recompute included)."""
+    node = cluster.gpus_per_node
+    for gpus in range(cluster.gpus + node, cluster.gpus * MAX_GPU_MULTIPLE + 1, node):
+        bigger = Cluster(gpus, cluster.gpu_memory, node, cluster.host_memory_per_node, cluster.hardware)
+        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False):
+            if c.setup.micro_batch == 1 and c.recompute == "full" and _fits(c, bigger):
+                return gpus
+    return None

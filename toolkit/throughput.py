@@ -1,0 +1,111 @@
+"""A deliberately simple step-time model, to rank layouts that fit (not to predict absolute speed).
+
+    step = compute / (1 - pipeline bubble) + TP all-reduces + DP gradient traffic + offload
+
+Each term is written so the ranking prefers less communication: TP inside a node (NVLink), PP
+across nodes, few pipeline bubbles ((PP-1)/(m+PP-1)), ZeRO stages that move fewer bytes, and no
+offload unless needed. Hardware numbers are named below with their source; override them through
+`Hardware` for other machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.dsconfig import Setup
+from toolkit.families.spec import ModelSpec
+from toolkit.memory.params import total_params
+
+# H100 SXM dense bf16 peak; Megatron-Core's H100 table reports 41-48% MFU against it.
+H100_BF16_FLOPS = 989e12
+# Fraction of peak a large, well-shaped GEMM-bound step reaches before the terms below.
+BASE_EFFICIENCY = 0.5
+# Tokens per micro-batch at which GEMMs reach half of BASE_EFFICIENCY's headroom: small
+# micro-batches under-fill the GPU. An assumption, tuned to rank, not measured here.
+HALF_EFFICIENCY_TOKENS = 512
+# NVLink 4 on H100: 450 GB/s per direction; InfiniBand NDR: 400 Gb/s = 50 GB/s per GPU.
+NVLINK_BYTES_PER_S = 450e9
+INFINIBAND_BYTES_PER_S = 50e9
+# Host link for offload (PCIe Gen5 x16 is ~64 GB/s; ~25 GB/s sustained in practice) and the
+# parameters per second DeepSpeedCPUAdam updates on one GPU's share of host cores.
+PCIE_BYTES_PER_S = 25e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+# Hardware FLOPs multiplier: full recompute runs every forward twice (Korthikanti et al.).
+RECOMPUTE_FLOPS = {"none": 1.0, "selective": 1.02, "full": 4 / 3}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    flops: float = H100_BF16_FLOPS
+    intra_node: float = NVLINK_BYTES_PER_S
+    inter_node: float = INFINIBAND_BYTES_PER_S
+    pcie: float = PCIE_BYTES_PER_S
+    cpu_adam: float = CPU_ADAM_PARAMS_PER_S
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    bubble: float  # fraction of the step the pipeline idles
+    tp_comm: float
+    dp_comm: float
+    offload: float
+    tokens_per_gpu_s: float
+
+    @property
+    def total(self) -> float:
+        return self.compute / (1 - self.bubble) + self.tp_comm + self.dp_comm + self.offload
+
+
+def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_per_node: int,
+              hw: Hardware = Hardware()) -> StepTime:
+    n = total_params(spec)
+    tokens = setup.samples_per_step * seq_len
+    # 6N per token for the matmuls, plus causal attention (torchtitan's 6*L*h*s, halved for causality)
+    flops = tokens * (6 * n + 6 * spec.num_layers * spec.hidden_size * seq_len) * RECOMPUTE_FLOPS[recompute]
+    micro_tokens = setup.micro_batch * seq_len
+    efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
+    compute = flops / (setup.gpus * hw.flops * efficiency)
+    m = setup.micro_batches
+    bubble = (setup.pp - 1) / (m + setup.pp - 1)
+    tp_comm = _tp_comm(spec, setup, seq_len, hw, gpus_per_node)
+    dp_comm = _dp_comm(n, setup, hw, gpus_per_node)
+    offload = _offload(n, setup, hw)
+    step = StepTime(compute, bubble, tp_comm, dp_comm, offload, 0.0)
+    return StepTime(compute, bubble, tp_comm, dp_comm, offload, tokens / step.total / setup.gpus)
+
+
+def _bytes(setup: Setup) -> int:
+    return 4 if setup.precision == "fp32" else 2
+
+
+def _tp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:
+    """Two all-reduces of the [s, b, h] activations per layer forward and two backward."""
+    if setup.tp == 1:
+        return 0.0
+    bandwidth = hw.intra_node if setup.tp <= gpus_per_node else hw.inter_node
+    ring = 2 * (setup.tp - 1) / setup.tp
+    per_layer = 4 * ring * setup.micro_batch * seq_len * spec.hidden_size * _bytes(setup)
+    return per_layer * spec.num_layers / setup.pp * setup.micro_batches / bandwidth
+
+
+def _dp_comm(n, setup, hw, gpus_per_node) -> float:
+    """ZeRO paper §7: ZeRO-0/1/2 move 2 x the local parameters per step, ZeRO-3 3 x. The DP
+    group leaves the node as soon as one replica (TP x PP) plus one more doesn't fit in it."""
+    if setup.dp == 1:
+        return 0.0
+    volume = (3 if setup.zero == 3 else 2) * (setup.dp - 1) / setup.dp * n / (setup.tp * setup.pp) * _bytes(setup)
+    inside = setup.tp * setup.pp * setup.dp <= gpus_per_node
+    return volume / (hw.intra_node if inside else hw.inter_node)
+
+
+def _offload(n, setup, hw) -> float:
+    """Gradients down and parameters up over PCIe, the Adam step on host cores; with parameter
+    offload, the parameters also cross PCIe for every forward and backward."""
+    local = n / (setup.tp * setup.pp * setup.dp)
+    t = 0.0
+    if setup.offload_optimizer != "none":
+        t += local * (4 + _bytes(setup)) / hw.pcie + local / hw.cpu_adam
+    if setup.offload_param != "none":
+        t += 2 * setup.micro_batches * local * _bytes(setup) / hw.pcie
+    return t
