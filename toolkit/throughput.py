@@ -1,10 +1,12 @@
 """A deliberately simple step-time model, to rank layouts that fit (not to predict absolute speed).
 
-    step = compute / (1 - pipeline bubble) + TP all-reduces + DP gradient traffic + offload
+    step = compute of the slowest stage / (1 - pipeline bubble)
+           + TP all-reduces + pipeline sends + DP gradient traffic + offload
 
 Each term is written so the ranking prefers less communication: TP inside a node (NVLink), PP
-across nodes, few pipeline bubbles ((PP-1)/(m+PP-1)), ZeRO stages that move fewer bytes, and no
-offload unless needed. Hardware numbers are named below with their source; override them through
+across nodes, few pipeline bubbles ((PP-1)/(m+PP-1)), stages of equal work (the last one also
+runs the output layer), ZeRO stages that move fewer bytes, and no offload unless needed. Ranks
+are placed the way megatron-core orders them (TP innermost, then DP, then PP). Hardware numbers are named below with their source; override them through
 `Hardware` for other machines.
 """
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 from toolkit.dsconfig import Setup
 from toolkit.families.spec import ModelSpec
-from toolkit.memory.params import total_params
+from toolkit.layouts import Layout
+from toolkit.memory.params import stage_param_numels, total_params
 
 # H100 SXM dense bf16 peak; Megatron-Core's H100 table reports 41-48% MFU against it.
 H100_BF16_FLOPS = 989e12
@@ -59,20 +62,29 @@ class StepTime:
 
 def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_per_node: int,
               hw: Hardware = Hardware()) -> StepTime:
-    n = total_params(spec)
     tokens = setup.samples_per_step * seq_len
-    # 6N per token for the matmuls, plus causal attention (torchtitan's 6*L*h*s, halved for causality)
-    flops = tokens * (6 * n + 6 * spec.num_layers * spec.hidden_size * seq_len) * RECOMPUTE_FLOPS[recompute]
+    flops = tokens * setup.pp * _slowest_stage_flops_per_token(spec, setup, seq_len) * RECOMPUTE_FLOPS[recompute]
     micro_tokens = setup.micro_batch * seq_len
     efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     compute = flops / (setup.gpus * hw.flops * efficiency)
     m = setup.micro_batches
     bubble = (setup.pp - 1) / (m + setup.pp - 1)
-    tp_comm = _tp_comm(spec, setup, seq_len, hw, gpus_per_node)
-    dp_comm = _dp_comm(n, setup, hw, gpus_per_node)
+    n = total_params(spec)
+    comm = (_tp_comm(spec, setup, seq_len, hw, gpus_per_node), _pp_comm(spec, setup, seq_len, hw, gpus_per_node),
+            _dp_comm(n, setup, hw, gpus_per_node))
     offload = _offload(n, setup, hw)
-    step = StepTime(compute, bubble, tp_comm, dp_comm, offload, 0.0)
-    return StepTime(compute, bubble, tp_comm, dp_comm, offload, tokens / step.total / setup.gpus)
+    step = StepTime(compute, bubble, comm[0] + comm[1], comm[2], offload, 0.0)
+    return StepTime(compute, bubble, comm[0] + comm[1], comm[2], offload, tokens / step.total / setup.gpus)
+
+
+def _slowest_stage_flops_per_token(spec, setup, seq_len) -> float:
+    """6 x the matmul parameters of a stage (the embedding is a lookup) plus causal attention
+    (torchtitan's 6*L*h*s, halved for causality); the pipeline runs at its slowest stage."""
+    lookup = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size) * spec.hidden_size
+    layers = spec.num_layers // setup.pp
+    stages = (0, setup.pp - 1)
+    matmul = max(sum(stage_param_numels(spec, setup.tp, setup.pp, s)) * setup.tp - (s == 0) * lookup for s in stages)
+    return 6 * matmul + 6 * layers * spec.hidden_size * seq_len
 
 
 def _bytes(setup: Setup) -> int:
@@ -89,13 +101,22 @@ def _tp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:
     return per_layer * spec.num_layers / setup.pp * setup.micro_batches / bandwidth
 
 
+def _pp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:
+    """Each micro-batch's activations go forward and their gradients back across a stage boundary."""
+    if setup.pp == 1:
+        return 0.0
+    inside = setup.gpus <= gpus_per_node
+    size = setup.micro_batch * seq_len * spec.hidden_size * _bytes(setup)
+    return 2 * setup.micro_batches * size / (hw.intra_node if inside else hw.inter_node)
+
+
 def _dp_comm(n, setup, hw, gpus_per_node) -> float:
-    """ZeRO paper §7: ZeRO-0/1/2 move 2 x the local parameters per step, ZeRO-3 3 x. The DP
-    group leaves the node as soon as one replica (TP x PP) plus one more doesn't fit in it."""
+    """ZeRO paper §7: ZeRO-0/1/2 move 2 x the local parameters per step, ZeRO-3 3 x. A DP group
+    spans TP x DP consecutive ranks."""
     if setup.dp == 1:
         return 0.0
     volume = (3 if setup.zero == 3 else 2) * (setup.dp - 1) / setup.dp * n / (setup.tp * setup.pp) * _bytes(setup)
-    inside = setup.tp * setup.pp * setup.dp <= gpus_per_node
+    inside = setup.tp * setup.dp <= gpus_per_node
     return volume / (hw.intra_node if inside else hw.inter_node)
 
 

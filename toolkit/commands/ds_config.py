@@ -54,6 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="HF model directory, config.json, or a checkpoint written by `toolkit convert`")
     add_cluster_args(p)
+    add_training_args(p)
+    _add_optimizer_args(p)
+    _add_output_args(p)
+    return p
+
+
+def add_cluster_args(p, layout: bool = True) -> None:
+    p.add_argument("--gpus", type=int, help="total GPU count (or --nodes x --gpus-per-node)")
+    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    if layout:
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+
+
+def add_training_args(p) -> None:
+    """ZeRO, offload, precision, batch and schedule: what both the config and the memory depend on."""
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
     p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none")
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none")
@@ -65,17 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all GPUs (default micro x DP)")
     p.add_argument("--schedule", choices=("deepspeed", "megatron"), default="deepspeed",
                    help="who runs the micro-batches (default deepspeed; the toolkit recipe uses megatron)")
-    _add_optimizer_args(p)
-    _add_output_args(p)
-    return p
-
-
-def add_cluster_args(p) -> None:
-    p.add_argument("--gpus", type=int, help="total GPU count (or --nodes x --gpus-per-node)")
-    p.add_argument("--nodes", type=int, help="number of nodes")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -134,18 +140,26 @@ def total_gpus(args) -> int | None:
     return args.gpus
 
 
-def _setup(args):
-    from toolkit.dsconfig import Monitoring, OptimizerSettings, SchedulerSettings, Setup
+def training_setup(args, **more):
+    """Setup from add_cluster_args + add_training_args flags (more: the remaining Setup fields)."""
+    from toolkit.dsconfig import Setup
 
     gpus = total_gpus(args)
     if gpus is None:
         raise ConfigError("give --gpus N, or --nodes N (with --gpus-per-node)")
-    scheduler = SCHEDULER_NAMES[args.scheduler]
     return Setup(
         gpus=gpus, tp=args.tp, pp=args.pp, zero=args.zero, precision=precision_from_flags(args.precisions),
         micro_batch=args.micro_batch, global_batch=args.global_batch,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param, nvme_path=args.nvme_path,
-        schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
+        schedule=args.schedule, **more)
+
+
+def _setup(args):
+    from toolkit.dsconfig import Monitoring, OptimizerSettings, SchedulerSettings
+
+    scheduler = SCHEDULER_NAMES[args.scheduler]
+    return training_setup(
+        args, activation_checkpointing=args.activation_checkpointing,
         gradient_clipping=args.gradient_clipping, hf_trainer=args.hf_trainer,
         optimizer=OptimizerSettings(args.optimizer, args.lr, tuple(args.betas), args.eps, args.weight_decay,
                                     args.torch_adam),

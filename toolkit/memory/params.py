@@ -3,6 +3,7 @@ converter uses), so the count is exact for every TP x PP layout."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 from toolkit.families import family_named
@@ -14,7 +15,8 @@ EMBEDDING_PREFIX = "embedding."
 LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
 
 
-def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[int, ...]:
     """Element count of every parameter tensor on one TP rank of pipeline stage `stage`."""
     family = family_named(spec.family)
     padded_vocab = Layout(tp, pp).padded_vocab(spec.vocab_size)
@@ -32,9 +34,10 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int) -> list[in
             numels += [numel] * (spec.tied_embeddings and last and not first)
         elif row.megatron.startswith(LAST_STAGE_PREFIXES):
             numels += [numel] * last
-    return numels
+    return tuple(numels)
 
 
+@functools.lru_cache(maxsize=64)
 def total_params(spec: ModelSpec) -> int:
     """Parameters of the whole model (true vocab, tied embeddings counted once)."""
     family = family_named(spec.family)

@@ -69,7 +69,7 @@ class ModelStates:
         return self.params + self.grads + self.optimizer + self.buffers
 
 
-def model_states(numels: list[int], weight_bytes: int, dp: int, zero: ZeroSettings,
+def model_states(numels, weight_bytes: int, dp: int, zero: ZeroSettings,
                  backward_calls: int = 1) -> ModelStates:
     """Bytes one rank holds for its parameter tensors `numels` (weight_bytes: 2 for bf16/fp16,
     4 for fp32; backward_calls: backward passes per optimizer step on this rank)."""

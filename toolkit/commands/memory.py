@@ -1,0 +1,69 @@
+"""`toolkit memory`: per-GPU memory of one layout, stage by stage, and whether it fits."""
+
+from __future__ import annotations
+
+
+
+DESCRIPTION = """\
+Estimate memory per GPU for one TP x PP x DP x ZeRO layout: parameters, gradients and optimizer
+states (as DeepSpeed allocates them), activations per pipeline stage (1F1B keeps up to PP
+micro-batches in flight on the first stage), buffers, and host memory when offloading. With
+--gpu-memory it says whether the layout fits and, if not, what would (see `toolkit plan`).
+"""
+
+
+def register(sub) -> None:
+    import argparse
+
+    from toolkit.commands.ds_config import add_cluster_args, add_training_args
+
+    p = sub.add_parser("memory", help="per-GPU memory estimate of one layout", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="HF model directory, config.json, or a converted checkpoint")
+    add_cluster_args(p)
+    add_training_args(p)
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (TP > 1)")
+    p.add_argument("--kernels", choices=("gpu", "cpu"), default="gpu",
+                   help="gpu: Transformer Engine kernels (default); cpu: megatron-core's local spec")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB: say whether the layout fits")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from toolkit import modelspec
+    from toolkit.commands.ds_config import training_setup
+    from toolkit.memory import CPU_LOCAL, GPU, estimate
+    from toolkit.units import gib, parse_size
+
+    setup = training_setup(args)
+    spec = modelspec.read(args.model)
+    est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
+                   args.sequence_parallel)
+    print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}, ZeRO-{setup.zero}, {setup.precision}, micro-batch "
+          f"{setup.micro_batch} x {setup.micro_batches} per step, sequence {args.seq_len}, recompute {args.recompute}")
+    print("\n".join(est.table(args.gpus_per_node)))
+    if not args.gpu_memory:
+        return 0
+    limit = parse_size(args.gpu_memory)
+    if est.fits(limit):
+        print(f"fits: {gib(est.gpu_bytes)} of {gib(limit)} on the fullest GPU (stage {est.peak.stage})")
+        return 0
+    print(f"does not fit: {gib(est.gpu_bytes)} > {gib(limit)} on stage {est.peak.stage}")
+    _suggest(spec, setup, args, limit)
+    return 1
+
+
+def _suggest(spec, setup, args, limit) -> None:
+    from toolkit.plan import Cluster, plan
+
+    result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step,
+                  setup.precision, setup.schedule)
+    for line in result.advice:
+        print(f"note: {line}")
+    if result.best is not None:
+        print(f"note: best fitting layout: {result.best.explain(result.cluster)}")
+
+
+

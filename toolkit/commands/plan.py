@@ -1,0 +1,90 @@
+"""`toolkit plan`: rank the TP x PP x DP x ZeRO layouts that fit a model on a GPU budget, and write
+the best one's DeepSpeed config."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+
+DESCRIPTION = """\
+Enumerate valid (TP, PP, DP, ZeRO, offload, micro-batch, recompute) layouts, drop those whose
+estimated per-GPU memory (model states + activations + buffers + a 2 GiB runtime reserve)
+exceeds --gpu-memory, and rank the rest by a simple throughput model (TP inside a node, PP
+across nodes, pipeline bubble (PP-1)/(m+PP-1), DP/ZeRO traffic, offload over PCIe). One line per
+layout says why. When nothing fits, it says what would (offload, more GPUs, recompute).
+
+The best layout's DeepSpeed config (megatron-core schedule mode, for the toolkit's recipe) is
+written to ds_configs/ unless --no-write.
+"""
+
+
+def register(sub) -> None:
+    from toolkit.commands.ds_config import add_cluster_args
+
+    p = sub.add_parser("plan", help="rank the 3D layouts that fit a model on a GPU budget",
+                       description=DESCRIPTION, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF model directory, config.json, or a converted checkpoint")
+    add_cluster_args(p, layout=False)
+    p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
+    p.add_argument("--host-memory", help="host memory per node, e.g. 2TiB (limits offload; default: unlimited)")
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 4 x GPUs, at least 64)")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--schedule", choices=("megatron", "deepspeed"), default="megatron",
+                   help="schedule mode of the written config (default megatron, the toolkit's recipe)")
+    p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
+    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument("-o", "--output", help="where to write the best layout's config (default ds_configs/plan-...)")
+    p.add_argument("--no-write", action="store_true", help="don't write a config")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from toolkit import modelspec
+    from toolkit.commands.ds_config import total_gpus
+    from toolkit.memory.params import total_params
+    from toolkit.plan import Cluster, plan
+    from toolkit.units import gib, parse_size
+
+    gpus = total_gpus(args)
+    if gpus is None:
+        raise ConfigError("give --gpus N, or --nodes N (with --gpus-per-node)")
+    spec = modelspec.read(args.model)
+    cluster = Cluster(gpus, parse_size(args.gpu_memory), args.gpus_per_node,
+                      parse_size(args.host_memory) if args.host_memory else None)
+    result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
+                  allow_offload=not args.no_offload)
+    batch = result.best.setup.samples_per_step if result.best else args.global_batch
+    print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
+          f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")
+    for i, candidate in enumerate(result.ranked[:args.top], 1):
+        print(f"{i:>3}. {candidate.explain(cluster)}")
+    for line in result.advice:
+        print(f"note: {line}")
+    if result.best is None:
+        return 1
+    print("\n".join(result.best.memory.table(args.gpus_per_node)))
+    if not args.no_write:
+        _write(args, spec, result.best)
+    return 0
+
+
+def _write(args, spec, best) -> None:
+    from toolkit.dsconfig import build
+
+    path = Path(args.output or f"ds_configs/plan-{_slug(args.model)}-{best.setup.gpus}gpu.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(build(best.setup, spec), indent=2) + "\n")
+    s = best.setup
+    print(f"wrote {path}: TP {s.tp} x PP {s.pp} x DP {s.dp}, ZeRO-{s.zero}, micro-batch {s.micro_batch}; "
+          f"run the recipe with recompute={best.recompute}", file=sys.stderr)
+
+
+def _slug(model: str) -> str:
+    p = Path(model)
+    name = p.parent.name if p.name == "config.json" else p.name
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
