@@ -1,0 +1,124 @@
+"""`plan` on public architectures: layouts that match well-known practice, never an invalid one.
+
+The Llama-3-8B and Llama-3-70B config.json files are in ds_configs/models/ (the published HF
+configs, written out; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ds_oracle import oracle  # noqa: F401 - fixture
+from toolkit.dsconfig import build, check
+from toolkit.layouts import Layout
+from toolkit.memory import GIB
+from toolkit.memory.params import total_params
+from toolkit.modelspec import read
+from toolkit.plan import Cluster, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "ds_configs" / "models"
+H100 = 80 * GIB
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return read(MODELS / "llama-3-8b")
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return read(MODELS / "llama-3-70b")
+
+
+@pytest.fixture(scope="module")
+def plans(llama8b, llama70b):
+    return {
+        "8b@8": plan(llama8b, Cluster(8, H100)),
+        "70b@8": plan(llama70b, Cluster(8, H100)),
+        "70b@64": plan(llama70b, Cluster(64, H100)),
+    }
+
+
+def test_70b_full_finetune_does_not_fit_8_gpus_without_offload_and_offload_is_offered(plans, llama70b):
+    """Adam in mixed precision needs ~16 bytes per parameter of model states (ZeRO paper §3):
+    70.6B x 16 = 1.13 TB, more than 8 x 80 GiB = 687 GB even fully sharded with ZeRO-3."""
+    assert 16 * total_params(llama70b) > 8 * H100
+    p = plans["70b@8"]
+    assert not p.fits_without_offload
+    assert p.advice[0] == "nothing fits in 8 x 80 GiB without offload"
+    assert p.ranked, "offload layouts must be offered"
+    assert all(c.setup.offload_optimizer == "cpu" and c.setup.zero >= 1 for c in p.ranked)
+    assert any("offload fits" in line for line in p.advice)
+    # Offloading the optimizer moves its 12 bytes/param plus the 4-byte fp32 gradients to the
+    # host: ~16 x 70.6B = 1.13 TB spread over the node's 8 GPUs.
+    host_per_node = p.ranked[0].memory.host_bytes_per_gpu * 8
+    assert 0.9e12 < host_per_node < 1.3e12
+    assert any(line.startswith("more GPUs:") for line in p.advice)
+
+
+def test_70b_fits_64_gpus_with_tp_4_or_more_and_zero_1_or_zero_3(plans):
+    """At 64 GPUs, 1.13 TB of model states divided by TP x PP (ZeRO-1 shards the optimizer
+    further over DP) or by 64 (ZeRO-3) leaves room for activations: both families must be found,
+    and the best layout keeps TP inside a node."""
+    p = plans["70b@64"]
+    assert p.fits_without_offload
+    assert not p.best.offloaded  # offload only adds host traffic when it is not needed
+    assert any(c.setup.tp >= 4 and c.setup.zero == 1 for c in p.ranked)
+    assert any(c.setup.zero == 3 for c in p.ranked)
+    best = p.best.setup
+    assert best.tp >= 4 and best.tp <= 8
+    assert best.zero == 3 or best.zero <= 1 and best.tp * best.pp >= 8
+
+
+def test_8b_on_one_node_needs_no_pipeline(plans, llama8b):
+    """8B x 16 bytes = 128 GB of model states shard over 8 GPUs with ZeRO-2/3 (16 GB each):
+    pipeline stages would only add a bubble, so the best layouts use PP = 1 and little TP."""
+    p = plans["8b@8"]
+    assert p.fits_without_offload
+    for c in p.ranked[:5]:
+        assert c.setup.pp == 1 and c.setup.tp <= 2, c.explain(p.cluster)
+
+
+def test_plan_never_proposes_an_invalid_layout(plans, llama8b, llama70b, oracle):
+    specs = {"8b@8": llama8b, "70b@8": llama70b, "70b@64": llama70b}
+    for name, p in plans.items():
+        spec = specs[name]
+        for c in p.ranked:
+            s = c.setup
+            Layout(s.tp, s.pp).check(spec)
+            assert s.tp <= p.cluster.gpus_per_node and s.gpus == s.tp * s.pp * s.dp
+            assert s.pp == 1 or s.zero <= 1
+            assert c.memory.gpu_bytes <= p.cluster.gpu_memory
+            config = build(s, spec)
+            assert oracle.accepts(config, s.dp), (name, c.explain(p.cluster))
+            assert check(config, gpus=s.gpus, tp=s.tp, pp=s.pp).ok
+
+
+def test_each_row_explains_its_rank(plans):
+    p = plans["70b@64"]
+    lines = [c.explain(p.cluster) for c in p.ranked[:10]]
+    assert all("GiB" in line and "tok/s/GPU" in line and "ZeRO-" in line for line in lines)
+    rates = [c.time.tokens_per_gpu_s for c in p.ranked]
+    assert rates == sorted(rates, reverse=True)
+    pipelined = next(c for c in p.ranked if c.setup.pp > 1)
+    m, pp = pipelined.setup.micro_batches, pipelined.setup.pp
+    assert pipelined.time.bubble == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_plan_cli_writes_the_best_config_into_ds_configs_style_path(tmp_path):
+    out = tmp_path / "ds_configs" / "best.json"
+    run = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", str(MODELS / "llama-3-70b"),
+                          "--gpus", "8", "--gpu-memory", "80GiB", "--top", "3", "-o", str(out)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "nothing fits in 8 x 80 GiB without offload" in run.stdout
+    assert "offload: host memory" in run.stdout  # the breakdown table of the chosen layout
+    config = json.loads(out.read_text())
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["managed_gradient_accumulation"] is False  # the recipe's schedule mode
