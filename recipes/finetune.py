@@ -70,7 +70,7 @@ def finetune(config_path, overrides) -> int:
     num_microbatches = train_data.num_microbatches
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule.
-    ds_config = build.ds_config(cfg, dp, num_microbatches)
+    ds_config = build.ds_config(cfg, meta, dp)
     from toolkit.train.parallel import build_engine
 
     engine = build_engine(model, cfg, ds_config)

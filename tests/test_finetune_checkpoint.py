@@ -69,6 +69,10 @@ def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout_refused(m
     assert len(offline) == 1 and list(offline[0].glob("*.wandb")), "the offline W&B run holds our records"
     resolved = json.loads((run / "resolved_config.json").read_text())
     assert resolved["deepspeed"]["gradient_accumulation_steps"] == 1 and "wandb" not in resolved["deepspeed"]
+    from toolkit.dsconfig import check
+
+    report = check(resolved["deepspeed"], gpus=2, tp=1, pp=1)
+    assert report.ok, report.lines()
 
     cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4)
     result = launch(2, cfg, "resume=auto", expect_failure=True)

@@ -56,27 +56,30 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     return model, layout
 
 
-def ds_config(cfg: TrainConfig, dp: int, num_microbatches: int) -> dict:
-    """DeepSpeed config in megatron-core schedule mode: the schedule runs the micro-batches and
-    DeepSpeed sees one step per global batch (see toolkit.dsconfig)."""
-    config = {
-        "train_batch_size": cfg.global_batch,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch * num_microbatches,
-        "gradient_accumulation_steps": 1,
-        "managed_gradient_accumulation": False,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "gradient_clipping": cfg.optim.clip_grad,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
-                       "weight_decay": cfg.optim.weight_decay, "torch_adam": True},
-        },
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    return config
+def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
+    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
+    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
+    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none."""
+    from toolkit.dsconfig import OptimizerSettings, Setup, build
+    from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
+
+    o = cfg.optim
+    setup = Setup(
+        gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+        zero=cfg.parallel.zero_stage,
+        precision=cfg.precision,
+        micro_batch=cfg.micro_batch,
+        global_batch=cfg.global_batch,
+        schedule=SCHEDULE_MEGATRON,
+        gradient_clipping=o.clip_grad,
+        steps_per_print=10**9,  # our trainer logs
+        optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                    torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
+        scheduler=None,
+    )
+    return build(setup, meta.model_spec)
 
 
 def build_data(cfg: TrainConfig, info: ParallelInfo, meta: CheckpointMeta):
