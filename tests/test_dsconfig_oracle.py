@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.ds_oracle import oracle  # noqa: F401 - fixture
-from toolkit.dsconfig import Monitoring, Setup, build, check
+from toolkit.dsconfig import Monitoring, SchedulerSettings, Setup, build, check
 from toolkit.errors import ConfigError
 from toolkit.modelspec import read
 
@@ -72,14 +72,16 @@ def test_grid_of_layouts_is_accepted_by_deepspeed_at_its_dp_and_only_there(oracl
     precision=st.sampled_from(["bf16", "fp16", "fp32"]), schedule=st.sampled_from(["deepspeed", "megatron"]),
     micro=st.integers(1, 8), steps=st.integers(1, 64), offload=st.sampled_from(["none", "cpu", "nvme"]),
     offload_param=st.sampled_from(["none", "cpu"]), monitors=st.booleans(),
+    scheduler=st.sampled_from([None, SchedulerSettings("WarmupCosineLR", 10, 100, 0.1),
+                               SchedulerSettings("WarmupDecayLR", 0, 100), SchedulerSettings("WarmupLR", 5, 100)]),
 )
 def test_any_setup_is_either_refused_or_accepted_by_deepspeed(oracle, model, gpus, tp, pp, zero, precision, schedule,
-                                                              micro, steps, offload, offload_param, monitors):
+                                                              micro, steps, offload, offload_param, monitors, scheduler):
     monitoring = Monitoring(tensorboard_dir="tb", csv_dir="csv") if monitors else Monitoring()
     try:
         setup = Setup(gpus=gpus, tp=tp, pp=pp, zero=zero, precision=precision, schedule=schedule, micro_batch=micro,
                       global_batch=micro * max(1, gpus // (tp * pp)) * steps, offload_optimizer=offload,
-                      offload_param=offload_param, nvme_path="/nvme", monitoring=monitoring)
+                      offload_param=offload_param, nvme_path="/nvme", monitoring=monitoring, scheduler=scheduler)
         config = build(setup, SPECS[model])
     except ConfigError:
         return

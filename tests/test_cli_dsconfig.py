@@ -1,0 +1,52 @@
+"""`toolkit ds-config`, `ds-config check`, `memory`: thin shells, one-line errors, lazy imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "ds_configs" / "models" / "llama-3-8b")
+
+
+def toolkit(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolkit", *argv], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_help_imports_neither_torch_nor_deepspeed():
+    code = ("import sys\nfrom toolkit.cli import build_parser\nbuild_parser().format_help()\n"
+            "heavy = [m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+
+
+def test_write_then_check_round_trip_and_exit_codes(tmp_path):
+    out = tmp_path / "z2.json"
+    run = toolkit("ds-config", MODEL, "--nodes", "2", "--zero", "2", "--micro-batch", "2", "--global-batch", "64",
+                  "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "TP 1 x PP 1 x DP 16, ZeRO-2" in run.stderr
+    assert json.loads(out.read_text())["gradient_accumulation_steps"] == 2
+    assert toolkit("ds-config", "check", str(out), "--gpus", "16").returncode == 0
+    wrong = toolkit("ds-config", "check", str(out), "--gpus", "8")
+    assert wrong.returncode == 1
+    assert "64 != train_micro_batch_size_per_gpu x gradient_accumulation_steps x DP = 2 x 2 x 8 = 32" in wrong.stdout
+
+
+def test_refusal_is_one_line_without_traceback():
+    run = toolkit("ds-config", MODEL, "--gpus", "16", "--pp", "2", "--zero", "3")
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("error: ZeRO-3 cannot be combined")
+    both = toolkit("ds-config", MODEL, "--gpus", "8", "--bf16", "--fp16")
+    assert both.stderr == "error: fp16 and bf16 cannot both be enabled (DeepSpeed asserts); choose one\n"
+
+
+def test_memory_says_what_would_fit():
+    run = toolkit("memory", str(ROOT / "ds_configs" / "models" / "llama-3-70b"), "--gpus", "8", "--zero", "3",
+                  "--recompute", "full", "--gpu-memory", "80GiB")
+    assert run.returncode == 1, run.stderr
+    assert "does not fit" in run.stdout and "nothing fits in 8 x 80 GiB without offload" in run.stdout
+    assert "optimizer states" in run.stdout and "activations" in run.stdout
