@@ -80,3 +80,23 @@ def packed_vs_unpacked_losses(checkpoint: str, documents: list[dict], seq_len: i
     single_loss = losses(single)[single["loss_mask"] > 0]
     assert packed_loss.shape == single_loss.shape
     return float((packed_loss - single_loss).abs().max())
+
+
+def fail_on_rank_one(message: str) -> int:
+    import os
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        raise ValueError(message)
+    return rank
+
+
+def die_on_rank_one() -> int:
+    import os
+
+    if os.environ["RANK"] == "1":
+        os._exit(7)
+    import time
+
+    time.sleep(60)  # would wait for rank 1 forever in a collective
+    return 0

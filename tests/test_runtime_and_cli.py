@@ -1,0 +1,56 @@
+"""The process launcher, the CPU compatibility layer's bookkeeping, and the CLI shell."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toolkit.errors import DistributedError
+from toolkit.runtime.launch import run_on_processes
+
+
+def test_launcher_surfaces_the_failing_ranks_traceback():
+    with pytest.raises(DistributedError, match=r"rank 1 of 2 failed(.|\n)*ValueError: planted failure"):
+        run_on_processes("tests.mp_workers:fail_on_rank_one", 2, "planted failure")
+
+
+def test_launcher_fails_fast_when_a_rank_dies():
+    began = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 1 died with exit code 7"):
+        run_on_processes("tests.mp_workers:die_on_rank_one", 2)
+    assert time.monotonic() - began < 30, "the surviving rank must be killed, not waited for"
+
+
+def test_cpu_patches_name_their_upstream_spots():
+    from toolkit.runtime import cpu_compat
+
+    assert set(cpu_compat._PATCHES) == set(cpu_compat.UPSTREAM_SPOTS)
+    assert all(".py:" in spot for spot in cpu_compat.UPSTREAM_SPOTS.values())
+
+
+def toolkit(*args):
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True)
+
+
+def test_help_is_fast_and_lists_every_command():
+    began = time.monotonic()
+    result = toolkit("--help")
+    assert result.returncode == 0 and time.monotonic() - began < 3, "heavy libraries must be imported lazily"
+    for command in ("convert", "quickstart", "ds-config", "plot"):
+        assert command in result.stdout
+    assert "Memory" in toolkit("convert", "verify", "--help").stdout
+
+
+def test_cli_vocab_divisor_default_is_the_library_default():
+    from toolkit.commands import convert
+    from toolkit.layouts import DEFAULT_VOCAB_DIVISOR
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    convert.register(parser.add_subparsers())
+    args = parser.parse_args(["convert", "hf-to-megatron", "a", "b"])
+    assert args.vocab_divisor == DEFAULT_VOCAB_DIVISOR
