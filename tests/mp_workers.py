@@ -18,12 +18,13 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) ->
 
     from toolkit.convert.metadata import CheckpointMeta
     from toolkit.convert.torch_format import load_trusted_types
+    from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, load_converted
     from toolkit.runtime.distributed import init_parallel
 
     init_parallel(1, 1)
     meta = CheckpointMeta.read(Path(dist_dir))
-    model = build_gpt_model(meta.model_spec, meta.layout.__class__(1, 1, meta.vocab_divisor), torch.bfloat16)
+    model = build_gpt_model(meta.model_spec, Layout(1, 1, meta.vocab_divisor), torch.bfloat16)
     load_converted(model, dist_dir)
     sharded_keys = {v.key for v in model.sharded_state_dict().values()}
 

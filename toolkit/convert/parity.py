@@ -17,6 +17,7 @@ import torch
 
 from toolkit.convert.metadata import CheckpointMeta, bad_checksums
 from toolkit.errors import VerificationError
+from toolkit.layouts import Layout
 
 # Max |logit difference| accepted per compute dtype. fp32 is what the parity tests demand;
 # bf16/fp16 round every matmul, so differences of a few hundredths are expected there.
@@ -126,7 +127,7 @@ def worker(jobs: list[dict], tp: int, pp: int) -> list[dict]:
         dtype = getattr(torch, job["dtype"])
         spec = meta.model_spec
         ref = torch.load(job["reference"], weights_only=True)
-        model = build_gpt_model(spec, meta.layout.__class__(tp, pp, meta.vocab_divisor), dtype).eval()
+        model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor), dtype).eval()
         load_converted(model, job["checkpoint"])
         logits, outputs = _stage_forward(model, ref["tokens"], spec, dtype)
         first_layer = info.pp_rank * (spec.num_layers // pp)
