@@ -50,3 +50,24 @@ def test_memory_says_what_would_fit():
     assert run.returncode == 1, run.stderr
     assert "does not fit" in run.stdout and "nothing fits in 8 x 80 GiB without offload" in run.stdout
     assert "optimizer states" in run.stdout and "activations" in run.stdout
+
+
+def test_memory_suggests_recompute_when_the_same_layout_would_fit():
+    run = toolkit("memory", MODEL, "--gpus", "8", "--zero", "3", "--micro-batch", "2", "--seq-len", "8192",
+                  "--gpu-memory", "80GiB")
+    assert run.returncode == 1, run.stderr
+    assert "note: the same layout fits with --recompute full" in run.stdout
+
+
+def test_model_can_be_a_converted_checkpoint(tmp_path):
+    """A checkpoint written by `toolkit convert` carries the ModelSpec it was built from."""
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.dsconfig import Setup, build
+    from toolkit.modelspec import read
+
+    spec = read(MODEL)
+    CheckpointMeta(format="torch_dist", layer_spec="local", tp=2, pp=1, vocab_divisor=128,
+                   vocab_size=spec.vocab_size, padded_vocab_size=spec.vocab_size, spec=spec.to_dict()).write(tmp_path)
+    assert read(tmp_path) == spec
+    assert build(Setup(gpus=8, zero=2), read(tmp_path)) == build(Setup(gpus=8, zero=2), spec)
+    assert read(Path(MODEL) / "config.json") == spec

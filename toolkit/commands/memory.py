@@ -56,8 +56,16 @@ def _run(args) -> int:
 
 
 def _suggest(spec, setup, args, limit) -> None:
+    from toolkit.memory import CPU_LOCAL, GPU, estimate
     from toolkit.plan import Cluster, plan
+    from toolkit.units import gib
 
+    kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
+    for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
+        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel)
+        if est.fits(limit):
+            print(f"note: the same layout fits with --recompute {recompute} ({gib(est.gpu_bytes)})")
+            return
     result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step,
                   setup.precision, setup.schedule)
     for line in result.advice:
