@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.slurm import SlurmError
@@ -53,9 +53,12 @@ MANAGED_SBATCH = {"job-name", "nodes", "ntasks", "ntasks-per-node", "gpus-per-no
                   "cpus-per-task", "mem", "time", "partition", "account", "qos", "output", "error",
                   "open-mode", "requeue", "no-requeue", "signal", "export", "wrap"}
 # Variables the launch chain sets per rank or per job; a user value would break the rendezvous.
-MANAGED_ENV = re.compile(r"(SLURM_|SBATCH_|PET_|TORCHELASTIC_).*|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|"
-                         r"WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|NODE_RANK|PATH|IFS|BASH_ENV|ENV|SHELLOPTS|"
-                         r"LD_PRELOAD|PYTHON|RECIPE|CONFIG|OVERRIDES|STEP_PID|PREEMPTED|RC|RESTART")
+# The script's own variables are reserved too, so a user value can't replace one of them.
+SCRIPT_VARS = ("PYTHON", "RECIPE", "CONFIG", "OVERRIDES", "NPROC_PER_NODE", "MAX_RESTARTS", "SHUTDOWN_TIMEOUT",
+               "RDZV_TIMEOUT", "RESTART", "PREEMPTED", "STEP_PID", "RC", "WANDB_RUN_ID_VALUE")
+MANAGED_ENV = re.compile(r"(SLURM_|SBATCH_|SRUN_|PET_|TORCHELASTIC_|BASH_FUNC_).*|MASTER_ADDR|MASTER_PORT|RANK|"
+                         r"LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|NODE_RANK|PATH|IFS|BASH_ENV|ENV|"
+                         r"SHELLOPTS|BASHOPTS|PS4|LD_PRELOAD|LD_LIBRARY_PATH|" + "|".join(SCRIPT_VARS))
 # Overrides the script sets itself.
 MANAGED_OVERRIDES = {"resume", "wandb.enabled", "wandb.project", "wandb.run_id", "wandb.mode"}
 
@@ -141,6 +144,13 @@ def _text(name: str, value: str) -> str:
     return value
 
 
+def _path(name: str, value: str) -> None:
+    """Any text a path may hold, except an empty one or one that a command would read as an option."""
+    _text(name, value)
+    if not value or value.startswith("-"):
+        raise SlurmError(f"{name} {value!r} must be non-empty and not start with '-'")
+
+
 def _match(name: str, value: str | None, pattern: re.Pattern, what: str) -> None:
     if value is None:
         return
@@ -219,8 +229,10 @@ def _check_extra(extra) -> None:
             raise SlurmError(f"extra #SBATCH directive --{option} would override one the script sets; use its own flag")
 
 
-def _recipe_layout(config: str, overrides) -> tuple[int, int]:
-    """The recipe's TP and PP, checked the way the trainer reads them."""
+def _recipe(config: str, overrides):
+    """The recipe as the trainer will read it (unknown keys and bad values are refused here)."""
+    import yaml
+
     from toolkit.errors import ToolkitError
     from toolkit.train.config import load_config
 
@@ -228,12 +240,14 @@ def _recipe_layout(config: str, overrides) -> tuple[int, int]:
         cfg = load_config(config, list(overrides))
     except ToolkitError as e:
         raise SlurmError(f"recipe {config}: {e}") from None
-    return cfg, cfg.parallel.tp, cfg.parallel.pp
+    except yaml.YAMLError as e:  # the trainer reads each override value as YAML
+        raise SlurmError(f"recipe {config} or an override is not valid YAML: {str(e).splitlines()[0]}") from None
+    return cfg
 
 
 def validate(job: SlurmJob) -> None:
     """Every check, before anything is written: SlurmError names the first bad field."""
-    _text("config", job.config)
+    _path("config", job.config)
     _check_overrides(job.overrides)
     _match("job_name", job.job_name, _NAME, "a job name (letters, digits, _ . -; at most 64)")
     _match("output", job.output, _OUTPUT, "an output path without spaces or quotes (Slurm patterns like %j allowed)")
@@ -241,12 +255,9 @@ def validate(job: SlurmJob) -> None:
         raise SlurmError(f"output {job.output!r} must not start with '-'")
     r, launch, p, wb = job.resources, job.launch, job.preemption, job.wandb
     _check_resources(r)
-    for name in ("python", "script"):
-        if not _text(name, getattr(launch, name)):
-            raise SlurmError(f"{name} is empty")
-    for name in ("container_image", "container_mounts"):
+    for name in ("python", "script", "container_image", "container_mounts"):
         if getattr(launch, name) is not None:
-            _text(name, getattr(launch, name))
+            _path(name, getattr(launch, name))
     if launch.container_mounts and not launch.container_image:
         raise SlurmError("container_mounts needs container_image")
     _int("rendezvous_timeout", launch.rendezvous_timeout, 1, 86_400)
@@ -265,7 +276,8 @@ def validate(job: SlurmJob) -> None:
 
     from toolkit.train.build import check_layout
 
-    cfg, tp, pp = _recipe_layout(job.config, job.overrides)
+    cfg = _recipe(job.config, job.overrides)
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
     world = r.nodes * r.nproc_per_node
     unit = "GPUs" if not r.cpu else "processes"
     if world % (tp * pp):
@@ -283,7 +295,7 @@ def validate(job: SlurmJob) -> None:
 def command_line(job: SlurmJob) -> str:
     """The `toolkit slurm render` command that reproduces this script (kept in its header)."""
     r, launch, p, wb = job.resources, job.launch, job.preemption, job.wandb
-    args = ["toolkit", "slurm", "render", job.config]
+    args = ["toolkit", "slurm", "render", job.config, *job.overrides]  # an override never starts with "-"
     opts = [("--job-name", job.job_name), ("--nodes", r.nodes)]
     opts += [("--procs-per-node", r.nproc_per_node)] if r.cpu else [("--gpus-per-node", r.gpus_per_node)]
     opts += [("--cpus-per-task", r.cpus_per_task), ("--mem", r.mem), ("--time", r.time),
@@ -297,8 +309,6 @@ def command_line(job: SlurmJob) -> str:
     args += [f"{flag}={value}" for flag, value in opts if value is not None]
     if r.cpu:
         args.append("--cpu")
-    if job.overrides:
-        args += ["--", *job.overrides]
     return " ".join(shlex.quote(str(a)) for a in args)
 
 
@@ -384,8 +394,7 @@ RESTART=${{SLURM_RESTART_COUNT:-0}}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$(( {MASTER_PORT_BASE} + (SLURM_JOB_ID + 1000 * RESTART) % {MASTER_PORT_SPAN} ))
 OVERRIDES+=(resume=auto)
-{chr(10).join(wandb_lines)}
-echo "toolkit: job $SLURM_JOB_ID start $RESTART on $SLURM_JOB_NODELIST ($SLURM_NNODES x $NPROC_PER_NODE), rendezvous $MASTER_ADDR:$MASTER_PORT"
+{"".join(line + chr(10) for line in wandb_lines)}echo "toolkit: job $SLURM_JOB_ID start $RESTART on $SLURM_JOB_NODELIST ($SLURM_NNODES x $NPROC_PER_NODE), rendezvous $MASTER_ADDR:$MASTER_PORT"
 
 # USR1 (time limit ahead, or `scancel --signal=USR1 --batch`) reaches only this shell: remember it
 # and forward it to srun, which passes it to the torchrun agents, which pass it to the ranks.
@@ -436,7 +445,3 @@ def write(job: SlurmJob, path: str | Path) -> Path:
     path.write_text(text)
     path.chmod(0o755)
     return path
-
-
-def field_names(cls) -> list[str]:
-    return [f.name for f in fields(cls)]
