@@ -68,7 +68,9 @@ class MetricsLogger:
         shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
         print(shown, flush=True)
         if self.wandb is not None:
-            self.wandb.log(record, step=step)
+            # commit=True: with an explicit step wandb holds the row open until a later step or
+            # finish(), so a rank 0 killed after logging would lose that step; ours are complete.
+            self.wandb.log(record, step=step, commit=True)
 
     def close(self) -> None:
         if self.wandb is not None:
