@@ -3,6 +3,7 @@ the best one's DeepSpeed config."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -26,7 +27,7 @@ def register(sub) -> None:
     from toolkit.commands.ds_config import add_cluster_args
 
     p = sub.add_parser("plan", help="rank the 3D layouts that fit a model on a GPU budget",
-                       description=DESCRIPTION, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory, config.json, or a converted checkpoint")
     add_cluster_args(p, layout=False)
     p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
