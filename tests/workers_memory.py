@@ -146,7 +146,8 @@ def _engine(case: dict, spec, world: int):
     dp = world // (tp * pp)
     setup = Setup(gpus=world, tp=tp, pp=pp, zero=case["zero"], precision=case["precision"], micro_batch=2,
                   global_batch=2 * case["micro_batches"] * dp, schedule=case["schedule"], steps_per_print=10**9,
-                  optimizer=OptimizerSettings(lr=1e-3, torch_adam=True))
+                  offload_optimizer=case.get("offload_optimizer", "none"), offload_param=case.get("offload_param", "none"),
+                  optimizer=OptimizerSettings(lr=1e-3, torch_adam=True))  # torch AdamW: no JIT build, even offloaded
     config = build(setup, spec)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case["precision"]]
     torch.manual_seed(SEED)
@@ -178,7 +179,7 @@ def model_state_case(case: dict, spec, world: int) -> dict:
                      "unaccounted": _bytes({k: v for k, v in after_step["rest"].items()
                                             if k not in after_backward["rest"]})},
         "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer,
-                      "buffers": predicted.buffers},
+                      "buffers": predicted.buffers, "host": predicted.host},
         "lr_after_step": engine.get_lr()[0],
         "global_steps": engine.global_steps,
     }

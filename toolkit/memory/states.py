@@ -15,7 +15,7 @@ allocates, as measured on real engines (tests/test_memory_measured.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FP32_BYTES = 4
 MASTER_BYTES = 4  # fp32 master copy of the weights (ZeRO paper K = 12 = 4 master + 8 Adam)
@@ -90,22 +90,32 @@ def _zero0(total: int, w: int) -> ModelStates:
                        buffers=FP32_BYTES * total * mixed)
 
 
-def _zero12(numels: list[int], w: int, dp: int, zero: ZeroSettings, backward_calls: int) -> ModelStates:
-    total = sum(numels)
+def _zero12(numels, w: int, dp: int, zero: ZeroSettings, backward_calls: int) -> ModelStates:
+    total, accumulating = sum(numels), backward_calls > 1
     part = -(-total // dp)
-    full_grads = zero.stage == 1 and backward_calls > 1
-    offload = zero.offload_optimizer != "none"
-    grads = w * total if full_grads else 0 if offload else w * (part + boundary_overhang(numels, dp))
+    overhang = boundary_overhang(numels, dp)
+    buckets = w * zero.reduce_bucket_size * (2 if zero.overlap_comm else 1)
     optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * part
     # DeepSpeed builds the fp32 gradient partition the optimizer steps on (the "4 grads32" of
-    # its own estimator); with offload it lives in host memory instead.
+    # its own estimator) inside step(), and frees it after.
     step_grads = FP32_BYTES * part
-    buckets = w * zero.reduce_bucket_size * (2 if zero.overlap_comm else 1)
-    return _place(ModelStates(params=w * total, grads=grads, optimizer=optimizer, buffers=buckets + step_grads),
-                  zero, offloaded_optimizer=optimizer + step_grads, gpu_step_grads=step_grads)
+    # ZeRO-1 leaves gradients in param.grad until the last backward of a step.
+    full_grads = zero.stage == 1 and accumulating
+    if zero.offload_optimizer == "none":
+        grads = w * total if full_grads else w * (part + overhang)
+        return ModelStates(params=w * total, grads=grads, optimizer=optimizer, buffers=buckets + step_grads)
+    # ZeRO-Offload (stage_1_and_2.py): reduced gradients are copied to the host's fp32 gradient
+    # partition through one staging buffer per side (largest tensor), updated weights come back
+    # through a 16-bit copy of the partition, and ZeRO-2 accumulates the gradients of several
+    # backward passes per step on the host, one buffer per tensor of the partition.
+    staging = w * max(numels)
+    host_accumulation = w * (part + overhang) if accumulating and not full_grads else 0
+    host = optimizer + FP32_BYTES * part + w * part + staging + host_accumulation
+    return _offloaded(ModelStates(params=w * total, grads=w * total if full_grads else 0, optimizer=0,
+                                  buffers=buckets + staging), zero.offload_optimizer, host)
 
 
-def boundary_overhang(numels: list[int], dp: int) -> int:
+def boundary_overhang(numels, dp: int) -> int:
     """Extra gradient elements a ZeRO-1/2 rank holds: its gradient buffer keeps the whole of each
     tensor a partition boundary cuts (stage_1_and_2.py get_partition_info). A boundary falls in a
     tensor with probability proportional to its size, so on average a rank holds
@@ -116,36 +126,29 @@ def boundary_overhang(numels: list[int], dp: int) -> int:
     return int((dp - 1) / dp * sum(n * n for n in numels) / total)
 
 
-def _zero3(numels: list[int], w: int, dp: int, zero: ZeroSettings) -> ModelStates:
+def _zero3(numels, w: int, dp: int, zero: ZeroSettings) -> ModelStates:
     part = sum(-(-n // dp) for n in numels)
     persistent = sum(n for n in numels if n < zero.param_persistence_threshold)
     optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * part
-    # ZeRO-3 steps one sub-group at a time, each with its fp32 gradient (stage3.py _prepare_sub_group).
-    step_grads = FP32_BYTES * min(part, zero.sub_group_size)
     # The module being computed is gathered (and, in backward, its full gradient), plus what
     # the prefetcher has fetched ahead; never more than max_live_parameters.
     gathered = min(2 * max(numels, default=0) + zero.prefetch_bucket_size, zero.max_live_parameters)
-    buffers = w * (zero.reduce_bucket_size + gathered) + step_grads
-    params = w * (part + persistent)
-    return _place(ModelStates(params=params, grads=w * part, optimizer=optimizer, buffers=buffers), zero,
-                  offloaded_optimizer=optimizer + FP32_BYTES * part, offloaded_params=w * part,
-                  gpu_step_grads=step_grads)
-
-
-def _place(states: ModelStates, zero: ZeroSettings, offloaded_optimizer: int, gpu_step_grads: int,
-           offloaded_params: int = 0) -> ModelStates:
-    """Move what offload moves: optimizer states with their fp32 gradients, and ZeRO-3 parameter
-    partitions."""
-    host = nvme = 0
-    params, optimizer, buffers, grads = states.params, states.optimizer, states.buffers, states.grads
-    if zero.offload_optimizer != "none":
-        optimizer, buffers = 0, buffers - gpu_step_grads
-        if zero.stage == 3:
-            grads = 0
-        host += offloaded_optimizer if zero.offload_optimizer == "cpu" else 0
-        nvme += offloaded_optimizer if zero.offload_optimizer == "nvme" else 0
+    buffers = w * (zero.reduce_bucket_size + gathered)
+    states = ModelStates(params=w * (part + persistent), grads=w * part, optimizer=optimizer, buffers=buffers)
+    if zero.offload_optimizer == "none":
+        # One sub-group at a time gets its fp32 gradient for the step (stage3.py _prepare_sub_group).
+        states = replace(states, buffers=buffers + FP32_BYTES * min(part, zero.sub_group_size))
+    else:
+        # The host keeps an fp32 gradient buffer per sub-group for the whole run
+        # (stage3.py initialize_optimizer_states); 16-bit gradients stay on the GPU.
+        states = _offloaded(replace(states, optimizer=0), zero.offload_optimizer, optimizer + FP32_BYTES * part)
     if zero.offload_param != "none":
-        params -= offloaded_params
-        host += offloaded_params if zero.offload_param == "cpu" else 0
-        nvme += offloaded_params if zero.offload_param == "nvme" else 0
-    return ModelStates(params=params, grads=grads, optimizer=optimizer, buffers=buffers, host=host, nvme=nvme)
+        states = _offloaded(replace(states, params=w * persistent), zero.offload_param, w * part)
+    return states
+
+
+def _offloaded(states: ModelStates, device: str, size: int) -> ModelStates:
+    """Add `size` bytes moved off the GPU to host memory (cpu) or NVMe."""
+    if device == "nvme":
+        return replace(states, nvme=states.nvme + size)
+    return replace(states, host=states.host + size)
