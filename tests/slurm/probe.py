@@ -1,7 +1,7 @@
 """Stand-in for recipes/finetune.py in the Slurm tests, launched by the same rendered script.
 
 Each rank records what reached it (argv, environment, node, restart) as JSON in $PROBE_OUT.
-PROBE_ALLREDUCE=1 also joins the torchrun group over gloo and all-reduces rank + 1.
+PROBE_ALLREDUCE=1 also joins the torchrun group (gloo, or PROBE_BACKEND=nccl) and all-reduces rank + 1.
 PROBE_WAIT_USR1=SECONDS waits for SIGUSR1 like the trainer and then exits 99 (0 on timeout).
 """
 
@@ -26,14 +26,20 @@ record = {
     "node_id": os.environ.get("SLURM_NODEID"),
     "restart": restart,
     "env": {k: v for k, v in os.environ.items()
-            if k.startswith(("PROBE_", "HF_", "WANDB_", "OMP_", "TOOLKIT_", "MASTER_"))},
+            if k.startswith(("PROBE_", "HF_", "WANDB_", "OMP_", "TOOLKIT_", "MASTER_", "NCCL_", "TORCH_NCCL_",
+                             "CUDA_DEVICE_"))},
 }
 if os.environ.get("PROBE_ALLREDUCE"):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    value = torch.tensor([float(rank + 1)])
+    backend = os.environ.get("PROBE_BACKEND", "gloo")
+    device = "cpu"
+    if backend == "nccl":
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    value = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(value)
     record["allreduce"] = value.item()
     dist.destroy_process_group()
