@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from toolkit.dsconfig import optimizers, rules
 from toolkit.dsconfig.report import WARNING, Report
 
+
 def _int(value) -> int | None:
     if isinstance(value, bool):
         return None
