@@ -107,6 +107,7 @@ def recipe_file(tmp_path, **extra):
     [
         (["parallel.pp=2", "parallel.zero_stage=2"], "ZeRO-2/3 do not work with pipeline parallelism"),
         (["precision=fp16"], "fp16 is refused"),
+        (["parallel.zero_stage=0"], "zero_stage must be 1, 2 or 3"),
         (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
         (["steps=abc"], "steps"),
         (["parallel.recompute=sometimes"], "recompute"),

@@ -18,4 +18,5 @@ class DistributedError(ToolkitError):
 
 
 class ConfigError(ToolkitError):
-    """A DeepSpeed config or a parallel layout cannot work as asked (bad arithmetic, incompatible options)."""
+    """A DeepSpeed config, a training recipe or a parallel layout cannot work as asked
+    (bad arithmetic, incompatible options, unknown keys)."""

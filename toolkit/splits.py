@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made, so the family tables stay cheap to import
+    import torch
 
 
 class Split(enum.Enum):
@@ -76,6 +77,8 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 
 def _build_shard(split: Split, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+    import torch
+
     if split is Split.REPLICATED:
         return src.read(names[0])
     if split is Split.COLUMN:
@@ -95,6 +98,8 @@ def _build_shard(split: Split, src: Source, names: Sequence[str], tp: int, rank:
 
 def merge_shards(split: Split, shards: Sequence[torch.Tensor], geo: Geometry) -> list[torch.Tensor]:
     """Inverse of build_shard: the HF tensors (in rule order) from all TP ranks' shards."""
+    import torch
+
     if split is Split.REPLICATED:
         return [shards[0]]
     if split is Split.COLUMN:
@@ -112,6 +117,8 @@ def merge_shards(split: Split, shards: Sequence[torch.Tensor], geo: Geometry) ->
 
 
 def _vocab_shard(src: Source, name: str, tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+    import torch
+
     rows = chunk_range(geo.padded_vocab_size, tp, rank)
     real_stop = max(rows.start, min(rows.stop, geo.vocab_size))
     real = src.read(name, rows=slice(rows.start, real_stop))  # may have no rows at all
@@ -138,6 +145,8 @@ def _qkv_shard(src: Source, names: Sequence[str], tp: int, rank: int, geo: Geome
 
 
 def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    import torch
+
     rest = q.shape[1:]
     parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *rest)

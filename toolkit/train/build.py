@@ -9,7 +9,8 @@ import torch
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import Layout
 from toolkit.runtime.distributed import ParallelInfo
-from toolkit.train.config import ConfigError, TrainConfig
+from toolkit.errors import ConfigError
+from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -9,11 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.errors import ToolkitError
-
-
-class ConfigError(ToolkitError):
-    """A recipe or an override is invalid."""
+from toolkit.errors import ConfigError
 
 
 @dataclass
@@ -29,7 +25,7 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    zero_stage: int = 1
+    zero_stage: int = 1  # 1, 2 or 3; only 1 with PP > 1
     recompute: str | None = None  # None, "selective" or "full" (megatron-core granularity)
 
 
@@ -179,10 +175,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"precision must be bf16 or fp32{hint}")
     if cfg.parallel.pp > 1 and cfg.parallel.zero_stage > 1:
         raise ConfigError("ZeRO-2/3 do not work with pipeline parallelism (several micro-batches in flight); use zero_stage=1")
-    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError("zero_stage must be 0, 1, 2 or 3")
-    if cfg.parallel.zero_stage == 0 and cfg.parallel.pp > 1:
-        raise ConfigError("ZeRO-0 with PP > 1 reports no gradient norm in DeepSpeed; use zero_stage=1")
+    if cfg.parallel.zero_stage not in (1, 2, 3):
+        raise ConfigError(
+            "zero_stage must be 1, 2 or 3: at ZeRO-0 DeepSpeed refuses the direct backward calls of "
+            "megatron-core's schedule (and reports no gradient norm); ZeRO-1 costs nothing extra at DP=1"
+        )
     if cfg.parallel.recompute not in (None, "selective", "full"):
         raise ConfigError("parallel.recompute must be selective, full or none")
     if cfg.data.overlong not in ("truncate", "drop") or cfg.data.malformed not in ("error", "skip"):
