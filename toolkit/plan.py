@@ -102,10 +102,17 @@ def layouts(spec: ModelSpec, gpus: int, gpus_per_node: int):
                 yield tp, pp
 
 
+def _zero_stages(schedule: str) -> range:
+    """Under megatron-core's schedule DeepSpeed ZeRO-0 refuses the schedule's direct backward
+    calls (engine.py: "Direct calls to tensor.backward() are not supported ... ZeRO stage 0"),
+    so our trainer needs ZeRO >= 1 there."""
+    return range(1, 4) if schedule == "megatron" else range(4)
+
+
 def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload):
     offloads = OFFLOADS if allow_offload else OFFLOADS[:1]
     for (tp, pp), zero, offload, micro in itertools.product(
-            layouts(spec, cluster.gpus, cluster.gpus_per_node), range(4), offloads, MICRO_BATCHES):
+            layouts(spec, cluster.gpus, cluster.gpus_per_node), _zero_stages(schedule), offloads, MICRO_BATCHES):
         setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, zero=zero, precision=precision, micro_batch=micro,
                       global_batch=global_batch, offload_optimizer=offload[0], offload_param=offload[1],
                       schedule=schedule, optimizer=OptimizerSettings())

@@ -2,8 +2,10 @@
 
   1. create a tiny Llama (random weights, save_pretrained) and a digit-reversal task
   2. convert it to megatron-core TP=2 x PP=2 and check its logits against HF on 4 processes
-  3. fine-tune it with recipes/finetune.py (megatron-core TP/PP + DeepSpeed ZeRO-1) on 4 processes
-  4. the recipe exports the result to HF; greedy generation must answer >= 90% of held-out prompts
+  3. plan: rank the layouts for 4 processes and estimate this one's memory per process
+  4. fine-tune it with recipes/finetune.py (megatron-core TP/PP + DeepSpeed ZeRO-1) on 4 processes;
+     its DeepSpeed config comes from the generator (RUN_DIR/resolved_config.json)
+  5. the recipe exports the result to HF; greedy generation must answer >= 90% of held-out prompts
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None,
 
     workdir = Path(workdir).absolute()
     hf_dir, mcore_dir, run_dir = workdir / "tiny-llama-hf", workdir / f"tiny-llama-tp{tp}-pp{pp}", workdir / "run"
-    log(f"[1/4] creating a tiny Llama and a digit-reversal task in {workdir}")
+    log(f"[1/5] creating a tiny Llama and a digit-reversal task in {workdir}")
     if not hf_dir.exists():
         make_tiny_model("llama", hf_dir, dtype="float32", **TINY)
     train, valid = write_reversal_task(workdir / "data")
     held_out = reversal_pairs(4200, 0)[4000:]  # the pairs written to valid.jsonl
 
-    log(f"[2/4] converting to megatron-core TP={tp} PP={pp} and comparing logits with HF on {tp * pp} processes")
+    log(f"[2/5] converting to megatron-core TP={tp} PP={pp} and comparing logits with HF on {tp * pp} processes")
     hf_to_megatron(hf_dir, mcore_dir, tp=tp, pp=pp, overwrite=True, progress=False)
     report = verify(hf_dir, mcore_dir)
     for line in report.lines():
@@ -43,20 +45,36 @@ def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None,
         raise VerificationError("megatron-core logits do not match the HF model")
     before = exact_match(hf_dir, held_out)
 
-    log(f"[3/4] fine-tuning at TP={tp} x PP={pp} with DeepSpeed ZeRO-1 (recipes/tiny-cpu.yaml)")
+    log(f"[3/5] planning layouts for {tp * pp} processes (toolkit plan)")
+    _show_plan(mcore_dir, tp * pp, log)
+
+    log(f"[4/5] fine-tuning at TP={tp} x PP={pp} with DeepSpeed ZeRO-1 (recipes/tiny-cpu.yaml)")
     overrides = [f"model.checkpoint={mcore_dir}", f"data.train_file={train}", f"data.valid_file={valid}",
                  f"run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.pp={pp}", "resume=none"]
     if steps:
         overrides.append(f"steps={steps}")
     _launch_recipe(tp * pp, RECIPE_DIR / "tiny-cpu.yaml", overrides, run_dir)
 
-    log(f"[4/4] greedy generation with the exported HF model ({run_dir / 'hf'})")
+    log(f"[5/5] greedy generation with the exported HF model ({run_dir / 'hf'})")
     after = exact_match(run_dir / "hf", held_out)
     log(f"      exact match on {len(held_out)} held-out prompts: {before:.1%} before fine-tuning, {after:.1%} after")
     if after < REQUIRED_ACCURACY:
         raise VerificationError(f"the fine-tuned model answered only {after:.1%} of held-out prompts")
     log("quickstart finished")
     return after
+
+
+def _show_plan(checkpoint: Path, processes: int, log) -> None:
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.memory import GIB
+    from toolkit.plan import Cluster, plan
+
+    spec = CheckpointMeta.read(checkpoint).model_spec
+    result = plan(spec, Cluster(gpus=processes, gpu_memory=4 * GIB, gpus_per_node=processes), seq_len=16,
+                  global_batch=64, precision="fp32")
+    for candidate in result.ranked[:3]:
+        log("      " + candidate.explain(result.cluster))
+    log(f"      (the example runs TP2 x PP2 to exercise all three dimensions; {len(result.ranked)} layouts fit)")
 
 
 def _launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path) -> None:
