@@ -121,6 +121,8 @@ def test_bad_recipe_values_are_refused(tmp_path, overrides, match):
 def test_overrides_reach_nested_fields(tmp_path):
     cfg = load_config(recipe_file(tmp_path), ["optim.lr=1e-4", "parallel.tp=2", "optim.betas=[0.9, 0.95]", "wandb.run_id=none"])
     assert (cfg.optim.lr, cfg.parallel.tp, cfg.optim.betas, cfg.wandb.run_id) == (1e-4, 2, (0.9, 0.95), None)
+    text = load_config(recipe_file(tmp_path), ["run_dir=`touch x` $(y)", "wandb.project=a: b"])
+    assert (text.run_dir, text.wandb.project) == ("`touch x` $(y)", "a: b"), "text fields take the value verbatim"
 
 
 def test_checkpoint_and_layout_checks(tiny_hf, tmp_path):

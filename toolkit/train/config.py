@@ -146,6 +146,29 @@ def _apply(obj, key_path: list[str], value, full_key: str) -> None:
         raise ConfigError(f"{full_key}={value!r}: {e}") from None
 
 
+def _is_text_field(cfg, keys: list[str]) -> bool:
+    """String fields take command-line text verbatim (a value like `a: b` is not YAML for them)."""
+    obj = cfg
+    for name in keys[:-1]:
+        obj = getattr(obj, name, None)
+        if not dataclasses.is_dataclass(obj):
+            return False
+    hint = typing.get_type_hints(type(obj)).get(keys[-1])
+    return hint is str or (hint is not None and set(typing.get_args(hint)) == {str, type(None)})
+
+
+def _parse_value(text: str):
+    """A command-line value as YAML (numbers, lists, true/false), or the plain string when it isn't YAML."""
+    import yaml
+
+    if not text:
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the recipe YAML, then `key.sub=value` overrides."""
     import yaml
@@ -155,14 +178,20 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"recipe {path} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe {path} must be a mapping of config keys")
         for key, value in data.items():
             _apply(cfg, [key], value, key)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        _apply(cfg, key.split("."), yaml.safe_load(value) if value else value, key)
+        keys = key.split(".")
+        _apply(cfg, keys, value if _is_text_field(cfg, keys) else _parse_value(value), key)
     validate(cfg)
     return cfg
 
