@@ -97,3 +97,23 @@ def test_megatron_lm_args_are_stored(tiny_hf, tmp_path):
     # PP stage 2 holds global layers 4-5 renumbered from 0
     assert "decoder.layers.1.mlp.linear_fc2.weight" in state["model"]
     assert "decoder.layers.2.mlp.linear_fc2.weight" not in state["model"]
+
+
+def test_megatron_lm_checkpoint_without_our_metadata_exports_with_hf_config(tiny_hf, tmp_path):
+    """A per-rank checkpoint as Megatron-LM training writes it (no toolkit metadata, an
+    iteration directory) exports given the architecture's HF config."""
+    import shutil
+
+    from toolkit.errors import ToolkitError
+
+    src = tiny_hf["qwen2"]
+    out = hf_to_megatron(src, tmp_path / "m", tp=2, pp=3, progress=False)
+    (out / "toolkit_checkpoint.json").unlink()
+    shutil.rmtree(out / "hf")
+    (out / "release").rename(out / "iter_0000120")
+    (out / "latest_checkpointed_iteration.txt").write_text("120")
+    with pytest.raises(ToolkitError, match="--hf-config"):
+        megatron_to_hf(out, tmp_path / "h0", progress=False)
+    back = megatron_to_hf(out, tmp_path / "h", hf_config=src / "config.json", progress=False)
+    original, restored = load_all(src), load_all(back)
+    assert set(original) == set(restored) and all(torch.equal(original[k], restored[k]) for k in original)
