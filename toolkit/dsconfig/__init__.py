@@ -10,13 +10,11 @@ Importing this package is cheap; `check` imports DeepSpeed (for its pydantic mod
 from __future__ import annotations
 
 from toolkit.dsconfig.build import build, validate
+
+# Imported eagerly (it is cheap: DeepSpeed is imported inside it when called). A lazy wrapper named
+# `check` would be replaced by the submodule toolkit.dsconfig.check the first time that is imported.
+from toolkit.dsconfig.check import check
 from toolkit.dsconfig.settings import Monitoring, OptimizerSettings, SchedulerSettings, Setup
-
-
-def check(*args, **kwargs):
-    from toolkit.dsconfig.check import check as impl
-
-    return impl(*args, **kwargs)
 
 
 __all__ = ["Monitoring", "OptimizerSettings", "SchedulerSettings", "Setup", "build", "check", "validate"]
