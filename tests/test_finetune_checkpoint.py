@@ -25,6 +25,16 @@ def model_and_data(tmp_path_factory):
     return hf, mc, write_uneven_data(root / "data.jsonl", 300)
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and every rank: torchrun starts its workers in sessions of their own,
+    so killing the launcher's process group would orphan them."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for proc in [parent, *parent.children(recursive=True)]:
+        proc.send_signal(signal.SIGKILL)
+
+
 @pytest.mark.multiprocess
 def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, tmp_path):
     hf, mc, data = model_and_data
@@ -43,7 +53,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, t
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     proc.wait()
     checkpoints = killed_dir / "run" / "checkpoints"
     assert (checkpoints / "latest").read_text() == "step_0000005", "a torn save must never become latest"

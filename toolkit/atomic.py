@@ -15,6 +15,8 @@ from toolkit.errors import ToolkitError
 # create the flag file and sleep the N-th time (default 1st) it reaches <point>, so a test can
 # kill -9 it at a known moment instead of guessing a time.
 FAULT_ENV = "TOOLKIT_FAULT_PAUSE"
+FAULT_PAUSE_SECONDS = 600
+FAULT_EXIT_CODE = 86
 _hits: dict[str, int] = {}
 
 
@@ -28,8 +30,8 @@ def fault_point(name: str) -> None:
     if _hits[name] != int(nth or 1):
         return
     Path(flag).write_text(str(os.getpid()))
-    while True:
-        time.sleep(3600)
+    time.sleep(FAULT_PAUSE_SECONDS)  # bounded, so a test that forgets to kill us leaks nothing for long
+    os._exit(FAULT_EXIT_CODE)
 
 
 def _pid_alive(pid: int) -> bool:
