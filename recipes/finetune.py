@@ -47,7 +47,7 @@ def finetune(config_path, overrides) -> int:
     from toolkit.train.config import load_config
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
-    from toolkit.train.parallel import mark_tied_output_replica
+    from toolkit.train.parallel import build_engine, mark_tied_output_replica
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
@@ -71,8 +71,6 @@ def finetune(config_path, overrides) -> int:
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule.
     ds_config = build.ds_config(cfg, meta, dp)
-    from toolkit.train.parallel import build_engine
-
     engine = build_engine(model, cfg, ds_config)
 
     # 7. Resume (exactly: weights, optimizer, scheduler, RNG, data position) if asked.

@@ -9,7 +9,6 @@ Each layout is one torchrun launch of the real recipe.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.finetune_harness import hf_reference, launch, read_metrics, recipe, write_uneven_data
 from toolkit.convert import hf_to_megatron

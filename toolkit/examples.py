@@ -14,24 +14,25 @@ from pathlib import Path
 DIGITS_PER_PROMPT = 6
 
 
-def reversal_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        digits = "".join(rng.choice("0123456789") for _ in range(DIGITS_PER_PROMPT))
-        out.append((digits + "=", digits[::-1]))
-    return out
+N_TRAIN, N_VALID = 4000, 200
 
 
-def write_reversal_task(directory: str | Path, n_train: int = 4000, n_valid: int = 200, seed: int = 0) -> tuple[Path, Path]:
-    """train.jsonl and valid.jsonl (disjoint prompts) in `directory`."""
+def reversal_split(n_train: int = N_TRAIN, n_valid: int = N_VALID, seed: int = 0):
+    """(train pairs, held-out pairs): distinct digit strings, so no held-out prompt was trained on."""
+    numbers = random.Random(seed).sample(range(10**DIGITS_PER_PROMPT), n_train + n_valid)
+    pairs = [(f"{n:0{DIGITS_PER_PROMPT}d}=", f"{n:0{DIGITS_PER_PROMPT}d}"[::-1]) for n in numbers]
+    return pairs[:n_train], pairs[n_train:]
+
+
+def write_reversal_task(directory: str | Path, seed: int = 0) -> tuple[Path, Path, list[tuple[str, str]]]:
+    """train.jsonl and valid.jsonl in `directory`; also returns the held-out pairs."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    pairs = reversal_pairs(n_train + n_valid, seed)
+    train, valid = reversal_split(seed=seed)
     paths = (directory / "train.jsonl", directory / "valid.jsonl")
-    for path, chunk in zip(paths, (pairs[:n_train], pairs[n_train:])):
+    for path, chunk in zip(paths, (train, valid)):
         path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in chunk))
-    return paths
+    return paths[0], paths[1], valid
 
 
 def exact_match(hf_dir: str | Path, pairs: list[tuple[str, str]], batch: int = 100) -> float:

@@ -12,14 +12,12 @@ from toolkit.errors import ConfigError
 if TYPE_CHECKING:
     from toolkit.families.spec import ModelSpec
 
-CONVERTED_META = "toolkit_checkpoint.json"  # toolkit.convert.metadata.META_FILE, without importing torch
-
 
 def read(path: str | Path) -> "ModelSpec":
-    p = Path(path)
-    if p.is_dir() and (p / CONVERTED_META).is_file():
-        from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.convert.metadata import META_FILE, CheckpointMeta
 
+    p = Path(path)
+    if p.is_dir() and (p / META_FILE).is_file():
         return CheckpointMeta.read(p).model_spec
     config_file = p / "config.json" if p.is_dir() else p
     if not config_file.is_file():

@@ -25,7 +25,7 @@ REQUIRED_ACCURACY = 0.9
 
 def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None, log=print) -> float:
     from toolkit.convert import hf_to_megatron, verify
-    from toolkit.examples import exact_match, reversal_pairs, write_reversal_task
+    from toolkit.examples import exact_match, write_reversal_task
     from toolkit.tinymodels import make_tiny_model
 
     workdir = Path(workdir).absolute()
@@ -33,8 +33,7 @@ def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None,
     log(f"[1/5] creating a tiny Llama and a digit-reversal task in {workdir}")
     if not hf_dir.exists():
         make_tiny_model("llama", hf_dir, dtype="float32", **TINY)
-    train, valid = write_reversal_task(workdir / "data")
-    held_out = reversal_pairs(4200, 0)[4000:]  # the pairs written to valid.jsonl
+    train, valid, held_out = write_reversal_task(workdir / "data")
 
     log(f"[2/5] converting to megatron-core TP={tp} PP={pp} and comparing logits with HF on {tp * pp} processes")
     hf_to_megatron(hf_dir, mcore_dir, tp=tp, pp=pp, overwrite=True, progress=False)

@@ -24,7 +24,7 @@ def hostile_strings(canary: Path) -> list[str]:
     c = shlex.quote(str(canary))
     return [f"$(touch {c})", f"`touch {c}`", f"'; touch {c}; '", f'"; touch {c}; "', f"x\ntouch {c}",
             f"a b; touch {c} #", f"${{IFS}}touch${{IFS}}{c}", f"\\\"$(touch {c})\\\"", f"x\rtouch {c}",
-            f"x\u2028touch {c}", "*", "~root", f"$((1+1))"]
+            f"x\u2028touch {c}", "*", "~root", "$((1+1))"]
 
 
 @pytest.fixture

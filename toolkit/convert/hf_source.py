@@ -33,9 +33,11 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
+# safetensors dtype -> (torch dtype name, bytes per element)
+_DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
@@ -45,6 +47,10 @@ class TensorEntry:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, _DTYPES[self.dtype][0])
 
 
 def read_config(directory: Path) -> dict:
@@ -81,19 +87,19 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ConversionError(f"{path}: malformed header entry for {name!r}") from None
-        if dtype not in _DTYPE_BYTES:
+        if dtype not in _DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         numel = 1
         for dim in shape:
             numel *= dim
-        if end - begin != numel * _DTYPE_BYTES[dtype] or begin < 0:
+        if end - begin != numel * _DTYPES[dtype][1] or begin < 0:
             raise ConversionError(f"{path}: tensor {name!r} offsets [{begin}, {end}) do not match its shape {list(shape)}")
         if end > data_size:
             raise ConversionError(f"{path} is truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section")
         entries[name] = TensorEntry(path, dtype, shape)
         spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise ConversionError(f"{path}: tensors {n0!r} and {n1!r} overlap")
     return entries

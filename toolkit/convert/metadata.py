@@ -16,8 +16,6 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from toolkit import __version__
 from toolkit.errors import ConversionError
 from toolkit.families.spec import ModelSpec
@@ -92,6 +90,8 @@ def copy_hf_files(config_bytes: bytes, tokenizer_files: list[Path], dest: Path) 
 
 def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:
     """The `args` Megatron-LM stores in every checkpoint and checks on load (check_checkpoint_args)."""
+    import torch
+
     dtype = getattr(torch, spec.dtype, torch.float32)
     return argparse.Namespace(
         num_layers=spec.num_layers,

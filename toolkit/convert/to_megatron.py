@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 
 from toolkit.atomic import atomic_directory
 from toolkit.convert import dist_format, naming, torch_format
@@ -32,11 +31,6 @@ from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.splits import build_shard, megatron_shape
 
 FORMATS = ("torch", "torch_dist")
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -80,7 +74,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
         for layer in range(spec.num_layers) if row.per_layer else [None]:
             names = row.hf_names(layer)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
-            dtype = _ST_DTYPES[src.tensors[names[0]].dtype]
+            dtype = src.tensors[names[0]].torch_dtype
             load = lambda split=row.split, names=names: build_shard(split, src, names, 1, 0, geo)  # noqa: E731
             if row.per_layer:
                 key = dist_format.stacked_key(row.megatron_name(layer))

@@ -7,7 +7,7 @@ tensor-parallel ranks. Adding a family means writing a table, not new control fl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from toolkit.splits import Split
 
@@ -50,7 +50,6 @@ class Family:
     # config.json flags this family can't map exactly: refuse if any is truthy
     refuse_flags: tuple[str, ...] = ()
     rope_types: tuple[str, ...] = ("default",)
-    notes: dict = field(default_factory=dict)
 
     def rows_for(self, tied: bool) -> tuple[Row, ...]:
         """With tied embeddings the output layer is the embedding, so its row is dropped."""
