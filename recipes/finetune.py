@@ -15,73 +15,120 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
+    parser.add_argument("--verbose", action="store_true", help="show third-party warnings (DeepSpeed, megatron-core, ...)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # appended by `deepspeed`
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-4 parallel.tp=2")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from toolkit.runtime.distributed import choose_deepspeed_accelerator
+    from toolkit.runtime.quiet import quiet_third_party
+
+    quiet_third_party(args.verbose)
+    choose_deepspeed_accelerator()
     from toolkit.errors import ToolkitError
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        return finetune(args.config, args.overrides)
+        run = prepare(args.config, args.overrides)
     except ToolkitError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # Every rank reaches the same verdict before any process group exists: rank 0 says it once,
+        # and the others wait a moment so that the launcher doesn't stop rank 0 before it has.
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(3)
+        return 2
+    try:
+        return finetune(run)
+    except ToolkitError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
 
 
-def finetune(config_path, overrides) -> int:
+@dataclass
+class Run:
+    """What `prepare` checked and read: everything a run needs that no process group does."""
+
+    cfg: object
+    meta: object
+    tokenizer: object
+    dp: int
+    layout_key: dict
+    schedule: object
+    resume_from: Path | None
+
+
+def prepare(config_path, overrides) -> Run:
+    """1. Config, checkpoint, tokenizer, layout, run directory and resume point: every check that
+    needs no processes, so a mistake is one line before any rank starts working."""
+    from toolkit.train import build, checkpoint
+    from toolkit.train.config import load_config
+    from toolkit.train.schedule import LRSchedule
+
+    cfg = load_config(config_path, overrides)
+    meta = build.read_checkpoint_meta(cfg)
+    tokenizer = build.load_tokenizer(cfg)
+    dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
+    run_dir = Path(cfg.run_dir)
+    checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
+    resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    schedule = LRSchedule.from_config(cfg)
+    if resume_from is not None:
+        checkpoint.check_resumable(resume_from, layout_key, schedule)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from)
+
+
+def finetune(run: Run) -> int:
     import torch.distributed as dist
 
     from toolkit.runtime.distributed import init_parallel, shutdown
     from toolkit.train import build, checkpoint
-    from toolkit.train.config import load_config
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
     from toolkit.train.parallel import build_engine, mark_tied_output_replica
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+    from toolkit.train.schedule import LRSchedule
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
-    # 1. Config: defaults < recipe YAML < overrides; everything checkable without processes first.
-    preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
-    cfg = load_config(config_path, overrides)
-    meta = build.read_checkpoint_meta(cfg)
+    cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
     spec = meta.model_spec
+    preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP groups.
     info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
-    dp = build.check_layout(cfg, info.world_size)
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
     mark_tied_output_replica(model, spec.tied_embeddings)
 
     # 5. Data: this DP rank's share of every global batch, in a deterministic order.
-    tokenizer, train_data, valid_data, data_stats = build.build_data(cfg, info, meta)
+    train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
     num_microbatches = train_data.num_microbatches
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule.
     ds_config = build.ds_config(cfg, meta, dp)
-    engine = build_engine(model, cfg, ds_config)
+    engine = build_engine(model, cfg, ds_config, run.schedule)
 
-    # 7. Resume (exactly: weights, optimizer, scheduler, RNG, data position) if asked.
-    run_dir = Path(cfg.run_dir)
-    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
+    # 7. Resume (exactly: weights, optimizer, LR schedule, RNG, data position) if asked.
     start_step = 0
-    resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
-    if resume_from is not None:
-        start_step = checkpoint.resume(resume_from, engine, train_data, layout_key)
+    if run.resume_from is not None:
+        start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg))
 
-    resolved = {"config": cfg.to_dict(), "layout": {**layout_key, "world_size": info.world_size,
+    resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
                 "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
     logger = MetricsLogger(run_dir, info.rank == 0, cfg.wandb, resolved, start_step)
     if info.rank == 0:
@@ -90,21 +137,24 @@ def finetune(config_path, overrides) -> int:
 
     vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
     peak, peak_source = peak_tflops(cfg.peak_tflops)
-    step_flops = flops_per_token(spec, cfg.data.seq_len) * cfg.global_batch * cfg.data.seq_len
+    padded_tokens = cfg.global_batch * cfg.data.seq_len
 
     def context(batches):
-        return StepContext(len(batches), dp, count_global_tokens(batches), vocab_mask, cfg.data.seq_len, cfg.micro_batch)
+        loss_tokens, real_tokens = count_global_tokens(batches, info.device)
+        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens)
 
     # 8. The loop.
     for step in range(start_step + 1, cfg.steps + 1):
         batches = train_data.next_global_batch()
         lr = engine.get_lr()[0]
         began = time.perf_counter()
-        loss, grad_norm = train_step(engine, model, batches, context(batches), spec.tied_embeddings)
+        ctx = context(batches)
+        loss, grad_norm = train_step(engine, model, batches, ctx, spec.tied_embeddings)
         seconds = time.perf_counter() - began
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
-                   "tokens_per_s": cfg.global_batch * cfg.data.seq_len / seconds,
-                   "tflops_per_device": step_flops / seconds / info.world_size / 1e12}
+        # Throughput counts real (non-padding) tokens; the padded figure is labelled as such.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": ctx.real_tokens / seconds,
+                   "padded_tokens_per_s": padded_tokens / seconds,
+                   "tflops_per_device": flops_per_token(spec, cfg.data.seq_len) * ctx.real_tokens / seconds / info.world_size / 1e12}
         metrics["mfu"] = metrics["tflops_per_device"] / peak if peak else None
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval_loss"] = evaluate(model, valid_data, context)
@@ -112,7 +162,8 @@ def finetune(config_path, overrides) -> int:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            checkpoint.save(run_dir, step, engine, model, train_data, layout_key, meta, cfg.model.checkpoint, cfg.keep_last)
+            train_state = {**run.layout_key, "lr_schedule": run.schedule.state()}
+            checkpoint.save(run_dir, step, engine, model, train_data, train_state, meta, cfg.model.checkpoint, cfg.keep_last)
         if stop:
             if info.rank == 0:
                 print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)
@@ -120,8 +171,9 @@ def finetune(config_path, overrides) -> int:
             shutdown()
             return PREEMPTED_EXIT_CODE
 
-    # 9. Export the final fp32 master weights to HF (cast to the source dtype).
-    if cfg.export_hf and info.rank == 0 and cfg.steps > start_step:
+    # 9. Export the final fp32 master weights to HF (cast to the source dtype); also after a
+    #    requeue that found the last step already saved but not yet exported.
+    if cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / "hf").exists()):
         from toolkit.convert import megatron_to_hf
 
         megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / "hf", overwrite=True, progress=False)

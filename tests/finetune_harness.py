@@ -4,6 +4,7 @@ recipe under torchrun, and the independent single-process HF reference."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -66,7 +67,9 @@ def launcher_command(nprocs: int, launcher: str) -> list[str]:
 def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
            launcher: str = "torchrun", expect_failure: bool = False):
     cmd = [*launcher_command(nprocs, launcher), str(RECIPE), "--config", str(recipe_path), *overrides]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu", **(env or {})}
+    # TOOLKIT_STRICT_DEVICES: every collective of our code must get tensors on the rank's compute
+    # device, as NCCL requires (toolkit/runtime/strict_devices.py).
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_STRICT_DEVICES": "1", **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -82,36 +85,81 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
+def reference_lr_factor(step: int, warmup: int, total: int, floor: float, kind: str = "cosine") -> float:
+    """Linear warmup, then cosine to `floor` (or constant), written out independently of
+    toolkit.train.schedule: the factor of the base LR for the step after `step` completed ones."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    t = min(step - warmup, total - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2
+
+
+def reference_samples(tokenizer, data: Path, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(tokens, targets mask) per JSONL line, tokenised here character by character (the tiny
+    tokenizer has one token per character): prompt masked, response + EOS counted, truncated."""
+    samples = []
+    for line in data.read_text().splitlines():
+        record = json.loads(line)
+        prompt = tokenizer.convert_tokens_to_ids(list(record["prompt"]))
+        response = tokenizer.convert_tokens_to_ids(list(record["response"])) + [tokenizer.eos_token_id]
+        samples.append(((prompt + response)[:max_tokens], ([0] * len(prompt) + [1] * len(response))[:max_tokens]))
+    return samples
+
+
+def reference_rows(samples, length: int, pack: bool) -> list[list[tuple[list[int], list[int]]]]:
+    """Each training row as its list of documents: one sample per row, or greedy packing in
+    file order where a sample never spans two rows."""
+    if not pack:
+        return [[s] for s in samples]
+    rows, current, used = [], [], 0
+    for tokens, mask in samples:
+        if used + len(tokens) > length:
+            rows.append(current)
+            current, used = [], 0
+        current.append((tokens, mask))
+        used += len(tokens)
+    return rows + ([current] if current else [])
+
+
 def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int) -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
-    same global batches: loss = sum of token losses over the global batch / its token count."""
+    same global batches: loss = sum of token losses over the global batch / its token count.
+
+    Independent of the product's data and schedule code: its own tokenisation and masking, its
+    own packing, one forward per document (no padding, positions from 0), its own LR formula."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.train.config import load_config
-    from toolkit.train.data import BatchSource, load_rows
-    from toolkit.train.parallel import lr_lambda
-
-    cfg = load_config(str(cfg_path))
+    cfg = yaml.safe_load(cfg_path.read_text())
+    data_cfg, optim = cfg["data"], cfg["optim"]
+    assert data_cfg.get("shuffle") is False, "the reference reads the file in order"
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    rows, _ = load_rows(data, tokenizer, cfg.data.seq_len, cfg.data.pack, "truncate", "error")
-    source = BatchSource(rows, cfg.global_batch, cfg.global_batch, 1, 0, cfg.seed, cfg.data.shuffle, cfg.data.pack)
+    samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1)
+    rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=optim["lr"])
+    floor = optim.get("min_lr", 0.0) / optim["lr"]
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: reference_lr_factor(s, optim["warmup_steps"], cfg["steps"], floor, optim["schedule"]))
+    batch = cfg["global_batch"]
     losses, norms = [], []
-    for _ in range(steps):
-        (batch,) = source.next_global_batch()
+    for step in range(steps):
         opt.zero_grad()
-        logits = model(input_ids=batch["tokens"]).logits.float()
-        token_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                                                       reduction="none")
-        loss = (token_loss * batch["loss_mask"].reshape(-1)).sum() / batch["loss_mask"].sum()
+        total, count = 0.0, 0
+        for i in range(step * batch, (step + 1) * batch):
+            for tokens, mask in rows[i % len(rows)]:
+                logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
+                targets = torch.tensor(mask[1:], dtype=torch.float32)
+                token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")
+                total = total + (token_loss * targets).sum()
+                count += int(targets.sum())
+        loss = total / count
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim["clip_grad"])))
         opt.step()
         sched.step()
         losses.append(float(loss))

@@ -101,3 +101,39 @@ def die_on_rank_one() -> int:
 
     time.sleep(60)  # would wait for rank 1 forever in a collective
     return 0
+
+
+def strict_device_checks(nprocs_expected: int) -> dict:
+    """Under TOOLKIT_STRICT_DEVICES=1: what the check refuses (host tensors from our code, also
+    after arithmetic) and accepts (tensors made on or moved to the compute device), and the
+    trainer's own global token count, which runs a DP all-reduce."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.runtime.distributed import init_parallel
+    from toolkit.runtime.strict_devices import DeviceError
+    from toolkit.train.step import count_global_tokens
+
+    assert os.environ.get("TOOLKIT_STRICT_DEVICES") == "1"
+    info = init_parallel(1, 1)
+    assert dist.get_world_size() == nprocs_expected
+
+    def refused(make) -> bool:
+        try:
+            dist.all_reduce(make())
+        except DeviceError:
+            return True
+        return False
+
+    host = torch.tensor([1.0])
+    verdicts = {
+        "host tensor": refused(lambda: torch.tensor([1.0])),
+        "host tensor after arithmetic": refused(lambda: host * 2 + 1),
+        "made on the device": refused(lambda: torch.ones(1, device=info.device)),
+        "moved to the device": refused(lambda: host.to(info.device)),
+    }
+    batch = {"loss_mask": torch.tensor([[1.0, 1.0, 0.0]]), "real_tokens": torch.tensor(3)}
+    verdicts["token count"] = count_global_tokens([batch], info.device)
+    return verdicts

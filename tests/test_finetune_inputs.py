@@ -111,6 +111,19 @@ def recipe_file(tmp_path, **extra):
         (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
         (["steps=abc"], "steps"),
         (["parallel.recompute=sometimes"], "recompute"),
+        # Values that make no sense: refused when read, never truncated or passed on.
+        (["optim.lr=nan"], "optim.lr.*finite"),
+        (["optim.lr=-1e-4"], "optim.lr.*must be > 0"),
+        (["optim.clip_grad=-1"], "optim.clip_grad.*must be >= 0"),
+        (["steps=2.5"], "steps.*whole number"),
+        (["log_every=0"], "log_every.*must be >= 1"),
+        (["keep_last=0"], "keep_last.*must be >= 1"),
+        (["optim.betas=[0.9]"], "optim.betas.*list of 2"),
+        (["optim.betas=[0.9, 1.5]"], "optim.betas.*must be < 1"),
+        (["global_batch=inf"], "global_batch.*finite"),
+        (["micro_batch=true"], "micro_batch.*number"),
+        (["optim.min_lr=1"], "min_lr 1 is above optim.lr"),
+        (["resume=/no/such/checkpoint"], "resume=/no/such/checkpoint"),
     ],
 )
 def test_bad_recipe_values_are_refused(tmp_path, overrides, match):

@@ -31,20 +31,20 @@ def setup(tmp_path_factory):
         models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     references = {}
 
-    def reference(name, cfg_path):
-        if name not in references:
-            references[name] = hf_reference(models[name][0], data, cfg_path, STEPS)
-        return references[name]
+    def reference(name, cfg_path, pack=False):
+        if (name, pack) not in references:
+            references[name, pack] = hf_reference(models[name][0], data, cfg_path, STEPS)
+        return references[name, pack]
 
     return root, data, models, reference
 
 
-def run_and_compare(setup, tmp_path, nprocs, model="untied", tolerance=LOSS_TOLERANCE_FP32, **overrides):
+def run_and_compare(setup, tmp_path, nprocs, model="untied", tolerance=LOSS_TOLERANCE_FP32, pack=False, **overrides):
     _, data, models, reference = setup
-    cfg = recipe(tmp_path, models[model][1], data, **overrides)
+    cfg = recipe(tmp_path, models[model][1], data, data__pack=pack, **overrides)
     launch(nprocs, cfg)
     metrics = read_metrics(tmp_path / "run")
-    ref_losses, ref_norms = reference(model, cfg)
+    ref_losses, ref_norms = reference(model, cfg, pack)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     losses = [m["loss"] for m in metrics]
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -57,20 +57,21 @@ def run_and_compare(setup, tmp_path, nprocs, model="untied", tolerance=LOSS_TOLE
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "nprocs, parallel",
+    "nprocs, parallel, pack",
     [
-        (8, {"tp": 2, "pp": 2, "zero_stage": 1}),
-        (4, {"tp": 2, "pp": 1, "zero_stage": 1}),
-        (4, {"tp": 1, "pp": 2, "zero_stage": 1}),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 1}),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 2, "recompute": "full"}),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 3, "recompute": "selective"}),
+        (8, {"tp": 2, "pp": 2, "zero_stage": 1}, False),
+        (4, {"tp": 2, "pp": 1, "zero_stage": 1}, True),
+        (4, {"tp": 1, "pp": 2, "zero_stage": 1}, False),
+        (2, {"tp": 1, "pp": 1, "zero_stage": 1}, False),
+        (2, {"tp": 1, "pp": 1, "zero_stage": 2, "recompute": "full"}, False),
+        (2, {"tp": 1, "pp": 1, "zero_stage": 3, "recompute": "selective"}, False),
     ],
-    ids=["TP2xPP2xDP2-zero1", "TP2xDP2-zero1", "PP2xDP2-zero1", "DP2-zero1", "DP2-zero2-recompute-full",
+    ids=["TP2xPP2xDP2-zero1", "TP2xDP2-zero1-packed", "PP2xDP2-zero1", "DP2-zero1", "DP2-zero2-recompute-full",
          "DP2-zero3-recompute-selective"],
 )
-def test_losses_and_grad_norms_match_hf_reference(setup, tmp_path, nprocs, parallel):
-    run_and_compare(setup, tmp_path, nprocs, parallel=parallel)
+def test_losses_and_grad_norms_match_hf_reference(setup, tmp_path, nprocs, parallel, pack):
+    """Every launch runs under the device-strict collective check (tests/finetune_harness.py)."""
+    run_and_compare(setup, tmp_path, nprocs, parallel=parallel, pack=pack)
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.errors import DistributedError
-from toolkit.runtime import cpu_compat
+from toolkit.runtime import cpu_compat, strict_devices
 
 # A rank that dies must not leave the others waiting forever in a collective.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=int(os.environ.get("TOOLKIT_DIST_TIMEOUT_MIN", "10")))
@@ -45,6 +45,13 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def choose_deepspeed_accelerator() -> None:
+    """Without CUDA, name DeepSpeed's CPU accelerator before it is imported: it would guess the
+    same, with a WARNING on every rank (the README's `DS_ACCELERATOR=cpu` is then optional)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def init_process_group() -> torch.device:
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, ...)."""
     if torch.cuda.is_available():
@@ -56,6 +63,8 @@ def init_process_group() -> torch.device:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend(), timeout=DEFAULT_TIMEOUT)
+    if strict_devices.enabled():  # tests: fail on tensors NCCL would refuse, also on CPU
+        strict_devices.enable(device)
     return device
 
 

@@ -8,6 +8,7 @@ import torch
 
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import Layout
+from toolkit.model import running_layer_spec
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError
 from toolkit.train.config import TrainConfig
@@ -27,7 +28,29 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {spec.max_position_embeddings}")
     if cfg.data.pack and spec.window_size:
         raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
+    if cfg.data.pack and running_layer_spec() == "te":
+        raise ConfigError("packing is not supported on the Transformer Engine path: it needs per-document cu_seqlens, "
+                          "which this trainer does not build, and TE would silently ignore the document mask; set data.pack=false")
     return meta
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(cfg: TrainConfig):
+    """The tokenizer copied into the checkpoint at conversion; one clear line when it is missing."""
+    from transformers import AutoTokenizer
+
+    hf_dir = Path(cfg.model.checkpoint) / HF_DIR
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"checkpoint {cfg.model.checkpoint} has no tokenizer ({hf_dir} holds none of {', '.join(TOKENIZER_FILES)}): "
+            f"copy the HF model's tokenizer files into {hf_dir}/ (or convert from a directory that has them)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(hf_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the tokenizer in {hf_dir} cannot be loaded: {str(e).splitlines()[0]}") from None
 
 
 def check_layout(cfg: TrainConfig, world_size: int) -> int:
@@ -83,14 +106,11 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
     return build(setup, meta.model_spec)
 
 
-def build_data(cfg: TrainConfig, info: ParallelInfo, meta: CheckpointMeta):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(Path(cfg.model.checkpoint) / HF_DIR)
+def build_data(cfg: TrainConfig, info: ParallelInfo, tokenizer):
     rows, stats = load_rows(cfg.data.train_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
     train = BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle, cfg.data.pack)
     valid = None
     if cfg.data.valid_file:
         vrows, _ = load_rows(cfg.data.valid_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
         valid = BatchSource(vrows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
-    return tokenizer, train, valid, stats
+    return train, valid, stats

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -29,9 +30,11 @@ from toolkit.atomic import fault_point
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta, megatron_args
 from toolkit.errors import ToolkitError
+from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
 DS_TAG = "ds"
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
 class CheckpointError(ToolkitError):
@@ -99,8 +102,9 @@ def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
 
 
-def save(run_dir: Path, step: int, engine, module, source, layout: dict, source_meta, source_dir, keep_last: int) -> Path:
-    """Collective: every rank calls it."""
+def save(run_dir: Path, step: int, engine, module, source, train_state: dict, source_meta, source_dir, keep_last: int) -> Path:
+    """Collective: every rank calls it. `train_state` (the layout, the LR schedule) goes into
+    train_state.json, where a resume checks it before any process group exists."""
     root = Path(run_dir) / "checkpoints"
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
@@ -112,7 +116,7 @@ def save(run_dir: Path, step: int, engine, module, source, layout: dict, source_
     _write_model(tmp, module, source_meta, Path(source_dir))
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
-        (tmp / "train_state.json").write_text(json.dumps({"step": step, **layout}, indent=2))
+        (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         fault_point("checkpoint-before-marker")
@@ -121,15 +125,44 @@ def save(run_dir: Path, step: int, engine, module, source, layout: dict, source_
         marker = root / f".{LATEST}.tmp"
         marker.write_text(final.name)
         os.replace(marker, root / LATEST)
-        _prune(root, keep_last)
+        _prune(root, keep_last, step)
     dist.barrier()
     return final
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in steps[: max(0, len(steps) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
+def _step_dirs(root: Path) -> dict[int, Path]:
+    """Complete checkpoint directories by step number (partial ones start with a dot)."""
+    found = {}
+    for path in root.glob("step_*"):
+        match = STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            found[int(match.group(1))] = path
+    return found
+
+
+def _prune(root: Path, keep_last: int, latest_step: int) -> None:
+    """Keep the `keep_last` newest checkpoints up to the one `latest` names, by step number.
+    Never the one `latest` names, nor any newer one (they are not ours to judge)."""
+    older = sorted(step for step in _step_dirs(root) if step <= latest_step)
+    for step in older[: max(0, len(older) - keep_last)]:
+        if step != latest_step:
+            shutil.rmtree(root / step_name(step), ignore_errors=True)
+
+
+def refuse_used_run_dir(run_dir: Path, resume: str) -> None:
+    """A fresh run (resume=none) must not write into another run's directory: its pruning,
+    `latest` and metrics.jsonl would mix with or destroy the other run's."""
+    if resume != "none":
+        return
+    run_dir = Path(run_dir)
+    found = [p.name for p in (run_dir / "checkpoints", run_dir / "metrics.jsonl") if p.exists()]
+    if found:
+        marker = run_dir / "checkpoints" / LATEST
+        latest = f" (latest: {marker.read_text().strip()})" if marker.is_file() else ""
+        raise CheckpointError(
+            f"run_dir {run_dir} already holds another run's {' and '.join(found)}{latest}: continue it with "
+            "resume=auto, or give a new or empty run_dir"
+        )
 
 
 def find_latest(run_dir: Path) -> Path | None:
@@ -143,18 +176,32 @@ def find_latest(run_dir: Path) -> Path | None:
     return path
 
 
-def resume(path: Path, engine, source, layout: dict) -> int:
-    """Load a checkpoint written by `save` with the same layout; returns its step."""
-    state = json.loads((path / "train_state.json").read_text())
-    saved = {k: state[k] for k in layout}
+def check_resumable(path: Path, layout: dict, requested_schedule) -> int:
+    """Everything a resume from `path` needs that can be checked before training; returns its step."""
+    try:
+        state = json.loads((path / "train_state.json").read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / 'train_state.json'} is unreadable ({e}): not a complete checkpoint") from None
+    saved = {k: state.get(k) for k in layout}
     if saved != layout:
         raise CheckpointError(
             f"{path} was written with {saved}, this run uses {layout}: resuming on another layout or "
             "DP size is not supported (export to HF and convert again instead)"
         )
+    if "lr_schedule" in state:  # checkpoints of earlier versions carry none: the config's is used
+        LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step)
+    return step
+
+
+def resume(path: Path, engine, source, schedule, requested_schedule) -> int:
+    """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
+    The LR schedule DeepSpeed restores from it goes on as `requested_schedule` asks."""
     load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
+    step = int(json.loads((path / "train_state.json").read_text())["step"])
+    schedule.continue_as(requested_schedule, step)
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
-    return int(state["step"])
+    return step

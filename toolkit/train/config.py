@@ -5,11 +5,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import operator
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 from toolkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A numeric field's allowed range, checked when the value is read (None: no limit)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def check(self, value) -> None:
+        tests = ((self.ge, operator.ge, ">="), (self.gt, operator.gt, ">"), (self.le, operator.le, "<="), (self.lt, operator.lt, "<"))
+        for limit, holds, word in tests:
+            if limit is not None and not holds(value, limit):
+                raise ConfigError(f"must be {word} {limit:g}, got {value!r}")
+
+
+PositiveInt = Annotated[int, Bound(ge=1)]
+Count = Annotated[int, Bound(ge=0)]  # 0 has a stated meaning (off / only at the end)
+Beta = Annotated[float, Bound(ge=0.0, lt=1.0)]
 
 
 @dataclass
@@ -17,46 +42,46 @@ class ModelConfig:
     checkpoint: str = ""  # a directory written by `toolkit convert hf-to-megatron` (either format)
     # Optional expectations: a checkpoint of another architecture is refused before training.
     family: str | None = None
-    num_layers: int | None = None
-    hidden_size: int | None = None
+    num_layers: PositiveInt | None = None
+    hidden_size: PositiveInt | None = None
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
     zero_stage: int = 1  # 1, 2 or 3; only 1 with PP > 1
-    recompute: str | None = None  # None, "selective" or "full" (megatron-core granularity)
+    recompute: Literal["selective", "full"] | None = None  # megatron-core granularity
 
 
 @dataclass
 class DataConfig:
     train_file: str = ""
     valid_file: str | None = None
-    seq_len: int = 128
+    seq_len: PositiveInt = 128
     pack: bool = False  # concatenate samples, with attention reset at document boundaries
-    overlong: str = "truncate"  # "truncate" or "drop" samples longer than seq_len + 1 tokens
-    malformed: str = "error"  # "error" or "skip" malformed JSONL lines (skips are counted)
+    overlong: Literal["truncate", "drop"] = "truncate"  # samples longer than seq_len + 1 tokens
+    malformed: Literal["error", "skip"] = "error"  # malformed JSONL lines (skips are counted)
     shuffle: bool = True
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0  # never applied to norms and biases
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: str = "cosine"  # "cosine" or "constant" after the linear warmup
-    clip_grad: float = 1.0
+    lr: Annotated[float, Bound(gt=0.0)] = 1e-4
+    min_lr: Annotated[float, Bound(ge=0.0)] = 0.0
+    weight_decay: Annotated[float, Bound(ge=0.0)] = 0.0  # never applied to norms and biases
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: Annotated[float, Bound(gt=0.0)] = 1e-8
+    warmup_steps: Count = 0
+    schedule: Literal["cosine", "constant"] = "cosine"  # after the linear warmup
+    clip_grad: Annotated[float, Bound(ge=0.0)] = 1.0  # 0: no clipping
 
 
 @dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "toolkit-finetune"
-    run_id: str | None = None  # stable id => a restarted job continues the same run
+    run_id: str | None = None  # default: one id per run_dir, kept across resumes
     mode: str | None = None  # e.g. "offline"; WANDB_MODE from the environment wins
 
 
@@ -67,43 +92,81 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    precision: str = "bf16"  # "bf16" or "fp32"; fp16 is refused (loss scaling not proven with the PP schedule)
-    micro_batch: int = 1
-    global_batch: int = 8
-    steps: int = 100
-    seed: int = 1234
-    log_every: int = 10
-    eval_every: int = 0  # 0: only at the end (when a validation set is given)
-    save_every: int = 0  # 0: only at the end
-    keep_last: int = 2
+    precision: Literal["bf16", "fp32"] = "bf16"
+    micro_batch: PositiveInt = 1
+    global_batch: PositiveInt = 8
+    steps: PositiveInt = 100
+    seed: Annotated[int, Bound(ge=0)] = 1234
+    log_every: PositiveInt = 10
+    eval_every: Count = 0  # 0: only at the end (when a validation set is given)
+    save_every: Count = 0  # 0: only at the end
+    keep_last: PositiveInt = 2  # complete checkpoints kept; the one `latest` names is never pruned
     run_dir: str = "runs/finetune"
     resume: str = "none"  # "none", "auto" (latest complete checkpoint in run_dir) or a checkpoint path
     export_hf: bool = True
-    peak_tflops: float | None = None  # per device; looked up for known GPUs, nominal on CPU
+    peak_tflops: Annotated[float, Bound(gt=0.0)] | None = None  # per device; looked up for known GPUs, nominal on CPU
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+# Values refused on purpose get the reason, not only the list of choices.
+REFUSED_CHOICES = {
+    "fp16": "fp16 is refused: DeepSpeed scales the loss only inside engine.backward, which the megatron-core "
+            "pipeline schedule does not call",
+}
+
+
+def _coerce_number(value, kind: type):
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a number, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ConfigError(f"expected a number, got {value!r}") from None
+    if not isinstance(number, (int, float)):
+        raise ConfigError(f"expected a number, got {value!r}")
+    if not math.isfinite(number):
+        raise ConfigError(f"expected a finite number, got {value!r}")
+    if kind is int:
+        if float(number) != int(number):
+            raise ConfigError(f"expected a whole number, got {value!r}")
+        return int(number)
+    return float(number)
+
+
 def _coerce(value, hint):
-    """Turn a YAML/CLI value into the dataclass field's type."""
+    """Turn a YAML/CLI value into the dataclass field's type, checking choices and bounds."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if value is None or hint is typing.Any:
         return value
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+    if origin is Annotated:
+        result = _coerce(value, args[0])
+        for bound in args[1:]:
+            bound.check(result)
+        return result
+    if origin is Literal:
+        if value in args:
+            return value
+        reason = REFUSED_CHOICES.get(str(value))
+        raise ConfigError(reason or f"must be one of {', '.join(map(str, args))}, got {value!r}")
+    if origin is typing.Union or origin is types.UnionType:
         if value in ("none", "None", "null"):
             return None
+        errors = []
         for option in args:
             if option is type(None):
                 continue
             try:
                 return _coerce(value, option)
-            except (ValueError, TypeError, ConfigError):
-                continue
-        raise ConfigError(f"cannot read {value!r} as {hint}")
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
     if origin is tuple:
         items = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or len(items) != len(args):
+            raise ConfigError(f"expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(v, a) for v, a in zip(items, args))
     if hint is bool:
         if isinstance(value, str):
@@ -112,18 +175,20 @@ def _coerce(value, hint):
             if value.lower() in ("false", "0", "no"):
                 return False
             raise ConfigError(f"expected true/false, got {value!r}")
+        if not isinstance(value, (bool, int)):
+            raise ConfigError(f"expected true/false, got {value!r}")
         return bool(value)
     if hint in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"expected a number, got {value!r}")
-        return hint(float(value)) if hint is int and isinstance(value, str) and "e" in value.lower() else hint(value)
+        return _coerce_number(value, hint)
     if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"expected text, got {value!r}")
         return str(value)
     raise ConfigError(f"unsupported type {hint}")
 
 
 def _apply(obj, key_path: list[str], value, full_key: str) -> None:
-    hints = typing.get_type_hints(type(obj))
+    hints = typing.get_type_hints(type(obj), include_extras=True)
     name = key_path[0]
     if name not in hints:
         known = ", ".join(hints)
@@ -142,7 +207,7 @@ def _apply(obj, key_path: list[str], value, full_key: str) -> None:
         return
     try:
         setattr(obj, name, _coerce(value, hints[name]))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ConfigError) as e:
         raise ConfigError(f"{full_key}={value!r}: {e}") from None
 
 
@@ -197,11 +262,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Checks that need no model or processes; layout checks happen once the world size is known."""
-    if cfg.precision not in ("bf16", "fp32"):
-        hint = " (fp16 is refused: DeepSpeed scales the loss only inside engine.backward, which the "
-        hint += "megatron-core pipeline schedule does not call)" if cfg.precision == "fp16" else ""
-        raise ConfigError(f"precision must be bf16 or fp32{hint}")
+    """Rules across fields (each field's type, choices and range are checked as it is read);
+    layout checks happen once the world size is known."""
     if cfg.parallel.pp > 1 and cfg.parallel.zero_stage > 1:
         raise ConfigError("ZeRO-2/3 do not work with pipeline parallelism (several micro-batches in flight); use zero_stage=1")
     if cfg.parallel.zero_stage not in (1, 2, 3):
@@ -209,14 +271,12 @@ def validate(cfg: TrainConfig) -> None:
             "zero_stage must be 1, 2 or 3: at ZeRO-0 DeepSpeed refuses the direct backward calls of "
             "megatron-core's schedule (and reports no gradient norm); ZeRO-1 costs nothing extra at DP=1"
         )
-    if cfg.parallel.recompute not in (None, "selective", "full"):
-        raise ConfigError("parallel.recompute must be selective, full or none")
-    if cfg.data.overlong not in ("truncate", "drop") or cfg.data.malformed not in ("error", "skip"):
-        raise ConfigError("data.overlong must be truncate|drop and data.malformed error|skip")
-    if cfg.optim.schedule not in ("cosine", "constant"):
-        raise ConfigError("optim.schedule must be cosine or constant")
-    if min(cfg.micro_batch, cfg.global_batch, cfg.steps, cfg.data.seq_len) < 1:
-        raise ConfigError("micro_batch, global_batch, steps and data.seq_len must be >= 1")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above optim.lr {cfg.optim.lr:g}")
+    if cfg.optim.warmup_steps > cfg.steps:
+        raise ConfigError(f"optim.warmup_steps {cfg.optim.warmup_steps} is more than steps {cfg.steps}")
+    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
+        raise ConfigError(f"resume={cfg.resume}: not 'none', 'auto' or a checkpoint directory")
     if not cfg.model.checkpoint:
         raise ConfigError("model.checkpoint is required (a directory from `toolkit convert hf-to-megatron`)")
     if not cfg.data.train_file:

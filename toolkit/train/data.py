@@ -121,8 +121,10 @@ class Row:
 
 
 def pad_rows(samples: list[Sample], length: int, pad_id: int) -> list[Row]:
+    """One sample per row; padding has document id -1, as in packed rows."""
     return [
-        Row(s.tokens + [pad_id] * (length - len(s.tokens)), s.loss_mask + [0] * (length - len(s.tokens)), [0] * length)
+        Row(s.tokens + [pad_id] * (length - len(s.tokens)), s.loss_mask + [0] * (length - len(s.tokens)),
+            [0] * len(s.tokens) + [-1] * (length - len(s.tokens)))
         for s in samples
     ]
 
@@ -153,9 +155,9 @@ def collate(rows: list[Row], packed: bool) -> dict[str, torch.Tensor]:
     """Model inputs from rows of seq_len + 1 tokens: inputs t[:-1], labels t[1:]."""
     tokens = torch.tensor([r.tokens for r in rows], dtype=torch.long)
     mask = torch.tensor([r.loss_mask for r in rows], dtype=torch.float32)
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask[:, 1:]}
+    docs = torch.tensor([r.doc_ids for r in rows])[:, :-1]
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask[:, 1:], "real_tokens": (docs >= 0).sum()}
     if packed:
-        docs = torch.tensor([r.doc_ids for r in rows])[:, :-1]
         seq = docs.shape[1]
         causal = torch.ones(seq, seq, dtype=torch.bool).tril()
         same_doc = docs[:, :, None] == docs[:, None, :]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 
 import torch
@@ -77,6 +78,22 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path, configured: str | None) -> str:
+    """The configured id, else the one this run directory was given on its first start: every
+    resume of a run (local or requeued) continues the same W&B run."""
+    if configured:
+        return configured
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)  # wandb's own ids are 8 lowercase letters and digits too
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 def _init_wandb(run_dir: Path, cfg, run_config: dict):
     """Our trainer owns the W&B run (DeepSpeed's monitor would start its own and logs no loss).
     A stable id with resume="allow" makes a restarted job continue the same run."""
@@ -84,5 +101,5 @@ def _init_wandb(run_dir: Path, cfg, run_config: dict):
 
     if cfg.mode and "WANDB_MODE" not in os.environ:
         os.environ["WANDB_MODE"] = cfg.mode
-    return wandb.init(project=cfg.project, id=cfg.run_id, resume="allow" if cfg.run_id else None,
+    return wandb.init(project=cfg.project, id=wandb_run_id(run_dir, cfg.run_id), resume="allow",
                       dir=str(run_dir), config=run_config)

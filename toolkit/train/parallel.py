@@ -5,8 +5,6 @@ checkpoint files. This module builds both and does the gradient work DeepSpeed d
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -45,22 +43,6 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def lr_lambda(cfg: TrainConfig):
-    """Linear warmup to optim.lr, then cosine decay to optim.min_lr (or constant)."""
-    o = cfg.optim
-
-    def factor(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps))
-        floor = o.min_lr / o.lr if o.lr else 0.0
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def mark_tied_output_replica(model, tied: bool) -> None:
     """With tied embeddings and PP > 1 the last stage's output layer is a copy of the first
     stage's embedding: tell DeepSpeed's grad-norm code to count it once (ds_pipe_replicated is
@@ -89,9 +71,9 @@ def allreduce_tied_embedding_grads(model, tied: bool) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def build_engine(model, cfg: TrainConfig, ds_config: dict):
-    """DeepSpeed engine with our param groups and LR schedule; DeepSpeed steps the scheduler in
-    engine.step() and keeps its state in checkpoints."""
+def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
+    """DeepSpeed engine with our param groups and LR schedule (toolkit.train.schedule); DeepSpeed
+    steps the scheduler in engine.step() and keeps its state, the schedule's too, in checkpoints."""
     import deepspeed
 
     from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
@@ -103,6 +85,6 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict):
         model_parameters=param_groups(model, cfg.optim.weight_decay),
         config=ds_config,
         mpu=MegatronCoreMPU(),
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
     )
     return engine

@@ -16,19 +16,23 @@ class StepContext:
 
     num_microbatches: int
     dp: int
-    global_tokens: int
+    global_tokens: int  # loss tokens of the global batch (the normaliser)
     vocab_mask: torch.Tensor | None
     seq_len: int
     micro_batch: int
+    real_tokens: int = 0  # non-padding input tokens of the global batch (throughput)
 
 
-def count_global_tokens(batches: list[dict]) -> int:
-    """Loss tokens of the whole global batch: this rank's micro-batches, summed over DP."""
+def count_global_tokens(batches: list[dict], device) -> tuple[int, int]:
+    """(loss tokens, non-padding tokens) of the whole global batch: this rank's micro-batches,
+    summed over DP in one all-reduce, on the compute device (NCCL refuses host tensors)."""
     from megatron.core import parallel_state as ps
 
-    local = torch.tensor(sum(int(b["loss_mask"].sum()) for b in batches), dtype=torch.float64)
+    local = torch.tensor([sum(float(b["loss_mask"].sum()) for b in batches), sum(int(b["real_tokens"]) for b in batches)],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(local, group=ps.get_data_parallel_group())
-    return int(local.item())
+    loss_tokens, real_tokens = local.tolist()
+    return int(loss_tokens), int(real_tokens)
 
 
 def _forward_step_func(model_call, ctx: StepContext, device):
