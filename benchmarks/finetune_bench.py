@@ -45,12 +45,12 @@ def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: in
     overrides = [f"model.checkpoint={mc}", f"data.train_file={data}", f"data.seq_len={SEQ}", f"micro_batch={MICRO}",
                  f"global_batch={global_batch}", f"steps={steps}", "log_every=1", f"run_dir={run_dir}", "precision=fp32",
                  "export_hf=false", "save_every=0", f"parallel.pp={pp}", "optim.warmup_steps=0", "resume=none"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
                     str(REPO / "recipes" / "finetune.py"), *overrides],
                    env=env, check=True, capture_output=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [global_batch * SEQ / r["tokens_per_s"] for r in records[3:]]
+    return [global_batch * SEQ / r["padded_tokens_per_s"] for r in records[3:]]
 
 
 def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[float]:
@@ -61,16 +61,20 @@ def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[floa
 
     from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
 
-    skip_deepspeed_shm_op()
-    deepspeed.init_distributed(dist_backend="gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        skip_deepspeed_shm_op()
+    else:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     dp = torch.distributed.get_world_size()
     gas = global_batch // (MICRO * dp)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ))
+    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ), device=device)
     times = []
     for _ in range(steps):
         began = time.perf_counter()
@@ -82,11 +86,18 @@ def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[floa
     return times[3:]
 
 
-def run_baseline(hf: Path, steps: int, global_batch: int) -> list[float]:
+def run_baseline(hf: Path, nprocs: int, steps: int, global_batch: int) -> list[float]:
     from toolkit.runtime.launch import run_on_processes
 
     sys.path.insert(0, str(Path(__file__).parent))
-    return run_on_processes("finetune_bench:hf_deepspeed_worker", 2, str(hf), steps, global_batch)[0]
+    return run_on_processes("finetune_bench:hf_deepspeed_worker", nprocs, str(hf), steps, global_batch)[0]
+
+
+def data_parallel_processes() -> int:
+    """2 processes on CPU; on GPUs one per GPU, at most 2 (a one-GPU machine compares at DP1)."""
+    import torch
+
+    return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
 
 
 def main() -> None:
@@ -97,16 +108,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
         root = Path(tmp)
         hf, mc, data = prepare(root)
+        dp = data_parallel_processes()
         ours, base = [], []
         for _ in range(args.repeats):
-            ours.append(statistics.median(run_recipe(root, mc, data, 2, args.steps, 1, 16)))
-            base.append(statistics.median(run_baseline(hf, args.steps, 16)))
+            ours.append(statistics.median(run_recipe(root, mc, data, dp, args.steps, 1, 16)))
+            base.append(statistics.median(run_baseline(hf, dp, args.steps, 16)))
         ratios = [o / b for o, b in zip(ours, base)]
-        print(f"step time, DP2 ZeRO-1, global batch 16 x {SEQ} tokens, {args.repeats} runs x {args.steps} steps:")
+        print(f"step time, DP{dp} ZeRO-1, global batch 16 x {SEQ} tokens, {args.repeats} runs x {args.steps} steps:")
         print(f"  ours (megatron-core + DeepSpeed)  median {statistics.median(ours) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in ours]}")
         print(f"  HF + DeepSpeed ZeRO-1             median {statistics.median(base) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in base]}")
         print(f"  ratio ours/baseline               median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 1.05)")
 
+        if dp < 2:
+            print("pipeline bubble at PP=2: skipped (needs 2 devices)")
+            return
         print("pipeline bubble at PP=2 (1 process per stage):")
         for m in (4, 8):
             t_pp1 = statistics.median(run_recipe(root, mc, data, 1, args.steps, 1, MICRO * m))

@@ -10,6 +10,9 @@ import pytest
 
 # Several gloo ranks share two cores; one thread each avoids oversubscription.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every process a test launches (fine-tunes, verify, workers) fails on a collective given a tensor
+# NCCL would refuse, although gloo accepts it here (toolkit/runtime/strict_devices.py).
+os.environ.setdefault("TOOLKIT_STRICT_DEVICES", "1")
 
 # Families and variants every conversion test covers (see toolkit/tinymodels.py).
 VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral")

@@ -67,9 +67,8 @@ def launcher_command(nprocs: int, launcher: str) -> list[str]:
 def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
            launcher: str = "torchrun", expect_failure: bool = False):
     cmd = [*launcher_command(nprocs, launcher), str(RECIPE), "--config", str(recipe_path), *overrides]
-    # TOOLKIT_STRICT_DEVICES: every collective of our code must get tensors on the rank's compute
-    # device, as NCCL requires (toolkit/runtime/strict_devices.py).
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOOLKIT_STRICT_DEVICES": "1", **(env or {})}
+    # os.environ carries TOOLKIT_STRICT_DEVICES=1 from tests/conftest.py: device-strict collectives.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:
         return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -123,7 +122,7 @@ def reference_rows(samples, length: int, pack: bool) -> list[list[tuple[list[int
     return rows + ([current] if current else [])
 
 
-def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int) -> tuple[list[float], list[float]]:
+def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu") -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
     same global batches: loss = sum of token losses over the global batch / its token count.
 
@@ -137,7 +136,7 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int) -> tuple[
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1)
     rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
@@ -152,9 +151,9 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int) -> tuple[
         total, count = 0.0, 0
         for i in range(step * batch, (step + 1) * batch):
             for tokens, mask in rows[i % len(rows)]:
-                logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
-                targets = torch.tensor(mask[1:], dtype=torch.float32)
-                token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")
+                logits = model(input_ids=torch.tensor([tokens], device=device)).logits[0, :-1].float()
+                targets = torch.tensor(mask[1:], dtype=torch.float32, device=device)
+                token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:], device=device), reduction="none")
                 total = total + (token_loss * targets).sum()
                 count += int(targets.sum())
         loss = total / count

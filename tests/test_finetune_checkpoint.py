@@ -47,11 +47,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, t
     flag = tmp_path / "paused"
     cfg = recipe(killed_dir, mc, data, parallel=parallel, save_every=5)
     proc = launch(4, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-before-marker@2:{flag}"}, wait=False)
-    deadline = time.monotonic() + 600
-    while not flag.exists():
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(flag.exists, proc)
     kill_tree(proc.pid)
     proc.wait()
     checkpoints = killed_dir / "run" / "checkpoints"
@@ -63,6 +59,39 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, t
     assert [m["step"] for m in resumed] == list(range(1, 11)), "every step logged exactly once"
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
     assert [m["grad_norm"] for m in resumed[5:]] == [m["grad_norm"] for m in straight[5:]]
+
+
+def wait_for(condition, proc, seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_saves_after_the_current_step_and_the_run_resumes(model_and_data, tmp_path):
+    """Slurm's preemption (and `scancel`) sends SIGTERM to every process of the job step: each
+    rank finishes the same step, a checkpoint is saved, the ranks exit 99, and resume=auto goes on."""
+    import psutil
+
+    hf, mc, data = model_and_data
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=500,
+                 optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0})
+    proc = launch(2, cfg, wait=False)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, proc)
+    for worker in psutil.Process(proc.pid).children(recursive=True):
+        worker.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=300)[0]
+    assert "SIGTERM received: saved step" in output, output[-3000:]
+    step = int(output.split("SIGTERM received: saved step ")[1].split(",")[0])
+    assert step < 500 and (tmp_path / "run" / "checkpoints" / "latest").read_text() == f"step_{step:07d}"
+
+    launch(2, cfg, "resume=auto", f"steps={step + 2}")
+    logged = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in logged][-2:] == [step + 1, step + 2]
+    assert all(m["lr"] == 1e-3 for m in logged), "a constant schedule simply continues"
 
 
 @pytest.mark.multiprocess

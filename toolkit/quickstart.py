@@ -72,8 +72,10 @@ def _show_plan(checkpoint: Path, processes: int, log) -> None:
     result = plan(spec, Cluster(gpus=processes, gpu_memory=4 * GIB, gpus_per_node=processes), seq_len=16,
                   global_batch=64, precision="fp32")
     for candidate in result.ranked[:3]:
-        log("      " + candidate.explain(result.cluster))
-    log(f"      (the example runs TP2 x PP2 to exercise all three dimensions; {len(result.ranked)} layouts fit)")
+        # The planner's tok/s figure models GPUs; on this CPU run it would only mislead.
+        log("      " + candidate.explain(result.cluster).rsplit(" -> ", 1)[0])
+    log(f"      ({len(result.ranked)} layouts fit. The example runs TP2 x PP2, so DP is 1 on 4 processes: it shows "
+        "tensor and pipeline parallelism; data parallelism is shown by the tests, e.g. TP2 x PP2 x DP2 on 8)")
 
 
 def _launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path) -> None:

@@ -1,0 +1,36 @@
+"""The single-GPU checks of the one-command GPU suite (benchmarks/gpu_suite.sh): a fine-tune of
+the real recipe on one GPU (NCCL process group, the Transformer Engine layer spec where TE is
+installed, bf16) against the HF reference run on the same GPU. Skipped where there is no CUDA;
+this project's CI machine has none, so its CPU tests carry the device-strict collective check
+(tests/test_strict_devices.py) instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.finetune_harness import hf_reference, launch, read_metrics, recipe, write_uneven_data
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")]
+
+STEPS = 10
+# bf16 weights and activations against an fp32 reference: the same bar as the CPU bf16 test.
+LOSS_TOLERANCE_BF16 = 2e-2
+
+
+def test_one_gpu_finetune_matches_the_hf_reference_on_the_gpu(tmp_path):
+    from toolkit.convert import hf_to_megatron
+    from toolkit.model import running_layer_spec
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("llama-odd-vocab", tmp_path / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, precision="bf16", parallel={"tp": 1, "pp": 1, "zero_stage": 1})
+    result = launch(1, cfg)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    reference, _ = hf_reference(hf, data, cfg, STEPS, device="cuda")
+    worst = max(abs(a - b) for a, b in zip(losses, reference))
+    print(f"layer spec {running_layer_spec()}; max |loss - HF reference on the GPU| = {worst:.2e} over {STEPS} steps")
+    assert len(losses) == STEPS and worst < LOSS_TOLERANCE_BF16, (losses, reference, result.stdout[-2000:])
