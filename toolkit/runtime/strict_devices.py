@@ -31,8 +31,9 @@ ENV = "TOOLKIT_STRICT_DEVICES"
 TAG = "_toolkit_host_tensor"
 FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
              torch.rand, torch.randn, torch.randint, torch.eye, torch.linspace}
+# isend/irecv stay unwrapped: torch.distributed.P2POp accepts only those very functions.
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-               "reduce", "send", "recv", "isend", "irecv", "all_to_all_single")
+               "reduce", "send", "recv", "all_to_all_single")
 _LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]})
 
 

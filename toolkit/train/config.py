@@ -273,8 +273,6 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above optim.lr {cfg.optim.lr:g}")
-    if cfg.optim.warmup_steps > cfg.steps:
-        raise ConfigError(f"optim.warmup_steps {cfg.optim.warmup_steps} is more than steps {cfg.steps}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
         raise ConfigError(f"resume={cfg.resume}: not 'none', 'auto' or a checkpoint directory")
     if not cfg.model.checkpoint:
