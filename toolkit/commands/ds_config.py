@@ -117,7 +117,8 @@ def check_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolkit ds-config check", description=CHECK_HELP)
     p.add_argument("file", help="DeepSpeed JSON config")
     add_cluster_args(p)
-    p.add_argument("--hf-trainer", action="store_true", help="allow the \"auto\" values the HF Trainer fills in")
+    p.add_argument("--hf-trainer", action="store_true",
+                   help="fill \"auto\" with the HF Trainer's and Accelerate's own code first, then check what DeepSpeed gets")
     return p
 
 
