@@ -15,9 +15,11 @@ Three passes:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from toolkit.dsconfig import keys, pydantic_blocks, semantics
+from toolkit.dsconfig.bounds import VALUE_BOUNDS
 from toolkit.dsconfig.report import WARNING, Report, as_number, did_you_mean, join
 from toolkit.errors import ConfigError
 
@@ -38,6 +40,7 @@ def check(config: dict | str | Path, gpus: int | None = None, tp: int = 1, pp: i
         if config is None:
             return report
     _check_keys(config, report, check_autos=not hf_trainer)
+    _check_values(config, report)
     blocks = pydantic_blocks.models()
     for path, model in blocks.items():
         block = _get(config, path)
@@ -128,8 +131,25 @@ def _unknown(key: str, where: str, path: str, table: dict, report: Report, elsew
     report.add(kind, where, f"DeepSpeed does not read '{key}' here and would silently ignore it{hint}")
 
 
+def _check_values(config: dict, report: Report) -> None:
+    """Learning rates, betas, clipping and step counts within their bounds (bounds.py)."""
+    for path, bound in VALUE_BOUNDS.items():
+        value = _get(config, path)
+        if value is not None and not isinstance(value, str):  # strings: reported by the type pass
+            _add(report, "out-of-range", path, bound.problem(path.rsplit(".", 1)[-1], value))
+
+
+def _add(report: Report, kind: str, path: str, message: str | None) -> None:
+    if message:
+        report.add(kind, path, message)
+
+
 def _check_type(where: str, value, expected, report: Report) -> None:
     if expected is keys.ANY or value is None:
+        return
+    if expected in (int, float) and isinstance(value, float) and not math.isfinite(value):
+        kind = "integer" if expected is int else "number"
+        report.add("non-finite", where, f"must be a finite {kind} (got {value!r})")
         return
     if isinstance(expected, tuple):
         if value not in expected:
