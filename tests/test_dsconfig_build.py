@@ -134,7 +134,7 @@ def test_global_batch_defaults_to_one_micro_batch_per_rank(llama8b):
 
 
 def test_generating_a_config_stays_interactive(llama8b):
-    """A regression guard only, with a margin a busy 2-core machine cannot hit (it takes ~0.1 ms;
+    """A regression guard only, with a margin a busy 2-core machine cannot hit (it takes well under 1 ms;
     benchmarks/dsconfig_bench.py measures it)."""
     setup = Setup(gpus=512, tp=8, pp=4, zero=1, micro_batch=1, global_batch=1024, schedule="megatron")
     start = time.perf_counter()
