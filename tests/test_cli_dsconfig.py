@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "ds_configs" / "models" / "llama-3-8b")
 
@@ -100,3 +102,15 @@ def test_nonsense_values_are_one_line_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_batch_or_step_count_that_is_not_an_integer_is_one_line(capsys):
+    from toolkit.cli import main
+
+    for flags, message in ((["--micro-batch", "inf"], "argument --micro-batch: invalid int value: 'inf'"),
+                           (["--global-batch", "nan"], "argument --global-batch: invalid int value: 'nan'"),
+                           (["--total-steps", "2.5"], "argument --total-steps: invalid int value: '2.5'")):
+        with pytest.raises(SystemExit) as exited:
+            main(["ds-config", MODEL, "--gpus", "8", *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err == f"error: {message} (see toolkit ds-config --help)\n", err

@@ -35,6 +35,13 @@ SCHEDULER_NAMES = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "const
 DEFAULT_LR = 1e-5
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error of the toolkit (argparse prints the usage too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def register(sub) -> None:
     # Two command lines share one name, so this parser takes the rest of argv as it is ("+" as its
     # option prefix keeps argparse from reading -h or --gpus here) and _dispatch picks the parser.
@@ -51,8 +58,8 @@ def _dispatch(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toolkit ds-config", description=BUILD_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(prog="toolkit ds-config", description=BUILD_HELP,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="HF model directory, config.json, or a checkpoint written by `toolkit convert`")
     add_cluster_args(p)
     add_training_args(p)
@@ -116,7 +123,7 @@ def _add_output_args(p) -> None:
 
 
 def check_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toolkit ds-config check", description=CHECK_HELP)
+    p = OneLineErrors(prog="toolkit ds-config check", description=CHECK_HELP)
     p.add_argument("file", help="DeepSpeed JSON config")
     add_cluster_args(p)
     p.add_argument("--hf-trainer", action="store_true",
