@@ -98,3 +98,9 @@ def test_what_the_trainer_or_accelerate_refuses_is_an_error():
     report = check(no_zero, gpus=GPUS, hf_trainer=True)
     assert [p.kind for p in report.errors] == ["hf-fill"]
     assert "Please specify the ZeRO optimization config" in report.errors[0].message
+
+
+def test_a_block_of_the_wrong_type_is_reported_not_a_crash_of_the_fill():
+    for block, value in (("fp16", True), ("zero_optimization", []), ("optimizer", "AdamW")):
+        report = check(load("ms-swift-zero2.json") | {block: value}, gpus=GPUS, hf_trainer=True)
+        assert {(p.kind, p.path) for p in report.errors} == {("wrong-type", block), ("hf-fill", "")}

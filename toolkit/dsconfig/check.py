@@ -35,11 +35,11 @@ def check(config: dict | str | Path, gpus: int | None = None, tp: int = 1, pp: i
     if not isinstance(config, dict):
         report.add("wrong-type", "", "a DeepSpeed config must be a JSON object")
         return report
+    _check_keys(config, report, check_autos=not hf_trainer)  # what the user wrote
     if hf_trainer:
         config = _hf_fill(config, report, _world_size(gpus, tp, pp))
         if config is None:
             return report
-    _check_keys(config, report, check_autos=not hf_trainer)
     _check_values(config, report)
     blocks = pydantic_blocks.models()
     for path, model in blocks.items():

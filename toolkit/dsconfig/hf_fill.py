@@ -50,6 +50,10 @@ def fill(config: dict, world_size: int = 1, hidden_size: int = REPRESENTATIVE_HI
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref  # HfDeepSpeedConfig() replaces the process-wide one
     try:
         _run_fill(result, world_size, hidden_size, steps)
+    except (AttributeError, TypeError) as e:  # a block of the wrong type (the type pass names it)
+        result.problems.append(("hf-fill", "", f"the HF Trainer / Accelerate fill crashes on this config "
+                                f"({type(e).__name__}: {_first_line(e)})"))
+        result.config = None
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
     result.notes.append(f"\"auto\" filled by the HF Trainer and Accelerate's own code for {world_size} process(es), "
