@@ -62,34 +62,53 @@ def fill(config: dict, world_size: int = 1, hidden_size: int = REPRESENTATIVE_HI
 
 
 def _run_fill(result: Filled, world_size: int, hidden_size: int, steps: int) -> None:
-    from accelerate.utils import DeepSpeedPlugin
+    """The four steps of the module docstring, in the order the Trainer runs them."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     user_steps_per_print = result.config.get("steps_per_print")
     args = trainer_arguments(result.config, world_size)
     hf = HfTrainerDeepSpeedConfig(result.config)
     hf.trainer_config_process(args)
+    plugin = _accelerate_plugin(hf, args, result)
+    if plugin is None:
+        return
+    _finalize(hf, args, hidden_size, steps, result)
+    _leftover_autos(plugin, hf.config, result)
+    result.config = hf.config
+    _restore_steps_per_print(result.config, user_steps_per_print)
+
+
+def _accelerate_plugin(hf, args, result: Filled):
+    from accelerate.utils import DeepSpeedPlugin
+
     try:
         plugin = DeepSpeedPlugin(hf_ds_config=hf)
         plugin.set_mixed_precision(args.mixed_precision)
     except ValueError as e:
         result.problems.append(("hf-fill", "", f"Accelerate refuses this config: {_first_line(e)}"))
         result.config = None
-        return
+        return None
+    return plugin
+
+
+def _finalize(hf, args, hidden_size: int, steps: int, result: Filled) -> None:
     try:
         hf.trainer_config_finalize(args, _ModelStub(hidden_size), steps)
-    except ValueError:
+    except ValueError as e:  # raised for the mismatches it collected, one per line
+        if not hf.mismatches:
+            result.problems.append(("hf-fill", "", f"the HF Trainer refuses this config: {_first_line(e)}"))
         for line in hf.mismatches:
             key = line.removeprefix("- ds ").split("=", 1)[0]
             result.problems.append(("hf-mismatch", key, f"the HF Trainer refuses it: {line.removeprefix('- ')}"))
-    for path in _autos(hf.config):
+
+
+def _leftover_autos(plugin, config: dict, result: Filled) -> None:
+    for path in _autos(config):
         try:
             plugin.fill_match(path, must_match=False)
         except ValueError:
             result.problems.append(("auto-value", path, "neither the HF Trainer nor Accelerate fills this \"auto\" "
                                     "(Accelerate's prepare() raises 'not found in kwargs'); write a value"))
-    result.config = hf.config
-    _restore_steps_per_print(result.config, user_steps_per_print)
 
 
 def trainer_arguments(config: dict, world_size: int):
