@@ -127,7 +127,7 @@ def check_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="DeepSpeed JSON config")
     add_cluster_args(p)
     p.add_argument("--hf-trainer", action="store_true",
-                   help="fill \"auto\" with the HF Trainer's and Accelerate's own code first, then check what DeepSpeed gets")
+                   help="fill \"auto\" with the HF Trainer's and Accelerate's own code, then check what DeepSpeed gets")
     return p
 
 
@@ -171,7 +171,8 @@ def _setup(args):
     return training_setup(
         args, activation_checkpointing=args.activation_checkpointing,
         gradient_clipping=args.gradient_clipping, hf_trainer=args.hf_trainer,
-        optimizer=OptimizerSettings(args.optimizer, lr, tuple(args.betas), args.eps, args.weight_decay, args.torch_adam),
+        optimizer=OptimizerSettings(args.optimizer, lr, tuple(args.betas), args.eps, args.weight_decay,
+                                    args.torch_adam),
         scheduler=_scheduler(args),
         monitoring=Monitoring(args.tensorboard, args.csv, args.wandb_project, args.wandb_group),
     )
