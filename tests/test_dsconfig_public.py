@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.ds_oracle import oracle  # noqa: F401 - fixture
 from toolkit.dsconfig import check
@@ -104,3 +106,35 @@ def test_a_block_of_the_wrong_type_is_reported_not_a_crash_of_the_fill():
     for block, value in (("fp16", True), ("zero_optimization", []), ("optimizer", "AdamW")):
         report = check(load("ms-swift-zero2.json") | {block: value}, gpus=GPUS, hf_trainer=True)
         assert {(p.kind, p.path) for p in report.errors} == {("wrong-type", block), ("hf-fill", "")}
+
+
+def _leaves(node, path=""):
+    if isinstance(node, dict):
+        return [leaf for key, value in node.items() for leaf in _leaves(value, f"{path}.{key}" if path else key)]
+    return [path]
+
+
+def _set(config: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        config = config[part]
+    config[last] = value
+
+
+AUTO_BASES = ["transformers-ds_config_zero3.json", "llamafactory-ds_z2_config.json",
+              "deepspeedexamples-zenflow-zf_config.json"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_hf_config_check_accepts_runs_through_the_fill_and_deepspeed(oracle, data):
+    """"auto" written anywhere: what check --hf-trainer accepts, the Trainer / Accelerate fill and
+    DeepSpeed's parser accept too (check may refuse more: what DeepSpeed lets through and fails later)."""
+    from toolkit.dsconfig.hf_fill import fill
+
+    config = load(data.draw(st.sampled_from(AUTO_BASES)))
+    for path in data.draw(st.lists(st.sampled_from(_leaves(config)), max_size=4, unique=True)):
+        _set(config, path, "auto")
+    if check(copy.deepcopy(config), gpus=GPUS, hf_trainer=True).ok:
+        filled = fill(config, world_size=GPUS)
+        assert filled.ok and oracle.accepts(filled.config, GPUS), (config, oracle.error(filled.config, GPUS))
