@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "ds_configs" / "models" / "llama-3-8b")
 
@@ -71,3 +73,44 @@ def test_model_can_be_a_converted_checkpoint(tmp_path):
     assert read(tmp_path) == spec
     assert build(Setup(gpus=8, zero=2), read(tmp_path)) == build(Setup(gpus=8, zero=2), spec)
     assert read(Path(MODEL) / "config.json") == spec
+
+
+def test_no_total_steps_gives_a_constant_lr_and_the_summary_says_so(tmp_path, capsys):
+    from toolkit.cli import main
+
+    out = tmp_path / "z1.json"
+    assert main(["ds-config", MODEL, "--gpus", "8", "-o", str(out)]) == 0
+    config = json.loads(out.read_text())
+    assert "scheduler" not in config and config["optimizer"]["params"]["lr"] == 1e-5
+    summary = capsys.readouterr().err
+    assert "constant LR 1e-05 (--lr not given: the default; no --total-steps, so no decay schedule)" in summary
+    assert main(["ds-config", MODEL, "--gpus", "8", "--warmup-steps", "50", "--lr", "2e-5", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["scheduler"]["type"] == "WarmupLR"
+    assert "constant LR 2e-05 after 50 warmup steps (no --total-steps" in capsys.readouterr().err
+    assert main(["ds-config", MODEL, "--gpus", "8", "--lr", "2e-5", "--total-steps", "500", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["scheduler"]["params"]["total_num_steps"] == 500
+    assert "cosine LR decay from 2e-05 to 0 at step 500\n" in capsys.readouterr().err
+
+
+def test_nonsense_values_are_one_line_errors(tmp_path, capsys):
+    from toolkit.cli import main
+
+    for flags, message in ((["--lr", "nan"], "lr must be a finite number >= 0 (got nan)"),
+                           (["--gradient-clipping", "-1"], "gradient_clipping must be a finite number >= 0"),
+                           (["--scheduler", "cosine"], "WarmupCosineLR decays the LR to its minimum")):
+        assert main(["ds-config", MODEL, "--gpus", "8", *flags, "-o", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_batch_or_step_count_that_is_not_an_integer_is_one_line(capsys):
+    from toolkit.cli import main
+
+    for flags, message in ((["--micro-batch", "inf"], "argument --micro-batch: invalid int value: 'inf'"),
+                           (["--global-batch", "nan"], "argument --global-batch: invalid int value: 'nan'"),
+                           (["--total-steps", "2.5"], "argument --total-steps: invalid int value: '2.5'")):
+        with pytest.raises(SystemExit) as exited:
+            main(["ds-config", MODEL, "--gpus", "8", *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err == f"error: {message} (see toolkit ds-config --help)\n", err

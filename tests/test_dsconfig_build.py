@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_fp16_gets_dynamic_loss_scaling_and_bf16_none(llama8b):
 
 
 def test_defaults_that_moved_between_releases_are_pinned(llama8b):
-    config = build(Setup(gpus=8, zero=1), llama8b)
+    config = build(Setup(gpus=8, zero=1, scheduler=SchedulerSettings(warmup_steps=10)), llama8b)
     assert config["gradient_clipping"] == 1.0  # 0.0 before ~0.19.3
     assert config["zero_optimization"]["overlap_comm"] is False  # stage-dependent default
     assert config["bf16"]["check_grad_overflow"] is True  # changed in PR #8035
@@ -132,9 +133,42 @@ def test_global_batch_defaults_to_one_micro_batch_per_rank(llama8b):
     assert config["gradient_accumulation_steps"] == 1
 
 
-def test_generating_a_config_takes_well_under_a_second(llama8b):
+def test_generating_a_config_stays_interactive(llama8b):
+    """A regression guard only, with a margin a busy 2-core machine cannot hit (it takes well under 1 ms;
+    benchmarks/dsconfig_bench.py measures it)."""
     setup = Setup(gpus=512, tp=8, pp=4, zero=1, micro_batch=1, global_batch=1024, schedule="megatron")
     start = time.perf_counter()
     for _ in range(100):
         build(setup, llama8b)
-    assert (time.perf_counter() - start) / 100 < 0.01
+    assert (time.perf_counter() - start) / 100 < 0.2
+
+
+def test_without_total_steps_no_schedule_decays_the_lr_at_an_invented_step(llama8b):
+    """No step count given: no WarmupCosineLR/WarmupDecayLR with a made-up total_num_steps."""
+    assert "scheduler" not in build(Setup(gpus=8), llama8b)
+    warm = build(Setup(gpus=8, scheduler=SchedulerSettings("WarmupLR", warmup_steps=100)), llama8b)["scheduler"]
+    assert warm["type"] == "WarmupLR" and "total_num_steps" not in warm["params"]
+    with pytest.raises(ConfigError, match="needs the total number of steps"):
+        build(Setup(gpus=8, scheduler=SchedulerSettings("WarmupCosineLR", warmup_steps=10)), llama8b)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("setup, message", [
+    (Setup(gpus=8, optimizer=OptimizerSettings(lr=NAN)), "lr must be a finite number >= 0 (got nan)"),
+    (Setup(gpus=8, optimizer=OptimizerSettings(lr=-1e-5)), "lr must be a finite number >= 0 (got -1e-05)"),
+    (Setup(gpus=8, optimizer=OptimizerSettings(betas=(0.9,))), "betas must be 2 numbers"),
+    (Setup(gpus=8, optimizer=OptimizerSettings(betas=(0.9, 1.0))), "betas must be 2 numbers >= 0 and < 1"),
+    (Setup(gpus=8, gradient_clipping=-1.0), "gradient_clipping must be a finite number >= 0"),
+    (Setup(gpus=8, micro_batch=INF), "micro_batch must be an integer >= 1 (got inf)"),
+    (Setup(gpus=8, micro_batch=NAN), "micro_batch must be an integer >= 1 (got nan)"),
+    (Setup(gpus=8, micro_batch=2.0), "micro_batch must be an integer >= 1 (got 2.0)"),
+    (Setup(gpus=8, global_batch=64.5), "global_batch must be an integer >= 1"),
+    (Setup(gpus=8, scheduler=SchedulerSettings("WarmupDecayLR", total_steps=2.5)), "total_steps must be an integer"),
+    (Setup(gpus=8, scheduler=SchedulerSettings("WarmupLR", warmup_steps=1.5)), "warmup_steps must be an integer"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_values_that_make_no_sense_are_refused_in_one_line(llama8b, setup, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        build(setup, llama8b)
+    assert "\n" not in str(refused.value)

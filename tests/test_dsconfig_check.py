@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.ds_oracle import oracle  # noqa: F401 - fixture
-from toolkit.dsconfig import Setup, build, check
+from toolkit.dsconfig import SchedulerSettings, Setup, build, check
 from toolkit.modelspec import read
 
 MODELS = Path(__file__).resolve().parents[1] / "ds_configs" / "models"
@@ -27,10 +27,12 @@ SPEC = read(MODELS / "llama-3-8b")
 
 # 8 GPUs at TP 2: DP 4. Batch 32 = micro 2 x accumulation 4 x DP 4.
 LAYOUT = dict(gpus=8, tp=2, pp=1)
+COSINE = SchedulerSettings("WarmupCosineLR", warmup_steps=10, total_steps=1000)
 BASE = {
-    1: build(Setup(gpus=8, tp=2, zero=1, micro_batch=2, global_batch=32), SPEC),
-    3: build(Setup(gpus=8, tp=2, zero=3, micro_batch=2, global_batch=32), SPEC),
+    1: build(Setup(gpus=8, tp=2, zero=1, micro_batch=2, global_batch=32, scheduler=COSINE), SPEC),
+    3: build(Setup(gpus=8, tp=2, zero=3, micro_batch=2, global_batch=32, scheduler=COSINE), SPEC),
 }
+NAN, INF = float("nan"), float("inf")
 
 
 def put(path: str, value):
@@ -129,6 +131,20 @@ CASES = {
     "wrong type": ("wrong-type", 1, put("memory_breakdown", "false"), {}, "expected bool", "accepts"),  # truthy!
     "sum all-reduce with ZeRO-3": ("incompatible-options", 3, put("gradient_allreduce_op", "sum"), {},
                                    "not supported with ZeRO-3", "rejects"),
+    # Values that make no sense: DeepSpeedConfig lets most through, the optimizer or the first step fails.
+    "NaN learning rate": ("out-of-range", 1, put("optimizer.params.lr", NAN), {}, "finite number >= 0 (got nan)",
+                          "accepts"),
+    "negative learning rate": ("out-of-range", 1, put("optimizer.params.lr", -1e-5), {}, "finite number >= 0",
+                               "accepts"),
+    "betas of length 1": ("out-of-range", 1, put("optimizer.params.betas", [0.9]), {}, "betas must be 2 numbers",
+                          "accepts"),
+    "beta of 1": ("out-of-range", 1, put("optimizer.params.betas", [0.9, 1.0]), {}, ">= 0 and < 1", "accepts"),
+    "negative clipping": ("out-of-range", 1, put("gradient_clipping", -1.0), {}, "finite number >= 0", "accepts"),
+    "infinite batch": ("non-finite", 1, put("train_batch_size", INF), {}, "must be a finite integer", "rejects"),
+    "NaN batch": ("non-finite", 1, put("train_micro_batch_size_per_gpu", NAN), {}, "must be a finite integer",
+                  "rejects"),
+    "fractional total steps": ("out-of-range", 1, put("scheduler.params.total_num_steps", 2.5), {},
+                               "must be an integer >= 1 (got 2.5)", "accepts"),
 }
 
 

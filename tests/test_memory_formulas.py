@@ -27,3 +27,21 @@ def test_first_stage_holds_up_to_pp_micro_batches():
     assert [in_flight(setup, s) for s in range(4)] == [4, 3, 2, 1]
     few = Setup(gpus=8, pp=4, micro_batch=1, global_batch=4, schedule="megatron")  # 2 micro-batches
     assert [in_flight(few, s) for s in range(4)] == [2, 2, 2, 1]
+
+
+def test_memory_table_of_a_tiny_model_uses_fitting_units(tmp_path, capsys):
+    """Every row of a 64-wide model used to print as 0.00 GiB."""
+    import json
+
+    from toolkit.cli import main
+    from toolkit.tinymodels import make_config
+
+    (tmp_path / "config.json").write_text(json.dumps(make_config("llama").to_dict()))
+    assert main(["memory", str(tmp_path), "--gpus", "2", "--zero", "1", "--kernels", "cpu", "--seq-len", "32",
+                 "--gpu-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines()[2:]}
+    assert rows["parameters"] == ["497.62", "KiB"]  # 254,784 parameters x 2 bytes (bf16)
+    assert rows["runtime reserve (assumed)"] == ["0", "B"]  # CPU kernels: no CUDA context
+    assert "0.00 GiB" not in out and "0.0 GiB of" not in out
+    assert "fits: " in out and " MiB of 1.00 GiB" in out

@@ -127,3 +127,27 @@ def test_plan_cli_writes_the_best_config_into_ds_configs_style_path(tmp_path):
     config = json.loads(out.read_text())
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert config["managed_gradient_accumulation"] is False  # the recipe's schedule mode
+
+
+def test_plan_writes_a_config_only_when_given_o(tmp_path, monkeypatch, capsys):
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", str(MODELS / "llama-3-8b"), "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--top", "1"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert "wrote" not in capsys.readouterr().err
+    assert main(["plan", "--model", str(MODELS / "llama-3-8b"), "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--top", "1", "-o", "best.json"]) == 0
+    assert json.loads((tmp_path / "best.json").read_text())["zero_optimization"]
+    assert "constant LR" in capsys.readouterr().err
+
+
+def test_plan_prints_the_global_batch_even_when_nothing_fits(capsys):
+    from toolkit.cli import main
+
+    assert main(["plan", "--model", str(MODELS / "llama-3-70b"), "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--no-offload", "--top", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "None" not in out
+    assert "global batch 64 sequences" in out  # the default: 4 x GPUs, at least 64

@@ -20,3 +20,17 @@ def parse_size(text: str) -> int:
 
 def gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
+
+
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def size(n: int) -> str:
+    """Bytes in the unit that keeps the number below 1024: "0 B", "346.00 KiB", "1.50 GiB"."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in _BINARY_UNITS:
+        value /= 1024
+        if abs(value) < 1024 or unit == _BINARY_UNITS[-1]:
+            return f"{value:.2f} {unit}"

@@ -32,6 +32,14 @@ PP/ZeRO, precision, offload, optimizer and scheduler rules. Exits 1 if there are
 """
 
 SCHEDULER_NAMES = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR", "none": None}
+DEFAULT_LR = 1e-5
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error of the toolkit (argparse prints the usage too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def register(sub) -> None:
@@ -50,8 +58,8 @@ def _dispatch(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toolkit ds-config", description=BUILD_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrors(prog="toolkit ds-config", description=BUILD_HELP,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="HF model directory, config.json, or a checkpoint written by `toolkit convert`")
     add_cluster_args(p)
     add_training_args(p)
@@ -87,14 +95,15 @@ def add_training_args(p) -> None:
 def _add_optimizer_args(p) -> None:
     g = p.add_argument_group("optimizer and LR schedule")
     g.add_argument("--optimizer", default="AdamW", help="DeepSpeed or torch.optim optimizer (default AdamW)")
-    g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT_LR:g})")
     g.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     g.add_argument("--eps", type=float, default=1e-8)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--torch-adam", action="store_true", help="torch.optim.AdamW instead of FusedAdam (no JIT build)")
-    g.add_argument("--scheduler", choices=tuple(SCHEDULER_NAMES), default="cosine")
+    g.add_argument("--scheduler", choices=tuple(SCHEDULER_NAMES),
+                   help="LR schedule (default: cosine with --total-steps, else a constant LR after any warmup)")
     g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--total-steps", type=int, default=1000)
+    g.add_argument("--total-steps", type=int, help="optimizer steps of the whole run (needed to decay the LR)")
     g.add_argument("--min-lr-ratio", type=float, default=0.0, help="final LR / peak LR for cosine (default 0)")
     g.add_argument("--gradient-clipping", type=float, default=1.0, help="max grad norm, 0 = off (default 1.0)")
 
@@ -114,10 +123,11 @@ def _add_output_args(p) -> None:
 
 
 def check_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toolkit ds-config check", description=CHECK_HELP)
+    p = OneLineErrors(prog="toolkit ds-config check", description=CHECK_HELP)
     p.add_argument("file", help="DeepSpeed JSON config")
     add_cluster_args(p)
-    p.add_argument("--hf-trainer", action="store_true", help="allow the \"auto\" values the HF Trainer fills in")
+    p.add_argument("--hf-trainer", action="store_true",
+                   help="fill \"auto\" with the HF Trainer's and Accelerate's own code, then check what DeepSpeed gets")
     return p
 
 
@@ -155,18 +165,41 @@ def training_setup(args, **more):
 
 
 def _setup(args):
-    from toolkit.dsconfig import Monitoring, OptimizerSettings, SchedulerSettings
+    from toolkit.dsconfig import Monitoring, OptimizerSettings
 
-    scheduler = SCHEDULER_NAMES[args.scheduler]
+    lr = DEFAULT_LR if args.lr is None else args.lr
     return training_setup(
         args, activation_checkpointing=args.activation_checkpointing,
         gradient_clipping=args.gradient_clipping, hf_trainer=args.hf_trainer,
-        optimizer=OptimizerSettings(args.optimizer, args.lr, tuple(args.betas), args.eps, args.weight_decay,
+        optimizer=OptimizerSettings(args.optimizer, lr, tuple(args.betas), args.eps, args.weight_decay,
                                     args.torch_adam),
-        scheduler=SchedulerSettings(scheduler, args.warmup_steps, args.total_steps, args.min_lr_ratio)
-        if scheduler else None,
+        scheduler=_scheduler(args),
         monitoring=Monitoring(args.tensorboard, args.csv, args.wandb_project, args.wandb_group),
     )
+
+
+def _scheduler(args):
+    """No --total-steps: nothing to decay towards, so a constant LR (after any warmup), never a
+    made-up step count."""
+    from toolkit.dsconfig import SchedulerSettings
+
+    name = args.scheduler or ("cosine" if args.total_steps else "constant")
+    kind = SCHEDULER_NAMES[name]
+    if kind is None or kind == "WarmupLR" and not args.warmup_steps:
+        return None  # the optimizer's LR, unchanged
+    return SchedulerSettings(kind, args.warmup_steps, args.total_steps, args.min_lr_ratio)
+
+
+def _summary(args, setup) -> str:
+    from toolkit.dsconfig.build import lr_summary
+
+    line = (f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}, ZeRO-{setup.zero}, {setup.precision}, "
+            f"{setup.micro_batches} micro-batch(es) of {setup.micro_batch} per step; {lr_summary(setup)}")
+    if setup.hf_trainer:
+        return line
+    unasked = [text for value, text in ((args.lr, "--lr not given: the default"),
+                                        (args.total_steps, "no --total-steps, so no decay schedule")) if value is None]
+    return line + (f" ({'; '.join(unasked)})" if unasked else "")
 
 
 def _build(args) -> int:
@@ -179,11 +212,10 @@ def _build(args) -> int:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text)
-        print(f"wrote {args.output}: TP {setup.tp} x PP {setup.pp} x DP {setup.dp}, ZeRO-{setup.zero}, "
-              f"{setup.precision}, {setup.micro_batches} micro-batch(es) of {setup.micro_batch} per step",
-              file=sys.stderr)
+        print(f"wrote {args.output}: {_summary(args, setup)}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+        print(_summary(args, setup), file=sys.stderr)
     if args.accelerate_yaml:
         _write_accelerate(args, setup)
     return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-
-
 DESCRIPTION = """\
 Estimate memory per GPU for one TP x PP x DP x ZeRO layout: parameters, gradients and optimizer
 states (as DeepSpeed allocates them), activations per pipeline stage (1F1B keeps up to PP
@@ -35,7 +33,7 @@ def _run(args) -> int:
     from toolkit import modelspec
     from toolkit.commands.ds_config import training_setup
     from toolkit.memory import CPU_LOCAL, GPU, estimate
-    from toolkit.units import gib, parse_size
+    from toolkit.units import parse_size, size
 
     setup = training_setup(args)
     spec = modelspec.read(args.model)
@@ -48,9 +46,9 @@ def _run(args) -> int:
         return 0
     limit = parse_size(args.gpu_memory)
     if est.fits(limit):
-        print(f"fits: {gib(est.gpu_bytes)} of {gib(limit)} on the fullest GPU (stage {est.peak.stage})")
+        print(f"fits: {size(est.gpu_bytes)} of {size(limit)} on the fullest GPU (stage {est.peak.stage})")
         return 0
-    print(f"does not fit: {gib(est.gpu_bytes)} > {gib(limit)} on stage {est.peak.stage}")
+    print(f"does not fit: {size(est.gpu_bytes)} > {size(limit)} on stage {est.peak.stage}")
     _suggest(spec, setup, args, limit)
     return 1
 
@@ -58,13 +56,13 @@ def _run(args) -> int:
 def _suggest(spec, setup, args, limit) -> None:
     from toolkit.memory import CPU_LOCAL, GPU, estimate
     from toolkit.plan import Cluster, plan
-    from toolkit.units import gib
+    from toolkit.units import size
 
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
         est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel)
         if est.fits(limit):
-            print(f"note: the same layout fits with --recompute {recompute} ({gib(est.gpu_bytes)})")
+            print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return
     result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step,
                   setup.precision, setup.schedule)
@@ -72,6 +70,3 @@ def _suggest(spec, setup, args, limit) -> None:
         print(f"note: {line}")
     if result.best is not None:
         print(f"note: best fitting layout: {result.best.explain(result.cluster)}")
-
-
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -18,8 +17,8 @@ exceeds --gpu-memory, and rank the rest by a simple throughput model (TP inside 
 across nodes, pipeline bubble (PP-1)/(m+PP-1), DP/ZeRO traffic, offload over PCIe). One line per
 layout says why. When nothing fits, it says what would (offload, more GPUs, recompute).
 
-The best layout's DeepSpeed config (megatron-core schedule mode, for the toolkit's recipe) is
-written to ds_configs/ unless --no-write.
+With -o FILE, the best layout's DeepSpeed config (megatron-core schedule mode, for the toolkit's
+recipe) is written there; without it nothing is written.
 """
 
 
@@ -39,8 +38,7 @@ def register(sub) -> None:
                    help="schedule mode of the written config (default megatron, the toolkit's recipe)")
     p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
-    p.add_argument("-o", "--output", help="where to write the best layout's config (default ds_configs/plan-...)")
-    p.add_argument("--no-write", action="store_true", help="don't write a config")
+    p.add_argument("-o", "--output", help="write the best layout's DeepSpeed config here (default: write nothing)")
     p.set_defaults(func=_run)
 
 
@@ -48,7 +46,7 @@ def _run(args) -> int:
     from toolkit import modelspec
     from toolkit.commands.ds_config import total_gpus
     from toolkit.memory.params import total_params
-    from toolkit.plan import Cluster, plan
+    from toolkit.plan import Cluster, default_global_batch, plan
     from toolkit.units import gib, parse_size
 
     gpus = total_gpus(args)
@@ -59,7 +57,7 @@ def _run(args) -> int:
                       parse_size(args.host_memory) if args.host_memory else None)
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
                   allow_offload=not args.no_offload)
-    batch = result.best.setup.samples_per_step if result.best else args.global_batch
+    batch = args.global_batch or default_global_batch(gpus)
     print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
           f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")
     for i, candidate in enumerate(result.ranked[:args.top], 1):
@@ -69,23 +67,18 @@ def _run(args) -> int:
     if result.best is None:
         return 1
     print("\n".join(result.best.memory.table(args.gpus_per_node)))
-    if not args.no_write:
-        _write(args, spec, result.best)
+    if args.output:
+        _write(Path(args.output), spec, result.best)
     return 0
 
 
-def _write(args, spec, best) -> None:
+def _write(path: Path, spec, best) -> None:
     from toolkit.dsconfig import build
+    from toolkit.dsconfig.build import lr_summary
 
-    path = Path(args.output or f"ds_configs/plan-{_slug(args.model)}-{best.setup.gpus}gpu.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(build(best.setup, spec), indent=2) + "\n")
     s = best.setup
-    print(f"wrote {path}: TP {s.tp} x PP {s.pp} x DP {s.dp}, ZeRO-{s.zero}, micro-batch {s.micro_batch}; "
+    print(f"wrote {path}: TP {s.tp} x PP {s.pp} x DP {s.dp}, ZeRO-{s.zero}, micro-batch {s.micro_batch}, "
+          f"{lr_summary(s)} (a default: plan knows no LR or step count); "
           f"run the recipe with recompute={best.recompute}", file=sys.stderr)
-
-
-def _slug(model: str) -> str:
-    p = Path(model)
-    name = p.parent.name if p.name == "config.json" else p.name
-    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"

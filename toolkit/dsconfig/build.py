@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from toolkit.dsconfig import rules
-from toolkit.dsconfig.settings import SCHEDULE_MEGATRON, SCHEDULERS, Setup
+from toolkit.dsconfig.bounds import first_problem
+from toolkit.dsconfig.settings import DECAYING_SCHEDULERS, SCHEDULE_MEGATRON, SCHEDULERS, Setup
 from toolkit.errors import ConfigError, ConversionError
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ def validate(setup: Setup, spec: "ModelSpec | None" = None) -> None:
     """Raise ConfigError for the first rule the setup breaks."""
     # In order, and lazily: later rules assume the earlier ones hold (e.g. DP >= 1).
     checks = (
+        lambda: first_problem(setup),
+        lambda: first_problem(setup.optimizer),
+        lambda: setup.scheduler and first_problem(setup.scheduler),
         lambda: rules.layout(setup.gpus, setup.tp, setup.pp),
         lambda: None if setup.zero in (0, 1, 2, 3) else f"ZeRO stage must be 0, 1, 2 or 3 (got {setup.zero})",
         lambda: rules.precision([setup.precision]),
@@ -104,8 +108,13 @@ def _scheduler_problem(setup: Setup) -> str | None:
         return None
     if sched.type not in SCHEDULERS:
         return f"unknown scheduler {sched.type!r}; choose one of {', '.join(SCHEDULERS)}"
-    if sched.warmup_steps < 0 or sched.total_steps < 1 or sched.warmup_steps > sched.total_steps:
-        return f"need 0 <= warmup steps ({sched.warmup_steps}) <= total steps ({sched.total_steps})"
+    if sched.total_steps is None:
+        if sched.type in DECAYING_SCHEDULERS:
+            return (f"{sched.type} decays the LR to its minimum at the last step, so it needs the total number of "
+                    "steps (--total-steps); without it, use a constant LR (with optional warmup)")
+        return None
+    if sched.warmup_steps > sched.total_steps:
+        return f"need warmup steps ({sched.warmup_steps}) <= total steps ({sched.total_steps})"
     return None
 
 
@@ -203,6 +212,19 @@ def _scheduler(setup: Setup) -> dict:
         if sched.type == "WarmupDecayLR":
             params["total_num_steps"] = sched.total_steps
     return {"type": sched.type, "params": {**params, **warmup}}
+
+
+def lr_summary(setup: Setup) -> str:
+    """The learning rate the config gives, in words, for the line the CLI prints."""
+    if setup.hf_trainer:
+        return "LR and schedule from the HF Trainer's arguments"
+    lr, sched = setup.optimizer.lr, setup.scheduler
+    warmup = f" after {sched.warmup_steps} warmup steps" if sched and sched.warmup_steps else ""
+    if sched is None or sched.type == "WarmupLR":
+        return f"constant LR {lr:g}{warmup}"
+    final = lr * sched.min_lr_ratio if sched.type == "WarmupCosineLR" else 0.0
+    shape = "cosine" if sched.type == "WarmupCosineLR" else "linear"
+    return f"{shape} LR decay from {lr:g}{warmup} to {final:g} at step {sched.total_steps}"
 
 
 def _activation_checkpointing() -> dict:

@@ -1,8 +1,12 @@
 """`check`: validate any DeepSpeed JSON the way DeepSpeed does, and catch what it lets through.
 
+With hf_trainer, the config is first filled by the HF Trainer's and Accelerate's own code
+(hf_fill.py); what they refuse, and any "auto" they leave, is an error, and the passes below judge
+the filled config, which is what DeepSpeed receives.
+
 Three passes:
 1. keys and types against what DeepSpeed reads (keys.py), including the plain-dict blocks whose
-   typos DeepSpeed ignores, and "auto" values outside the HF Trainer;
+   typos DeepSpeed ignores, and "auto" values (only the HF Trainer / Accelerate fill them);
 2. DeepSpeed's own pydantic models for the blocks it validates (pydantic_blocks.py);
 3. cross-field rules: batch arithmetic for the data-parallel size, PP x ZeRO, precision,
    offload, optimizer and scheduler (semantics.py).
@@ -11,10 +15,12 @@ Three passes:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from toolkit.dsconfig import keys, pydantic_blocks, semantics
-from toolkit.dsconfig.report import Report, as_number, did_you_mean, join
+from toolkit.dsconfig.bounds import VALUE_BOUNDS
+from toolkit.dsconfig.report import WARNING, Report, as_number, did_you_mean, join
 from toolkit.errors import ConfigError
 
 
@@ -29,7 +35,12 @@ def check(config: dict | str | Path, gpus: int | None = None, tp: int = 1, pp: i
     if not isinstance(config, dict):
         report.add("wrong-type", "", "a DeepSpeed config must be a JSON object")
         return report
-    _check_keys(config, report, hf_trainer)
+    _check_keys(config, report, check_autos=not hf_trainer)  # what the user wrote
+    if hf_trainer:
+        config = _hf_fill(config, report, _world_size(gpus, tp, pp))
+        if config is None:
+            return report
+    _check_values(config, report)
     blocks = pydantic_blocks.models()
     for path, model in blocks.items():
         block = _get(config, path)
@@ -69,8 +80,24 @@ def _get(config: dict, path: str):
     return node
 
 
-def _check_keys(config: dict, report: Report, hf_trainer: bool) -> None:
-    _check_autos(config, "", report, hf_trainer)
+def _hf_fill(config: dict, report: Report, world_size: int) -> dict | None:
+    from toolkit.dsconfig.hf_fill import fill
+
+    filled = fill(config, world_size)
+    for kind, path, message in filled.problems:
+        report.add(kind, path, message)
+    report.notes.extend(filled.notes)
+    return filled.config
+
+
+def _world_size(gpus: int | None, tp: int, pp: int) -> int:
+    """The HF Trainer runs one process per GPU, data parallel; without --gpus, one process."""
+    return gpus // (tp * pp) if gpus and tp * pp and gpus % (tp * pp) == 0 else 1
+
+
+def _check_keys(config: dict, report: Report, check_autos: bool) -> None:
+    if check_autos:
+        _check_autos(config, "", report)
     _check_table(config, "", keys.TOP_LEVEL, report, _sub_key_index())
     for block, table in keys.BLOCK_KEYS.items():
         if isinstance(config.get(block), dict):
@@ -94,6 +121,9 @@ def _unknown(key: str, where: str, path: str, table: dict, report: Report, elsew
     if not path and key in _removed_keys():
         report.add("removed-key", where, _removed_keys()[key])
         return
+    if keys.is_comment(key):
+        report.add("comment-key", where, "a comment by convention; DeepSpeed ignores it", WARNING)
+        return
     hint = did_you_mean(key, table)
     if not hint and key in elsewhere:
         hint = f"; it belongs inside '{elsewhere[key]}'"
@@ -101,8 +131,25 @@ def _unknown(key: str, where: str, path: str, table: dict, report: Report, elsew
     report.add(kind, where, f"DeepSpeed does not read '{key}' here and would silently ignore it{hint}")
 
 
+def _check_values(config: dict, report: Report) -> None:
+    """Learning rates, betas, clipping and step counts within their bounds (bounds.py)."""
+    for path, bound in VALUE_BOUNDS.items():
+        value = _get(config, path)
+        if value is not None and not isinstance(value, str):  # strings: reported by the type pass
+            _add(report, "out-of-range", path, bound.problem(path.rsplit(".", 1)[-1], value))
+
+
+def _add(report: Report, kind: str, path: str, message: str | None) -> None:
+    if message:
+        report.add(kind, path, message)
+
+
 def _check_type(where: str, value, expected, report: Report) -> None:
     if expected is keys.ANY or value is None:
+        return
+    if expected in (int, float) and isinstance(value, float) and not math.isfinite(value):
+        kind = "integer" if expected is int else "number"
+        report.add("non-finite", where, f"must be a finite {kind} (got {value!r})")
         return
     if isinstance(expected, tuple):
         if value not in expected:
@@ -126,14 +173,12 @@ def _has_type(value, expected) -> bool:
     return isinstance(value, expected)
 
 
-def _check_autos(node, path: str, report: Report, hf_trainer: bool) -> None:
+def _check_autos(node, path: str, report: Report) -> None:
     if isinstance(node, dict):
         for key, value in node.items():
-            _check_autos(value, join(path, key), report, hf_trainer)
-    elif node == "auto" and not (hf_trainer and path in keys.HF_AUTO_KEYS):
-        if hf_trainer:
-            why = "the HF Trainer and Accelerate do not fill this key"
-        elif "." in path and path.split(".")[0] in keys.VALIDATED_BLOCKS:
+            _check_autos(value, join(path, key), report)
+    elif node == "auto":
+        if "." in path and path.split(".")[0] in keys.VALIDATED_BLOCKS:
             why = "DeepSpeed silently drops it and uses its own default"
         else:
             why = "DeepSpeed keeps the string 'auto' and fails later"

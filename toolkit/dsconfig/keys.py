@@ -137,13 +137,11 @@ NESTED_KEYS: dict[str, dict[str, object]] = {
     "checkpoint.parallel_write": {"pipeline_stage": bool},
 }
 
-# Keys the HF Trainer / Accelerate fill in when their value is "auto" (transformers
-# integrations/deepspeed.py, accelerate's DeepSpeedPlugin); "auto" anywhere else stays a string.
-HF_AUTO_KEYS = frozenset({
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
-    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
-    "scheduler.params.total_num_steps", "fp16.enabled", "bf16.enabled",
-    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold",
-})
+# Top-level keys that are comments by convention ("_comment", "//", "#note", "description"):
+# DeepSpeed ignores them, so check warns instead of refusing.
+COMMENT_PREFIXES = ("_", "#", "//")
+COMMENT_NAMES = ("comment", "comments", "description", "note", "notes")
+
+
+def is_comment(key: str) -> bool:
+    return key.startswith(COMMENT_PREFIXES) or key.lower() in COMMENT_NAMES

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from toolkit.dsconfig.bounds import bounded
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
@@ -19,26 +21,29 @@ SCHEDULE_MEGATRON = "megatron"  # megatron-core's pipeline schedule; DeepSpeed s
 SCHEDULES = (SCHEDULE_DEEPSPEED, SCHEDULE_MEGATRON)
 
 SCHEDULERS = ("WarmupCosineLR", "WarmupDecayLR", "WarmupLR")
+# The schedules that decay the LR to their minimum at total_num_steps: they need a step count.
+DECAYING_SCHEDULERS = ("WarmupCosineLR", "WarmupDecayLR")
 
 
 @dataclass(frozen=True)
 class OptimizerSettings:
     type: str = "AdamW"
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-5, ge=0)
+    betas: tuple[float, float] = bounded((0.9, 0.95), ge=0, lt=1, length=2)
+    eps: float = bounded(1e-8, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
     # torch.optim.AdamW instead of DeepSpeed's FusedAdam: no JIT build (CPU, CI).
     torch_adam: bool = False
 
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    type: str = "WarmupCosineLR"
-    warmup_steps: int = 0
-    total_steps: int = 1000
+    type: str = "WarmupLR"
+    warmup_steps: int = bounded(0, integer=True, ge=0)
+    # Steps of the whole run; the decaying schedules reach their minimum here, so they need it.
+    total_steps: int | None = bounded(None, integer=True, ge=1, optional=True)
     # Final LR as a fraction of the peak LR (WarmupCosineLR's cos_min_ratio; 0 for the others).
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)
 
 
 @dataclass(frozen=True)
@@ -52,24 +57,25 @@ class Monitoring:
 
 @dataclass(frozen=True)
 class Setup:
-    gpus: int
-    tp: int = 1
-    pp: int = 1
+    gpus: int = bounded(integer=True, ge=1)
+    tp: int = bounded(1, integer=True, ge=1)
+    pp: int = bounded(1, integer=True, ge=1)
     zero: int = 1
     precision: str = "bf16"
-    micro_batch: int = 1
+    micro_batch: int = bounded(1, integer=True, ge=1)
     # Samples per optimizer step over all data-parallel ranks; None means micro_batch * DP.
-    global_batch: int | None = None
+    global_batch: int | None = bounded(None, integer=True, ge=1, optional=True)
     offload_optimizer: str = "none"
     offload_param: str = "none"
     nvme_path: str | None = None
     schedule: str = SCHEDULE_DEEPSPEED
     activation_checkpointing: bool = False
     # Pinned: DeepSpeed's default moved from 0.0 (off) to 1.0 in ~0.19.3 (PR #8068).
-    gradient_clipping: float = 1.0
-    steps_per_print: int = 100
+    gradient_clipping: float = bounded(1.0, ge=0)
+    steps_per_print: int = bounded(100, integer=True, ge=1)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    scheduler: SchedulerSettings | None = field(default_factory=SchedulerSettings)
+    # None: a constant LR (no DeepSpeed scheduler block).
+    scheduler: SchedulerSettings | None = None
     monitoring: Monitoring = field(default_factory=Monitoring)
     # Emit "auto" values for the HF Trainer / Accelerate to fill in.
     hf_trainer: bool = False

@@ -18,6 +18,7 @@ from toolkit.memory import activations as act
 from toolkit.memory.activations import GPU, Kernels, Shape
 from toolkit.memory.params import stage_param_numels
 from toolkit.memory.states import ModelStates, ZeroSettings, model_states
+from toolkit.units import size
 
 GIB = 1 << 30
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -80,17 +81,13 @@ class Estimate:
         header = f"{'per GPU':<28}" + "".join(f"{'stage ' + str(s.stage):>12}" for s in stages)
         lines = [header]
         for i, (label, _) in enumerate(stages[0].rows()):
-            lines.append(f"{label:<28}" + "".join(f"{_gib(s.rows()[i][1]):>12}" for s in stages))
-        lines.append(f"{'total':<28}" + "".join(f"{_gib(s.gpu):>12}" for s in stages))
+            lines.append(f"{label:<28}" + "".join(f"{size(s.rows()[i][1]):>12}" for s in stages))
+        lines.append(f"{'total':<28}" + "".join(f"{size(s.gpu):>12}" for s in stages))
         if self.host_bytes_per_gpu or self.nvme_bytes_per_gpu:
             host = self.host_bytes_per_gpu
-            lines.append(f"offload: host memory {_gib(host)} per GPU, {_gib(host * gpus_per_node)} per "
-                         f"{gpus_per_node}-GPU node; NVMe {_gib(self.nvme_bytes_per_gpu)} per GPU")
+            lines.append(f"offload: host memory {size(host)} per GPU, {size(host * gpus_per_node)} per "
+                         f"{gpus_per_node}-GPU node; NVMe {size(self.nvme_bytes_per_gpu)} per GPU")
         return lines
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
 
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
