@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from toolkit.dsconfig import rules
-from toolkit.dsconfig.bounds import first_problem
+from toolkit.bounds import first_problem
 from toolkit.dsconfig.settings import DECAYING_SCHEDULERS, SCHEDULE_MEGATRON, SCHEDULERS, Setup
 from toolkit.errors import ConfigError, ConversionError
 

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from toolkit.dsconfig import keys, pydantic_blocks, semantics
-from toolkit.dsconfig.bounds import VALUE_BOUNDS
+from toolkit.bounds import VALUE_BOUNDS
 from toolkit.dsconfig.report import WARNING, Report, as_number, did_you_mean, join
 from toolkit.errors import ConfigError
 

@@ -6,34 +6,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import operator
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from toolkit.bounds import Bound
 from toolkit.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class Bound:
-    """A numeric field's allowed range, checked when the value is read (None: no limit)."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def check(self, value) -> None:
-        tests = ((self.ge, operator.ge, ">="), (self.gt, operator.gt, ">"), (self.le, operator.le, "<="), (self.lt, operator.lt, "<"))
-        for limit, holds, word in tests:
-            if limit is not None and not holds(value, limit):
-                raise ConfigError(f"must be {word} {limit:g}, got {value!r}")
-
-
-PositiveInt = Annotated[int, Bound(ge=1)]
-Count = Annotated[int, Bound(ge=0)]  # 0 has a stated meaning (off / only at the end)
+PositiveInt = Annotated[int, Bound(integer=True, ge=1)]
+Count = Annotated[int, Bound(integer=True, ge=0)]  # 0 has a stated meaning (off / only at the end)
 Beta = Annotated[float, Bound(ge=0.0, lt=1.0)]
 
 
@@ -96,7 +80,7 @@ class TrainConfig:
     micro_batch: PositiveInt = 1
     global_batch: PositiveInt = 8
     steps: PositiveInt = 100
-    seed: Annotated[int, Bound(ge=0)] = 1234
+    seed: Annotated[int, Bound(integer=True, ge=0)] = 1234
     log_every: PositiveInt = 10
     eval_every: Count = 0  # 0: only at the end (when a validation set is given)
     save_every: Count = 0  # 0: only at the end
@@ -144,7 +128,8 @@ def _coerce(value, hint):
     if origin is Annotated:
         result = _coerce(value, args[0])
         for bound in args[1:]:
-            bound.check(result)
+            if not bound.allows(result):
+                raise ConfigError(f"must be {bound.describe()}, got {value!r}")
         return result
     if origin is Literal:
         if value in args:

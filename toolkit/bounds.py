@@ -1,7 +1,9 @@
 """What a numeric setting accepts, declared once and checked by one function.
 
-Settings (settings.py) declare their bounds as field metadata (`bounded(...)`); `check` applies
-the same Bound objects to the matching keys of a DeepSpeed JSON (VALUE_BOUNDS). NaN, inf, a
+DeepSpeed settings (dsconfig/settings.py) declare their bounds as field metadata (`bounded(...)`);
+`ds-config check` applies the same Bound objects to the matching keys of a DeepSpeed JSON
+(VALUE_BOUNDS); the fine-tuning recipe's typed fields carry them as `Annotated[int, Bound(...)]`
+(train/config.py). NaN, inf, a
 fraction where a count is meant and out-of-range values fail here with one line, instead of in
 the optimizer's constructor or silently at the first step.
 """
@@ -29,12 +31,12 @@ class Bound:
         if value is None and self.optional:
             return None
         if self.length is not None:
-            ok = isinstance(value, (list, tuple)) and len(value) == self.length and all(map(self._allows, value))
+            ok = isinstance(value, (list, tuple)) and len(value) == self.length and all(map(self.allows, value))
         else:
-            ok = self._allows(value)
+            ok = self.allows(value)
         return None if ok else f"{name} must be {self.describe()} (got {value!r})"
 
-    def _allows(self, value) -> bool:
+    def allows(self, value) -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
         if self.integer and not isinstance(value, int) or self.whole and not float(value).is_integer():
