@@ -157,6 +157,33 @@ def test_checkpoint_and_layout_checks(tiny_hf, tmp_path):
     assert build.check_layout(ok, 4) == 4
 
 
+def test_packing_is_refused_on_the_transformer_engine_path(tiny_hf, tmp_path, monkeypatch):
+    """TE has no document mask without cu_seqlens, which the trainer doesn't build. Transformer
+    Engine cannot be installed on this CPU machine, so the layer-spec choice is what stands in."""
+    from toolkit.convert import hf_to_megatron
+    from toolkit.train import build
+
+    mc = hf_to_megatron(tiny_hf["llama"], tmp_path / "mc", fmt="torch_dist", progress=False)
+    cfg = load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["data.pack=true"])
+    build.read_checkpoint_meta(cfg)  # the local spec (here) packs
+    monkeypatch.setattr(build, "running_layer_spec", lambda: "te")
+    with pytest.raises(ToolkitError, match="packing is not supported on the Transformer Engine path"):
+        build.read_checkpoint_meta(cfg)
+
+
+def test_a_checkpoint_without_tokenizer_is_one_line_before_training(tiny_hf, tmp_path):
+    from toolkit.convert import hf_to_megatron
+    from toolkit.train import build
+
+    mc = hf_to_megatron(tiny_hf["llama"], tmp_path / "mc", fmt="torch_dist", progress=False)
+    cfg = load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}))
+    assert build.load_tokenizer(cfg) is not None
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (mc / "hf" / name).unlink(missing_ok=True)
+    with pytest.raises(ToolkitError, match=r"has no tokenizer .*copy the HF model's tokenizer files into"):
+        build.load_tokenizer(cfg)
+
+
 PACKING_TOLERANCE = 1e-4  # fp32; RoPE is relative, so shifted positions differ only by rounding
 
 

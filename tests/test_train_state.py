@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.finetune_harness import launch, read_metrics, recipe, reference_lr_factor, write_uneven_data
+import yaml
+from transformers import AutoTokenizer
+
+from tests.finetune_harness import launch, read_metrics, recipe, reference_lr_factor, reference_samples, write_uneven_data
 from toolkit.errors import ToolkitError
 from toolkit.train import checkpoint
 from toolkit.train.schedule import LRSchedule
@@ -112,8 +115,17 @@ def test_run_dir_is_refused_then_resumed_with_more_steps_in_one_wandb_run(model_
     cfg = recipe(tmp_path, mc, data, steps=4, optim={"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 1, "schedule": "cosine"},
                  wandb={"enabled": True, "mode": "offline"})
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    launch(1, cfg, env=env)
+    first = launch(1, cfg, env=env)
+    noise = [line for line in (first.stdout + first.stderr).splitlines() if "Warning" in line or "[WARNING]" in line]
+    assert not noise, f"third-party notices are hidden without --verbose: {noise}"
     run = tmp_path / "run"
+    # Throughput counts real tokens: step 1's share of non-padding inputs, from the data itself.
+    tokenizer = AutoTokenizer.from_pretrained(mc / "hf")
+    seq_len = yaml.safe_load(cfg.read_text())["data"]["seq_len"]
+    first_batch = reference_samples(tokenizer, data, seq_len + 1)[:16]
+    real_share = sum(min(len(tokens), seq_len) for tokens, _ in first_batch) / (16 * seq_len)
+    step1 = read_metrics(run)[0]
+    assert step1["tokens_per_s"] / step1["padded_tokens_per_s"] == pytest.approx(real_share, rel=1e-9)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
 
     refused = launch(1, cfg, "steps=2", env=env, expect_failure=True)
