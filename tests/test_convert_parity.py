@@ -75,18 +75,31 @@ def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
     assert result["ours"] == result["megatrons"]
 
 
-def test_sliding_window_changes_the_model_so_parity_proves_it(tiny_hf):
-    """Mistral's window (8) is shorter than the parity sequences (32): without it logits differ."""
+def logit_change(hf_dir, **config_change) -> float:
+    """Max |logit difference| on the parity test's tokens between the model and the model with
+    `config_change`: a guard that the parity test would catch a converter that drops the feature."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.convert.parity import DEFAULT_SEQ_LEN, reference_tokens
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
 
-    tokens = reference_tokens(256, 2, DEFAULT_SEQ_LEN)
-    windowed = AutoModelForCausalLM.from_pretrained(tiny_hf["mistral"], dtype=torch.float32)
-    full = AutoModelForCausalLM.from_pretrained(tiny_hf["mistral"], dtype=torch.float32, sliding_window=None)
+    tokens = reference_tokens(256, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    changed = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **config_change)
     with torch.no_grad():
-        diff = (windowed(tokens).logits - full(tokens).logits).abs().max().item()
-    assert diff > 100 * FP32_TOLERANCE
+        return (model(tokens).logits - changed(tokens).logits).abs().max().item()
+
+
+def test_sliding_window_changes_the_model_so_parity_proves_it(tiny_hf):
+    """Mistral's window (8) is shorter than the parity sequences (32): without it logits differ."""
+    assert logit_change(tiny_hf["mistral"], sliding_window=None) > 100 * FP32_TOLERANCE
+
+
+def test_llama3_rope_scaling_changes_the_model_so_parity_proves_it(tiny_hf):
+    """Dropping the llama3 scaling (rope_type default, same theta) moves the logits far past the
+    tolerance on the parity test's 32 tokens (the tiny model's sharper attention, tinymodels.py)."""
+    theta = json.loads((tiny_hf["llama3-scaled"] / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    unscaled = {"rope_type": "default", "rope_theta": theta}
+    assert logit_change(tiny_hf["llama3-scaled"], rope_parameters=unscaled) > 100 * FP32_TOLERANCE
 
 
 @pytest.mark.multiprocess

@@ -24,6 +24,27 @@ def test_launcher_fails_fast_when_a_rank_dies():
     assert time.monotonic() - began < 30, "the surviving rank must be killed, not waited for"
 
 
+@pytest.mark.parametrize("world, cuda, gpus, cpu, expected", [
+    (4, False, 0, False, "cpu"),  # no CUDA: gloo on CPU, as always
+    (4, True, 4, False, "cuda"),
+    (2, True, 8, False, "cuda"),
+    (4, True, 4, True, "cpu"),  # asked for
+    (4, True, 1, True, "cpu"),
+])
+def test_launch_device_follows_cuda_and_the_cpu_flag(world, cuda, gpus, cpu, expected):
+    from toolkit.runtime.launch import launch_device
+
+    assert launch_device(world, cuda, gpus, cpu) == expected
+
+
+def test_more_processes_than_gpus_is_refused_with_both_numbers():
+    """LOCAL_RANK = rank: rank 2 of 4 on a 2-GPU machine would fail at set_device."""
+    from toolkit.runtime.launch import launch_device
+
+    with pytest.raises(DistributedError, match=r"4 processes need 4 GPUs \(one per process\), 2 available.*--cpu"):
+        launch_device(4, True, 2, False)
+
+
 def test_cpu_patches_name_their_upstream_spots():
     from toolkit.runtime import cpu_compat
 
