@@ -103,7 +103,9 @@ def test_llama3_rope_scaling_changes_the_model_so_parity_proves_it(tiny_hf):
 
 
 @pytest.mark.multiprocess
-def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum(tiny_hf, tmp_path):
+def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum_and_reports_each_stage_once(tiny_hf, tmp_path):
+    """Also: the stage lines (issue 9: verify was silent for ~17 s) come once each, from rank 0 only,
+    and --cpu is stated."""
     from toolkit.convert.metadata import META_FILE, sha256
     from toolkit.convert.torch_format import load_trusted_types
 
@@ -117,10 +119,32 @@ def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum(tiny_
     meta["checksums"]["release/mp_rank_00_001/model_optim_rng.pt"] = sha256(rank_file)
     (out / META_FILE).write_text(json.dumps(meta))
 
-    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama"]), str(out)],
-                            capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama"]), str(out),
+                             "--cpu"], capture_output=True, text=True)
     assert result.returncode == 1, result.stdout + result.stderr
+    stages = re.findall(r"^verify \[(\d)/5\] (.*)  \(\+[\d.]+ s\)$", result.stderr, re.MULTILINE)
+    assert [int(i) for i, _ in stages] == [1, 2, 3, 4, 5], result.stderr
+    assert stages[1][1].startswith("launching 2 processes (TP 1 x PP 2) on CPU (--cpu)")
     assert "first divergent   layer 4" in result.stdout
     assert "FAIL" in result.stdout and "checksum mismatch" not in result.stdout
     figure = float(re.search(r"max \|dlogit\|\s+(\S+)", result.stdout).group(1))
     assert figure > FP32_TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_verify_cli_fails_on_a_checksum_mismatch_alone(tiny_hf, tmp_path):
+    """A changed value in a vocab padding row: logits over the true vocab are untouched, so only
+    the sha256 recorded at conversion can catch it."""
+    from toolkit.convert.torch_format import load_trusted_types
+
+    out = hf_to_megatron(tiny_hf["llama-odd-vocab"], tmp_path / "m", progress=False)  # vocab 250 padded to 256
+    rel = "release/mp_rank_00/model_optim_rng.pt"
+    state = load_trusted_types(out / rel, mmap=False)
+    state["model"]["output_layer.weight"][-1, 0] = 1.0
+    torch.save(state, out / rel)
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama-odd-vocab"]),
+                             str(out), "--no-progress"], capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert re.search(rf"checksum.*{re.escape(rel)}", output), output
