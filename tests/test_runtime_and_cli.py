@@ -56,10 +56,21 @@ def toolkit(*args):
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True)
 
 
-def test_help_is_fast_and_lists_every_command():
-    began = time.monotonic()
+HEAVY_MODULES = ("torch", "deepspeed", "megatron", "transformers", "matplotlib")
+
+
+def test_help_imports_no_heavy_library():
+    """What makes --help fast, checked without a clock (a wall-clock bound flakes on a busy machine)."""
+    probe = ("import sys\nfrom toolkit.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]", "heavy libraries must be imported lazily"
+
+
+def test_help_lists_every_command():
     result = toolkit("--help")
-    assert result.returncode == 0 and time.monotonic() - began < 3, "heavy libraries must be imported lazily"
+    assert result.returncode == 0
     for command in ("convert", "quickstart", "ds-config", "plot"):
         assert command in result.stdout
     assert "Memory" in toolkit("convert", "verify", "--help").stdout
