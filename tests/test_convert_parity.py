@@ -63,16 +63,22 @@ def test_checkpoints_written_at_tp2_pp2_load_at_tp1_pp1(tiny_hf, tmp_path):
 
 @pytest.mark.multiprocess
 def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
-    dist = hf_to_megatron(tiny_hf["llama"], tmp_path / "dist", tp=2, pp=2, fmt="torch_dist", progress=False)
+    dist = hf_to_megatron(tiny_hf["llama-fp32"], tmp_path / "dist", tp=2, pp=2, fmt="torch_dist", progress=False)
+    bf16 = hf_to_megatron(tiny_hf["llama"], tmp_path / "bf16", tp=2, pp=2, fmt="torch_dist", progress=False)
     te = hf_to_megatron(tiny_hf["llama"], tmp_path / "te", fmt="torch", layer_spec="te", progress=False)
-    (result,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, str(dist), str(te), str(tmp_path / "resaved"))
+    (result,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, str(dist), str(te), str(tmp_path / "resaved"),
+                                 str(bf16))
 
     # TE-named torch keys == the keys megatron-core's local spec uses in sharded_state_dict(), layer index aside.
     ours = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in result["te_keys"]}
     assert ours == set(result["sharded_keys"])
 
-    # Our single-process torch_dist writer produces what megatron-core's own save produces.
+    # Our single-process torch_dist writer produces what megatron-core's own save produces,
+    # dtypes included (an fp32 source and model: no fp32-norm exception on either side).
     assert result["ours"] == result["megatrons"]
+    assert {v[1] for v in result["ours"].values() if v != "bytes"} == {"torch.float32"}
+    # From a bf16 source every tensor is stored bf16, as the HF files hold it.
+    assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}
 
 
 def logit_change(hf_dir, **config_change) -> float:
