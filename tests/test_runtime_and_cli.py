@@ -14,13 +14,13 @@ from toolkit.runtime.launch import run_on_processes
 
 def test_launcher_surfaces_the_failing_ranks_traceback():
     with pytest.raises(DistributedError, match=r"rank 1 of 2 failed(.|\n)*ValueError: planted failure"):
-        run_on_processes("tests.mp_workers:fail_on_rank_one", 2, "planted failure")
+        run_on_processes("tests.mp_workers:fail_on_rank_one", 2, "planted failure", cpu=True)  # no GPU use
 
 
 def test_launcher_fails_fast_when_a_rank_dies():
     began = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1 died with exit code 7"):
-        run_on_processes("tests.mp_workers:die_on_rank_one", 2)
+        run_on_processes("tests.mp_workers:die_on_rank_one", 2, cpu=True)
     assert time.monotonic() - began < 30, "the surviving rank must be killed, not waited for"
 
 

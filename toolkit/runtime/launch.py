@@ -44,7 +44,7 @@ def launch_device(nprocs: int, cuda_available: bool, device_count: int, cpu: boo
 
 def _child(target: str, rank: int, nprocs: int, port: int, device: str, results, args, kwargs) -> None:
     if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: the child sees no GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is initialised here: the child sees no GPU
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
