@@ -268,6 +268,7 @@ def test_submit_dry_run_writes_the_script_and_calls_no_sbatch(recipe_file, tmp_p
                      "--procs-per-node", "2", "--time", "30", "--signal-lead", "120", "--shutdown-timeout", "60",
                      "-o", str(out), "--dry-run", env={"PATH": "/nonexistent"})
     assert out.is_file() and f"sbatch --parsable {out}" in result.stdout
+    assert f"output: {os.getcwd()}/finetune-%j.out" in result.stdout, "the log path as the script holds it"
     assert "OVERRIDES=(optim.lr=1e-4)" in out.read_text()
     assert os.access(out, os.X_OK)
 
