@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) -> dict:
+def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str, bf16_dist_dir: str) -> dict:
     """On one process, with megatron-core itself as the judge:
     - the sharded keys of a local-spec GPTModel, vs the keys of our TE-named torch file;
     - megatron's own dist_checkpointing.save of the model loaded from our torch_dist output,
-      vs our torch_dist metadata (same tensors, global shapes and objects). Dtypes are not
-      compared: the local spec keeps its norms in fp32 whatever params_dtype is."""
+      vs our torch_dist metadata (same tensors, global shapes, dtypes and objects). The model is
+      built in the source dtype: with an fp32 source every parameter is fp32 on both sides (the
+      local spec keeps norms in fp32 whatever params_dtype is, so a bf16 model could not match);
+    - the dtypes of our torch_dist written from a bf16 source (every tensor in the source dtype)."""
     import torch
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
@@ -24,7 +26,7 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) ->
 
     init_parallel(1, 1)
     meta = CheckpointMeta.read(Path(dist_dir))
-    model = build_gpt_model(meta.model_spec, Layout(1, 1, meta.vocab_divisor), torch.bfloat16)
+    model = build_gpt_model(meta.model_spec, Layout(1, 1, meta.vocab_divisor), getattr(torch, meta.model_spec.dtype))
     load_converted(model, dist_dir)
     sharded_keys = {v.key for v in model.sharded_state_dict().values()}
 
@@ -35,7 +37,7 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) ->
     def layout_of(directory):
         md = FileSystemReader(directory).read_metadata().state_dict_metadata
         return {
-            k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else "bytes"
+            k: (tuple(v.size), str(v.properties.dtype)) if isinstance(v, TensorStorageMetadata) else "bytes"
             for k, v in md.items()
         }
 
@@ -44,6 +46,7 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str) ->
         "te_keys": sorted(te_keys),
         "ours": layout_of(Path(dist_dir) / "release"),
         "megatrons": layout_of(resave_dir),
+        "bf16_source": layout_of(Path(bf16_dist_dir) / "release"),
     }
 
 

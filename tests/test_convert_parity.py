@@ -63,34 +63,55 @@ def test_checkpoints_written_at_tp2_pp2_load_at_tp1_pp1(tiny_hf, tmp_path):
 
 @pytest.mark.multiprocess
 def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
-    dist = hf_to_megatron(tiny_hf["llama"], tmp_path / "dist", tp=2, pp=2, fmt="torch_dist", progress=False)
+    dist = hf_to_megatron(tiny_hf["llama-fp32"], tmp_path / "dist", tp=2, pp=2, fmt="torch_dist", progress=False)
+    bf16 = hf_to_megatron(tiny_hf["llama"], tmp_path / "bf16", tp=2, pp=2, fmt="torch_dist", progress=False)
     te = hf_to_megatron(tiny_hf["llama"], tmp_path / "te", fmt="torch", layer_spec="te", progress=False)
-    (result,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, str(dist), str(te), str(tmp_path / "resaved"))
+    (result,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, str(dist), str(te), str(tmp_path / "resaved"),
+                                 str(bf16))
 
     # TE-named torch keys == the keys megatron-core's local spec uses in sharded_state_dict(), layer index aside.
     ours = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in result["te_keys"]}
     assert ours == set(result["sharded_keys"])
 
-    # Our single-process torch_dist writer produces what megatron-core's own save produces.
+    # Our single-process torch_dist writer produces what megatron-core's own save produces,
+    # dtypes included (an fp32 source and model: no fp32-norm exception on either side).
     assert result["ours"] == result["megatrons"]
+    assert {v[1] for v in result["ours"].values() if v != "bytes"} == {"torch.float32"}
+    # From a bf16 source every tensor is stored bf16, as the HF files hold it.
+    assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}
+
+
+def logit_change(hf_dir, **config_change) -> float:
+    """Max |logit difference| on the parity test's tokens between the model and the model with
+    `config_change`: a guard that the parity test would catch a converter that drops the feature."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
+
+    tokens = reference_tokens(256, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    changed = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **config_change)
+    with torch.no_grad():
+        return (model(tokens).logits - changed(tokens).logits).abs().max().item()
 
 
 def test_sliding_window_changes_the_model_so_parity_proves_it(tiny_hf):
     """Mistral's window (8) is shorter than the parity sequences (32): without it logits differ."""
-    from transformers import AutoModelForCausalLM
+    assert logit_change(tiny_hf["mistral"], sliding_window=None) > 100 * FP32_TOLERANCE
 
-    from toolkit.convert.parity import DEFAULT_SEQ_LEN, reference_tokens
 
-    tokens = reference_tokens(256, 2, DEFAULT_SEQ_LEN)
-    windowed = AutoModelForCausalLM.from_pretrained(tiny_hf["mistral"], dtype=torch.float32)
-    full = AutoModelForCausalLM.from_pretrained(tiny_hf["mistral"], dtype=torch.float32, sliding_window=None)
-    with torch.no_grad():
-        diff = (windowed(tokens).logits - full(tokens).logits).abs().max().item()
-    assert diff > 100 * FP32_TOLERANCE
+def test_llama3_rope_scaling_changes_the_model_so_parity_proves_it(tiny_hf):
+    """Dropping the llama3 scaling (rope_type default, same theta) moves the logits far past the
+    tolerance on the parity test's 32 tokens (the tiny model's sharper attention, tinymodels.py)."""
+    theta = json.loads((tiny_hf["llama3-scaled"] / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    unscaled = {"rope_type": "default", "rope_theta": theta}
+    assert logit_change(tiny_hf["llama3-scaled"], rope_parameters=unscaled) > 100 * FP32_TOLERANCE
 
 
 @pytest.mark.multiprocess
-def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum(tiny_hf, tmp_path):
+def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum_and_reports_each_stage_once(tiny_hf, tmp_path):
+    """Also: the stage lines (issue 9: verify was silent for ~17 s) come once each, from rank 0 only,
+    and --cpu is stated."""
     from toolkit.convert.metadata import META_FILE, sha256
     from toolkit.convert.torch_format import load_trusted_types
 
@@ -104,10 +125,32 @@ def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum(tiny_
     meta["checksums"]["release/mp_rank_00_001/model_optim_rng.pt"] = sha256(rank_file)
     (out / META_FILE).write_text(json.dumps(meta))
 
-    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama"]), str(out)],
-                            capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama"]), str(out),
+                             "--cpu"], capture_output=True, text=True)
     assert result.returncode == 1, result.stdout + result.stderr
+    stages = re.findall(r"^verify \[(\d)/5\] (.*)  \(\+[\d.]+ s\)$", result.stderr, re.MULTILINE)
+    assert [int(i) for i, _ in stages] == [1, 2, 3, 4, 5], result.stderr
+    assert stages[1][1].startswith("launching 2 processes (TP 1 x PP 2) on CPU (--cpu)")
     assert "first divergent   layer 4" in result.stdout
     assert "FAIL" in result.stdout and "checksum mismatch" not in result.stdout
     figure = float(re.search(r"max \|dlogit\|\s+(\S+)", result.stdout).group(1))
     assert figure > FP32_TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_verify_cli_fails_on_a_checksum_mismatch_alone(tiny_hf, tmp_path):
+    """A changed value in a vocab padding row: logits over the true vocab are untouched, so only
+    the sha256 recorded at conversion can catch it."""
+    from toolkit.convert.torch_format import load_trusted_types
+
+    out = hf_to_megatron(tiny_hf["llama-odd-vocab"], tmp_path / "m", progress=False)  # vocab 250 padded to 256
+    rel = "release/mp_rank_00/model_optim_rng.pt"
+    state = load_trusted_types(out / rel, mmap=False)
+    state["model"]["output_layer.weight"][-1, 0] = 1.0
+    torch.save(state, out / rel)
+
+    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama-odd-vocab"]),
+                             str(out), "--no-progress"], capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert re.search(rf"checksum.*{re.escape(rel)}", output), output

@@ -117,3 +117,33 @@ def test_megatron_lm_checkpoint_without_our_metadata_exports_with_hf_config(tiny
     back = megatron_to_hf(out, tmp_path / "h", hf_config=src / "config.json", progress=False)
     original, restored = load_all(src), load_all(back)
     assert set(original) == set(restored) and all(torch.equal(original[k], restored[k]) for k in original)
+
+
+def test_fp32_training_weights_export_as_the_bf16_source_dtype_rounded(tiny_hf, tmp_path):
+    """Training checkpoints hold fp32 master weights; export casts them to the source's bf16,
+    value for value as torch rounds them (not truncated, not left in fp32)."""
+    import json
+
+    from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+    from toolkit.convert.metadata import META_FILE, sha256
+    from toolkit.convert.torch_format import load_trusted_types
+
+    out = hf_to_megatron(tiny_hf["llama"], tmp_path / "m", tp=2, fmt="torch", progress=False)
+    meta = json.loads((out / META_FILE).read_text())
+    generator = torch.Generator().manual_seed(0)
+    for rank_file in sorted(out.glob("release/mp_rank_*/model_optim_rng.pt")):
+        state = load_trusted_types(rank_file, mmap=False)
+        for key, t in state["model"].items():
+            if torch.is_tensor(t) and t.is_floating_point():  # fp32, with bits bf16 cannot hold
+                state["model"][key] = t.float() * (1 + 1e-3 * torch.randn(t.shape, generator=generator))
+        torch.save(state, rank_file)
+        meta["checksums"][str(rank_file.relative_to(out))] = sha256(rank_file)
+    (out / META_FILE).write_text(json.dumps(meta))
+
+    fp32 = dict(MegatronCheckpoint.open(out).hf_tensors())
+    exported = load_all(megatron_to_hf(out, tmp_path / "hf", progress=False))
+    assert set(exported) == set(fp32)
+    for name, tensor in exported.items():
+        assert fp32[name].dtype == torch.float32, name
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, fp32[name].to(torch.bfloat16)), name

@@ -14,14 +14,35 @@ from toolkit.runtime.launch import run_on_processes
 
 def test_launcher_surfaces_the_failing_ranks_traceback():
     with pytest.raises(DistributedError, match=r"rank 1 of 2 failed(.|\n)*ValueError: planted failure"):
-        run_on_processes("tests.mp_workers:fail_on_rank_one", 2, "planted failure")
+        run_on_processes("tests.mp_workers:fail_on_rank_one", 2, "planted failure", cpu=True)  # no GPU use
 
 
 def test_launcher_fails_fast_when_a_rank_dies():
     began = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1 died with exit code 7"):
-        run_on_processes("tests.mp_workers:die_on_rank_one", 2)
+        run_on_processes("tests.mp_workers:die_on_rank_one", 2, cpu=True)
     assert time.monotonic() - began < 30, "the surviving rank must be killed, not waited for"
+
+
+@pytest.mark.parametrize("world, cuda, gpus, cpu, expected", [
+    (4, False, 0, False, "cpu"),  # no CUDA: gloo on CPU, as always
+    (4, True, 4, False, "cuda"),
+    (2, True, 8, False, "cuda"),
+    (4, True, 4, True, "cpu"),  # asked for
+    (4, True, 1, True, "cpu"),
+])
+def test_launch_device_follows_cuda_and_the_cpu_flag(world, cuda, gpus, cpu, expected):
+    from toolkit.runtime.launch import launch_device
+
+    assert launch_device(world, cuda, gpus, cpu) == expected
+
+
+def test_more_processes_than_gpus_is_refused_with_both_numbers():
+    """LOCAL_RANK = rank: rank 2 of 4 on a 2-GPU machine would fail at set_device."""
+    from toolkit.runtime.launch import launch_device
+
+    with pytest.raises(DistributedError, match=r"4 processes need 4 GPUs \(one per process\), 2 available.*--cpu"):
+        launch_device(4, True, 2, False)
 
 
 def test_cpu_patches_name_their_upstream_spots():
@@ -35,10 +56,21 @@ def toolkit(*args):
     return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True)
 
 
-def test_help_is_fast_and_lists_every_command():
-    began = time.monotonic()
+HEAVY_MODULES = ("torch", "deepspeed", "megatron", "transformers", "matplotlib")
+
+
+def test_help_imports_no_heavy_library():
+    """What makes --help fast, checked without a clock (a wall-clock bound flakes on a busy machine)."""
+    probe = ("import sys\nfrom toolkit.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]", "heavy libraries must be imported lazily"
+
+
+def test_help_lists_every_command():
     result = toolkit("--help")
-    assert result.returncode == 0 and time.monotonic() - began < 3, "heavy libraries must be imported lazily"
+    assert result.returncode == 0
     for command in ("convert", "quickstart", "ds-config", "plot"):
         assert command in result.stdout
     assert "Memory" in toolkit("convert", "verify", "--help").stdout

@@ -51,6 +51,18 @@ def _remove_stale_partials(parent: Path, name: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _roll_back_interrupted_swap(final: Path) -> None:
+    """An --overwrite killed between its two renames left the old result at .name.old-PID and no
+    `final`: put it back, as if that run had never started (it had not replaced anything yet)."""
+    if final.exists() or final.is_symlink():
+        return
+    for old in sorted(final.parent.glob(f".{final.name}.old-*")):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            os.rename(old, final)
+            return
+
+
 def check_destination(final: Path, overwrite: bool) -> None:
     """Fail early, before any work, if `final` can't be (re)written."""
     if final.exists() and not final.is_dir():
@@ -75,6 +87,7 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False):
     .name.old-PID and no `final`, never a mixture.
     """
     final = Path(final).absolute()
+    _roll_back_interrupted_swap(final)
     check_destination(final, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(final.parent, final.name)
@@ -98,5 +111,6 @@ def _publish(tmp: Path, final: Path) -> None:
         return
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     os.rename(final, old)
+    fault_point("between-renames")
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)

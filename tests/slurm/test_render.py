@@ -18,6 +18,8 @@ from toolkit.slurm import Launch, Preemption, Resources, SlurmError, SlurmJob, W
 from toolkit.slurm.render import parse_time, write
 
 EXAMPLES = sorted((REPO / "slurm").glob("*.sbatch"))
+# Rendered scripts hold absolute paths; the checked-in examples show this checkout as:
+CHECKOUT = "/path/to/megatron-ds-toolkit"
 
 
 def hostile_strings(canary: Path) -> list[str]:
@@ -55,14 +57,15 @@ def replace_in(job: SlurmJob, path: str, value) -> SlurmJob:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_checked_in_example_equals_what_render_produces(example, tmp_path):
-    """Each example's second line is the command that made it; re-running it must give the same bytes."""
-    command = example.read_text().splitlines()[2].removeprefix("#   ")
+    """Each example's third line is the command that made it; re-running it must give the same bytes."""
+    text = example.read_text().replace(CHECKOUT, str(REPO))
+    command = text.splitlines()[2].removeprefix("#   ")
     argv = shlex.split(command)
     assert argv[:3] == ["toolkit", "slurm", "render"]
     out = tmp_path / example.name
     subprocess.run([sys.executable, "-m", "toolkit", "slurm", "render", *argv[3:], "-o", str(out)], cwd=REPO,
                    check=True, capture_output=True, text=True)
-    assert out.read_text() == example.read_text(), f"{example} drifted from `toolkit slurm render`: re-render it"
+    assert out.read_text() == text, f"{example} drifted from `toolkit slurm render`: re-render it"
     subprocess.run(["bash", "-n", str(example)], check=True)
 
 
@@ -193,6 +196,23 @@ def _executable(path: Path, text: str) -> Path:
     return path
 
 
+def run_with_stand_ins(script: Path, tmp_path: Path, cwd: Path) -> None:
+    """Run the script with stand-ins for scontrol and srun (srun records its options in srun.bin,
+    then runs the real `bash -c` line as node 0 would)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _executable(bin_dir / "scontrol", "#!/bin/bash\n[ \"$1 $2\" = 'show hostnames' ] && printf 'n1\\nn2\\n'\n")
+    _executable(bin_dir / "srun", f"""#!/bin/bash
+{{ printf '%s\\0' "$@"; }} > {shlex.quote(str(tmp_path / 'srun.bin'))}
+while [[ "$1" == --* ]]; do shift; done
+SLURM_NODEID=0 exec "$@"
+""")
+    run_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]",
+               "SLURM_NNODES": "2", "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(script)], env=run_env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_hostile_strings_in_shell_fields_render_inert_and_running_the_script_executes_nothing(tmp_path):
     """Every field that is not refused is hostile at once: bash -n passes, and running the script with
     stand-ins for srun/scontrol (srun runs the real `bash -c` line with SLURM_NODEID set) passes each
@@ -218,25 +238,14 @@ env -0 > {shlex.quote(str(tmp_path / 'env.bin'))}
     script = write(job, tmp_path / "job.sbatch")
     subprocess.run(["bash", "-n", str(script)], check=True)
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    _executable(bin_dir / "scontrol", "#!/bin/bash\n[ \"$1 $2\" = 'show hostnames' ] && printf 'n1\\nn2\\n'\n")
-    # srun: record its own options, drop them, run the task command as node 0 would.
-    _executable(bin_dir / "srun", f"""#!/bin/bash
-{{ printf '%s\\0' "$@"; }} > {shlex.quote(str(tmp_path / 'srun.bin'))}
-while [[ "$1" == --* ]]; do shift; done
-SLURM_NODEID=0 exec "$@"
-""")
-    run_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]",
-               "SLURM_NNODES": "2", "HOME": str(tmp_path)}
-    result = subprocess.run(["bash", str(script)], env=run_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_with_stand_ins(script, tmp_path, cwd=tmp_path)
     assert not canary.exists() and not (weird / "CANARY").exists() and not (tmp_path / "CANARY").exists()
 
     argv = (tmp_path / "argv.bin").read_bytes().decode().split("\0")[:-1]
     assert argv[:3] == ["-m", "torch.distributed.run", "--node-rank=0"]
-    tail = argv[argv.index(printable[2]):]  # the training script, then its arguments
-    assert tail == [printable[2], "--config", str(config), *overrides, "resume=auto"]
+    script_path = os.path.join(os.getcwd(), printable[2])  # made absolute, otherwise verbatim
+    tail = argv[argv.index(script_path):]  # the training script, then its arguments
+    assert tail == [script_path, "--config", str(config), *overrides, "resume=auto"]
     srun_args = (tmp_path / "srun.bin").read_bytes().decode().split("\0")
     assert f"--container-image={printable[3]}" in srun_args and f"--container-mounts={printable[4]}" in srun_args
     ranks_env = dict(item.split("=", 1) for item in (tmp_path / "env.bin").read_bytes().decode().split("\0") if "=" in item)
@@ -259,5 +268,91 @@ def test_submit_dry_run_writes_the_script_and_calls_no_sbatch(recipe_file, tmp_p
                      "--procs-per-node", "2", "--time", "30", "--signal-lead", "120", "--shutdown-timeout", "60",
                      "-o", str(out), "--dry-run", env={"PATH": "/nonexistent"})
     assert out.is_file() and f"sbatch --parsable {out}" in result.stdout
+    assert f"output: {os.getcwd()}/finetune-%j.out" in result.stdout, "the log path as the script holds it"
     assert "OVERRIDES=(optim.lr=1e-4)" in out.read_text()
     assert os.access(out, os.X_OK)
+
+
+# ------------------------------------------------------------------------------------ model x layout
+
+
+@pytest.fixture(scope="module")
+def four_head_checkpoint(tmp_path_factory) -> Path:
+    """A converted tiny Llama: 4 attention heads, 2 KV heads, 6 layers (toolkit/tinymodels.py)."""
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("slurm-model")
+    hf = make_tiny_model("llama", root / "hf", dtype="float32")
+    return hf_to_megatron(hf, root / "mc", progress=False)
+
+
+def test_layout_the_converter_refuses_is_refused_for_the_recipes_checkpoint(recipe_file, four_head_checkpoint):
+    """TP 8 on a 4-head model: `convert` refuses it, so must render (same check, Layout.check)."""
+    job = cpu_job(recipe_file, overrides=(f"model.checkpoint={four_head_checkpoint}", "parallel.tp=8",
+                                          "parallel.pp=1", "global_batch=16"),
+                  resources=Resources(nodes=1, gpus_per_node=8))
+    with pytest.raises(SlurmError, match="4 attention heads are not divisible by --tp 8"):
+        render(job)
+    ok = dataclasses.replace(job, overrides=(f"model.checkpoint={four_head_checkpoint}", "parallel.tp=2"))
+    assert "NPROC_PER_NODE=8" in render(ok)
+
+
+def test_explicit_model_option_checks_the_layout_when_the_checkpoint_is_elsewhere(recipe_file, tmp_path):
+    from toolkit.tinymodels import make_config
+
+    make_config("llama").to_json_file(tmp_path / "config.json")
+    job = cpu_job(recipe_file, resources=Resources(nodes=1, gpus_per_node=8), overrides=("parallel.tp=8",
+                                                                                          "parallel.pp=1"))
+    render(job)  # the recipe's checkpoint "ckpt" does not exist here: nothing to check against
+    with pytest.raises(SlurmError, match="4 attention heads are not divisible by --tp 8"):
+        render(dataclasses.replace(job, model=str(tmp_path / "config.json")))
+    with pytest.raises(SlurmError, match="expected an HF model directory, a config.json, or a converted checkpoint"):
+        render(dataclasses.replace(job, model=str(tmp_path / "missing")))
+
+
+def test_cli_model_option_refuses_the_layout_in_one_line(recipe_file, tmp_path):
+    from toolkit.tinymodels import make_config
+
+    make_config("llama").to_json_file(tmp_path / "config.json")
+    out = tmp_path / "job.sbatch"
+    result = toolkit("slurm", "render", str(recipe_file), "parallel.tp=8", "parallel.pp=1", "--gpus-per-node", "8",
+                     "--model", str(tmp_path / "config.json"), "-o", str(out), check=False)
+    assert result.returncode == 2 and not out.exists(), result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "4 attention heads are not divisible by --tp 8" in result.stderr
+
+
+# ------------------------------------------------------------------------------------ working directory
+
+
+def test_script_runs_the_same_whatever_directory_sbatch_runs_from(tmp_path, monkeypatch):
+    """Rendered from one directory with relative paths, run from another: the trainer gets absolute
+    config and script paths and runs in the render directory, where the recipe's own relative paths
+    (model.checkpoint, data files, run_dir) point."""
+    project = tmp_path / "project"
+    (project / "recipes").mkdir(parents=True)
+    (project / "recipes" / "r.yaml").write_text(yaml.safe_dump({"model": {"checkpoint": "ckpt"}, "data": {"train_file": "train.jsonl"},
+                                                                "parallel": {"tp": 1, "pp": 1}, "global_batch": 4}))
+    recorder = _executable(project / "recorder.sh", f"""#!/bin/bash
+{{ printf '%s\\0' "$PWD" "$@"; }} > {shlex.quote(str(tmp_path / 'argv.bin'))}
+""")
+    (project / "train.py").write_text("")
+    monkeypatch.chdir(project)
+    script = write(cpu_job(Path("recipes/r.yaml"), launch=Launch(python="./recorder.sh", script="train.py")),
+                   "job.sbatch")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_with_stand_ins(project / script, tmp_path, cwd=elsewhere)
+    cwd, *argv = (tmp_path / "argv.bin").read_bytes().decode().split("\0")[:-1]
+    assert cwd == str(project)
+    tail = argv[argv.index(str(project / "train.py")):]
+    assert tail == [str(project / "train.py"), "--config", str(project / "recipes" / "r.yaml"), "resume=auto"]
+    assert f"#SBATCH --output={project}/%x-%j.out\n" in script.read_text()  # sbatch opens it before the script runs
+
+
+def test_relative_log_path_that_cannot_sit_on_an_sbatch_line_is_refused(recipe_file, tmp_path, monkeypatch):
+    (tmp_path / "a b").mkdir()
+    monkeypatch.chdir(tmp_path / "a b")
+    with pytest.raises(SlurmError, match="give an absolute --output"):
+        render(cpu_job(recipe_file))
+    assert f"--output={tmp_path}/log-%j.out" in render(cpu_job(recipe_file, output=f"{tmp_path}/log-%j.out"))

@@ -48,6 +48,10 @@ def job_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", help="script path (default slurm/JOB_NAME.sbatch)")
     p.add_argument("--job-name", default="finetune")
     p.add_argument("--output", default="%x-%j.out", help="job log, sbatch patterns allowed (default %%x-%%j.out)")
+    p.add_argument("--workdir", help="directory the job runs in; relative paths (here and in the recipe) resolve "
+                                     "against it at render time (default: the current directory)")
+    p.add_argument("--model", help="check the layout against this model (HF directory, config.json or converted "
+                                   "checkpoint; default: the recipe's model.checkpoint where it exists here)")
     r = p.add_argument_group("resources")
     r.add_argument("--nodes", type=int, default=1)
     r.add_argument("--gpus-per-node", type=int, default=None)
@@ -103,7 +107,7 @@ def job_from_args(args):
                     resources=resources, launch=launch,
                     preemption=Preemption(args.signal_lead, args.shutdown_timeout, args.max_restarts),
                     wandb=WandbSettings(args.wandb_project, args.wandb_mode, args.wandb_run_id),
-                    env=tuple(env), extra_sbatch=tuple(args.sbatch))
+                    env=tuple(env), extra_sbatch=tuple(args.sbatch), model=args.model, workdir=args.workdir)
 
 
 def _parse(prog: str, argv: list[str], dry_run: bool = False):

@@ -9,6 +9,7 @@ sliced off). Several checkpoints can be checked in one launch (`verify_many`).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from toolkit.convert.metadata import CheckpointMeta, bad_checksums
+from toolkit.convert.progress import Stages
 from toolkit.errors import VerificationError
 from toolkit.layouts import Layout
 
@@ -24,6 +26,8 @@ from toolkit.layouts import Layout
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 DEFAULT_SEQ_LEN = 32
 DEFAULT_BATCH = 2
+# Stage lines of a verify run: 1 HF reference, 2 launch, 3 load shards, 4 forward, 5 compare.
+VERIFY_STAGES = 5
 
 
 @dataclass
@@ -115,20 +119,23 @@ def _stage_forward(model, tokens: torch.Tensor, spec, hidden_dtype) -> tuple[tor
     return out, outputs
 
 
-def worker(jobs: list[dict], tp: int, pp: int) -> list[dict]:
+def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None) -> list[dict]:
     """Runs on every rank: load each checkpoint at TP x PP and compare with its HF reference."""
     from toolkit.model import build_gpt_model, load_converted
     from toolkit.runtime.distributed import init_parallel
 
     info = init_parallel(tp, pp)
+    stages = stages or Stages("verify", VERIFY_STAGES, enabled=False)
     results = []
     for job in jobs:
+        stages(3, f"loading shards of {job['checkpoint']}", info.rank)
         meta = CheckpointMeta.read(Path(job["checkpoint"]))
         dtype = getattr(torch, job["dtype"])
         spec = meta.model_spec
         ref = torch.load(job["reference"], weights_only=True)
         model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor), dtype).eval()
         load_converted(model, job["checkpoint"])
+        stages(4, f"forward of {tuple(ref['tokens'].shape)} tokens through {pp} pipeline stage(s)", info.rank)
         logits, outputs = _stage_forward(model, ref["tokens"], spec, dtype)
         first_layer = info.pp_rank * (spec.num_layers // pp)
         result = {
@@ -154,24 +161,33 @@ def verify_many(
     dtype: str = "float32",
     seq_len: int = DEFAULT_SEQ_LEN,
     batch: int = DEFAULT_BATCH,
+    cpu: bool = False,
+    progress: bool | None = None,
 ) -> list[Report]:
     """Verify several (hf_dir, megatron_dir) pairs in one launch of TP*PP processes.
 
     TP/PP default to the layout of the first checkpoint; torch_dist checkpoints load at any layout.
+    `cpu` runs the processes on CPU where CUDA is present (without it, TP*PP must not exceed the
+    GPUs). `progress` prints stage lines on stderr (default: when stderr is a terminal).
     """
     from toolkit.runtime.launch import run_on_processes
 
     metas = [CheckpointMeta.read(Path(m)) for _, m in pairs]
     tp = tp or metas[0].tp
     pp = pp or metas[0].pp
+    stages = Stages("verify", VERIFY_STAGES, sys.stderr.isatty() if progress is None else progress)
     with tempfile.TemporaryDirectory(prefix="toolkit-verify-") as tmp:
         jobs = []
         for i, ((hf_dir, mdir), meta) in enumerate(zip(pairs, metas)):
+            stages(1, f"building the HF reference from {hf_dir} ({dtype}, {batch} x {seq_len} tokens)")
             tokens = reference_tokens(meta.vocab_size, batch, seq_len)
             ref_path = Path(tmp) / f"ref{i}.pt"
             torch.save(hf_reference(hf_dir, tokens, getattr(torch, dtype)), ref_path)
             jobs.append({"checkpoint": str(mdir), "reference": str(ref_path), "dtype": dtype})
-        per_rank = run_on_processes("toolkit.convert.parity:worker", tp * pp, jobs, tp, pp)
+        where = "on CPU (--cpu)" if cpu else "on CUDA if present, else CPU"
+        stages(2, f"launching {tp * pp} processes (TP {tp} x PP {pp}) {where}; importing megatron-core")
+        per_rank = run_on_processes("toolkit.convert.parity:worker", tp * pp, jobs, tp, pp, stages, cpu=cpu)
+    stages(5, "comparing logits and layer outputs; checking shard checksums")
     reports = []
     for j, ((_, mdir), meta) in enumerate(zip(pairs, metas)):
         layer_diffs: dict[int, float] = {}
@@ -192,7 +208,9 @@ def verify_many(
     return reports
 
 
-def verify(hf_dir, megatron_dir, *, dtype: str = "float32", seq_len: int = DEFAULT_SEQ_LEN, batch: int = DEFAULT_BATCH) -> Report:
+def verify(hf_dir, megatron_dir, *, dtype: str = "float32", seq_len: int = DEFAULT_SEQ_LEN, batch: int = DEFAULT_BATCH,
+           cpu: bool = False, progress: bool | None = None) -> Report:
     if dtype not in TOLERANCE:
         raise VerificationError(f"--dtype must be one of {', '.join(TOLERANCE)}")
-    return verify_many([(hf_dir, megatron_dir)], dtype=dtype, seq_len=seq_len, batch=batch)[0]
+    return verify_many([(hf_dir, megatron_dir)], dtype=dtype, seq_len=seq_len, batch=batch, cpu=cpu,
+                       progress=progress)[0]

@@ -25,6 +25,7 @@ from toolkit.convert.metadata import (
 )
 from toolkit.convert.progress import progress_bar
 from toolkit.convert.stages import stage_tensors
+from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec, spec_from_config
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
@@ -139,4 +140,5 @@ def hf_to_megatron(
             spec=spec.to_dict(),
             checksums=checksums,
         ).write(tmp)
+    warn_if_no_tokenizer(src.dir, Path(out_dir))
     return Path(out_dir)

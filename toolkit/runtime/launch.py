@@ -3,6 +3,10 @@
 Used by `toolkit convert verify` and by the multi-process tests. The function is named by
 "module:function" so that each child sets its environment before importing torch. If any rank
 raises, the others are killed and the failing rank's traceback is raised in the parent.
+
+Every process is local, so LOCAL_RANK = rank: with CUDA, N processes need N GPUs (one each). A
+launch that needs more is refused before anything starts, unless `cpu=True` hides the GPUs from
+the children (gloo on CPU, as on a machine without CUDA).
 """
 
 from __future__ import annotations
@@ -28,7 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(target: str, rank: int, nprocs: int, port: int, results, args, kwargs) -> None:
+def launch_device(nprocs: int, cuda_available: bool, device_count: int, cpu: bool = False) -> str:
+    """"cuda" or "cpu" for a launch of `nprocs` local processes; refuses one GPU short."""
+    if cpu or not cuda_available:
+        return "cpu"
+    if nprocs > device_count:
+        raise DistributedError(f"{nprocs} processes need {nprocs} GPUs (one per process), {device_count} available: "
+                               "use a layout with fewer processes, or pass --cpu to run on CPU")
+    return "cuda"
+
+
+def _child(target: str, rank: int, nprocs: int, port: int, device: str, results, args, kwargs) -> None:
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is initialised here: the child sees no GPU
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -54,13 +70,18 @@ def _child(target: str, rank: int, nprocs: int, port: int, results, args, kwargs
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_on_processes(target: str, nprocs: int, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list[Any]:
-    """Call `target(*args, **kwargs)` on ranks 0..nprocs-1 and return their results by rank."""
+def run_on_processes(target: str, nprocs: int, *args, timeout: float = DEFAULT_TIMEOUT_S, cpu: bool = False,
+                     **kwargs) -> list[Any]:
+    """Call `target(*args, **kwargs)` on ranks 0..nprocs-1 and return their results by rank.
+    With `cpu`, the processes run on CPU even where CUDA is present."""
+    import torch
+
+    device = launch_device(nprocs, torch.cuda.is_available(), torch.cuda.device_count(), cpu)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(target, rank, nprocs, port, results, args, kwargs), daemon=False)
+        ctx.Process(target=_child, args=(target, rank, nprocs, port, device, results, args, kwargs), daemon=False)
         for rank in range(nprocs)
     ]
     for p in procs:

@@ -13,6 +13,11 @@ ranks instead of dying, and `--shutdown-timeout` is the budget for the step plus
 trainer agrees on the flag with a collective, saves, and exits; the script then runs
 `scontrol requeue` unless `max_restarts` restarts have happened.
 
+Paths: every relative path is resolved at render time against the job's working directory
+(default: where `render` runs), and the script `cd`s there before launching, so the job does not
+depend on the directory sbatch runs from and the recipe's own relative paths (model.checkpoint,
+data files, run_dir) mean what they meant when the recipe was checked.
+
 Quoting: #SBATCH lines are parsed by sbatch, not bash, so quoting cannot protect them. Every field
 that lands there is checked against what it may hold (a time, a partition name, a number); every
 other user value is passed through shlex.quote into a variable or an array and only ever expanded
@@ -21,10 +26,11 @@ in double quotes. No field may hold a newline or a control character.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from toolkit.slurm import SlurmError
@@ -54,7 +60,7 @@ MANAGED_SBATCH = {"job-name", "nodes", "ntasks", "ntasks-per-node", "gpus-per-no
                   "open-mode", "requeue", "no-requeue", "signal", "export", "wrap"}
 # Variables the launch chain sets per rank or per job; a user value would break the rendezvous.
 # The script's own variables are reserved too, so a user value can't replace one of them.
-SCRIPT_VARS = ("PYTHON", "RECIPE", "CONFIG", "OVERRIDES", "NPROC_PER_NODE", "MAX_RESTARTS", "SHUTDOWN_TIMEOUT",
+SCRIPT_VARS = ("WORKDIR", "PYTHON", "RECIPE", "CONFIG", "OVERRIDES", "NPROC_PER_NODE", "MAX_RESTARTS", "SHUTDOWN_TIMEOUT",
                "RDZV_TIMEOUT", "RESTART", "PREEMPTED", "STEP_PID", "RC", "WANDB_RUN_ID_VALUE")
 MANAGED_ENV = re.compile(r"(SLURM_|SBATCH_|SRUN_|PET_|TORCHELASTIC_|BASH_FUNC_).*|MASTER_ADDR|MASTER_PORT|RANK|"
                          r"LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|NODE_RANK|PATH|IFS|BASH_ENV|ENV|"
@@ -131,6 +137,10 @@ class SlurmJob:
     wandb: WandbSettings = field(default_factory=WandbSettings)
     env: tuple[tuple[str, str], ...] = ()  # exported in the script, reaches every rank
     extra_sbatch: tuple[str, ...] = ()  # raw `--option=value` directives, checked one by one
+    # The model the layout is checked against (HF directory, config.json or converted checkpoint);
+    # default: the recipe's model.checkpoint where it exists at render time.
+    model: str | None = None
+    workdir: str | None = None  # where the job runs; relative paths resolve here (default: the current directory)
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -245,8 +255,42 @@ def _recipe(config: str, overrides):
     return cfg
 
 
-def validate(job: SlurmJob) -> None:
-    """Every check, before anything is written: SlurmError names the first bad field."""
+def _under(workdir: str, path: str) -> str:
+    """`path` made absolute against `workdir`, otherwise verbatim (no normalisation)."""
+    return path if os.path.isabs(path) else os.path.join(workdir, path)
+
+
+def anchored(job: SlurmJob) -> SlurmJob:
+    """The job with every path absolute: config, script, python (when it is a path, not a command
+    name looked up on PATH), the model and the log; the working directory recorded."""
+    workdir = os.path.abspath(job.workdir or os.getcwd())
+    python = _under(workdir, job.launch.python) if "/" in job.launch.python else job.launch.python
+    launch = replace(job.launch, python=python, script=_under(workdir, job.launch.script))
+    output = job.output if job.output.startswith("/") else workdir.replace("%", "%%") + "/" + job.output
+    model = _under(workdir, job.model) if job.model is not None else None
+    return replace(job, config=_under(workdir, job.config), launch=launch, output=output, model=model, workdir=workdir)
+
+
+def _check_model(job: SlurmJob, cfg) -> None:
+    """The model x layout check `convert` makes (Layout.check), against the model the job will load."""
+    from toolkit import modelspec
+    from toolkit.errors import ToolkitError
+    from toolkit.layouts import Layout
+
+    given = job.model is not None
+    path = job.model if given else _under(job.workdir, cfg.model.checkpoint)
+    if not given and not os.path.exists(path):
+        return  # the checkpoint is only on the cluster: --model checks against a local copy
+    try:
+        Layout(cfg.parallel.tp, cfg.parallel.pp).check(modelspec.read(path))
+    except ToolkitError as e:
+        source = "--model" if given else "model.checkpoint"
+        raise SlurmError(f"{source} {path} at TP {cfg.parallel.tp} x PP {cfg.parallel.pp}: {e}") from None
+
+
+def validate(job: SlurmJob) -> SlurmJob:
+    """Every check, before anything is written: SlurmError names the first bad field. Returns the
+    job anchored (every path absolute)."""
     _path("config", job.config)
     _check_overrides(job.overrides)
     _match("job_name", job.job_name, _NAME, "a job name (letters, digits, _ . -; at most 64)")
@@ -273,6 +317,13 @@ def validate(job: SlurmJob) -> None:
         raise SlurmError("wandb mode and run id need a wandb project")
     _check_env(job.env)
     _check_extra(job.extra_sbatch)
+    for name in ("model", "workdir"):
+        if getattr(job, name) is not None:
+            _path(name, getattr(job, name))
+    job = anchored(job)
+    if not _OUTPUT.fullmatch(job.output):
+        raise SlurmError(f"the log path resolves to {job.output!r}, which an #SBATCH line cannot hold: "
+                         "give an absolute --output without spaces or quotes")
 
     from toolkit.train.build import check_layout
 
@@ -287,6 +338,8 @@ def validate(job: SlurmJob) -> None:
         check_layout(cfg, world)
     except Exception as e:  # noqa: BLE001 - the trainer's own layout error, as one line
         raise SlurmError(f"recipe {job.config} on {world} {unit}: {e}") from None
+    _check_model(job, cfg)
+    return job
 
 
 # ---------------------------------------------------------------------------------- rendering
@@ -304,7 +357,7 @@ def command_line(job: SlurmJob) -> str:
              ("--container-mounts", launch.container_mounts), ("--rendezvous-timeout", launch.rendezvous_timeout),
              ("--signal-lead", p.signal_lead), ("--shutdown-timeout", p.shutdown_timeout),
              ("--max-restarts", p.max_restarts), ("--wandb-project", wb.project), ("--wandb-mode", wb.mode),
-             ("--wandb-run-id", wb.run_id)]
+             ("--wandb-run-id", wb.run_id), ("--model", job.model), ("--workdir", job.workdir)]
     opts += [("--env", f"{k}={v}") for k, v in job.env] + [("--sbatch", line) for line in job.extra_sbatch]
     args += [f"{flag}={value}" for flag, value in opts if value is not None]
     if r.cpu:
@@ -352,7 +405,7 @@ def _srun_prefix(job: SlurmJob) -> str:
 
 def render(job: SlurmJob) -> str:
     """The sbatch script for `job`; raises SlurmError before producing anything if a field is bad."""
-    validate(job)
+    job = validate(job)
     q = shlex.quote
     r, launch, p, wb = job.resources, job.launch, job.preemption, job.wandb
     overrides = " ".join(q(o) for o in job.overrides)
@@ -375,6 +428,8 @@ def render(job: SlurmJob) -> str:
 set -uo pipefail
 
 # Values given to `toolkit slurm render`, shell-quoted; they are only ever expanded in double quotes.
+# Paths are absolute, and the job runs in WORKDIR wherever sbatch was run from.
+WORKDIR={q(job.workdir)}
 PYTHON={q(launch.python)}
 RECIPE={q(launch.script)}
 CONFIG={q(job.config)}
@@ -389,6 +444,7 @@ RDZV_TIMEOUT={launch.rendezvous_timeout}
 # inherited from the submitting shell.
 {chr(10).join(_env_lines(job))}
 
+cd -- "$WORKDIR" || {{ echo "toolkit: cannot enter $WORKDIR" >&2; exit 1; }}
 RESTART=${{SLURM_RESTART_COUNT:-0}}
 # Rendezvous at the first allocated host; its torchrun holds ranks 0..NPROC_PER_NODE-1.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.slurm import SlurmError
-from toolkit.slurm.render import SlurmJob, write
+from toolkit.slurm.render import SlurmJob, anchored, write
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ def output_path(pattern: str, job_name: str, job_id: str | None) -> str:
 def submit(job: SlurmJob, script: str | Path, dry_run: bool = False, sbatch: str = "sbatch") -> Submission:
     """Render `job` to `script` (everything is validated first), then `sbatch --parsable` it."""
     path = write(job, script)
+    job = anchored(job)  # the log path as the script holds it: absolute, under the job's working directory
     # sbatch does not create the log's directory, and a job whose log can't be opened fails silently.
     log_dir = Path(output_path(job.output, job.job_name, "0")).parent
     command = (sbatch, "--parsable", str(path))

@@ -8,7 +8,8 @@ from pathlib import Path
 from toolkit.errors import ToolkitError
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def loss_figure(run_dir: str | Path):
+    """The figure of RUN_DIR/metrics.jsonl: one line per curve (loss, eval_loss), labelled by key."""
     run_dir = Path(run_dir)
     metrics_file = run_dir / "metrics.jsonl"
     if not metrics_file.is_file():
@@ -31,7 +32,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_yscale("log")
     ax.legend()
     ax.set_title(run_dir.name)
-    out = Path(out) if out else run_dir / "loss.png"
+    return fig
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    fig = loss_figure(run_dir)  # imports matplotlib, or says how to install it
+    import matplotlib.pyplot as plt
+
+    out = Path(out) if out else Path(run_dir) / "loss.png"
     fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return out
