@@ -81,7 +81,7 @@ def prepare(config_path, overrides) -> Run:
     cfg = load_config(config_path, overrides)
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
-    dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)

@@ -150,11 +150,14 @@ def test_checkpoint_and_layout_checks(tiny_hf, tmp_path):
         build.read_checkpoint_meta(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["data.seq_len=4096"]))
     with pytest.raises(ToolkitError, match="sliding window"):
         build.read_checkpoint_meta(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["data.pack=true"]))
+    meta = build.read_checkpoint_meta(ok)
     with pytest.raises(ToolkitError, match="not divisible by TP\\*PP"):
-        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["parallel.tp=4"]), 6)
+        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["parallel.tp=4"]), 6, meta)
     with pytest.raises(ToolkitError, match="global_batch 8 is not divisible by micro_batch 3"):
-        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["micro_batch=3"]), 2)
-    assert build.check_layout(ok, 4) == 4
+        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["micro_batch=3"]), 2, meta)
+    with pytest.raises(ToolkitError, match=r"parallel.tp=8 parallel.pp=1 does not fit .*attention heads are not divisible"):
+        build.check_layout(load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["parallel.tp=8"]), 8, meta)
+    assert build.check_layout(ok, 4, meta) == 4
 
 
 def test_packing_is_refused_on_the_transformer_engine_path(tiny_hf, tmp_path, monkeypatch):

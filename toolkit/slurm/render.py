@@ -325,7 +325,7 @@ def validate(job: SlurmJob) -> SlurmJob:
         raise SlurmError(f"the log path resolves to {job.output!r}, which an #SBATCH line cannot hold: "
                          "give an absolute --output without spaces or quotes")
 
-    from toolkit.train.build import check_layout
+    from toolkit.train.build import data_parallel_size
 
     cfg = _recipe(job.config, job.overrides)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
@@ -335,7 +335,7 @@ def validate(job: SlurmJob) -> SlurmJob:
         raise SlurmError(f"{r.nodes} nodes x {r.nproc_per_node} {unit} = {world} is not divisible by the recipe's "
                          f"TP x PP = {tp} x {pp}")
     try:
-        check_layout(cfg, world)
+        data_parallel_size(cfg, world)
     except Exception as e:  # noqa: BLE001 - the trainer's own layout error, as one line
         raise SlurmError(f"recipe {job.config} on {world} {unit}: {e}") from None
     _check_model(job, cfg)

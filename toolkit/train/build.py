@@ -10,7 +10,7 @@ from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import Layout
 from toolkit.model import running_layer_spec
 from toolkit.runtime.distributed import ParallelInfo
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, ConversionError
 from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
@@ -53,8 +53,19 @@ def load_tokenizer(cfg: TrainConfig):
         raise ConfigError(f"the tokenizer in {hf_dir} cannot be loaded: {str(e).splitlines()[0]}") from None
 
 
-def check_layout(cfg: TrainConfig, world_size: int) -> int:
-    """Refuse layouts that don't divide, before any heavy work; returns DP."""
+def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int:
+    """Refuse layouts that don't fit, before any heavy work, with the converter's own model x
+    layout check (Layout.check); returns DP."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    try:
+        Layout(tp, pp, meta.vocab_divisor).check(meta.model_spec)
+    except ConversionError as e:
+        raise ConfigError(f"parallel.tp={tp} parallel.pp={pp} does not fit {cfg.model.checkpoint}: {e}") from None
+    return data_parallel_size(cfg, world_size)
+
+
+def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
+    """DP for this world size, refusing a world or batch that doesn't divide."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by TP*PP = {tp}*{pp}")
