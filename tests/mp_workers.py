@@ -21,7 +21,8 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str, bf
     from toolkit.convert.metadata import CheckpointMeta
     from toolkit.convert.torch_format import load_trusted_types
     from toolkit.layouts import Layout
-    from toolkit.model import build_gpt_model, load_converted
+    from toolkit.convert.load import load_converted
+    from toolkit.model import build_gpt_model
     from toolkit.runtime.distributed import init_parallel
 
     init_parallel(1, 1)
@@ -57,7 +58,8 @@ def packed_vs_unpacked_losses(checkpoint: str, documents: list[dict], seq_len: i
     from transformers import AutoTokenizer
 
     from toolkit.convert.metadata import CheckpointMeta
-    from toolkit.model import build_gpt_model, load_converted
+    from toolkit.convert.load import load_converted
+    from toolkit.model import build_gpt_model
     from toolkit.runtime.distributed import init_parallel
     from toolkit.train.data import collate, pack_rows, pad_rows, parse_line
     from toolkit.train.loss import token_losses

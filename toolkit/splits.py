@@ -1,6 +1,8 @@
 """How one megatron-core tensor is built from HF tensors and split across tensor-parallel ranks.
 
 This is the one place that knows the layouts; both conversion directions and the tests use it.
+Each split kind is one class holding its three rules (build a rank's shard, merge the shards
+back, the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_up) is one class:
 
     COLUMN      split dim 0 (ColumnParallelLinear output rows)
     ROW         split dim 1 (RowParallelLinear input columns)
@@ -18,21 +20,11 @@ rank's shard is read straight from the HF file without loading the whole tensor.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so the family tables stay cheap to import
     import torch
-
-
-class Split(enum.Enum):
-    COLUMN = "column"
-    ROW = "row"
-    REPLICATED = "replicated"
-    VOCAB = "vocab"
-    QKV = "qkv"
-    GATE_UP = "gate_up"
 
 
 @dataclass(frozen=True)
@@ -61,9 +53,163 @@ def chunk_range(size: int, parts: int, index: int) -> slice:
     return slice(index * step, (index + 1) * step)
 
 
-def build_shard(split: Split, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
-    """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
-    return _compact(_build_shard(split, src, names, tp, rank, geo))
+class SplitKind:
+    """One way a megatron tensor is made of HF tensors and spread over TP ranks."""
+
+    name = ""
+
+    def build(self, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+        """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
+        raise NotImplementedError
+
+    def merge(self, shards: Sequence[torch.Tensor], geo: Geometry) -> list[torch.Tensor]:
+        """Inverse of build: the HF tensors (in row order) from all TP ranks' shards."""
+        raise NotImplementedError
+
+    def shape(self, hf_shapes: Sequence[tuple[int, ...]], geo: Geometry, tp: int) -> tuple[int, ...]:
+        """Shape of one TP rank's megatron tensor (tp=1: the global tensor) from the HF shapes."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"Split.{self.name}"
+
+
+class Replicated(SplitKind):
+    name = "REPLICATED"
+
+    def build(self, src, names, tp, rank, geo):
+        return src.read(names[0])
+
+    def merge(self, shards, geo):
+        return [shards[0]]
+
+    def shape(self, hf_shapes, geo, tp):
+        return hf_shapes[0]
+
+
+class ColumnSplit(SplitKind):
+    name = "COLUMN"
+
+    def build(self, src, names, tp, rank, geo):
+        return src.read(names[0], rows=chunk_range(src.shape(names[0])[0], tp, rank))
+
+    def merge(self, shards, geo):
+        import torch
+
+        return [torch.cat(shards, dim=0)]
+
+    def shape(self, hf_shapes, geo, tp):
+        """The sources stack on dim 0 (also for the fused kinds below), which TP splits."""
+        rows = sum(s[0] for s in hf_shapes)
+        return (rows // tp, *hf_shapes[0][1:])
+
+
+class RowSplit(SplitKind):
+    name = "ROW"
+
+    def build(self, src, names, tp, rank, geo):
+        return src.read(names[0], cols=chunk_range(src.shape(names[0])[1], tp, rank))
+
+    def merge(self, shards, geo):
+        import torch
+
+        return [torch.cat(shards, dim=1)]
+
+    def shape(self, hf_shapes, geo, tp):
+        first = hf_shapes[0]
+        return (first[0], first[1] // tp)
+
+
+class VocabSplit(SplitKind):
+    name = "VOCAB"
+
+    def build(self, src, names, tp, rank, geo):
+        import torch
+
+        rows = chunk_range(geo.padded_vocab_size, tp, rank)
+        real_stop = max(rows.start, min(rows.stop, geo.vocab_size))
+        real = src.read(names[0], rows=slice(rows.start, real_stop))  # may have no rows at all
+        pad_rows = (rows.stop - rows.start) - real.shape[0]
+        if pad_rows == 0:
+            return real
+        return torch.cat([real, torch.zeros(pad_rows, *real.shape[1:], dtype=real.dtype)])
+
+    def merge(self, shards, geo):
+        import torch
+
+        return [torch.cat(shards, dim=0)[: geo.vocab_size]]
+
+    def shape(self, hf_shapes, geo, tp):
+        return (geo.padded_vocab_size // tp, *hf_shapes[0][1:])
+
+
+class FusedGateUp(ColumnSplit):
+    name = "GATE_UP"
+
+    def build(self, src, names, tp, rank, geo):
+        import torch
+
+        gate, up = names
+        rows = chunk_range(src.shape(gate)[0], tp, rank)
+        return torch.cat([src.read(gate, rows=rows), src.read(up, rows=rows)], dim=0)
+
+    def merge(self, shards, geo):
+        import torch
+
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+
+
+class FusedQKV(ColumnSplit):
+    name = "QKV"
+
+    def build(self, src, names, tp, rank, geo):
+        q, k, v = names
+        d, hpg = geo.head_dim, geo.heads_per_group
+        block = (hpg + 2) * d  # rows of one query group in the fused tensor
+        rows = chunk_range(geo.num_kv_heads * block, tp, rank)
+        first, last = rows.start // block, -(-rows.stop // block)  # groups overlapping this rank
+        fused = _interleave(
+            src.read(q, rows=slice(first * hpg * d, last * hpg * d)),
+            src.read(k, rows=slice(first * d, last * d)),
+            src.read(v, rows=slice(first * d, last * d)),
+            groups=last - first,
+        )
+        offset = first * block
+        return fused[rows.start - offset : rows.stop - offset]
+
+    def merge(self, shards, geo):
+        import torch
+
+        fused = torch.cat(shards, dim=0)
+        d, hpg, groups = geo.head_dim, geo.heads_per_group, geo.num_kv_heads
+        rest = fused.shape[1:]
+        q, k, v = fused.reshape(groups, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    import torch
+
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+class Split:
+    """The split kinds the family tables name (one instance of each class)."""
+
+    COLUMN = ColumnSplit()
+    ROW = RowSplit()
+    REPLICATED = Replicated()
+    VOCAB = VocabSplit()
+    QKV = FusedQKV()
+    GATE_UP = FusedGateUp()
+
+
+def build_shard(split: SplitKind, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
+    """The megatron tensor held by TP rank `rank` of `tp`, as a tensor owning exactly its bytes."""
+    return _compact(split.build(src, names, tp, rank, geo))
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -76,97 +222,9 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _build_shard(split: Split, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
-    import torch
-
-    if split is Split.REPLICATED:
-        return src.read(names[0])
-    if split is Split.COLUMN:
-        return src.read(names[0], rows=chunk_range(src.shape(names[0])[0], tp, rank))
-    if split is Split.ROW:
-        return src.read(names[0], cols=chunk_range(src.shape(names[0])[1], tp, rank))
-    if split is Split.VOCAB:
-        return _vocab_shard(src, names[0], tp, rank, geo)
-    if split is Split.GATE_UP:
-        gate, up = names
-        rows = chunk_range(src.shape(gate)[0], tp, rank)
-        return torch.cat([src.read(gate, rows=rows), src.read(up, rows=rows)], dim=0)
-    if split is Split.QKV:
-        return _qkv_shard(src, names, tp, rank, geo)
-    raise AssertionError(split)
+def merge_shards(split: SplitKind, shards: Sequence[torch.Tensor], geo: Geometry) -> list[torch.Tensor]:
+    return split.merge(shards, geo)
 
 
-def merge_shards(split: Split, shards: Sequence[torch.Tensor], geo: Geometry) -> list[torch.Tensor]:
-    """Inverse of build_shard: the HF tensors (in rule order) from all TP ranks' shards."""
-    import torch
-
-    if split is Split.REPLICATED:
-        return [shards[0]]
-    if split is Split.COLUMN:
-        return [torch.cat(shards, dim=0)]
-    if split is Split.ROW:
-        return [torch.cat(shards, dim=1)]
-    if split is Split.VOCAB:
-        return [torch.cat(shards, dim=0)[: geo.vocab_size]]
-    if split is Split.GATE_UP:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
-    if split is Split.QKV:
-        return _split_qkv(torch.cat(shards, dim=0), geo)
-    raise AssertionError(split)
-
-
-def _vocab_shard(src: Source, name: str, tp: int, rank: int, geo: Geometry) -> torch.Tensor:
-    import torch
-
-    rows = chunk_range(geo.padded_vocab_size, tp, rank)
-    real_stop = max(rows.start, min(rows.stop, geo.vocab_size))
-    real = src.read(name, rows=slice(rows.start, real_stop))  # may have no rows at all
-    pad_rows = (rows.stop - rows.start) - real.shape[0]
-    if pad_rows == 0:
-        return real
-    return torch.cat([real, torch.zeros(pad_rows, *real.shape[1:], dtype=real.dtype)])
-
-
-def _qkv_shard(src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
-    q, k, v = names
-    d, hpg = geo.head_dim, geo.heads_per_group
-    block = (hpg + 2) * d  # rows of one query group in the fused tensor
-    rows = chunk_range(geo.num_kv_heads * block, tp, rank)
-    first, last = rows.start // block, -(-rows.stop // block)  # groups overlapping this rank
-    fused = _interleave(
-        src.read(q, rows=slice(first * hpg * d, last * hpg * d)),
-        src.read(k, rows=slice(first * d, last * d)),
-        src.read(v, rows=slice(first * d, last * d)),
-        groups=last - first,
-    )
-    offset = first * block
-    return fused[rows.start - offset : rows.stop - offset]
-
-
-def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    import torch
-
-    rest = q.shape[1:]
-    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-
-def _split_qkv(fused: torch.Tensor, geo: Geometry) -> list[torch.Tensor]:
-    d, hpg, groups = geo.head_dim, geo.heads_per_group, geo.num_kv_heads
-    rest = fused.shape[1:]
-    q, k, v = fused.reshape(groups, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
-    return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
-
-
-def megatron_shape(split: Split, hf_shapes: Sequence[tuple[int, ...]], geo: Geometry, tp: int = 1) -> tuple[int, ...]:
-    """Shape of one TP rank's megatron tensor (tp=1: the global tensor) from the HF shapes."""
-    first = hf_shapes[0]
-    if split is Split.REPLICATED:
-        return first
-    if split is Split.ROW:
-        return (first[0], first[1] // tp)
-    if split is Split.VOCAB:
-        return (geo.padded_vocab_size // tp, *first[1:])
-    rows = sum(s[0] for s in hf_shapes)  # COLUMN, QKV and GATE_UP stack their sources on dim 0
-    return (rows // tp, *first[1:])
+def megatron_shape(split: SplitKind, hf_shapes: Sequence[tuple[int, ...]], geo: Geometry, tp: int = 1) -> tuple[int, ...]:
+    return split.shape(hf_shapes, geo, tp)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -86,49 +85,3 @@ def copy_hf_files(config_bytes: bytes, tokenizer_files: list[Path], dest: Path) 
     (dest / "config.json").write_bytes(config_bytes)
     for f in tokenizer_files:
         shutil.copyfile(f, dest / f.name)
-
-
-def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:
-    """The `args` Megatron-LM stores in every checkpoint and checks on load (check_checkpoint_args)."""
-    import torch
-
-    dtype = getattr(torch, spec.dtype, torch.float32)
-    return argparse.Namespace(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        group_query_attention=spec.num_kv_heads != spec.num_heads,
-        kv_channels=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        seq_length=spec.max_position_embeddings,
-        position_embedding_type="rope",
-        add_position_embedding=False,
-        rotary_base=spec.rope_theta,
-        rotary_percent=1.0,
-        use_rope_scaling=spec.rope_scaling_factor is not None,
-        rope_scaling_factor=spec.rope_scaling_factor or 1.0,
-        normalization="RMSNorm",
-        norm_epsilon=spec.norm_eps,
-        swiglu=True,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        untie_embeddings_and_output_weights=not spec.tied_embeddings,
-        window_size=(spec.window_size - 1, 0) if spec.window_size else None,
-        vocab_size=spec.vocab_size,
-        padded_vocab_size=layout.padded_vocab(spec.vocab_size),
-        make_vocab_size_divisible_by=layout.vocab_divisor,
-        tokenizer_type="HuggingFaceTokenizer",
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=None,
-        num_layers_per_virtual_pipeline_stage=None,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        ckpt_format=ckpt_format,
-        iteration=0,
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
-    )

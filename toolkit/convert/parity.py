@@ -121,7 +121,8 @@ def _stage_forward(model, tokens: torch.Tensor, spec, hidden_dtype) -> tuple[tor
 
 def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None) -> list[dict]:
     """Runs on every rank: load each checkpoint at TP x PP and compare with its HF reference."""
-    from toolkit.model import build_gpt_model, load_converted
+    from toolkit.convert.load import load_converted
+    from toolkit.model import build_gpt_model
     from toolkit.runtime.distributed import init_parallel
 
     info = init_parallel(tp, pp)

@@ -21,7 +21,6 @@ from toolkit.convert.metadata import (
     CheckpointMeta,
     checksum_tree,
     copy_hf_files,
-    megatron_args,
 )
 from toolkit.convert.progress import progress_bar
 from toolkit.convert.stages import stage_tensors
@@ -29,6 +28,7 @@ from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec, spec_from_config
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
+from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
 
 FORMATS = ("torch", "torch_dist")

@@ -1,15 +1,29 @@
-"""Model families: one declarative table each, looked up by config.json's `model_type`."""
+"""Model families: one file each in this package, looked up by config.json's `model_type`.
+
+A family is whatever `Family` a module of this package defines at its top level, so adding one
+is adding its file: nothing else lists them.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from toolkit.errors import ConversionError
-from toolkit.families.llama import LLAMA
-from toolkit.families.mistral import MISTRAL
-from toolkit.families.qwen2 import QWEN2
 from toolkit.families.spec import ModelSpec, read_spec
 from toolkit.families.table import Family, Row
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2)
+
+def _declared_families() -> tuple[Family, ...]:
+    """Every Family defined in a module of this package (modules in name order)."""
+    found: dict[str, Family] = {}
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        found.update((f.name, f) for f in vars(module).values() if isinstance(f, Family))
+    return tuple(found.values())
+
+
+FAMILIES: tuple[Family, ...] = _declared_families()
 
 
 def family_for(model_type: str | None) -> Family:

@@ -42,6 +42,7 @@ class ModelSpec:
             "vocab": self.vocab_size,
             "q_size": self.num_heads * self.head_dim,
             "kv_size": self.num_kv_heads * self.head_dim,
+            "head_dim": self.head_dim,
         }[symbol]
 
     def to_dict(self) -> dict:
@@ -80,10 +81,22 @@ def _rope(cfg: dict, family: Family) -> tuple[float, float | None]:
     return float(theta), float(_require(params, "factor"))
 
 
-def read_spec(cfg: dict, family: Family) -> ModelSpec:
+def _refuse_unmappable(cfg: dict, family: Family) -> None:
     for flag in family.refuse_flags:
         if cfg.get(flag):
             raise ConversionError(f"{family.name} with {flag}={cfg[flag]!r} cannot be mapped exactly to megatron-core")
+    for key, allowed in family.accepted.items():
+        value = cfg.get(key)
+        entries = enumerate(value) if isinstance(value, list) else [(None, value)] if value is not None else []
+        for i, v in entries:
+            if v not in allowed:
+                where = key if i is None else f"{key}[{i}]"
+                raise ConversionError(f"{family.name} with {where}={v!r} cannot be mapped exactly to megatron-core "
+                                      f"(accepted: {', '.join(map(repr, allowed))})")
+
+
+def read_spec(cfg: dict, family: Family) -> ModelSpec:
+    _refuse_unmappable(cfg, family)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"hidden_act={act!r} is not supported (only SwiGLU with silu)")

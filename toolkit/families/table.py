@@ -7,16 +7,16 @@ tensor-parallel ranks. Adding a family means writing a table, not new control fl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from toolkit.splits import Split
+from toolkit.splits import SplitKind
 
 
 @dataclass(frozen=True)
 class Row:
     megatron: str
     hf: tuple[str, ...]
-    split: Split
+    split: SplitKind
     # Expected HF shapes, in symbols resolved from the model spec (see ModelSpec.size_of).
     shapes: tuple[tuple[str, ...], ...]
 
@@ -31,7 +31,7 @@ class Row:
         return tuple(n.replace("*", str(layer)) for n in self.hf) if self.per_layer else self.hf
 
 
-def row(megatron: str, hf: str | tuple[str, ...], split: Split, *shapes: tuple[str, ...]) -> Row:
+def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...]) -> Row:
     return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes)
 
 
@@ -50,6 +50,12 @@ class Family:
     # config.json flags this family can't map exactly: refuse if any is truthy
     refuse_flags: tuple[str, ...] = ()
     rope_types: tuple[str, ...] = ("default",)
+    # config.json keys with the only values this family maps exactly (for a list, every element):
+    # any other value is refused, naming the key and the value
+    accepted: dict[str, tuple] = field(default_factory=dict, hash=False)
+    # megatron-core TransformerConfig fields this family sets beyond the shared ones (toolkit/
+    # megatron_settings.py), as a Megatron-Bridge provider does per family: e.g. qk_layernorm
+    megatron: dict[str, object] = field(default_factory=dict, hash=False)
 
     def rows_for(self, tied: bool) -> tuple[Row, ...]:
         """With tied embeddings the output layer is the embedding, so its row is dropped."""

@@ -76,7 +76,8 @@ def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
 
 
 def build_model(meta: CheckpointMeta, cfg: TrainConfig):
-    from toolkit.model import build_gpt_model, load_converted, transformer_config
+    from toolkit.convert.load import load_converted
+    from toolkit.model import build_gpt_model, transformer_config
 
     layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor)
     recompute = {}

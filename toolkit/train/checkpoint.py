@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from toolkit.atomic import fault_point
 from toolkit.convert import naming, torch_format
-from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta, megatron_args
+from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
+from toolkit.megatron_settings import megatron_args
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"

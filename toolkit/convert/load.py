@@ -1,0 +1,80 @@
+"""Load a checkpoint written by `toolkit convert hf-to-megatron` (or a fine-tune's model) into a
+megatron-core model already built for this process's TP/PP rank (see toolkit.model).
+
+torch_dist loads into any TP/PP layout through megatron-core's own loader; per-rank torch files
+written for another layout are merged and re-split in memory (this stage's tensors only). Both
+layer specs read the same checkpoints: torch_dist through megatron-core's sharded keys, per-rank
+`torch` files through our name mapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolkit.convert import naming, torch_format
+from toolkit.convert.megatron_checkpoint import MegatronCheckpoint, resolve_iteration_dir
+from toolkit.convert.metadata import CheckpointMeta
+from toolkit.convert.stages import TensorSource, stage_hf_names, stage_tensors
+from toolkit.errors import ConversionError
+from toolkit.layouts import Layout
+
+
+def load_converted(model, checkpoint_dir: str | Path) -> CheckpointMeta:
+    """Load the checkpoint at `checkpoint_dir` into `model` (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    root = Path(checkpoint_dir)
+    meta = CheckpointMeta.read(root)
+    shards = resolve_iteration_dir(root)
+    if meta.format == "torch_dist":
+        load_dist(model, shards)
+        return meta
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if (tp, pp) == (meta.tp, meta.pp):
+        state = torch_format.load_trusted_types(torch_format.rank_file(shards, meta.layout, tp_rank, pp_rank))["model"]
+    else:
+        state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor), tp_rank, pp_rank))
+    load_state_by_name(model, state)
+    return meta
+
+
+def _reshard(root: Path, layout: Layout, tp_rank: int, pp_rank: int):
+    """This rank's shard of a per-rank checkpoint written for another layout: merge the HF
+    tensors this stage needs from the stored shards, then split them for the new layout."""
+    ckpt = MegatronCheckpoint.open(root)
+    wanted = stage_hf_names(ckpt.family, ckpt.spec, layout, pp_rank)
+    source = TensorSource(dict(ckpt.hf_tensors(wanted)))
+    return stage_tensors(source, ckpt.family, ckpt.spec, layout, tp_rank, pp_rank)
+
+
+def load_state_by_name(model, state: dict) -> None:
+    """load_state_dict that accepts either TE or local names and ignores `_extra_state`."""
+    target_spec = naming.detect_layer_spec(model.state_dict().keys())
+    dtype = next(model.parameters()).dtype
+    renamed = {
+        naming.to_spec_name(naming.to_canonical(k), target_spec): v.to(dtype)
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
+    missing, unexpected = model.load_state_dict(renamed, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(f"checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def load_dist(model, shards: Path) -> None:
+    """megatron-core's own loader. `args` in common.pt is an argparse.Namespace, so it is
+    allowed explicitly for weights_only unpickling."""
+    from megatron.core import dist_checkpointing
+
+    with torch.serialization.safe_globals(torch_format.SAFE_GLOBALS):
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), str(shards))
+    for key in ("args", "checkpoint_version", "iteration"):
+        loaded.pop(key, None)
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(f"torch_dist checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -1,0 +1,98 @@
+"""The one translation from a model (its family and ModelSpec) to megatron-core's settings.
+
+The model builder (TransformerConfig fields and GPTModel arguments, toolkit/model.py) and the
+checkpoint writers (the Megatron-LM `args` stored in every checkpoint) both read `settings_for`,
+so the two cannot disagree. A family adds settings of its own (`Family.megatron`, e.g.
+qk_layernorm) in the manner of Megatron-Bridge's provider per family.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from toolkit.families import family_named
+from toolkit.families.spec import ModelSpec
+from toolkit.layouts import Layout
+
+# The factor megatron-core uses when llama3 scaling is off: the default of GPTModel.__init__ and
+# RotaryEmbedding (gpt_model.py:105, rotary_pos_embedding.py:66), as of Megatron-LM's
+# --rope-scaling-factor. Checked against megatron-core's signature in tests/test_family_qwen3.py.
+MCORE_ROPE_SCALING_FACTOR = 8.0
+# Megatron-LM argument names of the settings whose TransformerConfig / GPTModel name differs
+# (the inverse of Megatron-LM's core_transformer_config_from_args).
+ARG_NAMES = {
+    "layernorm_epsilon": "norm_epsilon",
+    "gated_linear_unit": "swiglu",  # with activation_func silu, which args do not store
+    "rope_scaling": "use_rope_scaling",
+    "max_sequence_length": "max_position_embeddings",
+}
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    transformer: dict  # TransformerConfig fields that describe the architecture
+    gpt: dict  # GPTModel arguments that describe the architecture (the padded vocab is the layout's)
+
+
+def settings_for(spec: ModelSpec) -> MegatronSettings:
+    import torch.nn.functional as F
+
+    transformer = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        # HF: a token attends to `window` tokens including itself; megatron: (left, right) extra tokens.
+        window_size=(spec.window_size - 1, 0) if spec.window_size else None,
+        **family_named(spec.family).megatron,
+    )
+    gpt = dict(
+        max_sequence_length=spec.max_position_embeddings,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        rotary_percent=1.0,
+        rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling_factor=spec.rope_scaling_factor or MCORE_ROPE_SCALING_FACTOR,
+    )
+    return MegatronSettings(transformer, gpt)
+
+
+def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:
+    """The `args` Megatron-LM stores in every checkpoint and checks on load (check_checkpoint_args)."""
+    import torch
+
+    settings = settings_for(spec)
+    named = {ARG_NAMES.get(k, k): v for k, v in {**settings.transformer, **settings.gpt}.items() if k != "activation_func"}
+    named["untie_embeddings_and_output_weights"] = not named.pop("share_embeddings_and_output_weights")
+    dtype = getattr(torch, spec.dtype, torch.float32)
+    return argparse.Namespace(
+        **named,
+        group_query_attention=spec.num_kv_heads != spec.num_heads,
+        seq_length=spec.max_position_embeddings,
+        add_position_embedding=False,
+        vocab_size=spec.vocab_size,
+        padded_vocab_size=layout.padded_vocab(spec.vocab_size),
+        make_vocab_size_divisible_by=layout.vocab_divisor,
+        tokenizer_type="HuggingFaceTokenizer",
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        ckpt_format=ckpt_format,
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )
