@@ -5,35 +5,41 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str, bf16_dist_dir: str) -> dict:
-    """On one process, with megatron-core itself as the judge:
+def megatron_native_checks(cases: list[dict]) -> list[dict]:
+    """On one process, with megatron-core itself as the judge, for each case (a model family's
+    `dist`, `te_torch` and `bf16_dist` checkpoints and an empty `resave` path):
     - the sharded keys of a local-spec GPTModel, vs the keys of our TE-named torch file;
     - megatron's own dist_checkpointing.save of the model loaded from our torch_dist output,
       vs our torch_dist metadata (same tensors, global shapes, dtypes and objects). The model is
       built in the source dtype: with an fp32 source every parameter is fp32 on both sides (the
       local spec keeps norms in fp32 whatever params_dtype is, so a bf16 model could not match);
     - the dtypes of our torch_dist written from a bf16 source (every tensor in the source dtype)."""
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    return [_native_checks(**case) for case in cases]
+
+
+def _native_checks(dist: str, te_torch: str, resave: str, bf16_dist: str) -> dict:
     import torch
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from toolkit.convert.load import load_converted
     from toolkit.convert.metadata import CheckpointMeta
     from toolkit.convert.torch_format import load_trusted_types
     from toolkit.layouts import Layout
-    from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model
-    from toolkit.runtime.distributed import init_parallel
 
-    init_parallel(1, 1)
-    meta = CheckpointMeta.read(Path(dist_dir))
+    meta = CheckpointMeta.read(Path(dist))
     model = build_gpt_model(meta.model_spec, Layout(1, 1, meta.vocab_divisor), getattr(torch, meta.model_spec.dtype))
-    load_converted(model, dist_dir)
+    load_converted(model, dist)
     sharded_keys = {v.key for v in model.sharded_state_dict().values()}
 
-    te_keys = set(load_trusted_types(Path(te_torch_dir) / "release/mp_rank_00/model_optim_rng.pt")["model"])
-    Path(resave_dir).mkdir()
-    dist_checkpointing.save(model.sharded_state_dict(), resave_dir)
+    te_keys = set(load_trusted_types(Path(te_torch) / "release/mp_rank_00/model_optim_rng.pt")["model"])
+    Path(resave).mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), resave)
 
     def layout_of(directory):
         md = FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -45,9 +51,9 @@ def megatron_native_checks(dist_dir: str, te_torch_dir: str, resave_dir: str, bf
     return {
         "sharded_keys": sorted(sharded_keys),
         "te_keys": sorted(te_keys),
-        "ours": layout_of(Path(dist_dir) / "release"),
-        "megatrons": layout_of(resave_dir),
-        "bf16_source": layout_of(Path(bf16_dist_dir) / "release"),
+        "ours": layout_of(Path(dist) / "release"),
+        "megatrons": layout_of(resave),
+        "bf16_source": layout_of(Path(bf16_dist) / "release"),
     }
 
 

@@ -63,22 +63,35 @@ def test_checkpoints_written_at_tp2_pp2_load_at_tp1_pp1(tiny_hf, tmp_path):
 
 @pytest.mark.multiprocess
 def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
-    dist = hf_to_megatron(tiny_hf["llama-fp32"], tmp_path / "dist", tp=2, pp=2, fmt="torch_dist", progress=False)
-    bf16 = hf_to_megatron(tiny_hf["llama"], tmp_path / "bf16", tp=2, pp=2, fmt="torch_dist", progress=False)
-    te = hf_to_megatron(tiny_hf["llama"], tmp_path / "te", fmt="torch", layer_spec="te", progress=False)
-    (result,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, str(dist), str(te), str(tmp_path / "resaved"),
-                                 str(bf16))
+    """For Llama and Qwen3 (q/k norms, head_dim != hidden / heads): our torch_dist output loads at
+    TP1 x PP1 through megatron-core's own loader, and megatron-core writes back the same layout."""
+    cases = [
+        {
+            "dist": str(hf_to_megatron(tiny_hf[f"{family}-fp32"], tmp_path / f"{family}-dist", tp=2, pp=2,
+                                       fmt="torch_dist", progress=False)),
+            "bf16_dist": str(hf_to_megatron(tiny_hf[family], tmp_path / f"{family}-bf16", tp=2, pp=2,
+                                            fmt="torch_dist", progress=False)),
+            "te_torch": str(hf_to_megatron(tiny_hf[family], tmp_path / f"{family}-te", fmt="torch", layer_spec="te",
+                                           progress=False)),
+            "resave": str(tmp_path / f"{family}-resaved"),
+        }
+        for family in ("llama", "qwen3")
+    ]
+    (results,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, cases)
+    for family, result in zip(("llama", "qwen3"), results):
+        # TE-named torch keys == the keys megatron-core's local spec uses in sharded_state_dict(), layer index aside.
+        ours = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in result["te_keys"]}
+        assert ours == set(result["sharded_keys"]), family
 
-    # TE-named torch keys == the keys megatron-core's local spec uses in sharded_state_dict(), layer index aside.
-    ours = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in result["te_keys"]}
-    assert ours == set(result["sharded_keys"])
-
-    # Our single-process torch_dist writer produces what megatron-core's own save produces,
-    # dtypes included (an fp32 source and model: no fp32-norm exception on either side).
-    assert result["ours"] == result["megatrons"]
-    assert {v[1] for v in result["ours"].values() if v != "bytes"} == {"torch.float32"}
-    # From a bf16 source every tensor is stored bf16, as the HF files hold it.
-    assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}
+        # Our single-process torch_dist writer produces what megatron-core's own save produces,
+        # dtypes included (an fp32 source and model: no fp32-norm exception on either side).
+        assert result["ours"] == result["megatrons"], family
+        assert {v[1] for v in result["ours"].values() if v != "bytes"} == {"torch.float32"}, family
+        # From a bf16 source every tensor is stored bf16, as the HF files hold it.
+        assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}, family
+    qwen3 = results[1]["ours"]
+    assert qwen3["decoder.layers.self_attention.q_layernorm.weight"] == ((6, 12), "torch.float32")
+    assert qwen3["decoder.layers.self_attention.linear_qkv.weight"][0] == (6, (12 + 2 * 2) * 12, 64)
 
 
 def logit_change(hf_dir, **config_change) -> float:
@@ -106,6 +119,23 @@ def test_llama3_rope_scaling_changes_the_model_so_parity_proves_it(tiny_hf):
     theta = json.loads((tiny_hf["llama3-scaled"] / "config.json").read_text())["rope_parameters"]["rope_theta"]
     unscaled = {"rope_type": "default", "rope_theta": theta}
     assert logit_change(tiny_hf["llama3-scaled"], rope_parameters=unscaled) > 100 * FP32_TOLERANCE
+
+
+def test_qwen3_qk_norm_changes_the_model_so_parity_proves_it(tiny_hf):
+    """Qwen3 with its per-head q/k RMSNorms switched off (identity) moves the logits far past the
+    tolerance, so a converter that dropped them (or a model built without qk_layernorm) fails parity."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
+
+    tokens = reference_tokens(251, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf["qwen3"], dtype=torch.float32)
+    with torch.no_grad():
+        with_norms = model(tokens).logits
+        for layer in model.model.layers:
+            layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+        without = model(tokens).logits
+    assert (with_norms - without).abs().max().item() > 100 * FP32_TOLERANCE
 
 
 @pytest.mark.multiprocess

@@ -27,6 +27,11 @@ BASE = dict(
     tie_word_embeddings=False,
 )
 
+# Qwen3 with sizes a wrong mapping cannot hide behind: head_dim 12 where hidden / heads = 5, a
+# GQA ratio of 6 (2 KV heads, fewer than TP 4), a vocab not a multiple of 8, an FFN of 96.
+QWEN3 = dict(num_attention_heads=12, num_key_value_heads=2, head_dim=12, intermediate_size=96, vocab_size=251,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -45,6 +50,8 @@ VARIANTS = {
     ),
     "qwen2": ("Qwen2Config", {}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the test sequences
+    "qwen3": ("Qwen3Config", QWEN3),
+    "qwen3-tied": ("Qwen3Config", {**QWEN3, "tie_word_embeddings": True}),
 }
 
 
