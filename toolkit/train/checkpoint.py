@@ -143,10 +143,11 @@ def _step_dirs(root: Path) -> dict[int, Path]:
 def _prune(root: Path, keep_last: int, latest_step: int) -> None:
     """Keep the `keep_last` newest checkpoints up to the one `latest` names, by step number.
     Never the one `latest` names, nor any newer one (they are not ours to judge)."""
-    older = sorted(step for step in _step_dirs(root) if step <= latest_step)
+    found = _step_dirs(root)
+    older = sorted(step for step in found if step <= latest_step)
     for step in older[: max(0, len(older) - keep_last)]:
         if step != latest_step:
-            shutil.rmtree(root / step_name(step), ignore_errors=True)
+            shutil.rmtree(found[step], ignore_errors=True)
 
 
 def refuse_used_run_dir(run_dir: Path, resume: str) -> None:
