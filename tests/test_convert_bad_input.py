@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit.convert import hf_to_megatron
+from toolkit.convert.metadata import sha256
 from toolkit.errors import ToolkitError
 
 
@@ -158,7 +159,8 @@ def test_qwen2_per_layer_sliding_window_is_refused(hf_copy, tmp_path):
     [
         ({}, {"tp": 3}, "attention heads are not divisible by --tp 3"),
         ({}, {"pp": 4}, "6 layers cannot be split evenly over --pp 4"),
-        ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 16}, {"tp": 4}, "neither divides"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 16, "hidden_size": 48}, {"tp": 4},
+         "neither divides"),
         ({}, {"tp": 0}, "must be >= 1"),
     ],
 )
@@ -206,6 +208,9 @@ def test_untrusted_pickle_is_not_executed(tiny_hf, tmp_path):
     marker.unlink(missing_ok=True)
     rank_file.write_bytes(b"")
     torch.save({"model": {}, "planted": _Planted()}, rank_file, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    meta = json.loads((out / "toolkit_checkpoint.json").read_text())  # an attacker can edit the checksum too
+    meta["checksums"]["release/mp_rank_00/model_optim_rng.pt"] = sha256(rank_file)
+    (out / "toolkit_checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(ToolkitError, match="allow-list"):
         megatron_to_hf(out, tmp_path / "h", progress=False)
     assert not marker.exists(), "the planted object ran"
