@@ -135,7 +135,7 @@ def replace_with_dir(relative: str):
         (lambda c: (c / "hf" / "config.json").write_bytes(b"\xff"), "config.json is not valid UTF-8"),
         (lambda c: (c / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe"), "not valid UTF-8"),
         (replace_with_dir("release/mp_rank_00_000/model_optim_rng.pt"), "model_optim_rng.pt"),
-        (replace_with_dir(META), "not a checkpoint written by this toolkit"),
+        (replace_with_dir(META), f"{META} is missing or not a regular file"),
     ],
     ids=["meta-truncated", "meta-list", "meta-utf8", "meta-unknown-key", "meta-missing-key", "meta-wrong-type",
          "meta-checksums-list", "spec-unknown-key", "spec-wrong-type", "hf-dir-missing", "hf-config-dir",
