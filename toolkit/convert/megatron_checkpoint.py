@@ -26,7 +26,7 @@ from toolkit.convert.metadata import (
     verify_file,
 )
 from toolkit.errors import ConversionError
-from toolkit.families import Family, ModelSpec, family_named
+from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
 from toolkit.splits import merge_shards
 
