@@ -425,3 +425,18 @@ def test_cli_debug_shows_the_traceback(hf_copy, tmp_path):
     (src / "config.json").write_bytes(b"[]")
     result = cli("--debug", "convert", "hf-to-megatron", src, tmp_path / "out")
     assert result.returncode != 0 and "Traceback" in result.stderr and "ConversionError" in result.stderr
+
+
+def test_overlap_check_for_file_outputs_next_to_their_inputs(tmp_path):
+    """The shared check other writing commands use: a file written next to the input files it
+    reads is fine; the input itself, or a path through it, is not."""
+    from toolkit.atomic import refuse_output_overlapping_inputs
+
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").parent.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "alias").symlink_to(run)
+    refuse_output_overlapping_inputs(run / "loss.png", run / "metrics.jsonl", None)
+    for out in (run / "metrics.jsonl", tmp_path / "alias" / "metrics.jsonl", tmp_path):
+        with pytest.raises(ToolkitError, match="overlaps the input"):
+            refuse_output_overlapping_inputs(out, run / "metrics.jsonl")

@@ -159,3 +159,14 @@ def test_megatron_lm_checkpoint_with_truncated_rank_file_fails_in_one_line(ckpt_
 def test_intact_checkpoint_still_exports(converted, tmp_path):
     out = megatron_to_hf(converted["torch_dist"], tmp_path / "out", progress=False)
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("fmt, edit, match", [
+    ("torch", {"format": "torch_dist"}, "holds a torch checkpoint but the metadata says format 'torch_dist'"),
+    ("torch_dist", {"format": "torch"}, "holds a torch_dist checkpoint but the metadata says format 'torch'"),
+    ("torch", {"layer_spec": "megatron"}, "layer_spec 'megatron' is not one of"),
+])
+def test_metadata_format_contradicting_the_files_is_refused(ckpt_copy, tmp_path, fmt, edit, match):
+    ckpt = ckpt_copy(fmt)
+    edit_json(ckpt / META, lambda m: m.update(edit))
+    export_fails(ckpt, tmp_path / "out", match)

@@ -39,6 +39,14 @@ def check_spec_matches_config(meta_spec: ModelSpec, config_spec: ModelSpec, meta
                                   f"{implied!r}: {EDITED_HINT}")
 
 
+def check_format_files(fmt: str, shards: Path) -> None:
+    """The files are of the format the metadata names (a torch_dist checkpoint has DCP's .metadata)."""
+    is_dist = (shards / dist_format.DCP_METADATA).is_file()
+    if is_dist != (fmt == "torch_dist"):
+        found = "torch_dist" if is_dist else "torch"
+        raise ConversionError(f"{shards} holds a {found} checkpoint but the metadata says format {fmt!r}: {EDITED_HINT}")
+
+
 def check_rank_layout(found: tuple[int, int], layout: Layout, shards: Path) -> None:
     if found != (layout.tp, layout.pp):
         raise ConversionError(f"{shards} holds rank files for TP={found[0]} PP={found[1]} but the metadata says "

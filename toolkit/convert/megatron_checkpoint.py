@@ -89,6 +89,7 @@ class MegatronCheckpoint:
         family, config_spec = checked_spec(read_json_object(config_path), config_path)
         consistency.check_spec_matches_config(spec, config_spec, root / META_FILE, config_path)
         check_file_set(root, shards, meta.checksums)
+        consistency.check_format_files(meta.format, shards)
         if meta.format == "torch":
             consistency.check_rank_layout(torch_format.discover_layout(shards), meta.layout, shards)
         meta.layout.check(spec)
@@ -103,6 +104,8 @@ class MegatronCheckpoint:
                 "directory) describing its architecture"
             )
         hf_config = Path(hf_config)
+        if not hf_config.exists():
+            raise ConversionError(f"--hf-config {hf_config} does not exist")
         config_dir = hf_config if hf_config.is_dir() else hf_config.parent
         config_path = config_dir / "config.json" if hf_config.is_dir() else hf_config
         cfg = read_json_object(config_path) if config_path.is_file() else read_config(config_dir)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from toolkit import __version__
 from toolkit.convert.jsonfile import read_json_object
+from toolkit.convert.naming import LAYER_SPECS
 from toolkit.errors import ConversionError
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
@@ -89,8 +90,9 @@ class CheckpointMeta:
         data = read_json_object(path)
         check_fields(cls, data, str(path))
         check_fields(ModelSpec, data["spec"], f"{path} (spec)")
-        if data["format"] not in FORMATS:
-            raise ConversionError(f"{path}: format {data['format']!r} is not one of {', '.join(FORMATS)}")
+        for key, allowed in (("format", FORMATS), ("layer_spec", LAYER_SPECS)):
+            if data[key] not in allowed:
+                raise ConversionError(f"{path}: {key} {data[key]!r} is not one of {', '.join(allowed)}")
         if not all(isinstance(v, str) for v in data["checksums"].values()):
             raise ConversionError(f"{path}: checksums must map file names to sha256 strings")
         return cls(**data)

@@ -17,6 +17,7 @@ from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
+    FORMATS,
     HF_DIR,
     RELEASE,
     TRACKER,
@@ -32,7 +33,6 @@ from toolkit.families import Family, ModelSpec
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.splits import build_shard, megatron_shape
 
-FORMATS = ("torch", "torch_dist")
 
 
 def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
