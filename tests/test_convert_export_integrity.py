@@ -95,10 +95,14 @@ def test_metadata_layout_contradicting_the_files_is_refused(ckpt_copy, tmp_path)
     export_fails(ckpt, tmp_path / "out", "TP=2 PP=2.*metadata says TP=1 PP=4")
 
 
-def test_metadata_hidden_size_edited_is_refused(ckpt_copy, tmp_path):
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m["spec"].__setitem__("hidden_size", 128), "hidden_size=128 but .*hf/config.json implies 64"),
+    (lambda m: m.__setitem__("vocab_size", 250), "vocab_size=250 but its spec says 256"),
+])
+def test_metadata_sizes_edited_are_refused(ckpt_copy, tmp_path, edit, match):
     ckpt = ckpt_copy()
-    edit_json(ckpt / META, lambda m: m["spec"].__setitem__("hidden_size", 128))
-    export_fails(ckpt, tmp_path / "out", "hidden_size")
+    edit_json(ckpt / META, edit)
+    export_fails(ckpt, tmp_path / "out", match)
 
 
 def write_meta_bytes(data: bytes):

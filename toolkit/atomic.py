@@ -117,7 +117,10 @@ def exclusive_writer(final: Path):
     """
     lock_path = final.parent / f".{final.name}.lock"
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ToolkitError(f"cannot create {lock_path} (the lock that keeps two writers apart): {e.strerror}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -201,8 +204,8 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False, needed_b
         _remove_stale_partials(final.parent, final.name)
         tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             yield tmp
             fault_point("before-rename")
             _publish(tmp, final, overwrite)

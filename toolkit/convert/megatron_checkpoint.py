@@ -88,6 +88,9 @@ class MegatronCheckpoint:
         config_path = root / HF_DIR / "config.json"
         family, config_spec = checked_spec(read_json_object(config_path), config_path)
         consistency.check_spec_matches_config(spec, config_spec, root / META_FILE, config_path)
+        if meta.vocab_size != spec.vocab_size:
+            raise ConversionError(f"{root / META_FILE} says vocab_size={meta.vocab_size} but its spec says "
+                                  f"{spec.vocab_size}: {consistency.EDITED_HINT}")
         check_file_set(root, shards, meta.checksums)
         consistency.check_format_files(meta.format, shards)
         if meta.format == "torch":
