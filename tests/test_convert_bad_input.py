@@ -440,3 +440,18 @@ def test_overlap_check_for_file_outputs_next_to_their_inputs(tmp_path):
     for out in (run / "metrics.jsonl", tmp_path / "alias" / "metrics.jsonl", tmp_path):
         with pytest.raises(ToolkitError, match="overlaps the input"):
             refuse_output_overlapping_inputs(out, run / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda hf, mc: (hf / "config.json").write_bytes(b"[]"), "config.json must hold a JSON object"),
+    (lambda hf, mc: edit_config(hf, num_hidden_layers="6"), "num_hidden_layers.*expected int"),
+    (lambda hf, mc: (mc / "toolkit_checkpoint.json").write_bytes(b"{"), "toolkit_checkpoint.json is not valid JSON"),
+], ids=["hf-config-list", "hf-config-type", "meta-truncated"])
+def test_verify_refuses_bad_input_in_one_line_before_launching(hf_copy, tmp_path, damage, match):
+    from toolkit.convert import verify
+
+    src = hf_copy()
+    mcore = hf_to_megatron(src, tmp_path / "mcore", progress=False)
+    damage(src, mcore)
+    with pytest.raises(ToolkitError, match=match):
+        verify(src, mcore)
