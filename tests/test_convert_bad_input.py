@@ -455,3 +455,16 @@ def test_verify_refuses_bad_input_in_one_line_before_launching(hf_copy, tmp_path
     damage(src, mcore)
     with pytest.raises(ToolkitError, match=match):
         verify(src, mcore)
+
+
+def test_run_directory_export_may_go_inside_the_run_but_never_over_the_model(tiny_hf, tmp_path):
+    """The overlap rule applies to the directory actually read (RUN_DIR/checkpoints/step_N/model)."""
+    from toolkit.convert import megatron_to_hf
+
+    run = tmp_path / "run"
+    hf_to_megatron(tiny_hf["llama"], run / "checkpoints" / "step_0000001" / "model", progress=False)
+    (run / "checkpoints" / "latest").write_text("step_0000001")
+    assert (megatron_to_hf(run, run / "hf", progress=False) / "model.safetensors").is_file()
+    with pytest.raises(ToolkitError, match="overlaps the input"):
+        megatron_to_hf(run, run, overwrite=True, progress=False)
+    assert (run / "checkpoints" / "step_0000001" / "model" / "toolkit_checkpoint.json").is_file()

@@ -82,10 +82,11 @@ def megatron_to_hf(
 
     Every shard is checked against the sha256 in the metadata as it is read, and the metadata
     against the HF config and the shards; the result appears at `out_dir` only when complete."""
-    refuse_output_overlapping_inputs(out_dir, megatron_dir, hf_config)
     if not max_shard_bytes > 0:
         raise ConversionError(f"the maximum shard size must be > 0 bytes (got {max_shard_bytes})")
-    ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)
+    ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)  # reads only
+    # The directory actually read: a run directory's export may go inside it (RUN_DIR/hf).
+    refuse_output_overlapping_inputs(out_dir, ckpt.root, hf_config)
     # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype.
     dtype = getattr(torch, ckpt.spec.dtype, None)
     with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype)) as tmp:
