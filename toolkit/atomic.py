@@ -271,3 +271,27 @@ def rename_no_replace(src: Path, dst: Path) -> None:
                            "nothing was replaced: remove it or choose another output, then run again")
     if err:
         raise OSError(err, os.strerror(err), str(dst))
+
+
+def write_file(path: str | os.PathLike, content: str | bytes, *inputs: str | os.PathLike | None, mode: int | None = None) -> Path:
+    """Write a small output file whole or not at all: refuse an output over one of the command's
+    `inputs`, write a temporary sibling, then rename it into place."""
+    path = Path(path)
+    refuse_output_overlapping_inputs(path, *inputs)
+    if path.is_dir():
+        raise ToolkitError(f"output {path} is a directory: give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
+        data = content.encode() if isinstance(content, str) else content
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            tmp.chmod(mode)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(path.parent / f".{path.name}.partial-{os.getpid()}").unlink(missing_ok=True)
+        raise ToolkitError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
