@@ -84,6 +84,7 @@ def prepare(config_path, overrides) -> Run:
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
     run_dir = Path(cfg.run_dir)
+    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
     resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
     schedule = LRSchedule.from_config(cfg)
@@ -173,10 +174,10 @@ def finetune(run: Run) -> int:
 
     # 9. Export the final fp32 master weights to HF (cast to the source dtype); also after a
     #    requeue that found the last step already saved but not yet exported.
-    if cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / "hf").exists()):
+    if cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / checkpoint.HF_EXPORT).exists()):
         from toolkit.convert import megatron_to_hf
 
-        megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / "hf", overwrite=True, progress=False)
+        megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / checkpoint.HF_EXPORT, overwrite=True, progress=False)
         print(f"exported HF model to {run_dir / 'hf'} (peak FLOP/s reference: {peak_source})", flush=True)
     logger.close()
     dist.barrier()

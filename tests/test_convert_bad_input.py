@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit.convert import hf_to_megatron
+from toolkit.convert.metadata import sha256
 from toolkit.errors import ToolkitError
 
 
@@ -158,7 +159,8 @@ def test_qwen2_per_layer_sliding_window_is_refused(hf_copy, tmp_path):
     [
         ({}, {"tp": 3}, "attention heads are not divisible by --tp 3"),
         ({}, {"pp": 4}, "6 layers cannot be split evenly over --pp 4"),
-        ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 16}, {"tp": 4}, "neither divides"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 16, "hidden_size": 48}, {"tp": 4},
+         "neither divides"),
         ({}, {"tp": 0}, "must be >= 1"),
     ],
 )
@@ -206,6 +208,9 @@ def test_untrusted_pickle_is_not_executed(tiny_hf, tmp_path):
     marker.unlink(missing_ok=True)
     rank_file.write_bytes(b"")
     torch.save({"model": {}, "planted": _Planted()}, rank_file, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    meta = json.loads((out / "toolkit_checkpoint.json").read_text())  # an attacker can edit the checksum too
+    meta["checksums"]["release/mp_rank_00/model_optim_rng.pt"] = sha256(rank_file)
+    (out / "toolkit_checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(ToolkitError, match="allow-list"):
         megatron_to_hf(out, tmp_path / "h", progress=False)
     assert not marker.exists(), "the planted object ran"
@@ -244,3 +249,222 @@ def test_kill_9_before_rename_leaves_no_finished_looking_output_and_rerun_succee
     assert result.returncode == 0, result.stderr
     assert (out / "toolkit_checkpoint.json").is_file()
     assert not list(tmp_path.glob(".out.partial-*")), "the stale partial directory is cleaned up on rerun"
+
+
+# --- An output that is, contains or lies inside an input is refused before anything is touched ---
+
+
+def tree_digest(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside", "symlink-to-input"])
+def test_hf_to_megatron_output_overlapping_input_is_refused_and_input_untouched(hf_copy, tmp_path, where):
+    src = hf_copy()
+    before = tree_digest(src)
+    out = {"same": src, "parent": src.parent, "inside": src / "mcore", "symlink-to-input": tmp_path / "link"}[where]
+    if where == "symlink-to-input":
+        out.symlink_to(src)
+    with pytest.raises(ToolkitError, match="overlaps the input"):
+        hf_to_megatron(src, out, overwrite=True, progress=False)
+    assert tree_digest(src) == before, "the input was modified"
+    assert not (src / "mcore").exists() and not list(src.parent.glob(".*partial-*"))
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "hf-config-dir"])
+def test_megatron_to_hf_output_overlapping_input_is_refused_and_input_untouched(hf_copy, tmp_path, where):
+    from toolkit.convert import megatron_to_hf
+
+    src = hf_copy()
+    mcore = hf_to_megatron(src, tmp_path / "mcore", progress=False)
+    before, hf_before = tree_digest(mcore), tree_digest(src)
+    out = {"same": mcore, "inside": mcore / "hf-export", "hf-config-dir": src}[where]
+    with pytest.raises(ToolkitError, match="overlaps the input"):
+        megatron_to_hf(mcore, out, hf_config=src, overwrite=True, progress=False)
+    assert tree_digest(mcore) == before and tree_digest(src) == hf_before, "an input was modified"
+
+
+def test_output_symlink_to_nowhere_is_refused_in_one_line(tiny_hf, tmp_path):
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "missing" / "target")
+    with pytest.raises(ToolkitError, match="symbolic link to .*missing/target.*which does not exist"):
+        hf_to_megatron(tiny_hf["llama"], out, progress=False)
+    assert out.is_symlink() and not (tmp_path / "missing").exists()
+
+
+# --- Lying or odd headers and configs ---
+
+
+def all_tensors(change):
+    def apply(header):
+        for name, entry in header.items():
+            if name != "__metadata__":
+                change(name, entry)
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (all_tensors(lambda n, e: e.__setitem__("dtype", "I16")), "I16.*only floating-point weights"),
+        (lambda h: h["model.norm.weight"].__setitem__("dtype", "F16"), "F16.*config.json.*bfloat16"),
+        (all_tensors(lambda n, e: e.__setitem__("dtype", "F16")), "F16.*config.json.*bfloat16"),
+    ],
+    ids=["bf16-as-i16", "one-tensor-f16", "all-f16"],
+)
+def test_safetensors_dtype_contradicting_config_is_refused(hf_copy, tmp_path, change, match):
+    src = hf_copy()
+    rewrite_header(src / "model.safetensors", change)
+    convert_fails(src, tmp_path / "out", match)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"num_hidden_layers": "4"}, "num_hidden_layers.*expected int"),
+        ({"hidden_size": [64]}, "hidden_size.*expected int"),
+        ({"rms_norm_eps": "tiny"}, "rms_norm_eps.*expected float"),
+        ({"tie_word_embeddings": "no"}, "tie_word_embeddings.*expected bool"),
+    ],
+)
+def test_config_with_wrong_types_is_refused_by_transformers_rules(hf_copy, tmp_path, changes, match):
+    src = hf_copy()
+    edit_config(src, **changes)
+    convert_fails(src, tmp_path / "out", match)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("layers", [10**12, 3, 0])
+def test_layer_count_contradicting_the_files_fails_before_allocating(hf_copy, tmp_path, variant, layers):
+    src = hf_copy(variant)
+    edit_config(src, num_hidden_layers=layers)
+    convert_fails(src, tmp_path / "out", f"num_hidden_layers={layers} but the weights hold 6 layers")
+
+
+# --- Every user-reachable error is one line naming the file ---
+
+
+def write_bytes(name: str, data: bytes):
+    return lambda src: (src / name).write_bytes(data)
+
+
+def make_dir_instead_of(name: str):
+    def damage(src):
+        (src / name).unlink()
+        (src / name).mkdir()
+
+    return damage
+
+
+def index_with(weight_map):
+    return write_bytes("model.safetensors.index.json", json.dumps({"weight_map": weight_map}).encode())
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (write_bytes("config.json", b"[1, 2]"), "config.json must hold a JSON object"),
+        (write_bytes("config.json", b'{"model_type": "llama\xff"}'), "config.json is not valid UTF-8"),
+        (write_bytes("config.json", b'{"model_type": '), "config.json is not valid JSON"),
+        (write_bytes("model.safetensors.index.json", b"[]"), "index.json must hold a JSON object"),
+        (write_bytes("model.safetensors.index.json", b"\xfe\xff"), "index.json is not valid UTF-8"),
+        (index_with(["model.safetensors"]), "weight_map must map tensor names to file names"),
+        (index_with({"model.norm.weight": 3}), "weight_map must map tensor names to file names"),
+        (index_with({"model.norm.weight": "../../etc/passwd"}), "names a file outside"),
+        (make_dir_instead_of("model.safetensors"), "model.safetensors is not a regular file"),
+        (make_dir_instead_of("config.json"), "no config.json"),
+    ],
+    ids=["config-list", "config-utf8", "config-truncated", "index-list", "index-utf8", "weight-map-list",
+         "weight-map-int", "weight-map-escape", "weights-dir", "config-dir"],
+)
+def test_malformed_files_fail_in_one_line(hf_copy, tmp_path, damage, match):
+    src = hf_copy()
+    damage(src)
+    convert_fails(src, tmp_path / "out", match)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda h: h["model.norm.weight"].__setitem__("shape", "64"), "malformed header entry"),
+        (lambda h: h["model.norm.weight"].__setitem__("data_offsets", [0, "x"]), "malformed header entry"),
+        (lambda h: h["model.norm.weight"].__setitem__("shape", [-64]), "malformed header entry"),
+    ],
+    ids=["shape-string", "offset-string", "negative-dim"],
+)
+def test_safetensors_header_with_wrong_types_fails_in_one_line(hf_copy, tmp_path, change, match):
+    src = hf_copy()
+    rewrite_header(src / "model.safetensors", change)
+    convert_fails(src, tmp_path / "out", match)
+
+
+def test_safetensors_header_that_is_a_json_list_fails_in_one_line(hf_copy, tmp_path):
+    src = hf_copy()
+    path = src / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(data[:8] + b"[]".ljust(n) + data[8 + n:])
+    convert_fails(src, tmp_path / "out", "header is not a JSON object")
+
+
+@pytest.mark.parametrize("flag", [["--max-shard-gb", "inf"], ["--max-shard-gb", "nan"], ["--max-shard-gb", "0"],
+                                  ["--seq-len", "0"], ["--batch", "-1"]])
+def test_cli_numeric_options_out_of_range_fail_in_one_line(tiny_hf, tmp_path, flag):
+    from toolkit.cli import main
+
+    command = ["verify", tiny_hf["llama"], tmp_path] if flag[0] in ("--seq-len", "--batch") else \
+        ["megatron-to-hf", tmp_path / "in", tmp_path / "out"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", *map(str, command), *flag])
+    assert exit_info.value.code == 2
+
+
+def test_cli_debug_shows_the_traceback(hf_copy, tmp_path):
+    src = hf_copy()
+    (src / "config.json").write_bytes(b"[]")
+    result = cli("--debug", "convert", "hf-to-megatron", src, tmp_path / "out")
+    assert result.returncode != 0 and "Traceback" in result.stderr and "ConversionError" in result.stderr
+
+
+def test_overlap_check_for_file_outputs_next_to_their_inputs(tmp_path):
+    """The shared check other writing commands use: a file written next to the input files it
+    reads is fine; the input itself, or a path through it, is not."""
+    from toolkit.atomic import refuse_output_overlapping_inputs
+
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").parent.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "alias").symlink_to(run)
+    refuse_output_overlapping_inputs(run / "loss.png", run / "metrics.jsonl", None)
+    for out in (run / "metrics.jsonl", tmp_path / "alias" / "metrics.jsonl", tmp_path):
+        with pytest.raises(ToolkitError, match="overlaps the input"):
+            refuse_output_overlapping_inputs(out, run / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda hf, mc: (hf / "config.json").write_bytes(b"[]"), "config.json must hold a JSON object"),
+    (lambda hf, mc: edit_config(hf, num_hidden_layers="6"), "num_hidden_layers.*expected int"),
+    (lambda hf, mc: (mc / "toolkit_checkpoint.json").write_bytes(b"{"), "toolkit_checkpoint.json is not valid JSON"),
+], ids=["hf-config-list", "hf-config-type", "meta-truncated"])
+def test_verify_refuses_bad_input_in_one_line_before_launching(hf_copy, tmp_path, damage, match):
+    from toolkit.convert import verify
+
+    src = hf_copy()
+    mcore = hf_to_megatron(src, tmp_path / "mcore", progress=False)
+    damage(src, mcore)
+    with pytest.raises(ToolkitError, match=match):
+        verify(src, mcore)
+
+
+def test_run_directory_export_may_go_inside_the_run_but_never_over_the_model(tiny_hf, tmp_path):
+    """The overlap rule applies to the directory actually read (RUN_DIR/checkpoints/step_N/model)."""
+    from toolkit.convert import megatron_to_hf
+
+    run = tmp_path / "run"
+    hf_to_megatron(tiny_hf["llama"], run / "checkpoints" / "step_0000001" / "model", progress=False)
+    (run / "checkpoints" / "latest").write_text("step_0000001")
+    assert (megatron_to_hf(run, run / "hf", progress=False) / "model.safetensors").is_file()
+    with pytest.raises(ToolkitError, match="overlaps the input"):
+        megatron_to_hf(run, run, overwrite=True, progress=False)
+    assert (run / "checkpoints" / "step_0000001" / "model" / "toolkit_checkpoint.json").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 TO_MEGATRON_HELP = """\
 Split an HF checkpoint (config.json + *.safetensors) into megatron-core GPTModel shards for a
@@ -57,7 +58,7 @@ def register(sub) -> None:
     p.add_argument("megatron_dir", help="checkpoint written by hf-to-megatron, or a Megatron-LM torch-format checkpoint")
     p.add_argument("out_dir")
     p.add_argument("--hf-config", help="HF config.json (or model directory) for checkpoints not written by this toolkit")
-    p.add_argument("--max-shard-gb", type=float, default=4.0, help="split the safetensors output above this size")
+    p.add_argument("--max-shard-gb", type=positive_float, default=4.0, help="split the safetensors output above this size")
     _add_output_flags(p)
     p.set_defaults(func=_to_hf)
 
@@ -66,13 +67,33 @@ def register(sub) -> None:
     p.add_argument("hf_dir")
     p.add_argument("megatron_dir")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=2)
     p.add_argument("--cpu", action="store_true",
                    help="run the TP x PP processes on CPU (gloo) even where CUDA is present; without it, "
                         "TP x PP processes need as many GPUs")
     p.add_argument("--no-progress", action="store_true", help="no stage lines on stderr")
     p.set_defaults(func=_verify)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _add_output_flags(p) -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from toolkit.atomic import write_file
 from toolkit.errors import ConfigError
 
 BUILD_HELP = """\
@@ -210,8 +211,7 @@ def _build(args) -> int:
     config = build(setup, modelspec.read(args.model))
     text = json.dumps(config, indent=2) + "\n"
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text)
+        write_file(args.output, text, args.model)
         print(f"wrote {args.output}: {_summary(args, setup)}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -227,7 +227,7 @@ def _write_accelerate(args, setup) -> None:
     if not args.output:
         raise ConfigError("--accelerate-yaml needs -o: the Accelerate config points at the JSON file")
     nodes = max(1, setup.gpus // args.gpus_per_node)
-    Path(args.accelerate_yaml).write_text(accelerate_yaml(args.output, setup.gpus, nodes, setup.zero))
+    write_file(args.accelerate_yaml, accelerate_yaml(args.output, setup.gpus, nodes, setup.zero), args.output, args.model)
     print(f"wrote {args.accelerate_yaml}", file=sys.stderr)
 
 

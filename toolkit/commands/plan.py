@@ -68,16 +68,16 @@ def _run(args) -> int:
         return 1
     print("\n".join(result.best.memory.table(args.gpus_per_node)))
     if args.output:
-        _write(Path(args.output), spec, result.best)
+        _write(Path(args.output), spec, result.best, args.model)
     return 0
 
 
-def _write(path: Path, spec, best) -> None:
+def _write(path: Path, spec, best, model: str) -> None:
+    from toolkit.atomic import write_file
     from toolkit.dsconfig import build
     from toolkit.dsconfig.build import lr_summary
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(build(best.setup, spec), indent=2) + "\n")
+    write_file(path, json.dumps(build(best.setup, spec), indent=2) + "\n", model)
     s = best.setup
     print(f"wrote {path}: TP {s.tp} x PP {s.pp} x DP {s.dp}, ZeRO-{s.zero}, micro-batch {s.micro_batch}, "
           f"{lr_summary(s)} (a default: plan knows no LR or step count); "

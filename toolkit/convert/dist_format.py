@@ -46,6 +46,7 @@ MCORE_METADATA = {
     "common_backend_version": 1,
 }
 STACKED_PREFIX = "decoder.layers."
+DCP_METADATA = ".metadata"  # PyTorch DCP's index of every stored tensor
 
 
 @dataclass(frozen=True)

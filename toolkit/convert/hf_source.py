@@ -9,6 +9,7 @@ neither anonymous nor file-backed memory grows with the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.convert.jsonfile import read_json_object
 from toolkit.errors import ConversionError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,6 +42,8 @@ _DTYPES = {
     "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+_SAFETENSORS_CODE = {_DTYPES[code][0]: code for code in FLOAT_DTYPES}  # "bfloat16" -> "BF16"
 
 
 @dataclass(frozen=True)
@@ -52,20 +56,41 @@ class TensorEntry:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, _DTYPES[self.dtype][0])
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype][1]
+
+
+def config_dtype(cfg: dict) -> str | None:
+    """The weights' dtype config.json declares (transformers 5 writes `dtype`, older ones `torch_dtype`)."""
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return None if value in (None, "auto") else str(value)
+
 
 def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise ConversionError(f"{directory} has no config.json: is this a Hugging Face model directory?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path} is not valid JSON: {e}") from None
+    return read_json_object(path)
+
+
+def _dims(shape) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(shape)
+    return tuple(shape)
+
+
+def _offsets(offsets) -> tuple[int, int]:
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+        raise ValueError(offsets)
+    return offsets[0], offsets[1]
 
 
 def parse_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Read and check a safetensors header without trusting it: every tensor must lie inside the
     file, have the byte size its dtype and shape imply, and not overlap another one."""
+    if not path.is_file():
+        raise ConversionError(f"{path} is not a regular file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -78,21 +103,20 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ConversionError(f"{path} has a header that is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path}: the safetensors header is not a JSON object")
     data_size = size - 8 - header_len
     entries, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype, shape, (begin, end) = info["dtype"], _dims(info["shape"]), _offsets(info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ConversionError(f"{path}: malformed header entry for {name!r}") from None
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if end - begin != numel * _DTYPES[dtype][1] or begin < 0:
+        if end - begin != math.prod(shape) * _DTYPES[dtype][1]:
             raise ConversionError(f"{path}: tensor {name!r} offsets [{begin}, {end}) do not match its shape {list(shape)}")
         if end > data_size:
             raise ConversionError(f"{path} is truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section")
@@ -103,6 +127,34 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         if b1 < e0:
             raise ConversionError(f"{path}: tensors {n0!r} and {n1!r} overlap")
     return entries
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConversionError(f"{index}: weight_map must map tensor names to file names")
+    for file in weight_map.values():
+        if Path(file).name != file or file in (".", ".."):
+            raise ConversionError(f"{index} names a file outside its directory: {file!r}")
+    return weight_map
+
+
+def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | None) -> None:
+    """Floating-point weights only, all of the dtype config.json declares (or of one dtype when
+    it declares none): a header that relabels bf16 bytes as int16 or float16 is refused."""
+    expected = _SAFETENSORS_CODE.get(config_dtype) if config_dtype else None
+    if config_dtype and expected is None:
+        raise ConversionError(f"config.json declares dtype {config_dtype!r}, which is not a floating-point weight "
+                              f"type ({', '.join(_SAFETENSORS_CODE)})")
+    for name, entry in sorted(tensors.items()):
+        if entry.dtype not in FLOAT_DTYPES:
+            raise ConversionError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; only floating-point "
+                                  f"weights ({', '.join(FLOAT_DTYPES)}) can be converted")
+        expected = expected or entry.dtype
+        if entry.dtype != expected:
+            declared = f"config.json says dtype {config_dtype}" if config_dtype else f"other tensors are {expected}"
+            raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} but {declared}: the header or "
+                                  "config.json is wrong; re-save the model with save_pretrained")
 
 
 class HFCheckpoint:
@@ -118,16 +170,12 @@ class HFCheckpoint:
 
     def _weight_files(self) -> list[Path]:
         index = self.dir / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
-                raise ConversionError(f"{index} is not a valid safetensors index") from None
-            files = sorted({self.dir / f for f in weight_map.values()})
+        if index.exists():
+            self._weight_map = read_weight_map(index)
+            files = sorted({self.dir / f for f in self._weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise ConversionError(f"{index} names missing files: {', '.join(missing)}")
-            self._weight_map = weight_map
             return files
         self._weight_map = None
         files = sorted(self.dir.glob("*.safetensors"))

@@ -15,7 +15,7 @@ import torch
 
 from toolkit.convert import naming, torch_format
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint, resolve_iteration_dir
-from toolkit.convert.metadata import CheckpointMeta
+from toolkit.convert.metadata import CheckpointMeta, verify_file
 from toolkit.convert.stages import TensorSource, stage_hf_names, stage_tensors
 from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
@@ -34,7 +34,10 @@ def load_converted(model, checkpoint_dir: str | Path) -> CheckpointMeta:
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if (tp, pp) == (meta.tp, meta.pp):
-        state = torch_format.load_trusted_types(torch_format.rank_file(shards, meta.layout, tp_rank, pp_rank))["model"]
+        path = torch_format.rank_file(shards, meta.layout, tp_rank, pp_rank)
+        if meta.checksums:  # Megatron-LM's own checkpoints carry none
+            verify_file(root, path, meta.checksums)  # before unpickling anything from it
+        state = torch_format.load_trusted_types(path)["model"]
     else:
         state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor), tp_rank, pp_rank))
     load_state_by_name(model, state)

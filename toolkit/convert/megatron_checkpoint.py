@@ -6,18 +6,27 @@ Megatron-LM's per-rank `torch` format given the HF config of the architecture.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from toolkit.convert import dist_format, torch_format
-from toolkit.convert.hf_source import read_config
-from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta, META_FILE
+from toolkit.convert import consistency, dist_format, torch_format
+from toolkit.convert.hf_config import checked_spec
+from toolkit.convert.hf_source import TOKENIZER_FILES, read_config
+from toolkit.convert.jsonfile import read_json_object, read_utf8
+from toolkit.convert.metadata import (
+    HF_DIR,
+    META_FILE,
+    RELEASE,
+    TRACKER,
+    CheckpointMeta,
+    check_file_set,
+    verify_file,
+)
 from toolkit.errors import ConversionError
-from toolkit.families import Family, ModelSpec, family_named, spec_from_config
+from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
 from toolkit.splits import merge_shards
 
@@ -28,7 +37,7 @@ def _training_model_dir(root: Path) -> Path:
     for candidate in (root / "checkpoints", root):
         latest = candidate / "latest"
         if latest.is_file():
-            root = candidate / latest.read_text().strip()
+            root = candidate / read_utf8(latest).strip()
             break
     return root / "model" if (root / "model" / META_FILE).is_file() else root
 
@@ -40,7 +49,7 @@ def resolve_iteration_dir(root: Path) -> Path:
         if any(root.glob("mp_rank_*")) or (root / "metadata.json").is_file():
             return root
         raise ConversionError(f"{root} has no {TRACKER}: not a Megatron checkpoint directory")
-    value = tracker.read_text().strip()
+    value = read_utf8(tracker).strip()
     if value == RELEASE:
         return root / RELEASE
     if not value.isdigit():
@@ -66,17 +75,29 @@ class MegatronCheckpoint:
         if not root.is_dir():
             raise ConversionError(f"{root} is not a directory")
         shards = resolve_iteration_dir(root)
-        if (root / META_FILE).is_file():
+        if (root / META_FILE).exists():
             return cls._ours(root, shards)
         return cls._megatron_lm(root, shards, hf_config)
 
     @classmethod
     def _ours(cls, root: Path, shards: Path) -> "MegatronCheckpoint":
+        """Metadata checked against the HF config and the file set before any shard is read; each
+        shard's sha256 is checked when it is read (see _verified)."""
         meta = CheckpointMeta.read(root)
         spec = meta.model_spec
-        hf = root / HF_DIR
-        return cls(root, shards, meta.format, family_named(spec.family), spec, meta.layout,
-                   (hf / "config.json").read_bytes(), sorted(p for p in hf.iterdir() if p.name != "config.json"), meta)
+        config_path = root / HF_DIR / "config.json"
+        family, config_spec = checked_spec(read_json_object(config_path), config_path)
+        consistency.check_spec_matches_config(spec, config_spec, root / META_FILE, config_path)
+        if meta.vocab_size != spec.vocab_size:
+            raise ConversionError(f"{root / META_FILE} says vocab_size={meta.vocab_size} but its spec says "
+                                  f"{spec.vocab_size}: {consistency.EDITED_HINT}")
+        check_file_set(root, shards, meta.checksums)
+        consistency.check_format_files(meta.format, shards)
+        if meta.format == "torch":
+            consistency.check_rank_layout(torch_format.discover_layout(shards), meta.layout, shards)
+        meta.layout.check(spec)
+        tokenizer = sorted(p for p in (root / HF_DIR).iterdir() if p.name != "config.json" and p.is_file())
+        return cls(root, shards, meta.format, family, spec, meta.layout, config_path.read_bytes(), tokenizer, meta)
 
     @classmethod
     def _megatron_lm(cls, root: Path, shards: Path, hf_config: str | Path | None) -> "MegatronCheckpoint":
@@ -86,15 +107,15 @@ class MegatronCheckpoint:
                 "directory) describing its architecture"
             )
         hf_config = Path(hf_config)
+        if not hf_config.exists():
+            raise ConversionError(f"--hf-config {hf_config} does not exist")
         config_dir = hf_config if hf_config.is_dir() else hf_config.parent
         config_path = config_dir / "config.json" if hf_config.is_dir() else hf_config
-        cfg = json.loads(config_path.read_text()) if config_path.is_file() else read_config(config_dir)
-        family, spec = spec_from_config(cfg)
+        cfg = read_json_object(config_path) if config_path.is_file() else read_config(config_dir)
+        family, spec = checked_spec(cfg, config_path)
         if (shards / "metadata.json").is_file():
             raise ConversionError("torch_dist checkpoints not written by this toolkit are not supported yet")
         tp, pp = torch_format.discover_layout(shards)
-        from toolkit.convert.hf_source import TOKENIZER_FILES
-
         tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
         return cls(root, shards, "torch", family, spec, Layout(tp, pp, 1), config_path.read_bytes(), tokenizer, None)
 
@@ -105,6 +126,12 @@ class MegatronCheckpoint:
         else:
             yield from self._from_dist(wanted)
 
+    def _verified(self, path: Path) -> None:
+        """Checksums are checked as each file is first read (its one sequential read also warms the
+        page cache the memory-mapped load then uses); Megatron-LM checkpoints have none to check."""
+        if self.meta is not None:
+            verify_file(self.root, path, self.meta.checksums)
+
     def _rows(self):
         return self.family.rows_for(self.spec.tied_embeddings)
 
@@ -114,15 +141,14 @@ class MegatronCheckpoint:
             layers = self.layout.stage_layers(self.spec, pp_rank)
             if wanted is not None and not any(_needed(r, layers, wanted) for r in self._rows()):
                 continue
-            stage = torch_format.read_stage(self.shards, self.layout, pp_rank)
+            stage = torch_format.read_stage(self.shards, self.layout, pp_rank, before_load=self._verified)
+            consistency.check_stage(stage, self.family, self.spec, self.layout, pp_rank, self.shards)
             for row in self._rows():
                 for layer in layers if row.per_layer else [None]:
                     if wanted is not None and not wanted.intersection(row.hf_names(layer)):
                         continue
                     name = row.megatron_name(None if layer is None else layer - layers.start)
                     if name not in stage[0]:
-                        if row.per_layer:
-                            raise ConversionError(f"stage {pp_rank} of {self.shards} has no {name!r}")
                         continue  # embedding / final norm / output layer live on one stage only
                     shards = [rank_state[name] for rank_state in stage]
                     yield from zip(row.hf_names(layer), merge_shards(row.split, shards, geo))
@@ -130,7 +156,10 @@ class MegatronCheckpoint:
 
     def _from_dist(self, wanted):
         geo = self.layout.geometry(self.spec)
+        for path in sorted(p for p in self.shards.rglob("*") if p.is_file()):
+            self._verified(path)  # DCP reads pieces of every file: check them all first
         stored = dist_format.tensor_shapes(self.shards)
+        consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         for row in self._rows():
             for layer in range(self.spec.num_layers) if row.per_layer else [None]:
                 if wanted is not None and not wanted.intersection(row.hf_names(layer)):

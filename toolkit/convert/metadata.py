@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -16,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toolkit import __version__
+from toolkit.convert.jsonfile import read_json_object
+from toolkit.convert.naming import LAYER_SPECS
 from toolkit.errors import ConversionError
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
@@ -25,6 +28,33 @@ HF_DIR = "hf"
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+FORMATS = ("torch", "torch_dist")
+# JSON value types accepted for a dataclass field annotated with this name.
+_JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}
+
+
+def _has_type(value, annotation: str) -> bool:
+    if value is None:
+        return "None" in annotation
+    kinds = [k for k in annotation.split(" | ") if k != "None"]
+    # bool is an int in Python, but `"tp": true` is not a tensor-parallel size
+    return any(type(value) in _JSON_TYPES[k] and (k == "bool" or type(value) is not bool) for k in kinds)
+
+
+def check_fields(cls, data: dict, where: str) -> None:
+    """Refuse unknown, missing or mistyped keys of a dataclass read back from JSON, in one line."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConversionError(f"{where} has an unknown key {unknown[0]!r} (edited, or written by another version?)")
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in data:
+            if required:
+                raise ConversionError(f"{where} has a missing key {name!r}")
+            continue
+        if not _has_type(data[name], f.type):
+            raise ConversionError(f"{where}: {name!r} must be {f.type}, not {data[name]!r}")
 
 
 @dataclass
@@ -54,9 +84,17 @@ class CheckpointMeta:
     @classmethod
     def read(cls, directory: Path) -> "CheckpointMeta":
         path = directory / META_FILE
-        if not path.is_file():
+        if not path.exists():
             raise ConversionError(f"{directory} has no {META_FILE}: not a checkpoint written by this toolkit")
-        return cls(**json.loads(path.read_text()))
+        data = read_json_object(path)
+        check_fields(cls, data, str(path))
+        check_fields(ModelSpec, data["spec"], f"{path} (spec)")
+        for key, allowed in (("format", FORMATS), ("layer_spec", LAYER_SPECS)):
+            if data[key] not in allowed:
+                raise ConversionError(f"{path}: {key} {data[key]!r} is not one of {', '.join(allowed)}")
+        if not all(isinstance(v, str) for v in data["checksums"].values()):
+            raise ConversionError(f"{path}: checksums must map file names to sha256 strings")
+        return cls(**data)
 
 
 def sha256(path: Path, chunk: int = 16 << 20) -> str:
@@ -71,6 +109,28 @@ def checksum_tree(root: Path, under: str = RELEASE) -> dict[str, str]:
     return {
         str(p.relative_to(root)): sha256(p) for p in sorted((root / under).rglob("*")) if p.is_file()
     }
+
+
+def verify_file(root: Path, path: Path, checksums: dict[str, str]) -> None:
+    """Refuse a file whose sha256 differs from the one recorded at conversion."""
+    key = str(path.relative_to(root))
+    if key not in checksums:
+        raise ConversionError(f"{path} is not recorded in {root / META_FILE}: a file that conversion did not write")
+    if sha256(path) != checksums[key]:
+        raise ConversionError(f"{path} does not match the sha256 recorded in {META_FILE}: it was changed or damaged "
+                              "after conversion; restore it or convert again")
+
+
+def check_file_set(root: Path, under: Path, checksums: dict[str, str]) -> None:
+    """The files under `under` are exactly the ones the metadata records there."""
+    prefix = str(under.relative_to(root))
+    recorded = {k for k in checksums if k.startswith(prefix + "/")}
+    present = {str(p.relative_to(root)) for p in under.rglob("*") if not p.is_dir()} if under.is_dir() else set()
+    if recorded - present:
+        raise ConversionError(f"{root / min(recorded - present)} is missing or not a file (recorded in {META_FILE})")
+    if present - recorded:
+        raise ConversionError(f"{root / min(present - recorded)} is not recorded in {META_FILE}: "
+                              "a file that conversion did not write")
 
 
 def bad_checksums(root: Path, meta: CheckpointMeta) -> list[str]:

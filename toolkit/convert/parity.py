@@ -155,6 +155,19 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None) -> 
     return results
 
 
+def _checked_inputs(hf_dir: str | Path, megatron_dir: str | Path) -> CheckpointMeta:
+    """Both inputs validated as the converters validate them, so bad input is one line here
+    rather than a traceback from transformers or from a worker process."""
+    from toolkit.convert.hf_config import checked_spec
+    from toolkit.convert.hf_source import HFCheckpoint
+    from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+
+    src = HFCheckpoint(hf_dir)
+    checked_spec(src.config, src.dir / "config.json", src.tensors)
+    MegatronCheckpoint.open(megatron_dir)
+    return CheckpointMeta.read(Path(megatron_dir))
+
+
 def verify_many(
     pairs: list[tuple[str | Path, str | Path]],
     tp: int | None = None,
@@ -173,7 +186,7 @@ def verify_many(
     """
     from toolkit.runtime.launch import run_on_processes
 
-    metas = [CheckpointMeta.read(Path(m)) for _, m in pairs]
+    metas = [_checked_inputs(hf_dir, mdir) for hf_dir, mdir in pairs]
     tp = tp or metas[0].tp
     pp = pp or metas[0].pp
     stages = Stages("verify", VERIFY_STAGES, sys.stderr.isatty() if progress is None else progress)

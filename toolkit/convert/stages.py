@@ -12,7 +12,7 @@ import torch
 from toolkit.families import Family, ModelSpec
 from toolkit.families.table import Row
 from toolkit.layouts import Layout
-from toolkit.splits import Split, build_shard
+from toolkit.splits import Split, build_shard, megatron_shape
 
 
 def on_stage(row: Row, stage: int, pp: int) -> bool:
@@ -43,6 +43,26 @@ def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int
     if _ties_output_here(spec, layout, pp_rank):
         names |= set(embedding_row(family).hf_names())
     return names
+
+
+def stage_megatron_shapes(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, ...]]:
+    """(canonical name with stage-local layer number) -> shape of one TP rank's shard, for the
+    tensors stage_tensors yields: what a rank file of this stage must hold."""
+    geo = layout.geometry(spec)
+    layers = layout.stage_layers(spec, pp_rank)
+    shapes = {}
+    for row in family.rows_for(spec.tied_embeddings):
+        if not on_stage(row, pp_rank, layout.pp):
+            continue
+        hf_shapes = [tuple(spec.size_of(s) for s in symbols) for symbols in row.shapes]
+        for layer in layers if row.per_layer else [None]:
+            local = None if layer is None else layer - layers.start
+            shapes[row.megatron_name(local)] = megatron_shape(row.split, hf_shapes, geo, layout.tp)
+    if _ties_output_here(spec, layout, pp_rank):
+        emb = embedding_row(family)
+        shapes["output_layer.weight"] = megatron_shape(Split.VOCAB, [tuple(spec.size_of(s) for s in emb.shapes[0])],
+                                                       geo, layout.tp)
+    return shapes
 
 
 def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank: int, pp_rank: int,

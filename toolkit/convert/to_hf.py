@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from toolkit.atomic import atomic_directory
+from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
+from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.progress import progress_bar
+from toolkit.errors import ConversionError
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
@@ -58,6 +61,14 @@ class SafetensorsShardWriter:
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def export_bytes(ckpt: MegatronCheckpoint, dtype: torch.dtype | None) -> int:
+    """About what the exported HF directory takes on disk: the weights in the export dtype plus
+    the copied config and tokenizer files."""
+    itemsize = (dtype or torch.float32).itemsize
+    weights = sum(math.prod(shape) for shape in expected_hf_tensors(ckpt.family, ckpt.spec).values()) * itemsize
+    return weights + len(ckpt.config_bytes) + sum(f.stat().st_size for f in ckpt.tokenizer_files)
+
+
 def megatron_to_hf(
     megatron_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -67,11 +78,18 @@ def megatron_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool | None = None,
 ) -> Path:
-    """Merge the TP x PP shards of `megatron_dir` into an HF checkpoint at `out_dir`."""
-    ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)
+    """Merge the TP x PP shards of `megatron_dir` into an HF checkpoint at `out_dir`.
+
+    Every shard is checked against the sha256 in the metadata as it is read, and the metadata
+    against the HF config and the shards; the result appears at `out_dir` only when complete."""
+    if not max_shard_bytes > 0:
+        raise ConversionError(f"the maximum shard size must be > 0 bytes (got {max_shard_bytes})")
+    ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)  # reads only
+    # The directory actually read: a run directory's export may go inside it (RUN_DIR/hf).
+    refuse_output_overlapping_inputs(out_dir, ckpt.root, hf_config)
     # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype.
     dtype = getattr(torch, ckpt.spec.dtype, None)
-    with atomic_directory(out_dir, overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in ckpt.hf_tensors():

@@ -10,11 +10,14 @@ import os
 from pathlib import Path
 
 
-from toolkit.atomic import atomic_directory
+from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import dist_format, naming, torch_format
-from toolkit.convert.hf_source import HFCheckpoint
+from toolkit.convert.consistency import expected_hf_tensors
+from toolkit.convert.hf_config import checked_spec
+from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
+    FORMATS,
     HF_DIR,
     RELEASE,
     TRACKER,
@@ -26,23 +29,11 @@ from toolkit.convert.progress import progress_bar
 from toolkit.convert.stages import stage_tensors
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
-from toolkit.families import Family, ModelSpec, spec_from_config
+from toolkit.families import Family, ModelSpec
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
 
-FORMATS = ("torch", "torch_dist")
-
-
-def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the family table expects for this config, with its shape."""
-    out = {}
-    for row in family.rows_for(spec.tied_embeddings):
-        layers = range(spec.num_layers) if row.per_layer else [None]
-        for layer in layers:
-            for name, symbols in zip(row.hf_names(layer), row.shapes):
-                out[name] = tuple(spec.size_of(s) for s in symbols)
-    return out
 
 
 def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
@@ -59,6 +50,12 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
             raise ConversionError(
                 f"tensor {name!r} has shape {list(src.shape(name))} but config.json implies {list(shape)}"
             )
+
+
+def output_bytes(src: HFCheckpoint) -> int:
+    """About what the converted checkpoint takes on disk: the weights plus the copied HF files."""
+    copied = [src.dir / "config.json", *src.tokenizer_files()]
+    return sum(e.nbytes for e in src.tensors.values()) + sum(f.stat().st_size for f in copied)
 
 
 def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> dict[Path, str]:
@@ -107,13 +104,15 @@ def hf_to_megatron(
         raise ConversionError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     if layer_spec not in naming.LAYER_SPECS:
         raise ConversionError(f"unknown layer spec {layer_spec!r} (choose from {', '.join(naming.LAYER_SPECS)})")
+    refuse_output_overlapping_inputs(out_dir, hf_dir)
     src = HFCheckpoint(hf_dir)
-    family, spec = spec_from_config(src.config)
+    family, spec = checked_spec(src.config, src.dir / "config.json", src.tensors)
     layout = Layout(tp, pp, vocab_divisor)
     layout.check(spec)
     check_tensors(src, family, spec)
+    check_weight_dtypes(src.tensors, config_dtype(src.config))
     args = megatron_args(spec, layout, fmt)
-    with atomic_directory(out_dir, overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE
         if fmt == "torch":
             rows = family.rows_for(spec.tied_embeddings)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import pickle
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -25,6 +26,7 @@ from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
 RANK_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3})?")
 # The only non-tensor, non-builtin type in the files we write (Megatron-LM's `args`).
 SAFE_GLOBALS = [argparse.Namespace]
 
@@ -40,7 +42,7 @@ def load_trusted_types(path: Path, mmap: bool = True) -> dict:
             f"{path} contains objects outside the allow-list and was not unpickled ({first_line}). "
             "Only load checkpoints from sources you trust."
         ) from None
-    except (RuntimeError, EOFError, OSError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise ConversionError(f"{path} cannot be read as a torch checkpoint: {e}") from None
 
 
@@ -115,6 +117,9 @@ def discover_layout(release: Path) -> tuple[int, int]:
     dirs = [d.name for d in release.glob("mp_rank_*") if (d / RANK_FILE).is_file()]
     if not dirs:
         raise ConversionError(f"{release} holds no mp_rank_*/{RANK_FILE} files")
+    odd = [d for d in dirs if not _RANK_DIR.fullmatch(d)]
+    if odd:
+        raise ConversionError(f"{release / odd[0]} is not a Megatron-LM rank directory name (mp_rank_TT or mp_rank_TT_PPP)")
     parts = [d.split("_")[2:] for d in dirs]
     tp = 1 + max(int(p[0]) for p in parts)
     pp = 1 + max(int(p[1]) for p in parts) if len(parts[0]) > 1 else 1
@@ -123,12 +128,15 @@ def discover_layout(release: Path) -> tuple[int, int]:
     return tp, pp
 
 
-def read_stage(release: Path, layout: Layout, pp_rank: int) -> list[dict[str, torch.Tensor]]:
-    """Each TP rank's model state for one stage, memory-mapped, in canonical names."""
+def read_stage(release: Path, layout: Layout, pp_rank: int,
+               before_load: Callable[[Path], None] = lambda path: None) -> list[dict[str, torch.Tensor]]:
+    """Each TP rank's model state for one stage, memory-mapped, in canonical names.
+    `before_load(path)` runs before each file is loaded (the checksum check)."""
     out = []
     for tp_rank in range(layout.tp):
+        before_load(rank_file(release, layout, tp_rank, pp_rank))
         state = load_trusted_types(rank_file(release, layout, tp_rank, pp_rank))
-        if "model" not in state:
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise ConversionError(f"{rank_file(release, layout, tp_rank, pp_rank)} has no 'model' entry")
         out.append(
             {

@@ -495,9 +495,7 @@ exit "$RC"
 
 def write(job: SlurmJob, path: str | Path) -> Path:
     """Render (validating everything first), then write the script, executable."""
+    from toolkit.atomic import write_file
+
     text = render(job)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
+    return write_file(path, text, job.config, job.model, mode=0o755)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.atomic import fault_point
+from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
@@ -36,6 +36,8 @@ from toolkit.train.schedule import LRSchedule
 LATEST = "latest"
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
+# What a run writes inside RUN_DIR.
+CHECKPOINTS, HF_EXPORT, METRICS = "checkpoints", "hf", "metrics.jsonl"
 
 
 class CheckpointError(ToolkitError):
@@ -106,7 +108,7 @@ def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir
 def save(run_dir: Path, step: int, engine, module, source, train_state: dict, source_meta, source_dir, keep_last: int) -> Path:
     """Collective: every rank calls it. `train_state` (the layout, the LR schedule) goes into
     train_state.json, where a resume checks it before any process group exists."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
     if dist.get_rank() == 0:
@@ -144,10 +146,18 @@ def _step_dirs(root: Path) -> dict[int, Path]:
 def _prune(root: Path, keep_last: int, latest_step: int) -> None:
     """Keep the `keep_last` newest checkpoints up to the one `latest` names, by step number.
     Never the one `latest` names, nor any newer one (they are not ours to judge)."""
-    older = sorted(step for step in _step_dirs(root) if step <= latest_step)
+    found = _step_dirs(root)
+    older = sorted(step for step in found if step <= latest_step)
     for step in older[: max(0, len(older) - keep_last)]:
         if step != latest_step:
-            shutil.rmtree(root / step_name(step), ignore_errors=True)
+            shutil.rmtree(found[step], ignore_errors=True)
+
+
+def refuse_outputs_over_inputs(run_dir: Path, *inputs) -> None:
+    """What a run replaces (its checkpoints, the HF export, the metrics) must not be, contain or lie
+    inside what it reads (the model checkpoint, the data files)."""
+    for output in (CHECKPOINTS, HF_EXPORT, METRICS):
+        refuse_output_overlapping_inputs(Path(run_dir) / output, *inputs)
 
 
 def refuse_used_run_dir(run_dir: Path, resume: str) -> None:
@@ -156,9 +166,9 @@ def refuse_used_run_dir(run_dir: Path, resume: str) -> None:
     if resume != "none":
         return
     run_dir = Path(run_dir)
-    found = [p.name for p in (run_dir / "checkpoints", run_dir / "metrics.jsonl") if p.exists()]
+    found = [p.name for p in (run_dir / CHECKPOINTS, run_dir / METRICS) if p.exists()]
     if found:
-        marker = run_dir / "checkpoints" / LATEST
+        marker = run_dir / CHECKPOINTS / LATEST
         latest = f" (latest: {marker.read_text().strip()})" if marker.is_file() else ""
         raise CheckpointError(
             f"run_dir {run_dir} already holds another run's {' and '.join(found)}{latest}: continue it with "
@@ -168,7 +178,7 @@ def refuse_used_run_dir(run_dir: Path, resume: str) -> None:
 
 def find_latest(run_dir: Path) -> Path | None:
     """The newest complete checkpoint: the one `latest` names (partial ones never are)."""
-    marker = Path(run_dir) / "checkpoints" / LATEST
+    marker = Path(run_dir) / CHECKPOINTS / LATEST
     if not marker.is_file():
         return None
     path = marker.parent / marker.read_text().strip()

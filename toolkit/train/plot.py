@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+from toolkit.atomic import write_file
 from toolkit.errors import ToolkitError
 
 
@@ -40,6 +42,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     out = Path(out) if out else Path(run_dir) / "loss.png"
-    fig.savefig(out, dpi=100, bbox_inches="tight")
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
-    return out
+    return write_file(out, png.getvalue(), Path(run_dir) / "metrics.jsonl")
