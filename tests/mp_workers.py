@@ -13,7 +13,8 @@ def megatron_native_checks(cases: list[dict]) -> list[dict]:
       vs our torch_dist metadata (same tensors, global shapes, dtypes and objects). The model is
       built in the source dtype: with an fp32 source every parameter is fp32 on both sides (the
       local spec keeps norms in fp32 whatever params_dtype is, so a bf16 model could not match);
-    - the dtypes of our torch_dist written from a bf16 source (every tensor in the source dtype)."""
+    - the dtypes of our torch_dist written from a bf16 source (every tensor in the source dtype);
+    - the element count of every parameter the model holds (what `toolkit memory` counts)."""
     from toolkit.runtime.distributed import init_parallel
 
     init_parallel(1, 1)
@@ -50,6 +51,7 @@ def _native_checks(dist: str, te_torch: str, resave: str, bf16_dist: str) -> dic
 
     return {
         "sharded_keys": sorted(sharded_keys),
+        "param_numels": sorted(p.numel() for p in model.parameters()),
         "te_keys": sorted(te_keys),
         "ours": layout_of(Path(dist) / "release"),
         "megatrons": layout_of(resave),

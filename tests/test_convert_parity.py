@@ -11,12 +11,15 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from toolkit.convert import hf_to_megatron
+from toolkit.convert.metadata import CheckpointMeta
 from toolkit.convert.parity import verify_many
+from toolkit.memory.params import stage_param_numels
 from toolkit.runtime.launch import run_on_processes
 from tests.conftest import VARIANTS
 
@@ -78,7 +81,10 @@ def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
         for family in ("llama", "qwen3")
     ]
     (results,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, cases)
-    for family, result in zip(("llama", "qwen3"), results):
+    for family, case, result in zip(("llama", "qwen3"), cases, results):
+        # `toolkit memory` counts the parameters from the same family table (q/k norms included).
+        spec = CheckpointMeta.read(Path(case["dist"])).model_spec
+        assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"], family
         # TE-named torch keys == the keys megatron-core's local spec uses in sharded_state_dict(), layer index aside.
         ours = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in result["te_keys"]}
         assert ours == set(result["sharded_keys"]), family

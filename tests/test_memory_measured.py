@@ -50,8 +50,11 @@ def _cases():
         dict(tp=1, pp=1, zero=3, precision="bf16", schedule="megatron", micro_batches=2, **offload),
         dict(tp=2, pp=1, zero=3, precision="bf16", schedule="deepspeed", micro_batches=2, offload_param="cpu", **offload),
     ]
-    activations = [dict(tp=tp, pp=1, precision=p, recompute=r, micro=2)
+    activations = [dict(tp=tp, pp=1, precision=p, recompute=r, micro=2, variant="llama")
                    for tp, p in ((1, "bf16"), (1, "fp32"), (2, "bf16")) for r in act.RECOMPUTE]
+    # Qwen3: per-head q/k norms, head_dim 12 != hidden / heads, 12 heads over 2 KV heads
+    activations += [dict(tp=tp, pp=1, precision=p, recompute=r, micro=2, variant="qwen3")
+                    for tp, p in ((1, "bf16"), (1, "fp32"), (2, "bf16")) for r in ("none", "selective")]
     pipeline = [dict(tp=1, pp=2, precision="bf16", micro=2, micro_batches=4)]
     return states, activations, pipeline
 
@@ -125,13 +128,13 @@ def test_offloaded_states_add_up_to_what_the_ranks_hold(measured):
 def test_activation_bytes_per_layer_match_saved_tensors(measured):
     """Per layer = (saved bytes of a 4-layer model - of a 2-layer model) / 2, so the embedding and
     loss terms cancel out of the measurement."""
-    spec = tiny_spec()
     for r in measured["activations"]:
+        spec = tiny_spec(4, r["variant"])
         per_layer = (r["saved"][4] - r["saved"][2]) / 2
         shape = act.Shape(SEQ, r["micro"], r["tp"], 2 if r["precision"] == "bf16" else 4)
         predicted = act.layer_bytes(spec, shape, CPU_LOCAL, r["recompute"])
         assert abs(predicted / per_layer - 1) <= ACTIVATION_TOLERANCE, (r, per_layer, predicted)
-        whole = estimate(tiny_spec(4), _setup(r), SEQ, r["recompute"], CPU_LOCAL).stages[0].activations
+        whole = estimate(spec, _setup(r), SEQ, r["recompute"], CPU_LOCAL).stages[0].activations
         assert abs(whole / r["saved"][4] - 1) <= ACTIVATION_TOLERANCE, (r, r["saved"][4], whole)
 
 

@@ -25,11 +25,11 @@ SEED = 1234
 MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups", "fp32_groups_flat")
 
 
-def tiny_spec(num_layers: int = 4):
+def tiny_spec(num_layers: int = 4, variant: str = "llama"):
     from toolkit.families import spec_from_config
     from toolkit.tinymodels import make_config
 
-    return spec_from_config(make_config("llama", num_hidden_layers=num_layers).to_dict())[1]
+    return spec_from_config(make_config(variant, num_hidden_layers=num_layers).to_dict())[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +309,8 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
         for case in [c for c in state_cases if (c["tp"], c["pp"]) == (tp, pp)]:
             out["states"].append(model_state_case(case, tiny_spec(), world))
         for case in [c for c in activation_cases if (c["tp"], c["pp"]) == (tp, pp)]:
-            saved = {n: forward_saved_bytes(tiny_spec(n), tp, dtypes[case["precision"]], case["recompute"], case["micro"])
+            saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
+                                            case["micro"])
                      for n in (2, 4)}
             out["activations"].append({**case, "saved": saved})
         for case in [c for c in pipeline_cases if (c["tp"], c["pp"]) == (tp, pp)]:

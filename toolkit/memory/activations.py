@@ -6,6 +6,7 @@ s^2 attention scores. Our models differ, term by term:
   RMSNorm instead of LayerNorm      the norm keeps its input and an fp32 1/rms per token
   SwiGLU with ffn f                 fc1 output is 2f wide; the glu output feeds fc2
   GQA                               k and v are kv = groups x head_dim wide, not h
+  q/k norms (Qwen3 qk_layernorm)    a norm over q and k per head, one 1/rms per token and head
   no dropout                        no masks (their 5as/h term's mask and 2sbh of masks)
   flash attention (GPU)             no s^2 terms: q, k, v, output and an fp32 log-sum-exp
 Which tensors are kept depends on the kernels, so each term is switchable (`Kernels`). The CPU
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 
 FP32 = 4
@@ -68,7 +70,8 @@ def layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str 
     if recompute == "full":
         return shape.act_bytes * shape.hidden_tokens(spec)  # only the checkpointed layer input
     attention = _selective_attention(spec, shape, kernels) if recompute == "selective" else _attention(spec, shape, kernels)
-    return 2 * _norm(spec, shape, kernels) + _linear_inputs(spec, shape) + attention + _swiglu(spec, shape, kernels)
+    norms = 2 * _norm(spec, shape, kernels) + _qk_norms(spec, shape, kernels)
+    return norms + _linear_inputs(spec, shape) + attention + _swiglu(spec, shape, kernels)
 
 
 def recompute_working_set(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str) -> int:
@@ -80,6 +83,20 @@ def _norm(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     elements = shape.hidden_tokens(spec)
     rstd = FP32 * elements // spec.hidden_size
     return (shape.act_bytes if kernels.fused_norm else 2 * FP32) * elements + rstd
+
+
+def _qk_norms(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    """The per-head q and k norms of a qk_layernorm family keep what the layer norms keep, over
+    q and k's widths; in fp32 torch's composite norm also keeps its input (q and k reshaped out of
+    the fused qkv output), which in bf16 its first op, the cast to fp32, does not need."""
+    if not family_named(spec.family).megatron.get("qk_layernorm"):
+        return 0
+    elements = shape.tokens * (spec.num_heads + spec.num_kv_heads) * spec.head_dim // shape.tp
+    rstd = FP32 * elements // spec.head_dim
+    if kernels.fused_norm:
+        return shape.act_bytes * elements + rstd
+    kept_input = FP32 * elements if shape.act_bytes == FP32 else 0
+    return (2 * FP32 * elements) + kept_input + rstd
 
 
 def _linear_inputs(spec: ModelSpec, shape: Shape) -> int:
