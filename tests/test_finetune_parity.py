@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     data = write_uneven_data(root / "data.jsonl", 300)
     models = {}
-    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied")):
+    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3")):
         hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250)
         models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     references = {}
@@ -78,6 +78,20 @@ def test_losses_and_grad_norms_match_hf_reference(setup, tmp_path, nprocs, paral
 def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
     """The tied copies live on different stages; their gradients must be summed by us."""
     run_and_compare(setup, tmp_path, 2, model="tied", parallel={"tp": 1, "pp": 2, "zero_stage": 1})
+
+
+@pytest.mark.multiprocess
+def test_qwen3_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path):
+    """Qwen3's per-head q/k norms (trained, replicated over TP) and head_dim != hidden / heads, in 3D."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_and_compare(setup, tmp_path, 8, model="qwen3", parallel={"tp": 2, "pp": 2, "zero_stage": 1}, export_hf=True)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(setup[2]["qwen3"][0], dtype=torch.float32)
+    assert type(exported).__name__ == "Qwen3ForCausalLM"
+    q_norm = "model.layers.3.self_attn.q_norm.weight"
+    assert not torch.equal(exported.state_dict()[q_norm], original.state_dict()[q_norm]), "q_norm was not trained"
 
 
 @pytest.mark.multiprocess

@@ -71,6 +71,26 @@ def allreduce_tied_embedding_grads(model, tied: bool) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
+def allreduce_qk_norm_grads(model) -> None:
+    """Each TP rank applies the same q/k norms (qk_layernorm) to its own heads, so each holds part
+    of their gradient: megatron's finalize_model_grads sums them over the TP group
+    (_allreduce_non_tensor_model_parallel_grads, matching by these names); DeepSpeed never does,
+    and without it the TP copies silently drift apart."""
+    from megatron.core import parallel_state as ps
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not model.config.qk_layernorm or ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [p.grad for name, p in model.named_parameters()
+             if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None]
+    if not grads:
+        return
+    summed = _flatten_dense_tensors(grads)
+    dist.all_reduce(summed, group=ps.get_tensor_model_parallel_group())
+    for grad, total in zip(grads, _unflatten_dense_tensors(summed, grads)):
+        grad.copy_(total)
+
+
 def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
     """DeepSpeed engine with our param groups and LR schedule (toolkit.train.schedule); DeepSpeed
     steps the scheduler in engine.step() and keeps its state, the schedule's too, in checkpoints."""
