@@ -75,8 +75,10 @@ FULL = ["full_attention"] * 6
         ({"use_sliding_window": True, "sliding_window": 16}, "qwen3 with use_sliding_window=True cannot be mapped"),
         ({"layer_types": FULL[:5] + ["sliding_attention"]}, "qwen3 with layer_types[5]='sliding_attention' cannot be"),
         ({"attention_bias": True}, "qwen3 with attention_bias=True cannot be mapped"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope scaling type 'yarn'"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, "rope scaling type 'linear'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+         "rope_parameters.rope_type='yarn': rope scaling type 'yarn' is not supported for qwen3"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+         "rope_parameters.rope_type='linear': rope scaling type 'linear' is not supported for qwen3"),
     ],
     ids=["sliding-window", "layer-types", "attention-bias", "yarn", "linear-rope"],
 )

@@ -62,12 +62,14 @@ def _require(cfg: dict, key: str):
 def _rope(cfg: dict, family: Family) -> tuple[float, float | None]:
     """(rope_theta, llama3 factor or None). transformers 5 writes `rope_parameters` (theta
     inside); older checkpoints have top-level `rope_theta` and `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    source = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = dict(cfg.get(source) or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    field = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(field, "default")
     if rope_type not in family.rope_types:
         raise ConversionError(
-            f"rope scaling type '{rope_type}' is not supported for {family.name} "
+            f"{source}.{field}={rope_type!r}: rope scaling type '{rope_type}' is not supported for {family.name} "
             f"(supported: {', '.join(family.rope_types)}); refusing to convert approximately"
         )
     if rope_type == "default":
