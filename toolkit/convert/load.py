@@ -21,8 +21,12 @@ from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
 
-def load_converted(model, checkpoint_dir: str | Path) -> CheckpointMeta:
-    """Load the checkpoint at `checkpoint_dir` into `model` (parallel_state must be initialised)."""
+def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -> CheckpointMeta:
+    """Load the checkpoint at `checkpoint_dir` into `model` (parallel_state must be initialised).
+
+    `check_sums=False` is for `verify`, which reports mismatching files itself and still
+    compares the logits (to name the first divergent layer).
+    """
     from megatron.core import parallel_state as ps
 
     root = Path(checkpoint_dir)
@@ -35,7 +39,7 @@ def load_converted(model, checkpoint_dir: str | Path) -> CheckpointMeta:
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if (tp, pp) == (meta.tp, meta.pp):
         path = torch_format.rank_file(shards, meta.layout, tp_rank, pp_rank)
-        if meta.checksums:  # Megatron-LM's own checkpoints carry none
+        if check_sums and meta.checksums:  # Megatron-LM's own checkpoints carry none
             verify_file(root, path, meta.checksums)  # before unpickling anything from it
         state = torch_format.load_trusted_types(path)["model"]
     else:

@@ -135,7 +135,7 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None) -> 
         spec = meta.model_spec
         ref = torch.load(job["reference"], weights_only=True)
         model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor), dtype).eval()
-        load_converted(model, job["checkpoint"])
+        load_converted(model, job["checkpoint"], check_sums=False)  # verify_many reports bad sums itself
         stages(4, f"forward of {tuple(ref['tokens'].shape)} tokens through {pp} pipeline stage(s)", info.rank)
         logits, outputs = _stage_forward(model, ref["tokens"], spec, dtype)
         first_layer = info.pp_rank * (spec.num_layers // pp)
