@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOOLKIT_STRICT_DEVICES", "1")
 
 # Families and variants every conversion test covers (see toolkit/tinymodels.py).
-VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied")
+VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3")
 
 
 @pytest.fixture(scope="session")

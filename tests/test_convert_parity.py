@@ -107,8 +107,8 @@ def logit_change(hf_dir, **config_change) -> float:
 
     from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
 
-    tokens = reference_tokens(256, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokens = reference_tokens(model.config.vocab_size, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
     changed = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **config_change)
     with torch.no_grad():
         return (model(tokens).logits - changed(tokens).logits).abs().max().item()

@@ -13,6 +13,8 @@ back, the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_
                 group; megatron-core all-gathers and re-slices (attention.py, num_query_groups < TP).
     GATE_UP     [gate; up] fused, but per TP rank: rank r holds [gate_r; up_r], which is not a
                 contiguous chunk of the TP=1 tensor.
+    HF_QKV      QKV from one HF tensor [q; k; v] (Phi-3's qkv_proj)
+    HF_GATE_UP  GATE_UP from one HF tensor [gate; up] (Phi-3's gate_up_proj)
 
 A source is anything with `shape(name)` and `read(name, rows=slice|None, cols=slice|None)`, so a
 rank's shard is read straight from the HF file without loading the whole tensor.
@@ -146,33 +148,63 @@ class VocabSplit(SplitKind):
 class FusedGateUp(ColumnSplit):
     name = "GATE_UP"
 
+    def _sources(self, src: Source, names: Sequence[str]) -> tuple[int, list[tuple[str, int]]]:
+        """(ffn size, [(HF name, first row) of gate and of up])."""
+        gate, up = names
+        return src.shape(gate)[0], [(gate, 0), (up, 0)]
+
+    def _to_hf(self, gate: torch.Tensor, up: torch.Tensor) -> list[torch.Tensor]:
+        return [gate, up]
+
     def build(self, src, names, tp, rank, geo):
         import torch
 
-        gate, up = names
-        rows = chunk_range(src.shape(gate)[0], tp, rank)
-        return torch.cat([src.read(gate, rows=rows), src.read(up, rows=rows)], dim=0)
+        ffn, parts = self._sources(src, names)
+        rows = chunk_range(ffn, tp, rank)
+        return torch.cat([src.read(n, rows=slice(first + rows.start, first + rows.stop)) for n, first in parts], dim=0)
 
     def merge(self, shards, geo):
         import torch
 
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return self._to_hf(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+
+
+class HFFusedGateUp(FusedGateUp):
+    """HF holds [gate; up] in one tensor (Phi-3's gate_up_proj): re-split per TP rank."""
+
+    name = "HF_GATE_UP"
+
+    def _sources(self, src, names):
+        ffn = src.shape(names[0])[0] // 2
+        return ffn, [(names[0], 0), (names[0], ffn)]
+
+    def _to_hf(self, gate, up):
+        import torch
+
+        return [torch.cat([gate, up])]
 
 
 class FusedQKV(ColumnSplit):
     name = "QKV"
 
+    def _sources(self, names: Sequence[str], geo: Geometry) -> list[tuple[str, int]]:
+        """(HF name, first row) of q, of k and of v."""
+        return [(n, 0) for n in names]
+
+    def _to_hf(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        return [q, k, v]
+
     def build(self, src, names, tp, rank, geo):
-        q, k, v = names
+        (q, q0), (k, k0), (v, v0) = self._sources(names, geo)
         d, hpg = geo.head_dim, geo.heads_per_group
         block = (hpg + 2) * d  # rows of one query group in the fused tensor
         rows = chunk_range(geo.num_kv_heads * block, tp, rank)
         first, last = rows.start // block, -(-rows.stop // block)  # groups overlapping this rank
         fused = _interleave(
-            src.read(q, rows=slice(first * hpg * d, last * hpg * d)),
-            src.read(k, rows=slice(first * d, last * d)),
-            src.read(v, rows=slice(first * d, last * d)),
+            src.read(q, rows=slice(q0 + first * hpg * d, q0 + last * hpg * d)),
+            src.read(k, rows=slice(k0 + first * d, k0 + last * d)),
+            src.read(v, rows=slice(v0 + first * d, v0 + last * d)),
             groups=last - first,
         )
         offset = first * block
@@ -185,7 +217,22 @@ class FusedQKV(ColumnSplit):
         d, hpg, groups = geo.head_dim, geo.heads_per_group, geo.num_kv_heads
         rest = fused.shape[1:]
         q, k, v = fused.reshape(groups, (hpg + 2) * d, *rest).split([hpg * d, d, d], dim=1)
-        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+        return self._to_hf(*(t.reshape(-1, *rest).contiguous() for t in (q, k, v)))
+
+
+class HFFusedQKV(FusedQKV):
+    """HF holds [q; k; v] in one tensor (Phi-3's qkv_proj): re-fused per query group, as megatron-core wants."""
+
+    name = "HF_QKV"
+
+    def _sources(self, names, geo):
+        q_rows, kv_rows = geo.num_heads * geo.head_dim, geo.num_kv_heads * geo.head_dim
+        return [(names[0], 0), (names[0], q_rows), (names[0], q_rows + kv_rows)]
+
+    def _to_hf(self, q, k, v):
+        import torch
+
+        return [torch.cat([q, k, v])]
 
 
 def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -205,6 +252,8 @@ class Split:
     VOCAB = VocabSplit()
     QKV = FusedQKV()
     GATE_UP = FusedGateUp()
+    HF_QKV = HFFusedQKV()
+    HF_GATE_UP = HFFusedGateUp()
 
 
 def build_shard(split: SplitKind, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:

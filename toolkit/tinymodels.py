@@ -52,6 +52,9 @@ VARIANTS = {
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the test sequences
     "qwen3": ("Qwen3Config", QWEN3),
     "qwen3-tied": ("Qwen3Config", {**QWEN3, "tie_word_embeddings": True}),
+    # Phi-3: fused HF qkv_proj / gate_up_proj, GQA ratio 3 (Phi-3-mini itself is MHA), a window of 8
+    "phi3": ("Phi3Config", dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=96,
+                                vocab_size=251, sliding_window=8)),
 }
 
 

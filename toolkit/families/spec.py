@@ -43,6 +43,8 @@ class ModelSpec:
             "q_size": self.num_heads * self.head_dim,
             "kv_size": self.num_kv_heads * self.head_dim,
             "head_dim": self.head_dim,
+            "qkv_size": (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+            "2ffn": 2 * self.ffn_hidden_size,
         }[symbol]
 
     def to_dict(self) -> dict:
@@ -102,8 +104,10 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"hidden_act={act!r} is not supported (only SwiGLU with silu)")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConversionError("partial_rotary_factor != 1 is not supported")
+    rope_params = cfg.get("rope_parameters") or {}  # transformers 5 keeps the factor there
+    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported (only 1.0)")
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     theta, factor = _rope(cfg, family)
