@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     data = write_uneven_data(root / "data.jsonl", 300)
     models = {}
-    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3")):
+    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3")):
         hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250)
         models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     references = {}
@@ -81,17 +81,25 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_qwen3_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path):
-    """Qwen3's per-head q/k norms (trained, replicated over TP) and head_dim != hidden / heads, in 3D."""
+@pytest.mark.parametrize(
+    "model, architecture, trained",
+    [
+        # per-head q/k norms, trained and replicated over TP; head_dim != hidden / heads
+        ("qwen3", "Qwen3ForCausalLM", "model.layers.3.self_attn.q_norm.weight"),
+        # HF's fused qkv_proj, exported back from the per-group fused megatron tensor
+        ("phi3", "Phi3ForCausalLM", "model.layers.3.self_attn.qkv_proj.weight"),
+    ],
+)
+def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,
+                                                                                     architecture, trained):
     import torch
     from transformers import AutoModelForCausalLM
 
-    run_and_compare(setup, tmp_path, 8, model="qwen3", parallel={"tp": 2, "pp": 2, "zero_stage": 1}, export_hf=True)
+    run_and_compare(setup, tmp_path, 8, model=model, parallel={"tp": 2, "pp": 2, "zero_stage": 1}, export_hf=True)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
-    original = AutoModelForCausalLM.from_pretrained(setup[2]["qwen3"][0], dtype=torch.float32)
-    assert type(exported).__name__ == "Qwen3ForCausalLM"
-    q_norm = "model.layers.3.self_attn.q_norm.weight"
-    assert not torch.equal(exported.state_dict()[q_norm], original.state_dict()[q_norm]), "q_norm was not trained"
+    original = AutoModelForCausalLM.from_pretrained(setup[2][model][0], dtype=torch.float32)
+    assert type(exported).__name__ == architecture
+    assert not torch.equal(exported.state_dict()[trained], original.state_dict()[trained]), f"{trained} was not trained"
 
 
 @pytest.mark.multiprocess
