@@ -34,3 +34,4 @@ def test_unsupported_phi3_variant_is_refused_in_one_line(hf_copy, tmp_path, chan
 def test_phi3_window_changes_the_model_so_parity_proves_it(tiny_hf):
     """The tiny Phi-3's window (8) is shorter than the parity sequences (32)."""
     assert logit_change(tiny_hf["phi3"], sliding_window=None) > 100 * FP32_TOLERANCE
+
