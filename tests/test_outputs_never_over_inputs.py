@@ -69,3 +69,14 @@ def test_a_run_never_writes_over_its_model_or_data(tmp_path, layout):
     with pytest.raises(ToolkitError, match="overlaps the input"):
         refuse_outputs_over_inputs(run_dir, model, data, None)
     refuse_outputs_over_inputs(tmp_path / "elsewhere", tmp_path / "ckpt", tmp_path / "data.jsonl", None)
+
+
+def test_memory_and_plan_default_to_the_models_sequence_length(tmp_path, capsys):
+    """A model with 64 positions is estimated at 64 tokens, not at an invented 4096; more is refused."""
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("llama", tmp_path / "hf", max_position_embeddings=64)
+    assert toolkit(["memory", str(hf), "--gpus", "1"]) == 0
+    assert "sequence 64," in capsys.readouterr().out
+    assert toolkit(["plan", "--model", str(hf), "--gpus", "1", "--gpu-memory", "1GiB", "--seq-len", "100"]) == 2
+    assert "--seq-len 100 is outside 1..64" in capsys.readouterr().err

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from toolkit.runtime.quiet import quiet_third_party
+
+    quiet_third_party(verbose=args.debug)
     try:
         return int(args.func(args) or 0)
     except ToolkitError as e:

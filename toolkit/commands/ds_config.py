@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_SEQ_LEN = 4096
+
+
+def sequence_length(given: int | None, spec) -> int:
+    """--seq-len, or the model's longest (at most DEFAULT_SEQ_LEN); never beyond what the model takes."""
+    if given is None:
+        return min(DEFAULT_SEQ_LEN, spec.max_position_embeddings)
+    if not 1 <= given <= spec.max_position_embeddings:
+        raise ConfigError(f"--seq-len {given} is outside 1..{spec.max_position_embeddings} (the model's "
+                          "max_position_embeddings)")
+    return given
+
+
 def add_cluster_args(p, layout: bool = True) -> None:
     p.add_argument("--gpus", type=int, help="total GPU count (or --nodes x --gpus-per-node)")
     p.add_argument("--nodes", type=int, help="number of nodes")

@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument("model", help="HF model directory, config.json, or a converted checkpoint")
     add_cluster_args(p)
     add_training_args(p)
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (TP > 1)")
     p.add_argument("--kernels", choices=("gpu", "cpu"), default="gpu",
@@ -31,12 +32,13 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from toolkit import modelspec
-    from toolkit.commands.ds_config import training_setup
+    from toolkit.commands.ds_config import sequence_length, training_setup
     from toolkit.memory import CPU_LOCAL, GPU, estimate
     from toolkit.units import parse_size, size
 
     setup = training_setup(args)
     spec = modelspec.read(args.model)
+    args.seq_len = sequence_length(args.seq_len, spec)
     est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
                    args.sequence_parallel)
     print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}, ZeRO-{setup.zero}, {setup.precision}, micro-batch "

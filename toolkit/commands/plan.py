@@ -31,7 +31,8 @@ def register(sub) -> None:
     add_cluster_args(p, layout=False)
     p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
     p.add_argument("--host-memory", help="host memory per node, e.g. 2TiB (limits offload; default: unlimited)")
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 4 x GPUs, at least 64)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--schedule", choices=("megatron", "deepspeed"), default="megatron",
@@ -44,7 +45,7 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from toolkit import modelspec
-    from toolkit.commands.ds_config import total_gpus
+    from toolkit.commands.ds_config import sequence_length, total_gpus
     from toolkit.memory.params import total_params
     from toolkit.plan import Cluster, default_global_batch, plan
     from toolkit.units import gib, parse_size
@@ -53,6 +54,7 @@ def _run(args) -> int:
     if gpus is None:
         raise ConfigError("give --gpus N, or --nodes N (with --gpus-per-node)")
     spec = modelspec.read(args.model)
+    args.seq_len = sequence_length(args.seq_len, spec)
     cluster = Cluster(gpus, parse_size(args.gpu_memory), args.gpus_per_node,
                       parse_size(args.host_memory) if args.host_memory else None)
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
