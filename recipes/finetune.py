@@ -100,7 +100,7 @@ def finetune(run: Run) -> int:
     from toolkit.train import build, checkpoint
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
-    from toolkit.train.parallel import build_engine, mark_tied_output_replica
+    from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_qk_norm_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
@@ -115,6 +115,7 @@ def finetune(run: Run) -> int:
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
     mark_tied_output_replica(model, spec.tied_embeddings)
+    sum_qk_norm_grads_over_tp(model)
 
     # 5. Data: this DP rank's share of every global batch, in a deterministic order.
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)

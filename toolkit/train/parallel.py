@@ -71,24 +71,26 @@ def allreduce_tied_embedding_grads(model, tied: bool) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def allreduce_qk_norm_grads(model) -> None:
-    """Each TP rank applies the same q/k norms (qk_layernorm) to its own heads, so each holds part
-    of their gradient: megatron's finalize_model_grads sums them over the TP group
-    (_allreduce_non_tensor_model_parallel_grads, matching by these names); DeepSpeed never does,
-    and without it the TP copies silently drift apart."""
+def sum_qk_norm_grads_over_tp(model) -> None:
+    """Each TP rank applies the same q/k norms (qk_layernorm) to its own heads, so each computes
+    part of their gradient: megatron's finalize_model_grads sums them over the TP group
+    (_allreduce_non_tensor_model_parallel_grads); DeepSpeed never does, and without it the TP
+    copies silently drift apart. A hook sums every micro-batch's part as backward computes it,
+    before DeepSpeed's ZeRO hooks take the gradient (at ZeRO-2/3 no .grad is left by the step)."""
     from megatron.core import parallel_state as ps
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     if not model.config.qk_layernorm or ps.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [p.grad for name, p in model.named_parameters()
-             if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None]
-    if not grads:
-        return
-    summed = _flatten_dense_tensors(grads)
-    dist.all_reduce(summed, group=ps.get_tensor_model_parallel_group())
-    for grad, total in zip(grads, _unflatten_dense_tensors(summed, grads)):
-        grad.copy_(total)
+    group = ps.get_tensor_model_parallel_group()
+    for name, param in model.named_parameters():
+        if "q_layernorm" in name or "k_layernorm" in name:
+            param.register_hook(lambda grad: _summed(grad, group))
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    total = grad.clone()
+    dist.all_reduce(total, group=group)
+    return total
 
 
 def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):

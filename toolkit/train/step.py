@@ -80,12 +80,11 @@ def train_step(engine, module, batches, ctx: StepContext, tied: bool) -> tuple[f
     """Forward/backward every micro-batch, finish the gradients DeepSpeed doesn't know about, step.
 
     Returns (loss, gradient norm before clipping)."""
-    from toolkit.train.parallel import allreduce_qk_norm_grads, allreduce_tied_embedding_grads
+    from toolkit.train.parallel import allreduce_tied_embedding_grads
 
     # engine(...) registers DeepSpeed's backward hooks; the schedule calls backward itself.
     loss = run_schedule(engine, module, batches, ctx, forward_only=False)
     allreduce_tied_embedding_grads(module, tied)
-    allreduce_qk_norm_grads(module)
     engine.step()
     norm = engine.get_global_grad_norm()
     return loss, None if norm is None else float(norm)
