@@ -1,29 +1,35 @@
-"""Phi-3 as one family file: HF's fused qkv_proj / gate_up_proj re-split per query group and per
-TP rank (round trips and logit parity run with every family, tests/conftest.py VARIANTS); the
-variants megatron-core 0.16.1 cannot express exactly are refused in one line."""
+"""Phi-3 / Phi-4-mini as one family file: HF's fused qkv_proj / gate_up_proj re-split per query
+group and per TP rank, and Phi-4-mini's partial rotary as megatron-core's rotary_percent (round
+trips and logit parity run with every family, tests/conftest.py VARIANTS, Phi-3 with one KV head
+at TP 2 too); the variants megatron-core 0.16.1 cannot express exactly are refused in one line."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
 
 from tests.test_convert_bad_input import convert_fails, edit_config
 from tests.test_convert_parity import FP32_TOLERANCE, logit_change
+from tests.test_family_qwen3 import spec_of
+from toolkit.layouts import Layout
+from toolkit.megatron_settings import megatron_args, settings_for
 
 LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
             "original_max_position_embeddings": 64}
+WHY_NOT_LONGROPE = "no per-frequency short_factor / long_factor"
 
 
 @pytest.mark.parametrize(
     "changes, line",
     [
         ({"rope_parameters": LONGROPE}, "rope_parameters.rope_type='longrope': rope scaling type 'longrope' is not supported"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-         "partial_rotary_factor=0.75 is not supported (only 1.0)"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0}},
+         "partial_rotary_factor=0 is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ],
-    ids=["longrope", "partial-rotary", "activation"],
+    ids=["longrope", "no-rotary", "activation"],
 )
 def test_unsupported_phi3_variant_is_refused_in_one_line(hf_copy, tmp_path, changes, line):
     src = hf_copy("phi3")
@@ -35,3 +41,42 @@ def test_phi3_window_changes_the_model_so_parity_proves_it(tiny_hf):
     """The tiny Phi-3's window (8) is shorter than the parity sequences (32)."""
     assert logit_change(tiny_hf["phi3"], sliding_window=None) > 100 * FP32_TOLERANCE
 
+
+
+def test_phi4_mini_as_published_is_refused_for_its_longrope_with_the_reason(hf_copy, tmp_path):
+    """Phi-4-mini-instruct's config.json (transformers 4 style: `rope_scaling` with `type`, the
+    partial factor at the top level): its partial rotary converts, its LongRoPE cannot."""
+    src = hf_copy("phi4-mini")
+    edit_config(src, rope_parameters=None, rope_theta=1e4, original_max_position_embeddings=64,
+                rope_scaling={"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
+    line = "rope_scaling.type='longrope': rope scaling type 'longrope' is not supported for phi3"
+    convert_fails(src, tmp_path / "out", r"^[^\n]*" + re.escape(line) + r"[^\n]*" + re.escape(WHY_NOT_LONGROPE))
+
+
+def test_partial_rotary_is_refused_where_the_family_rotates_whole_heads(hf_copy, tmp_path):
+    """HF Llama / Qwen rotate every dimension whatever the config says, so the factor is refused."""
+    src = hf_copy("qwen3")
+    edit_config(src, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    convert_fails(src, tmp_path / "out", re.escape("partial_rotary_factor=0.5 is not supported for qwen3 (only 1.0)"))
+
+
+def test_phi4_mini_partial_rotary_reaches_megatron_core_and_the_stored_args():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = spec_of("phi4-mini")
+    assert (spec.rotary_percent, spec.head_dim, spec.tied_embeddings) == (0.75, 16, True)
+    assert settings_for(spec).gpt["rotary_percent"] == 0.75
+    assert megatron_args(spec, Layout(2, 2), "torch_dist").rotary_percent == 0.75
+    assert megatron_args(spec_of("phi3"), Layout(), "torch").rotary_percent == 1.0
+    assert "rotary_percent" in inspect.signature(GPTModel.__init__).parameters
+
+
+def test_phi4_mini_partial_rotary_changes_the_model_so_parity_proves_it(tiny_hf):
+    """RoPE over whole heads (partial_rotary_factor 1.0), the same weights otherwise, moves the
+    logits far past the tolerance: a model built without rotary_percent fails parity."""
+    from transformers import AutoConfig
+
+    src = tiny_hf["phi4-mini"]
+    full = dict(AutoConfig.from_pretrained(src).rope_parameters, partial_rotary_factor=1.0)
+    assert AutoConfig.from_pretrained(src, rope_parameters=full).rope_parameters["partial_rotary_factor"] == 1.0
+    assert logit_change(src, rope_parameters=full) > 100 * FP32_TOLERANCE

@@ -60,7 +60,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or MCORE_ROPE_SCALING_FACTOR,
     )

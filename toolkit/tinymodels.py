@@ -32,6 +32,16 @@ BASE = dict(
 QWEN3 = dict(num_attention_heads=12, num_key_value_heads=2, head_dim=12, intermediate_size=96, vocab_size=251,
              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
+# Phi-3: fused HF qkv_proj / gate_up_proj, GQA ratio 3 (Phi-3-mini itself is MHA), a window of 8
+PHI3 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=96, vocab_size=251,
+            sliding_window=8)
+# Phi-4-mini (HF Phi3 classes) shrunk: RoPE on 12 of each head's 16 dimensions (partial_rotary_factor
+# 0.75, as Phi-4-mini's 96 of 128), GQA ratio 3 (24 over 8 there), tied embeddings, a window longer
+# than any sequence (262144 there), odd vocab and FFN. Its LongRoPE cannot be converted exactly,
+# so the tiny model has plain RoPE (toolkit/families/spec.py MCORE_ROPE_GAPS).
+PHI4_MINI = dict(hidden_size=192, num_attention_heads=12, num_key_value_heads=4, intermediate_size=200, vocab_size=247,
+                 partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)
+
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -52,9 +62,11 @@ VARIANTS = {
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the test sequences
     "qwen3": ("Qwen3Config", QWEN3),
     "qwen3-tied": ("Qwen3Config", {**QWEN3, "tie_word_embeddings": True}),
-    # Phi-3: fused HF qkv_proj / gate_up_proj, GQA ratio 3 (Phi-3-mini itself is MHA), a window of 8
-    "phi3": ("Phi3Config", dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=96,
-                                vocab_size=251, sliding_window=8)),
+    "phi3": ("Phi3Config", PHI3),
+    "phi4-mini": ("Phi3Config", PHI4_MINI),
+    # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
+    "qwen3-1kv": ("Qwen3Config", {**QWEN3, "num_key_value_heads": 1}),
+    "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
 }
 
 

@@ -1,7 +1,8 @@
 """ModelSpec: the architecture facts megatron-core needs, read from an HF config.json.
 
 Reading is strict: anything we cannot reproduce exactly in megatron-core (a rope-scaling type, a
-bias, an activation, a partial rotary factor) is refused with a message, never approximated.
+bias, an activation, a partial rotary factor where the family's HF model has none) is refused with
+a message, never approximated.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ from toolkit.families.table import Family
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the
 # other llama3 parameters are its hard-coded defaults (rotary_pos_embedding.py:92-99).
 MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Why a rope type no family accepts cannot be expressed in megatron-core 0.16.1, where the reason
+# is known (read from its source); added to the refusal.
+MCORE_ROPE_GAPS = {
+    "longrope": "megatron-core 0.16.1's RotaryEmbedding derives its frequencies from rotary_base and the rotary "
+                "dimension alone (rotary_pos_embedding.py:79), with llama3 scaling as the only per-frequency "
+                "change: it has no per-frequency short_factor / long_factor, no switch between them past "
+                "original_max_position_embeddings, and no attention factor on cos / sin",
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,9 @@ class ModelSpec:
     rope_scaling_factor: float | None  # llama3-type scaling, None when unscaled
     window_size: int | None  # sliding window in tokens (HF semantics: attends to this many, itself included)
     dtype: str  # torch dtype name of the checkpoint, e.g. "bfloat16"
+    # Share of each head's dimensions RoPE rotates (HF partial_rotary_factor, megatron-core
+    # rotary_percent); the rest pass through unrotated.
+    rotary_percent: float = 1.0
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -70,9 +82,10 @@ def _rope(cfg: dict, family: Family) -> tuple[float, float | None]:
     field = "rope_type" if "rope_type" in params else "type"
     rope_type = params.get(field, "default")
     if rope_type not in family.rope_types:
+        why = f": {MCORE_ROPE_GAPS[rope_type]}" if rope_type in MCORE_ROPE_GAPS else ""
         raise ConversionError(
             f"{source}.{field}={rope_type!r}: rope scaling type '{rope_type}' is not supported for {family.name} "
-            f"(supported: {', '.join(family.rope_types)}); refusing to convert approximately"
+            f"(supported: {', '.join(family.rope_types)}); refusing to convert approximately{why}"
         )
     if rope_type == "default":
         return float(theta), None
@@ -104,10 +117,6 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"hidden_act={act!r} is not supported (only SwiGLU with silu)")
-    rope_params = cfg.get("rope_parameters") or {}  # transformers 5 keeps the factor there
-    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported (only 1.0)")
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     theta, factor = _rope(cfg, family)
@@ -129,4 +138,19 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         rope_scaling_factor=factor,
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        rotary_percent=_rotary_percent(cfg, family),
     )
+
+
+def _rotary_percent(cfg: dict, family: Family) -> float:
+    """HF's partial_rotary_factor: in rope_parameters (transformers 5), else at the top level, as
+    the HF config classes read it."""
+    rope_params = cfg.get("rope_parameters") or {}
+    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(partial) == 1.0:
+        return 1.0
+    if not family.partial_rotary:
+        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported for {family.name} (only 1.0)")
+    if not 0.0 < float(partial) < 1.0:
+        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported (only a share in (0, 1])")
+    return float(partial)

@@ -50,6 +50,9 @@ class Family:
     # config.json flags this family can't map exactly: refuse if any is truthy
     refuse_flags: tuple[str, ...] = ()
     rope_types: tuple[str, ...] = ("default",)
+    # The HF model rotates only the first int(head_dim * partial_rotary_factor) dimensions of each
+    # head and passes the rest through, as megatron-core does with rotary_percent (rope_utils.py:113)
+    partial_rotary: bool = False
     # config.json keys with the only values this family maps exactly (for a list, every element):
     # any other value is refused, naming the key and the value
     accepted: dict[str, tuple] = field(default_factory=dict, hash=False)
