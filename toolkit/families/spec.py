@@ -59,6 +59,12 @@ class ModelSpec:
             "2ffn": 2 * self.ffn_hidden_size,
         }[symbol]
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates: one pair per frequency of
+        arange(0, int(head_dim * rotary_percent), 2), in HF and in megatron-core alike."""
+        return 2 * -(-int(self.head_dim * self.rotary_percent) // 2)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
