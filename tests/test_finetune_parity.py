@@ -26,7 +26,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     data = write_uneven_data(root / "data.jsonl", 300)
     models = {}
-    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3")):
+    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3"),
+                          ("phi4-mini", "phi4-mini")):
         hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250)
         models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     references = {}
@@ -88,6 +89,8 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("qwen3", "Qwen3ForCausalLM", "model.layers.3.self_attn.q_norm.weight"),
         # HF's fused qkv_proj, exported back from the per-group fused megatron tensor
         ("phi3", "Phi3ForCausalLM", "model.layers.3.self_attn.qkv_proj.weight"),
+        # partial rotary (rotary_percent) in backward too; tied embeddings split over the two stages
+        ("phi4-mini", "Phi3ForCausalLM", "model.embed_tokens.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,
