@@ -80,3 +80,26 @@ def test_phi4_mini_partial_rotary_changes_the_model_so_parity_proves_it(tiny_hf)
     full = dict(AutoConfig.from_pretrained(src).rope_parameters, partial_rotary_factor=1.0)
     assert AutoConfig.from_pretrained(src, rope_parameters=full).rope_parameters["partial_rotary_factor"] == 1.0
     assert logit_change(src, rope_parameters=full) > 100 * FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("hidden", [192, 144], ids=["head16-rotates-12", "head12-rotates-10-of-int-9"])
+def test_rotated_dims_agree_in_hf_megatron_core_and_the_memory_estimate(hidden):
+    """The same frequencies on both sides (also where int(head_dim * factor) is odd), and the
+    estimate's cos / sin width (ModelSpec.rotary_dim) is theirs."""
+    import dataclasses
+
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from toolkit.families import spec_from_config
+    from toolkit.tinymodels import make_config
+
+    config = make_config("phi4-mini", hidden_size=hidden)
+    spec = spec_from_config(config.to_dict())[1]
+    hf_freqs, _ = Phi3RotaryEmbedding.compute_default_rope_parameters(config)
+    ours = RotaryEmbedding(kv_channels=spec.head_dim, rotary_percent=spec.rotary_percent, rotary_base=spec.rope_theta,
+                           use_cpu_initialization=True).inv_freq
+    assert torch.equal(hf_freqs, ours)
+    assert spec.rotary_dim == 2 * ours.numel() < spec.head_dim
+    assert dataclasses.replace(spec, rotary_percent=1.0).rotary_dim == spec.head_dim
