@@ -103,3 +103,22 @@ def test_rotated_dims_agree_in_hf_megatron_core_and_the_memory_estimate(hidden):
     assert torch.equal(hf_freqs, ours)
     assert spec.rotary_dim == 2 * ours.numel() < spec.head_dim
     assert dataclasses.replace(spec, rotary_percent=1.0).rotary_dim == spec.head_dim
+
+
+# microsoft/Phi-4-mini-instruct's config.json, the fields the estimate reads (its LongRoPE left out,
+# which the converter refuses), and the parameter count of its published safetensors.
+PHI4_MINI_SHAPE = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+                       partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)
+PHI4_MINI_PARAMETERS = 3_836_021_760
+
+
+def test_memory_counts_phi4_minis_published_parameters_from_the_family_table():
+    from toolkit.families import spec_from_config
+    from toolkit.memory.params import stage_param_numels, total_params
+
+    spec = spec_from_config(PHI4_MINI_SHAPE)[1]
+    assert (spec.rotary_dim, spec.head_dim) == (96, 128)
+    assert total_params(spec) == PHI4_MINI_PARAMETERS
+    # TP 1 x PP 1 holds them all, the vocab padded to a multiple of 128 (200064 already is)
+    assert sum(stage_param_numels(spec, 1, 1, 0)) == PHI4_MINI_PARAMETERS
