@@ -42,7 +42,6 @@ def test_phi3_window_changes_the_model_so_parity_proves_it(tiny_hf):
     assert logit_change(tiny_hf["phi3"], sliding_window=None) > 100 * FP32_TOLERANCE
 
 
-
 def test_phi4_mini_as_published_is_refused_for_its_longrope_with_the_reason(hf_copy, tmp_path):
     """Phi-4-mini-instruct's config.json (transformers 4 style: `rope_scaling` with `type`, the
     partial factor at the top level): its partial rotary converts, its LongRoPE cannot."""
