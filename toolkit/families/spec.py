@@ -152,8 +152,8 @@ def _rotary_percent(cfg: dict, family: Family) -> float:
     """HF's partial_rotary_factor: in rope_parameters (transformers 5), else at the top level, as
     the HF config classes read it."""
     rope_params = cfg.get("rope_parameters") or {}
-    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if float(partial) == 1.0:
+    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is None or float(partial) == 1.0:
         return 1.0
     if not family.partial_rotary:
         raise ConversionError(f"partial_rotary_factor={partial!r} is not supported for {family.name} (only 1.0)")
