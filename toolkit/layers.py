@@ -31,7 +31,9 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.zero_centered = config.layernorm_zero_centered_gamma
         init = torch.zeros if self.zero_centered else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        # where megatron-core's own layers put their parameters (tensor_parallel/layers.py)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
         self.eps = eps
 
     def scale(self, w: torch.Tensor) -> torch.Tensor:
