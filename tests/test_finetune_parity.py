@@ -26,8 +26,11 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     data = write_uneven_data(root / "data.jsonl", 300)
     models = {}
-    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3")):
-        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250)
+    four_layer_types = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"] * 2}}
+    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3"),
+                          ("gemma3", "gemma3"), ("olmo2", "olmo2")):
+        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250,
+                             **four_layer_types.get(name, {}))
         models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     references = {}
 
@@ -88,6 +91,10 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("qwen3", "Qwen3ForCausalLM", "model.layers.3.self_attn.q_norm.weight"),
         # HF's fused qkv_proj, exported back from the per-group fused megatron tensor
         ("phi3", "Phi3ForCausalLM", "model.layers.3.self_attn.qkv_proj.weight"),
+        # the toolkit's block spec: post-norms, (1 + w) norms, local RoPE base, one KV head under TP 2
+        ("gemma3", "Gemma3ForCausalLM", "model.layers.3.post_feedforward_layernorm.weight"),
+        # q/k norms over the whole projection, their sum of squares all-reduced over TP
+        ("olmo2", "Olmo2ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,
