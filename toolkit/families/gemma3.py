@@ -11,7 +11,7 @@ from toolkit.families.llama import BY_NAME as LLAMA, L, M
 from toolkit.families.table import CustomLayer, Family, row
 from toolkit.splits import Split
 
-# Norms on the attention / MLP output (OLMo 2 has them too)
+# Norms on the attention / MLP output
 POST_ATTENTION_NORM = row(M + "self_attention.linear_proj.post_layernorm.weight", L + "post_attention_layernorm.weight",
                           Split.REPLICATED, ("hidden",))
 POST_MLP_NORM = row(M + "mlp.linear_fc2.post_layernorm.weight", L + "post_feedforward_layernorm.weight",
