@@ -110,8 +110,9 @@ def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretra
 
 
 @pytest.mark.multiprocess
-def test_bf16_stays_close_to_fp32_reference(setup, tmp_path):
-    run_and_compare(setup, tmp_path, 2, tolerance=LOSS_TOLERANCE_BF16, precision="bf16",
+@pytest.mark.parametrize("model", ["untied", "gemma3"])  # Gemma 3: bf16 (1 + w) norms and embedding scale
+def test_bf16_stays_close_to_fp32_reference(setup, tmp_path, model):
+    run_and_compare(setup, tmp_path, 2, model=model, tolerance=LOSS_TOLERANCE_BF16, precision="bf16",
                     parallel={"tp": 1, "pp": 2, "zero_stage": 1})
 
 
