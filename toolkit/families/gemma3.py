@@ -11,11 +11,6 @@ from toolkit.families.llama import BY_NAME as LLAMA, L, M
 from toolkit.families.table import CustomLayer, Family, row
 from toolkit.splits import Split
 
-# Norms on the attention / MLP output
-POST_ATTENTION_NORM = row(M + "self_attention.linear_proj.post_layernorm.weight", L + "post_attention_layernorm.weight",
-                          Split.REPLICATED, ("hidden",))
-POST_MLP_NORM = row(M + "mlp.linear_fc2.post_layernorm.weight", L + "post_feedforward_layernorm.weight",
-                    Split.REPLICATED, ("hidden",))
 LAYER_TYPES = {"sliding_attention": "1", "full_attention": "0"}
 DEFAULT_LOCAL_THETA = 10000.0  # Gemma3TextConfig.default_theta["local"]
 DEFAULT_PATTERN = 6  # Gemma3TextConfig: every 6th layer global when only sliding_window_pattern is given
@@ -62,11 +57,13 @@ GEMMA3 = Family(
         row(M + "self_attention.q_layernorm.weight", L + "self_attn.q_norm.weight", Split.REPLICATED, ("head_dim",)),
         row(M + "self_attention.k_layernorm.weight", L + "self_attn.k_norm.weight", Split.REPLICATED, ("head_dim",)),
         LLAMA[M + "self_attention.linear_proj.weight"],
-        POST_ATTENTION_NORM,
+        row(M + "self_attention.linear_proj.post_layernorm.weight", L + "post_attention_layernorm.weight",
+            Split.REPLICATED, ("hidden",)),
         row(M + "mlp.linear_fc1.layer_norm_weight", L + "pre_feedforward_layernorm.weight", Split.REPLICATED, ("hidden",)),
         LLAMA[M + "mlp.linear_fc1.weight"],
         LLAMA[M + "mlp.linear_fc2.weight"],
-        POST_MLP_NORM,
+        row(M + "mlp.linear_fc2.post_layernorm.weight", L + "post_feedforward_layernorm.weight",
+            Split.REPLICATED, ("hidden",)),
         LLAMA["decoder.final_layernorm.weight"],
         LLAMA["output_layer.weight"],
     ),
