@@ -41,6 +41,22 @@ PHI3 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, inter
 # so the tiny model has plain RoPE (toolkit/families/spec.py MCORE_ROPE_GAPS).
 PHI4_MINI = dict(hidden_size=192, num_attention_heads=12, num_key_value_heads=4, intermediate_size=200, vocab_size=247,
                  partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)
+# Gemma 3 with everything that differs from Llama in play: head_dim 24 where hidden / heads = 18,
+# one KV head (GQA 4, fewer KV heads than TP 2 and 4), sqrt(72) not exact in bf16, local layers
+# (window 8, shorter than the test sequences) with their own RoPE base between global ones with
+# linear scaling, a softmax scale of 20 ** -0.5 (not head_dim's), tied embeddings as every Gemma 3.
+GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head_dim=24, intermediate_size=96,
+              vocab_size=251, sliding_window=8, query_pre_attn_scalar=20, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+# OLMo 2: GQA 6 (2 KV heads, fewer than TP 4: the whole-projection k norm spans replicated heads)
+OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
+
+# Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
+# Gemma's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5.
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5)}
+DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 
 # name -> (config class name, overrides)
 VARIANTS = {
@@ -67,6 +83,8 @@ VARIANTS = {
     # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
     "qwen3-1kv": ("Qwen3Config", {**QWEN3, "num_key_value_heads": 1}),
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
+    "gemma3": ("Gemma3TextConfig", GEMMA3),
+    "olmo2": ("Olmo2Config", OLMO2),
 }
 
 
@@ -101,10 +119,11 @@ def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32",
     config = make_config(variant, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    low, high = NORM_WEIGHTS.get(config.model_type, DEFAULT_NORM_WEIGHTS)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                param.uniform_(low, high)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
     model = model.to(getattr(torch, dtype))

@@ -8,6 +8,7 @@ tensor-parallel ranks. Adding a family means writing a table, not new control fl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from toolkit.splits import SplitKind
 
@@ -39,6 +40,20 @@ OUTPUT_LAYER = "output_layer.weight"
 
 
 @dataclass(frozen=True)
+class CustomLayer:
+    """A decoder layer megatron-core's stock GPT spec cannot express, as choices the toolkit's own
+    block spec (toolkit/layers.py) composes from megatron-core modules. Megatron-Bridge builds
+    Gemma 3 the same way: a custom layer spec, the rest of GPTModel unchanged."""
+
+    pre_norms: bool = True  # a norm before attention and before the MLP (input_layernorm, pre_mlp_layernorm)
+    post_norms: bool = False  # a norm on the attention output and on the MLP output, before the residual add
+    # "head": one RMSNorm per head on q and k (megatron-core's qk_layernorm); "projection": one
+    # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together
+    qk_norm: str | None = None
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -59,6 +74,14 @@ class Family:
     # megatron-core TransformerConfig fields this family sets beyond the shared ones (toolkit/
     # megatron_settings.py), as a Megatron-Bridge provider does per family: e.g. qk_layernorm
     megatron: dict[str, object] = field(default_factory=dict, hash=False)
+    # config.json key naming the MLP activation, and the only value accepted
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    # Where rope_parameters holds one dict per layer type: the key of the full-attention layers' dict
+    rope_key: str | None = None
+    # Family-specific config.json facts as ModelSpec fields (cfg -> dict), refusing what can't be exact
+    read: Callable[[dict], dict] | None = field(default=None, hash=False)
+    # The decoder layer, where megatron-core's stock GPT layer cannot express it
+    layer: CustomLayer | None = None
 
     def rows_for(self, tied: bool) -> tuple[Row, ...]:
         """With tied embeddings the output layer is the embedding, so its row is dropped."""
