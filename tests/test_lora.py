@@ -115,13 +115,19 @@ def adapter_tensors(adapter_dir):
 
 
 @pytest.mark.multiprocess
-def test_exported_adapter_gives_peft_the_megatron_logits(setup, tmp_path):
+def test_exported_adapter_gives_peft_the_megatron_logits_and_merges_like_peft(setup, tmp_path, capsys):
     """Train at DP2, export; megatron-core at TP2 with that adapter and PeftModel.from_pretrained
-    agree on a held-out batch, and gathering the adapter back from TP2 reproduces the export."""
+    agree on a held-out batch, and gathering the adapter back from TP2 reproduces the export.
+    `convert megatron-to-hf --adapter` writes the same adapter; `--merge` equals merge_and_unload()."""
+    from toolkit.cli import main as cli
     from toolkit.runtime.launch import run_on_processes
 
     _, _, hf, megatron, _, _ = setup
     lora_run(setup, tmp_path, 2, {"tp": 1, "pp": 1, "zero_stage": 1})
+    step = tmp_path / "run" / "checkpoints" / "step_0000010"
+    assert cli(["convert", "megatron-to-hf", "--adapter", str(step), str(tmp_path / "cli-adapter")]) == 0
+    assert cli(["convert", "megatron-to-hf", "--adapter", "--merge", str(step), str(tmp_path / "merged")]) == 0
+    assert_merged_equals_peft_merge(hf, tmp_path / "cli-adapter", tmp_path / "merged")
     exported, tokens = tmp_path / "run" / "adapter", held_out_tokens()
     (ours, _), _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), str(exported), tokens,
                                     str(tmp_path / "again"), tp=2)
@@ -130,8 +136,8 @@ def test_exported_adapter_gives_peft_the_megatron_logits(setup, tmp_path):
     assert worst < 1e-4, worst
     trained, untrained = adapter_tensors(exported), adapter_tensors(setup[4]["all"])
     assert any(not torch.equal(trained[k], untrained[k]) for k in trained), "the adapter did not train"
-    again = adapter_tensors(tmp_path / "again")
-    assert all(torch.equal(again[k], trained[k]) for k in trained)
+    again, cli_export = adapter_tensors(tmp_path / "again"), adapter_tensors(tmp_path / "cli-adapter")
+    assert all(torch.equal(again[k], trained[k]) and torch.equal(cli_export[k], trained[k]) for k in trained)
     print(f"max |logit difference| vs PeftModel.from_pretrained: {worst:.2e}")
 
 
@@ -159,3 +165,19 @@ def test_swapped_query_group_rows_of_b_break_parity_with_peft(setup):
     theirs = peft_logits(hf, adapters["all"], tokens)
     assert float((torch.tensor(correct) - theirs).abs().max()) < 1e-4
     assert float((torch.tensor(swapped) - theirs).abs().max()) > 1e-3
+
+
+def assert_merged_equals_peft_merge(hf, adapter_dir, merged_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), adapter_dir)
+    expected = peft.merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+    assert sorted(ours) == sorted(expected)
+    worst = max(float((ours[k] - expected[k]).abs().max()) for k in ours)
+    assert worst < 1e-6, worst
+    changed = [k for k in ours if "q_proj" in k and not torch.equal(ours[k], AutoModelForCausalLM.from_pretrained(
+        hf, dtype=torch.float32).state_dict()[k])]
+    assert changed, "the merge changed nothing"
+    print(f"max |merged - merge_and_unload()|: {worst:.2e}")
