@@ -9,6 +9,8 @@ on the same global batches (tests/finetune_harness.py). Each layout is one torch
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,30 @@ from toolkit.convert import hf_to_megatron
 STEPS = 10
 LOSS_TOLERANCE = 1e-5
 NORM_TOLERANCE = 1e-4  # relative
+LOSS_TOLERANCE_BF16 = 2e-2  # as tests/test_finetune_parity.py
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Setup:
+    data: Path
+    models: dict  # name -> (HF directory, converted megatron checkpoint)
+    adapters: dict  # name -> (model name, HF PEFT adapter directory saved by peft)
+    references: dict = field(default_factory=dict)
+
+    def hf(self, adapter="all") -> Path:
+        return self.models[self.adapters[adapter][0]][0]
+
+    def megatron(self, adapter="all") -> Path:
+        return self.models[self.adapters[adapter][0]][1]
+
+    def adapter(self, name="all") -> Path:
+        return self.adapters[name][1]
+
+    def reference(self, adapter, cfg_path):
+        if adapter not in self.references:
+            self.references[adapter] = hf_reference(self.hf(adapter), self.data, cfg_path, STEPS, adapter=self.adapter(adapter))
+        return self.references[adapter]
 
 
 @pytest.fixture(scope="module")
@@ -27,41 +52,38 @@ def setup(tmp_path_factory):
     from toolkit.tinymodels import make_tiny_model
 
     root = tmp_path_factory.mktemp("lora")
-    data = write_uneven_data(root / "data.jsonl", 300)
-    hf = make_tiny_model("llama-odd-vocab", root / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
-    megatron = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    models = {}
+    for name, variant in (("llama", "llama-odd-vocab"), ("phi3", "phi3")):
+        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250)
+        models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
+    llama, phi3 = models["llama"][0], models["phi3"][0]
     adapters = {
-        "all": write_peft_adapter(hf, root / "adapter-all", ALL_TARGETS, r=4, alpha=8.0),
-        "qv-rslora": write_peft_adapter(hf, root / "adapter-qv", ["q_proj", "v_proj"], r=4, alpha=8.0, use_rslora=True),
+        "all": ("llama", write_peft_adapter(llama, root / "adapter-all", ALL_TARGETS, r=4, alpha=8.0)),
+        "qv-rslora": ("llama", write_peft_adapter(llama, root / "adapter-qv", ["q_proj", "v_proj"], r=4, alpha=8.0,
+                                                  use_rslora=True)),
+        # Phi-3's HF modules are fused (qkv_proj, gate_up_proj): B follows the HF_QKV / HF_GATE_UP splits
+        "phi3-all": ("phi3", write_peft_adapter(phi3, root / "adapter-phi3", "all-linear", r=4, alpha=8.0)),
     }
-    references = {}
-
-    def reference(name, cfg_path):
-        if name not in references:
-            references[name] = hf_reference(hf, data, cfg_path, STEPS, adapter=adapters[name])
-        return references[name]
-
-    return root, data, hf, megatron, adapters, reference
+    return Setup(write_uneven_data(root / "data.jsonl", 300), models, adapters)
 
 
 def lora_run(setup, tmp_path, nprocs, parallel, adapter="all", **overrides):
-    _, data, _, megatron, adapters, reference = setup
-    cfg = recipe(tmp_path, megatron, data, parallel=parallel, peft={"enabled": True, "init_from": str(adapters[adapter])},
-                 **overrides)
-    result = launch(nprocs, cfg)
-    return cfg, result
+    cfg = recipe(tmp_path, setup.megatron(adapter), setup.data, parallel=parallel,
+                 peft={"enabled": True, "init_from": str(setup.adapter(adapter))}, **overrides)
+    return cfg, launch(nprocs, cfg)
 
 
-def assert_matches_reference(setup, tmp_path, cfg, adapter="all"):
+def assert_matches_reference(setup, tmp_path, cfg, adapter="all", loss_tolerance=LOSS_TOLERANCE):
     metrics = read_metrics(tmp_path / "run")
-    ref_losses, ref_norms = setup[5](adapter, cfg)
+    ref_losses, ref_norms = setup.reference(adapter, cfg)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     losses, norms = [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert worst < LOSS_TOLERANCE, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
+    assert worst < loss_tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
     worst_norm = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-    assert worst_norm < NORM_TOLERANCE, f"max relative grad-norm difference {worst_norm:.2e}\n{norms}\n{ref_norms}"
-    return worst, worst_norm
+    if loss_tolerance == LOSS_TOLERANCE:
+        assert worst_norm < NORM_TOLERANCE, f"max relative grad-norm difference {worst_norm:.2e}\n{norms}\n{ref_norms}"
+    print(f"max |loss - peft reference| {worst:.2e}, max relative grad-norm difference {worst_norm:.2e}")
 
 
 def exported_keys_and_shapes(adapter_dir):
@@ -79,18 +101,21 @@ def exported_keys_and_shapes(adapter_dir):
         (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "all"),
         (2, {"tp": 1, "pp": 1, "zero_stage": 2}, "qv-rslora"),
         (2, {"tp": 1, "pp": 1, "zero_stage": 3}, "all"),
+        (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "phi3-all"),
     ],
-    ids=["TP2xDP2-zero1", "PP2xDP2-zero1", "TP2xPP2xDP2-zero1", "DP2-zero2-qv-rslora", "DP2-zero3"],
+    ids=["TP2xDP2-zero1", "PP2xDP2-zero1", "TP2xPP2xDP2-zero1", "DP2-zero2-qv-rslora", "DP2-zero3", "phi3-TP2xDP2-zero1"],
 )
 def test_lora_losses_and_grad_norms_match_peft_reference(setup, tmp_path, nprocs, parallel, adapter):
     cfg, _ = lora_run(setup, tmp_path, nprocs, parallel, adapter)
     assert_matches_reference(setup, tmp_path, cfg, adapter)
     exported = tmp_path / "run" / "adapter"
     config = json.loads((exported / "adapter_config.json").read_text())
-    source = json.loads((setup[4][adapter] / "adapter_config.json").read_text())
+    source = json.loads((setup.adapter(adapter) / "adapter_config.json").read_text())
     assert {k: config[k] for k in ("r", "lora_alpha", "use_rslora")} == {k: source[k] for k in ("r", "lora_alpha", "use_rslora")}
-    assert sorted(config["target_modules"]) == sorted(source["target_modules"]) and config["base_model_name_or_path"]
-    assert exported_keys_and_shapes(exported) == exported_keys_and_shapes(setup[4][adapter])
+    # PEFT's all-linear saves full module paths; PEFT matches either by the module name
+    assert sorted(config["target_modules"]) == sorted({m.rsplit(".", 1)[-1] for m in source["target_modules"]})
+    assert config["base_model_name_or_path"]
+    assert exported_keys_and_shapes(exported) == exported_keys_and_shapes(setup.adapter(adapter))
     assert not (tmp_path / "run" / "hf").exists()
 
 
@@ -122,7 +147,7 @@ def test_exported_adapter_gives_peft_the_megatron_logits_and_merges_like_peft(se
     from toolkit.cli import main as cli
     from toolkit.runtime.launch import run_on_processes
 
-    _, _, hf, megatron, _, _ = setup
+    hf, megatron = setup.hf(), setup.megatron()
     lora_run(setup, tmp_path, 2, {"tp": 1, "pp": 1, "zero_stage": 1})
     step = tmp_path / "run" / "checkpoints" / "step_0000010"
     assert cli(["convert", "megatron-to-hf", "--adapter", str(step), str(tmp_path / "cli-adapter")]) == 0
@@ -134,7 +159,7 @@ def test_exported_adapter_gives_peft_the_megatron_logits_and_merges_like_peft(se
     theirs = peft_logits(hf, exported, tokens)
     worst = float((torch.tensor(ours) - theirs).abs().max())
     assert worst < 1e-4, worst
-    trained, untrained = adapter_tensors(exported), adapter_tensors(setup[4]["all"])
+    trained, untrained = adapter_tensors(exported), adapter_tensors(setup.adapter())
     assert any(not torch.equal(trained[k], untrained[k]) for k in trained), "the adapter did not train"
     again, cli_export = adapter_tensors(tmp_path / "again"), adapter_tensors(tmp_path / "cli-adapter")
     assert all(torch.equal(again[k], trained[k]) and torch.equal(cli_export[k], trained[k]) for k in trained)
@@ -145,10 +170,9 @@ def test_exported_adapter_gives_peft_the_megatron_logits_and_merges_like_peft(se
 def test_import_then_export_at_tp2_reproduces_the_adapter_bit_exactly(setup, tmp_path):
     from toolkit.runtime.launch import run_on_processes
 
-    _, _, _, megatron, adapters, _ = setup
-    run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), str(adapters["all"]), held_out_tokens(),
+    run_on_processes("tests.mp_workers:lora_logits", 2, str(setup.megatron()), str(setup.adapter()), held_out_tokens(),
                      str(tmp_path / "out"), tp=2)
-    source, out = adapter_tensors(adapters["all"]), adapter_tensors(tmp_path / "out")
+    source, out = adapter_tensors(setup.adapter()), adapter_tensors(tmp_path / "out")
     assert sorted(source) == sorted(out)
     assert all(torch.equal(source[k], out[k]) for k in source)
 
@@ -158,11 +182,10 @@ def test_swapped_query_group_rows_of_b_break_parity_with_peft(setup):
     """Guard: the logits comparison does see the per-query-group interleave of B in linear_qkv."""
     from toolkit.runtime.launch import run_on_processes
 
-    _, _, hf, megatron, adapters, _ = setup
     tokens = held_out_tokens()
-    ((correct, swapped),) = run_on_processes("tests.mp_workers:lora_logits", 1, str(megatron), str(adapters["all"]),
-                                             tokens, swap_query_groups=True)
-    theirs = peft_logits(hf, adapters["all"], tokens)
+    ((correct, swapped),) = run_on_processes("tests.mp_workers:lora_logits", 1, str(setup.megatron()),
+                                             str(setup.adapter()), tokens, swap_query_groups=True)
+    theirs = peft_logits(setup.hf(), setup.adapter(), tokens)
     assert float((torch.tensor(correct) - theirs).abs().max()) < 1e-4
     assert float((torch.tensor(swapped) - theirs).abs().max()) > 1e-3
 
@@ -211,10 +234,17 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, t
     (checkpoints / "latest").write_text("step_0000005")
     metrics = resumed_dir / "run" / "metrics.jsonl"
     metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:5]))
-    resumed_cfg = recipe(resumed_dir, setup[3], setup[1], parallel=parallel, save_every=5,
-                         peft={"enabled": True, "init_from": str(setup[4]["all"])})
+    resumed_cfg = recipe(resumed_dir, setup.megatron(), setup.data, parallel=parallel, save_every=5,
+                         peft={"enabled": True, "init_from": str(setup.adapter())})
     launch(4, resumed_cfg, "resume=auto")
     resumed = read_metrics(resumed_dir / "run")
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight]
+
+
+@pytest.mark.multiprocess
+def test_lora_bf16_stays_close_to_fp32_peft_reference(setup, tmp_path):
+    """bf16 rounds the frozen base and the activations: a loss within 2% of the fp32 reference."""
+    cfg, _ = lora_run(setup, tmp_path, 2, {"tp": 1, "pp": 2, "zero_stage": 1}, precision="bf16")
+    assert_matches_reference(setup, tmp_path, cfg, loss_tolerance=LOSS_TOLERANCE_BF16)

@@ -67,7 +67,10 @@ def test_rank_out_of_range_is_refused(base, tmp_path, r, match):
 
 def test_accepted_settings_pass(base, tmp_path):
     run = prepare(base, tmp_path, "peft.r=32", "peft.target_modules=all-linear")
-    assert run.lora.settings.r == 32 and len(run.lora.settings.target_modules) == 1
+    assert run.lora.settings.r == 32
+    # all-linear spelled out: PEFT reads target_modules back as module names
+    assert sorted(run.lora.settings.target_modules) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 def test_adapter_of_another_base_checkpoint_is_refused(base, tmp_path):

@@ -7,6 +7,7 @@ an imported adapter onto the layout and gather the trained one back, so a round 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -174,10 +175,13 @@ def apply_lora(model, family: Family, spec: ModelSpec, layout: Layout, tp_rank: 
     return adapter
 
 
-def resolve_settings(family: Family, spec: ModelSpec, settings: LoraSettings) -> None:
-    """Refuse unknown target names and an r out of range, before any process starts."""
+def resolve_settings(family: Family, spec: ModelSpec, settings: LoraSettings) -> LoraSettings:
+    """Refuse unknown target names and an r out of range, before any process starts; returns the
+    settings with the target names spelled out (`all-linear` as the family's names, which is what
+    adapter_config.json must list for PEFT to find the modules)."""
     linears = targets.resolve(family, spec, list(settings.target_modules))
     targets.check_rank(settings.r, linears)
+    return dataclasses.replace(settings, target_modules=tuple(n for linear in linears for n in linear.chosen))
 
 
 def read_initial(adapter_dir, family: Family, spec: ModelSpec, settings: LoraSettings) -> dict[str, torch.Tensor]:

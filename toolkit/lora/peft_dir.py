@@ -70,6 +70,10 @@ def read_settings(adapter_dir: Path) -> LoraSettings:
         raise AdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     modules = cfg.get("target_modules")
     modules = [modules] if isinstance(modules, str) else list(modules or [])
+    # PEFT's all-linear saves full module paths (model.layers.0.mlp.down_proj); PEFT matches a name
+    # by its last components, so the module name is what counts. An adapter of only some layers
+    # is then refused when its tensors are checked against every layer's.
+    modules = sorted({m.rsplit(".", 1)[-1] for m in modules})
     return LoraSettings(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), tuple(modules),
                         bool(cfg.get("use_rslora", False)))
 

@@ -157,7 +157,7 @@ def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
     else:
         names = tuple(n.strip() for n in p.target_modules.split(",") if n.strip())
         settings = peft_dir.LoraSettings(p.r, p.alpha, p.dropout, names, p.use_rslora)
-    adapter.resolve_settings(family, spec, settings)
+    settings = adapter.resolve_settings(family, spec, settings)
     if p.init_from:
         adapter.read_initial(Path(p.init_from), family, spec, settings)
     base = peft_dir.base_reference(Path(cfg.model.checkpoint))
