@@ -153,12 +153,13 @@ def strict_device_checks(nprocs_expected: int) -> dict:
 
 
 def lora_logits(checkpoint: str, adapter_dir: str, tokens, export_dir: str | None = None,
-                swap_query_groups: bool = False, tp: int = 1):
+                swap_query_groups: bool = False, tp: int = 1, fresh: bool = False):
     """Logits (whole vocab, padding sliced off) of the megatron-core model at TP=`tp` with the HF
     PEFT adapter at `adapter_dir` imported onto it. With `export_dir`, the imported adapter is
     gathered back there untouched (import -> 0 steps -> export). With `swap_query_groups`, also
     the logits after swapping the q_proj B rows of the first two query groups in layer 0 (a
-    wrong interleave). Returns (logits, swapped logits or None)."""
+    wrong interleave). With `fresh`, only the adapter's settings are used and the weights are
+    initialised as PEFT does. Returns (logits, swapped logits or None)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -177,7 +178,7 @@ def lora_logits(checkpoint: str, adapter_dir: str, tokens, export_dir: str | Non
     model = build_gpt_model(spec, layout, torch.float32)
     load_converted(model, checkpoint)
     family, settings = family_named(spec.family), peft_dir.read_settings(Path(adapter_dir))
-    initial = adapter.read_initial(Path(adapter_dir), family, spec, settings)
+    initial = None if fresh else adapter.read_initial(Path(adapter_dir), family, spec, settings)
     applied = adapter.apply_lora(model, family, spec, layout, ps.get_tensor_model_parallel_rank(), 0, settings,
                                  peft_dir.base_reference(Path(checkpoint)), 0, initial)
     if export_dir:

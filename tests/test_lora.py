@@ -248,3 +248,25 @@ def test_lora_bf16_stays_close_to_fp32_peft_reference(setup, tmp_path):
     """bf16 rounds the frozen base and the activations: a loss within 2% of the fp32 reference."""
     cfg, _ = lora_run(setup, tmp_path, 2, {"tp": 1, "pp": 2, "zero_stage": 1}, precision="bf16")
     assert_matches_reference(setup, tmp_path, cfg, loss_tolerance=LOSS_TOLERANCE_BF16)
+
+
+@pytest.mark.multiprocess
+def test_peft_initialisation_is_the_same_at_tp1_and_tp2(setup, tmp_path):
+    """Without init_from: A Kaiming-uniform(a=sqrt(5)) as PEFT draws it (bound 1/sqrt(in)), B zero,
+    seeded per tensor so that TP ranks agree on the replicated parts and every layout gets the
+    same adapter."""
+    import math
+
+    from toolkit.runtime.launch import run_on_processes
+
+    for tp in (1, 2):
+        run_on_processes("tests.mp_workers:lora_logits", tp, str(setup.megatron()), str(setup.adapter()),
+                         held_out_tokens(), str(tmp_path / f"tp{tp}"), tp=tp, fresh=True)
+    tp1, tp2 = adapter_tensors(tmp_path / "tp1"), adapter_tensors(tmp_path / "tp2")
+    assert sorted(tp1) == sorted(tp2) and all(torch.equal(tp1[k], tp2[k]) for k in tp1)
+    for key, tensor in tp1.items():
+        if ".lora_B." in key:
+            assert not tensor.any(), key
+        else:
+            bound = 1 / math.sqrt(tensor.shape[1])
+            assert 0.9 * bound < float(tensor.abs().max()) <= bound, key
