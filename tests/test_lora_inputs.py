@@ -99,3 +99,8 @@ def test_adapter_export_from_a_run_without_adapter_is_refused(base, tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no LoRA adapter" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_init_from_without_peft_enabled_is_refused(base, tmp_path):
+    adapter = write_peft_adapter(base["hf"], tmp_path / "adapter", ["q_proj"])
+    refused(base, tmp_path, "peft.enabled is false", "peft.enabled=false", f"peft.init_from={adapter}")

@@ -277,6 +277,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"resume={cfg.resume}: not 'none', 'auto' or a checkpoint directory")
     if not cfg.model.checkpoint:
         raise ConfigError("model.checkpoint is required (a directory from `toolkit convert hf-to-megatron`)")
+    if cfg.peft.init_from and not cfg.peft.enabled:
+        raise ConfigError("peft.init_from is given but peft.enabled is false: set peft.enabled=true to train the adapter")
     if cfg.peft.init_from and not Path(cfg.peft.init_from).is_dir():
         raise ConfigError(f"peft.init_from={cfg.peft.init_from}: not a directory")
     if not cfg.data.train_file:
