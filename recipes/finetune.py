@@ -9,6 +9,8 @@ Who owns what:
   DeepSpeed      data parallelism (ZeRO), precision, the optimizer step, checkpoint files
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients,
                  data order, checkpoint markers, metrics and the export to HF
+  toolkit.lora    with peft.enabled=true: LoRA around megatron-core's linears, the base frozen
+                 (applied in step 3b), the adapter saved and exported as an HF PEFT directory
 """
 
 from __future__ import annotations
