@@ -26,6 +26,7 @@ ARG_NAMES = {
     "gated_linear_unit": "swiglu",  # with activation_func silu, which args do not store
     "rope_scaling": "use_rope_scaling",
     "max_sequence_length": "max_position_embeddings",
+    "num_moe_experts": "num_experts",
 }
 
 
@@ -54,6 +55,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         # HF: a token attends to `window` tokens including itself; megatron: (left, right) extra tokens.
         window_size=(spec.window_size - 1, 0) if spec.window_size else None,
         **family_named(spec.family).megatron,
+        **moe_settings(spec),
     )
     gpt = dict(
         max_sequence_length=spec.max_position_embeddings,
@@ -65,6 +67,24 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         rope_scaling_factor=spec.rope_scaling_factor or MCORE_ROPE_SCALING_FACTOR,
     )
     return MegatronSettings(transformer, gpt)
+
+
+def moe_settings(spec: ModelSpec) -> dict:
+    """The router HF uses, in megatron-core's terms (see toolkit/families/router.py): renormalised
+    top-k is top-k of the logits then softmax (pre_softmax off); otherwise softmax then top-k. No
+    score scaling, and no capacity factor, so no token is ever dropped."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.moe_renormalise,
+        moe_router_topk_scaling_factor=None,
+        moe_expert_capacity_factor=None,
+        moe_token_dispatcher_type="alltoall",
+    )
 
 
 def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:
@@ -86,6 +106,8 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
         tokenizer_type="HuggingFaceTokenizer",
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         params_dtype=dtype,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import ConversionError
+from toolkit.families.router import read_moe
 from toolkit.families.table import Family
 
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the
@@ -34,6 +35,16 @@ class ModelSpec:
     rope_scaling_factor: float | None  # llama3-type scaling, None when unscaled
     window_size: int | None  # sliding window in tokens (HF semantics: attends to this many, itself included)
     dtype: str  # torch dtype name of the checkpoint, e.g. "bfloat16"
+    # Mixture-of-Experts (0 experts: a dense model): routed experts, experts per token, one
+    # expert's FFN width, whether the top-k probabilities are renormalised (toolkit/families/router.py)
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_renormalise: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -45,6 +56,9 @@ class ModelSpec:
             "head_dim": self.head_dim,
             "qkv_size": (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
             "2ffn": 2 * self.ffn_hidden_size,
+            "experts": self.num_experts,
+            "moe_ffn": self.moe_ffn_hidden_size,
+            "2moe_ffn": 2 * self.moe_ffn_hidden_size,
         }[symbol]
 
     def to_dict(self) -> dict:
@@ -112,6 +126,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     heads = int(_require(cfg, "num_attention_heads"))
     theta, factor = _rope(cfg, family)
     window = cfg.get(family.window_key) if family.window_key else None
+    moe = read_moe(cfg, family.name, family.router) if family.router else None
     return ModelSpec(
         family=family.name,
         num_layers=int(_require(cfg, "num_hidden_layers")),
@@ -129,4 +144,6 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         rope_scaling_factor=factor,
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        **({} if moe is None else dict(num_experts=moe.num_experts, moe_topk=moe.topk,
+                                       moe_ffn_hidden_size=moe.ffn_hidden_size, moe_renormalise=moe.renormalise)),
     )
