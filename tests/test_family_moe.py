@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +23,12 @@ from tests.test_convert_bad_input import convert_fails, edit_config
 from tests.test_convert_parity import FP32_TOLERANCE, assert_parity, logit_change
 from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.convert.metadata import CheckpointMeta
 from toolkit.convert.parity import verify_many
 from toolkit.convert.torch_format import load_trusted_types
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
+from toolkit.memory.params import stage_param_numels
 from toolkit.runtime.launch import run_on_processes
 from toolkit.tinymodels import make_config
 
@@ -142,8 +145,11 @@ def test_torch_dist_loads_at_ep1_through_megatron_core_and_is_its_own_layout(tin
                       "resave": str(tmp_path / f"{variant}-resaved")})
         pairs += [(tiny_moe[variant], dist), (tiny_moe[variant], convert("torch", tp=2, pp=2, ep=2))]
     (results,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, cases)
-    for variant, result in zip(MOE_VARIANTS, results):
+    for variant, case, result in zip(MOE_VARIANTS, cases, results):
         assert result["ours"] == result["megatrons"], variant
+        # `toolkit memory` counts parameters from the same family table, router and experts included
+        spec = CheckpointMeta.read(Path(case["dist"])).model_spec
+        assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"], variant
         ours = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in result["te_keys"]}
         assert "decoder.layers.mlp.router.weight" in ours and "decoder.layers.mlp.router.weight" in result["sharded_keys"]
         assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}, variant
