@@ -23,6 +23,7 @@ from tests.test_convert_bad_input import convert_fails, edit_config
 from tests.test_convert_parity import FP32_TOLERANCE, assert_parity, logit_change
 from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.convert.dist_format import TE_MOE_ALIASES
 from toolkit.convert.metadata import CheckpointMeta
 from toolkit.convert.parity import verify_many
 from toolkit.convert.torch_format import load_trusted_types
@@ -146,7 +147,9 @@ def test_torch_dist_loads_at_ep1_through_megatron_core_and_is_its_own_layout(tin
         pairs += [(tiny_moe[variant], dist), (tiny_moe[variant], convert("torch", tp=2, pp=2, ep=2))]
     (results,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, cases)
     for variant, case, result in zip(MOE_VARIANTS, cases, results):
-        assert result["ours"] == result["megatrons"], variant
+        # the same, plus the pre-MLP norm under the key the TE spec's MoE layer uses (TE_MOE_ALIASES)
+        ((local_key, te_key),) = TE_MOE_ALIASES.items()
+        assert result["ours"] == {**result["megatrons"], te_key: result["megatrons"][local_key]}, variant
         # `toolkit memory` counts parameters from the same family table, router and experts included
         spec = CheckpointMeta.read(Path(case["dist"])).model_spec
         assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"], variant

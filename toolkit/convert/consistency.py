@@ -83,6 +83,8 @@ def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dic
             out[dist_format.stacked_key(row.megatron_name(0, 0))] = (spec.num_layers, *shape)
         else:
             out[row.megatron] = shape
+    if spec.is_moe:
+        out.update((alias, out[key]) for key, alias in dist_format.TE_MOE_ALIASES.items())
     return out
 
 

@@ -9,6 +9,7 @@ writes (checked against it in the tests):
   * experts are stacked once more, SequentialMLP's sharded keys: `decoder.layers.mlp.experts.experts.
     linear_fc1.weight` has shape [num_layers, num_experts, ...], one chunk per (layer, expert), so
     megatron-core's loader gives each EP rank its experts (and each expert-TP rank its slice);
+  * a MoE layer's pre-MLP norm is stored twice (TE_MOE_ALIASES), under each layer spec's key;
   * `_extra_state` entries are byte objects keyed `<name>/shard_<layer>_<num_layers>`;
   * tied output layers are not stored (the last stage loads them from the embedding).
 
@@ -18,6 +19,7 @@ when the writer asks for it, so memory holds about one tensor at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -67,6 +69,18 @@ class Chunk:
 
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
 EXPERTS_PREFIX = "mlp.experts.experts."  # SequentialMLP's sharded key prefix (experts.py sharded_state_dict)
+
+
+# Under the TE spec a MoE layer's pre-MLP norm is a module of its own with no key map
+# (gpt_layer_specs.py get_gpt_layer_with_transformer_engine_spec: pre_mlp_layernorm=TENorm when
+# num_experts), so its sharded key is `pre_mlp_layernorm.weight`; the local spec maps the same norm
+# to `mlp.linear_fc1.layer_norm_weight` (its sharded_state_dict_keys_map). A MoE checkpoint holds
+# both, so a GPU (TE) model and a CPU (local) model both load it.
+TE_MOE_ALIASES = {STACKED_PREFIX + "mlp.linear_fc1.layer_norm_weight": STACKED_PREFIX + "pre_mlp_layernorm.weight"}
+
+
+def with_te_moe_aliases(chunks: list[Chunk]) -> list[Chunk]:
+    return chunks + [dataclasses.replace(c, key=TE_MOE_ALIASES[c.key]) for c in chunks if c.key in TE_MOE_ALIASES]
 
 
 def stacked_key(canonical_layer_name: str) -> str:

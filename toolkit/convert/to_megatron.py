@@ -82,7 +82,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
             chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
                                             (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
                                             dtype, load))
-    return chunks
+    return dist_format.with_te_moe_aliases(chunks) if spec.is_moe else chunks
 
 
 def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
