@@ -199,3 +199,18 @@ def test_cli_ep_flag(tiny_moe, tmp_path):
                           str(tmp_path / "bad"), "--ep", "3"], capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "8 experts cannot be split evenly over --ep 3" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(2, 1, 2), (1, 2, 2), (1, 2, 1)], ids=["TP2xEP2", "PP2xEP2", "PP2"])
+def test_megatron_lm_moe_checkpoint_without_our_metadata_exports_with_hf_config(tiny_moe, tmp_path, tp, pp, ep):
+    """Megatron-LM's mp_rank_TT_NNN means PP rank NNN, or EP rank NNN at PP 1: the files' own `args`
+    tell which, so a checkpoint from Megatron-LM training (no toolkit metadata) exports exactly."""
+    import shutil
+
+    src = tiny_moe["qwen3-moe-bf16"]
+    out = hf_to_megatron(src, tmp_path / "m", tp=tp, pp=pp, ep=ep, progress=False)
+    (out / "toolkit_checkpoint.json").unlink()
+    shutil.rmtree(out / "hf")
+    back = megatron_to_hf(out, tmp_path / "h", hf_config=src / "config.json", progress=False)
+    original, restored = load_all(src), load_all(back)
+    assert set(original) == set(restored) and all(torch.equal(original[k], restored[k]) for k in original)

@@ -117,9 +117,13 @@ class MegatronCheckpoint:
         family, spec = checked_spec(cfg, config_path)
         if (shards / "metadata.json").is_file():
             raise ConversionError("torch_dist checkpoints not written by this toolkit are not supported yet")
-        tp, pp, ep = torch_format.discover_layout(shards, second_is_expert=_expert_parallel_at_pp1(shards))
+        args = torch_format.stored_args(shards)
+        tp, pp, ep = torch_format.discover_layout(shards, second_is_expert=_expert_parallel_at_pp1(args))
+        # Megatron-LM pads the vocab to a multiple of make_vocab_size_divisible_by x TP (arguments.py)
+        divisor = getattr(args, "make_vocab_size_divisible_by", None) or 1
         tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
-        return cls(root, shards, "torch", family, spec, Layout(tp, pp, 1, ep), config_path.read_bytes(), tokenizer, None)
+        return cls(root, shards, "torch", family, spec, Layout(tp, pp, divisor, ep), config_path.read_bytes(), tokenizer,
+                   None)
 
     def hf_tensors(self, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor of the HF model (or only `wanted` ones), one at a time."""
@@ -188,7 +192,6 @@ def _needed(row, layers, experts, wanted: set[str]) -> bool:
     return any(wanted.intersection(row.hf_names(layer, expert)) for layer, _, expert, _ in row_instances(row, layers, experts))
 
 
-def _expert_parallel_at_pp1(shards: Path) -> bool:
+def _expert_parallel_at_pp1(args) -> bool:
     """Whether a Megatron-LM checkpoint's mp_rank_TT_NNN names an EP rank: its stored args say."""
-    args = torch_format.stored_args(shards)
     return getattr(args, "pipeline_model_parallel_size", 1) == 1 and getattr(args, "expert_model_parallel_size", 1) > 1
