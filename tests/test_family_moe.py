@@ -243,3 +243,13 @@ def test_torch_writer_reads_only_the_experts_of_the_rank_it_writes(tiny_moe, tmp
     assert sorted(saved) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     reads = [n for k, n in events if k == "read" and ".experts." in n]
     assert len(reads) == 4 * 3 * 3 * 4  # layers x (w1, w2, w3) x local experts x files: each once
+
+
+def test_qwen3_moe_hub_config_naming_num_experts_converts(moe_copy, tmp_path):
+    """Hub Qwen3-MoE configs say `num_experts` (transformers 5 writes `num_local_experts`)."""
+    src = moe_copy("qwen3-moe-bf16")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = hf_to_megatron(src, tmp_path / "m", ep=4, progress=False)
+    assert json.loads((out / "toolkit_checkpoint.json").read_text())["spec"]["num_experts"] == 8
