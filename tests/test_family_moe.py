@@ -253,3 +253,35 @@ def test_qwen3_moe_hub_config_naming_num_experts_converts(moe_copy, tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     out = hf_to_megatron(src, tmp_path / "m", ep=4, progress=False)
     assert json.loads((out / "toolkit_checkpoint.json").read_text())["spec"]["num_experts"] == 8
+
+
+@pytest.mark.multiprocess
+def test_mixtral_fine_tune_at_dp2_without_expert_parallelism_matches_hf(tmp_path):
+    """Before expert parallelism: the trainer as it is fine-tunes a MoE model at DP 2 (EP 1, experts
+    replicated like dense weights) step for step like the single-process HF reference."""
+    from tests.finetune_harness import hf_reference, launch, read_metrics, recipe, write_uneven_data
+    from toolkit.tinymodels import make_tiny_model
+
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    hf = make_tiny_model("mixtral", tmp_path / "hf", dtype="float32", vocab_size=250)
+    cfg = recipe(tmp_path, hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False), data,
+                 parallel={"tp": 1, "pp": 1, "zero_stage": 1})
+    launch(2, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    ref_losses, ref_norms = hf_reference(hf, data, cfg, 10)
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses)) < 1e-5, (metrics, ref_losses)
+    assert all(abs(m["grad_norm"] - r) <= 1e-4 * max(1.0, r) for m, r in zip(metrics, ref_norms))
+
+
+def test_moe_fine_tune_with_tp_is_refused_in_one_line(tiny_moe, tmp_path):
+    from tests.test_finetune_inputs import recipe_file
+    from toolkit.errors import ToolkitError
+    from toolkit.train import build
+    from toolkit.train.config import load_config
+
+    mc = hf_to_megatron(tiny_moe["qwen3-moe-bf16"], tmp_path / "mc", fmt="torch_dist", progress=False)
+    cfg = load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["parallel.tp=2"])
+    with pytest.raises(ToolkitError, match=r"^parallel.tp=2: fine-tuning a Mixture-of-Experts model \(qwen3_moe\) "
+                                           r"with TP > 1 needs sequence parallelism[^\n]*$"):
+        build.check_layout(cfg, 4, build.read_checkpoint_meta(cfg))
