@@ -9,6 +9,8 @@ Who owns what:
   DeepSpeed      data parallelism (ZeRO), precision, the optimizer step, checkpoint files
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients,
                  data order, checkpoint markers, metrics and the export to HF
+  toolkit.lora    with peft.enabled=true: LoRA around megatron-core's linears, the base frozen
+                 (applied in step 3b), the adapter saved and exported as an HF PEFT directory
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Run:
     layout_key: dict
     schedule: object
     resume_from: Path | None
+    lora: object  # toolkit.train.build.LoraPlan, or None for a full fine-tune
 
 
 def prepare(config_path, overrides) -> Run:
@@ -88,9 +91,10 @@ def prepare(config_path, overrides) -> Run:
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
     resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
     schedule = LRSchedule.from_config(cfg)
+    lora = build.lora_plan(cfg, meta)
     if resume_from is not None:
-        checkpoint.check_resumable(resume_from, layout_key, schedule)
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from)
+        checkpoint.check_resumable(resume_from, layout_key, schedule, lora is not None, cfg.model.checkpoint)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora)
 
 
 def finetune(run: Run) -> int:
@@ -114,6 +118,9 @@ def finetune(run: Run) -> int:
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
+    # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
+    #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
+    adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
     mark_tied_output_replica(model, spec.tied_embeddings)
     sum_qk_norm_grads_over_tp(model)
 
@@ -128,7 +135,8 @@ def finetune(run: Run) -> int:
     # 7. Resume (exactly: weights, optimizer, LR schedule, RNG, data position) if asked.
     start_step = 0
     if run.resume_from is not None:
-        start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg))
+        start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg),
+                                       lora=adapter is not None)
 
     resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
                 "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
@@ -165,7 +173,8 @@ def finetune(run: Run) -> int:
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {**run.layout_key, "lr_schedule": run.schedule.state()}
-            checkpoint.save(run_dir, step, engine, model, train_data, train_state, meta, cfg.model.checkpoint, cfg.keep_last)
+            checkpoint.save(run_dir, step, engine, model, train_data, train_state, meta, cfg.model.checkpoint, cfg.keep_last,
+                            adapter)
         if stop:
             if info.rank == 0:
                 print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)
@@ -173,9 +182,13 @@ def finetune(run: Run) -> int:
             shutdown()
             return PREEMPTED_EXIT_CODE
 
-    # 9. Export the final fp32 master weights to HF (cast to the source dtype); also after a
-    #    requeue that found the last step already saved but not yet exported.
-    if cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / checkpoint.HF_EXPORT).exists()):
+    # 9. Export the final fp32 master weights to HF (cast to the source dtype), or with LoRA the
+    #    adapter as an HF PEFT directory; also after a requeue that found the last step already
+    #    saved but not yet exported.
+    if adapter is not None and info.rank == 0:
+        checkpoint.export_adapter(run_dir)
+        print(f"exported the LoRA adapter to {run_dir / checkpoint.ADAPTER_EXPORT}", flush=True)
+    elif cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / checkpoint.HF_EXPORT).exists()):
         from toolkit.convert import megatron_to_hf
 
         megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / checkpoint.HF_EXPORT, overwrite=True, progress=False)

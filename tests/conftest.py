@@ -15,18 +15,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOOLKIT_STRICT_DEVICES", "1")
 
 # Families and variants every conversion test covers (see toolkit/tinymodels.py).
-VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3")
+VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3",
+            "phi4-mini", "gemma3", "olmo2")
+# Built too, for the tests that need them: a single KV head (fewer than TP = 2)
+FEWER_KV_HEADS_THAN_TP2 = ("qwen3-1kv", "phi3-1kv")
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> dict[str, Path]:
-    """variant -> directory of a saved tiny model (bf16 weights, plus an fp32 Llama and Qwen3)."""
+    """variant -> directory of a saved tiny model (bf16 weights, plus fp32 Llama, Qwen3, Phi-4-mini, Gemma 3, OLMo 2)."""
     from toolkit.tinymodels import make_tiny_model
 
     root = tmp_path_factory.mktemp("hf")
-    models = {v: make_tiny_model(v, root / v, dtype="bfloat16", seed=i) for i, v in enumerate(VARIANTS)}
-    models["llama-fp32"] = make_tiny_model("llama", root / "llama-fp32", dtype="float32", seed=42)
-    models["qwen3-fp32"] = make_tiny_model("qwen3", root / "qwen3-fp32", dtype="float32", seed=43)
+    variants = VARIANTS + FEWER_KV_HEADS_THAN_TP2
+    models = {v: make_tiny_model(v, root / v, dtype="bfloat16", seed=i) for i, v in enumerate(variants)}
+    for seed, variant in enumerate(("llama", "qwen3", "phi4-mini", "gemma3", "olmo2"), start=42):
+        models[f"{variant}-fp32"] = make_tiny_model(variant, root / f"{variant}-fp32", dtype="float32", seed=seed)
     return models
 
 

@@ -122,9 +122,44 @@ def reference_rows(samples, length: int, pack: bool) -> list[list[tuple[list[int
     return rows + ([current] if current else [])
 
 
-def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu") -> tuple[list[float], list[float]]:
+def write_peft_adapter(hf_dir: Path, out: Path, targets, r: int = 4, alpha: float = 8.0, use_rslora: bool = False,
+                       seed: int = 0) -> Path:
+    """An adapter saved by HF PEFT itself for the HF model: PEFT's initialisation, then B drawn
+    non-zero so that the adapter changes the model from the first step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=use_rslora)
+    peft = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    peft.save_pretrained(out)
+    return out
+
+
+def peft_model(model, adapter_dir: Path):
+    """HF PEFT's own LoRA on `model`: get_peft_model with the adapter's config, its weights loaded."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    config = LoraConfig.from_pretrained(adapter_dir)
+    config.inference_mode = False  # save_pretrained stores True, which would freeze the adapter too
+    peft = get_peft_model(model, config)
+    result = set_peft_model_state_dict(peft, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+    assert not result.unexpected_keys, result.unexpected_keys
+    return peft
+
+
+def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu",
+                 adapter: Path | None = None) -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
     same global batches: loss = sum of token losses over the global batch / its token count.
+    With `adapter` (an HF PEFT directory) the model is HF PEFT's LoRA from that adapter, and
+    only its LoRA weights train.
 
     Independent of the product's data and schedule code: its own tokenisation and masking, its
     own packing, one forward per document (no padding, positions from 0), its own LR formula."""
@@ -136,9 +171,13 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1)
     rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = peft_model(model, adapter)
+    model = model.to(device).train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim > 1]
+    no_decay = [p for p in trained if p.ndim <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=optim["lr"])
     floor = optim.get("min_lr", 0.0) / optim["lr"]
@@ -158,7 +197,7 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
                 count += int(targets.sum())
         loss = total / count
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim["clip_grad"])))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, optim["clip_grad"])))
         opt.step()
         sched.step()
         losses.append(float(loss))

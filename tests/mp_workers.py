@@ -150,3 +150,53 @@ def strict_device_checks(nprocs_expected: int) -> dict:
     batch = {"loss_mask": torch.tensor([[1.0, 1.0, 0.0]]), "real_tokens": torch.tensor(3)}
     verdicts["token count"] = count_global_tokens([batch], info.device)
     return verdicts
+
+
+def lora_logits(checkpoint: str, adapter_dir: str, tokens, export_dir: str | None = None,
+                swap_query_groups: bool = False, tp: int = 1, fresh: bool = False):
+    """Logits (whole vocab, padding sliced off) of the megatron-core model at TP=`tp` with the HF
+    PEFT adapter at `adapter_dir` imported onto it. With `export_dir`, the imported adapter is
+    gathered back there untouched (import -> 0 steps -> export). With `swap_query_groups`, also
+    the logits after swapping the q_proj B rows of the first two query groups in layer 0 (a
+    wrong interleave). With `fresh`, only the adapter's settings are used and the weights are
+    initialised as PEFT does. Returns (logits, swapped logits or None)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from toolkit.convert.load import load_converted
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.families import family_named
+    from toolkit.layouts import Layout
+    from toolkit.lora import adapter, peft_dir
+    from toolkit.model import build_gpt_model
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(tp, 1)
+    meta = CheckpointMeta.read(Path(checkpoint))
+    spec, layout = meta.model_spec, Layout(tp, 1, meta.vocab_divisor)
+    model = build_gpt_model(spec, layout, torch.float32)
+    load_converted(model, checkpoint)
+    family, settings = family_named(spec.family), peft_dir.read_settings(Path(adapter_dir))
+    initial = None if fresh else adapter.read_initial(Path(adapter_dir), family, spec, settings)
+    applied = adapter.apply_lora(model, family, spec, layout, ps.get_tensor_model_parallel_rank(), 0, settings,
+                                 peft_dir.base_reference(Path(checkpoint)), 0, initial)
+    if export_dir:
+        adapter.save_adapter(applied, Path(export_dir))
+    model.eval()
+    tokens = torch.tensor(tokens)
+
+    def logits():
+        with torch.no_grad():
+            out = model(tokens, torch.arange(tokens.shape[1])[None].expand_as(tokens), None)
+            # as a list: a tensor sent through the result queue dies with the worker's shared memory
+            return gather_from_tensor_model_parallel_region(out)[..., : spec.vocab_size].tolist()
+
+    correct, swapped = logits(), None
+    if swap_query_groups:
+        b = model.decoder.layers[0].self_attention.linear_qkv.lora_B["q_proj"]
+        group = spec.num_heads // spec.num_kv_heads * spec.head_dim
+        with torch.no_grad():
+            b[: 2 * group] = torch.cat([b[group : 2 * group], b[:group]]).clone()
+        swapped = logits()
+    return correct, swapped

@@ -21,14 +21,15 @@ from toolkit.convert.metadata import CheckpointMeta
 from toolkit.convert.parity import verify_many
 from toolkit.memory.params import stage_param_numels
 from toolkit.runtime.launch import run_on_processes
-from tests.conftest import VARIANTS
+from tests.conftest import FEWER_KV_HEADS_THAN_TP2, VARIANTS
 
 FP32_TOLERANCE = 1e-4
+FAMILIES_CHECKED_NATIVELY = ("llama", "qwen3", "phi4-mini", "gemma3", "olmo2")
 
 
-def convert_all(tiny_hf, tmp_path, tp, pp):
+def convert_all(tiny_hf, tmp_path, tp, pp, variants=VARIANTS):
     pairs = []
-    for variant in VARIANTS:
+    for variant in variants:
         for fmt in ("torch", "torch_dist"):
             out = hf_to_megatron(tiny_hf[variant], tmp_path / f"{variant}-{fmt}", tp=tp, pp=pp, fmt=fmt, progress=False)
             pairs.append((tiny_hf[variant], out))
@@ -45,12 +46,18 @@ def assert_parity(reports):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "tp, pp",
-    [(2, 1), (1, 2), (2, 2), (1, 3), (4, 1)],
-    ids=["TP2", "PP2-incl-tied", "TP2xPP2", "PP3", "TP4-2kv-heads"],
+    "tp, pp, extra",
+    [(2, 1, FEWER_KV_HEADS_THAN_TP2), (1, 2, ()), (2, 2, ()), (1, 3, ()), (4, 1, ())],
+    ids=["TP2-incl-1kv-head", "PP2-incl-tied", "TP2xPP2", "PP3", "TP4-2kv-heads"],
 )
-def test_logits_match_hf_for_every_family_and_format(tiny_hf, tmp_path, tp, pp):
-    assert_parity(verify_many(convert_all(tiny_hf, tmp_path, tp, pp)))
+def test_logits_match_hf_for_every_family_and_format(tiny_hf, tmp_path, tp, pp, extra):
+    """At TP2 also Qwen3 and Phi-3 with one KV head: megatron-core all-gathers the fused QKV and
+    re-slices it, so each rank's shard holds half of the one query group (Phi-3's from its fused
+    qkv_proj)."""
+    pairs = convert_all(tiny_hf, tmp_path, tp, pp, VARIANTS + extra)
+    for _, out in pairs[2 * len(VARIANTS):]:
+        assert CheckpointMeta.read(out).model_spec.num_kv_heads < tp
+    assert_parity(verify_many(pairs))
 
 
 @pytest.mark.multiprocess
@@ -66,8 +73,10 @@ def test_checkpoints_written_at_tp2_pp2_load_at_tp1_pp1(tiny_hf, tmp_path):
 
 @pytest.mark.multiprocess
 def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
-    """For Llama and Qwen3 (q/k norms, head_dim != hidden / heads): our torch_dist output loads at
-    TP1 x PP1 through megatron-core's own loader, and megatron-core writes back the same layout."""
+    """For Llama, Qwen3 (q/k norms, head_dim != hidden / heads), Phi-4-mini (fused HF tensors,
+    partial rotary, tied), Gemma 3 and OLMo 2 (the toolkit's block spec: post-norms,
+    whole-projection q/k norms): our torch_dist output loads at TP1 x PP1 through megatron-core's
+    own loader, and megatron-core writes back the same layout."""
     cases = [
         {
             "dist": str(hf_to_megatron(tiny_hf[f"{family}-fp32"], tmp_path / f"{family}-dist", tp=2, pp=2,
@@ -78,10 +87,10 @@ def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
                                            progress=False)),
             "resave": str(tmp_path / f"{family}-resaved"),
         }
-        for family in ("llama", "qwen3")
+        for family in FAMILIES_CHECKED_NATIVELY
     ]
     (results,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1, cases)
-    for family, case, result in zip(("llama", "qwen3"), cases, results):
+    for family, case, result in zip(FAMILIES_CHECKED_NATIVELY, cases, results):
         # `toolkit memory` counts the parameters from the same family table (q/k norms included).
         spec = CheckpointMeta.read(Path(case["dist"])).model_spec
         assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"], family
@@ -95,9 +104,14 @@ def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
         assert {v[1] for v in result["ours"].values() if v != "bytes"} == {"torch.float32"}, family
         # From a bf16 source every tensor is stored bf16, as the HF files hold it.
         assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}, family
-    qwen3 = results[1]["ours"]
+    qwen3, gemma3, olmo2 = (results[i]["ours"] for i in (1, 2, 3))
     assert qwen3["decoder.layers.self_attention.q_layernorm.weight"] == ((6, 12), "torch.float32")
     assert qwen3["decoder.layers.self_attention.linear_qkv.weight"][0] == (6, (12 + 2 * 2) * 12, 64)
+    assert gemma3["decoder.layers.mlp.linear_fc2.post_layernorm.weight"] == ((6, 72), "torch.float32")
+    assert "output_layer.weight" not in gemma3  # tied
+    assert olmo2["decoder.layers.self_attention.q_layernorm.weight"] == ((6, 12 * 8), "torch.float32")
+    assert olmo2["decoder.layers.self_attention.k_layernorm.weight"] == ((6, 2 * 8), "torch.float32")
+    assert not any("layer_norm_weight" in k for k in olmo2)  # no pre-norms
 
 
 def logit_change(hf_dir, **config_change) -> float:

@@ -26,8 +26,11 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     data = write_uneven_data(root / "data.jsonl", 300)
     models = {}
-    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3")):
-        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250)
+    four_layer_types = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"] * 2}}
+    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3"),
+                          ("phi4-mini", "phi4-mini"), ("gemma3", "gemma3"), ("olmo2", "olmo2")):
+        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250,
+                             **four_layer_types.get(name, {}))
         models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     references = {}
 
@@ -88,6 +91,12 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("qwen3", "Qwen3ForCausalLM", "model.layers.3.self_attn.q_norm.weight"),
         # HF's fused qkv_proj, exported back from the per-group fused megatron tensor
         ("phi3", "Phi3ForCausalLM", "model.layers.3.self_attn.qkv_proj.weight"),
+        # partial rotary (rotary_percent) in backward too; tied embeddings split over the two stages
+        ("phi4-mini", "Phi3ForCausalLM", "model.embed_tokens.weight"),
+        # the toolkit's block spec: post-norms, (1 + w) norms, local RoPE base, one KV head under TP 2
+        ("gemma3", "Gemma3ForCausalLM", "model.layers.3.post_feedforward_layernorm.weight"),
+        # q/k norms over the whole projection, their sum of squares all-reduced over TP
+        ("olmo2", "Olmo2ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,
@@ -103,8 +112,9 @@ def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretra
 
 
 @pytest.mark.multiprocess
-def test_bf16_stays_close_to_fp32_reference(setup, tmp_path):
-    run_and_compare(setup, tmp_path, 2, tolerance=LOSS_TOLERANCE_BF16, precision="bf16",
+@pytest.mark.parametrize("model", ["untied", "gemma3"])  # Gemma 3: bf16 (1 + w) norms and embedding scale
+def test_bf16_stays_close_to_fp32_reference(setup, tmp_path, model):
+    run_and_compare(setup, tmp_path, 2, model=model, tolerance=LOSS_TOLERANCE_BF16, precision="bf16",
                     parallel={"tp": 1, "pp": 2, "zero_stage": 1})
 
 
@@ -125,7 +135,9 @@ def test_microbatches_hold_unequal_token_counts(setup):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_qk_norm_gradients_are_summed_over_tp_at_zero_2_and_3(setup, tmp_path, zero_stage):
+@pytest.mark.parametrize("model", ["qwen3", "olmo2"])
+def test_qk_norm_gradients_are_summed_over_tp_at_zero_2_and_3(setup, tmp_path, zero_stage, model):
     """ZeRO-2/3 take each gradient in backward, so the TP sum of the q/k-norm gradients must
-    happen there too (before: max |loss - reference| 1.7e-5 at both stages)."""
-    run_and_compare(setup, tmp_path, 4, model="qwen3", parallel={"tp": 2, "pp": 1, "zero_stage": zero_stage})
+    happen there too (before: max |loss - reference| 1.7e-5 at both stages). OLMo 2's whole-
+    projection norms are replicated too, each rank's gradient covering its own heads' part."""
+    run_and_compare(setup, tmp_path, 4, model=model, parallel={"tp": 2, "pp": 1, "zero_stage": zero_stage})

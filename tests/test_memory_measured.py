@@ -2,7 +2,8 @@
 
 One launch of 4 gloo processes (tests/workers_memory.py) builds real DeepSpeed engines from
 toolkit.dsconfig configs around small megatron-core GPTModels, for ZeRO 0/1/2/3 at TP 1 and 2,
-and ZeRO 0/1 at PP 2 (ZeRO-2/3 can't run with PP), in bf16 and fp32 and in both schedule modes,
+and ZeRO 0/1 at PP 2 (ZeRO-2/3 can't run with PP), in bf16 and fp32 and in both schedule modes
+(a tiny Llama; a tiny Qwen3 too at a few of those layouts, for its q/k norms and head_dim),
 and counts what each rank holds: parameters after step(), gradients after each backward (before
 step()), optimizer states after the first step. The same launch counts the bytes saved for
 backward with torch.autograd.graph.saved_tensors_hooks on CPU forward passes, with and without
@@ -18,6 +19,7 @@ import pytest
 
 from tests.workers_memory import SEQ, tiny_spec
 from toolkit.dsconfig import Setup
+from toolkit.layouts import Layout
 from toolkit.memory import CPU_LOCAL, estimate
 from toolkit.memory import activations as act
 from toolkit.memory.params import stage_param_numels
@@ -42,6 +44,12 @@ def _cases():
             dict(tp=1, pp=2, zero=zero, precision="bf16", schedule="megatron", micro_batches=4),
             dict(tp=2, pp=2, zero=zero, precision="fp32", schedule="megatron", micro_batches=4),
         ]
+    # Qwen3: q/k norms (replicated over TP), head_dim 12 != hidden / heads 5, 12 heads over 2 KV heads
+    qwen3 = [
+        dict(tp=2, pp=1, zero=1, precision="bf16", schedule="megatron", micro_batches=2),
+        dict(tp=2, pp=1, zero=3, precision="fp32", schedule="deepspeed", micro_batches=2),
+        dict(tp=1, pp=2, zero=1, precision="bf16", schedule="megatron", micro_batches=4),
+    ]
     offload = dict(offload_optimizer="cpu")
     states += [
         dict(tp=1, pp=1, zero=1, precision="bf16", schedule="megatron", micro_batches=2, **offload),
@@ -50,12 +58,15 @@ def _cases():
         dict(tp=1, pp=1, zero=3, precision="bf16", schedule="megatron", micro_batches=2, **offload),
         dict(tp=2, pp=1, zero=3, precision="bf16", schedule="deepspeed", micro_batches=2, offload_param="cpu", **offload),
     ]
+    states = [dict(c, variant="llama") for c in states] + [dict(c, variant="qwen3") for c in qwen3]
     activations = [dict(tp=tp, pp=1, precision=p, recompute=r, micro=2, variant="llama")
                    for tp, p in ((1, "bf16"), (1, "fp32"), (2, "bf16")) for r in act.RECOMPUTE]
     # Qwen3: per-head q/k norms, head_dim 12 != hidden / heads, 12 heads over 2 KV heads
     activations += [dict(tp=tp, pp=1, precision=p, recompute=r, micro=2, variant="qwen3")
                     for tp, p in ((1, "bf16"), (1, "fp32"), (2, "bf16")) for r in ("none", "selective")]
-    pipeline = [dict(tp=1, pp=2, precision="bf16", micro=2, micro_batches=4)]
+    # Phi-4-mini: RoPE on 12 of 16 dimensions per head, so smaller cos / sin
+    activations += [dict(tp=tp, pp=1, precision="bf16", recompute="none", micro=2, variant="phi4-mini") for tp in (1, 2)]
+    pipeline = [dict(tp=1, pp=2, precision="bf16", micro=2, micro_batches=4, variant=v) for v in ("llama", "qwen3")]
     return states, activations, pipeline
 
 
@@ -68,7 +79,7 @@ def measured():
 
 def _label(r: dict) -> str:
     offload = f" offload {r.get('offload_optimizer')}/{r.get('offload_param', 'none')}" if "offload_optimizer" in r else ""
-    return f"ZeRO-{r['zero']} {r['precision']} TP{r['tp']} PP{r['pp']} {r['schedule']}{offload} rank {r['rank']}"
+    return f"{r['variant']} ZeRO-{r['zero']} {r['precision']} TP{r['tp']} PP{r['pp']} {r['schedule']}{offload} rank {r['rank']}"
 
 
 def _on_device(measured: dict) -> list[dict]:
@@ -89,13 +100,15 @@ def test_model_states_per_rank_match_what_each_rank_holds(measured):
     """Per rank: parameters + gradients + optimizer states within 10%; parameters and optimizer
     states each within 10%. Gradients too, except that a ZeRO-1/2 rank's gradient buffer holds
     whole tensors cut by a partition boundary: the estimate is the expectation over where
-    boundaries fall, and one rank may differ from it by up to one tensor."""
-    spec = tiny_spec()
+    boundaries fall, and one rank may differ from it by up to one tensor. Qwen3's rows check the
+    q/k-norm parameters and its head_dim in the estimate."""
     rows = []
+    assert {r["variant"] for r in _on_device(measured)} == {"llama", "qwen3"}
     for r in _on_device(measured):
+        spec = tiny_spec(variant=r["variant"])
         m, p = r["measured"], r["predicted"]
         total_m, total_p = (m["params"] + m["grads"] + m["optimizer"]), (p["params"] + p["grads"] + p["optimizer"])
-        rows.append(f"{_label(r):<45} measured {total_m:>9,} predicted {total_p:>9,} ({total_p / total_m - 1:+.1%})")
+        rows.append(f"{_label(r):<51} measured {total_m:>9,} predicted {total_p:>9,} ({total_p / total_m - 1:+.1%})")
         assert abs(total_p / total_m - 1) <= STATES_TOLERANCE, rows[-1]
         for key in ("params", "optimizer"):
             assert abs(p[key] / m[key] - 1) <= STATES_TOLERANCE, (rows[-1], key, m, p)
@@ -128,14 +141,18 @@ def test_offloaded_states_add_up_to_what_the_ranks_hold(measured):
 def test_activation_bytes_per_layer_match_saved_tensors(measured):
     """Per layer = (saved bytes of a 4-layer model - of a 2-layer model) / 2, so the embedding and
     loss terms cancel out of the measurement."""
+    rows = []
     for r in measured["activations"]:
         spec = tiny_spec(4, r["variant"])
         per_layer = (r["saved"][4] - r["saved"][2]) / 2
         shape = act.Shape(SEQ, r["micro"], r["tp"], 2 if r["precision"] == "bf16" else 4)
         predicted = act.layer_bytes(spec, shape, CPU_LOCAL, r["recompute"])
-        assert abs(predicted / per_layer - 1) <= ACTIVATION_TOLERANCE, (r, per_layer, predicted)
+        rows.append(f"{r['variant']:<9} TP{r['tp']} {r['precision']} recompute {r['recompute']:<9} rank {r['rank']}: "
+                    f"per layer measured {per_layer:>9,.0f} predicted {predicted:>9,} ({predicted / per_layer - 1:+.1%})")
+        assert abs(predicted / per_layer - 1) <= ACTIVATION_TOLERANCE, rows[-1]
         whole = estimate(spec, _setup(r), SEQ, r["recompute"], CPU_LOCAL).stages[0].activations
         assert abs(whole / r["saved"][4] - 1) <= ACTIVATION_TOLERANCE, (r, r["saved"][4], whole)
+    print("\n".join(rows))
 
 
 @pytest.mark.multiprocess
@@ -144,11 +161,17 @@ def test_first_pipeline_stage_holds_pp_micro_batches_in_flight(measured):
     peaks = {}
     for r in measured["pipeline"]:
         setup = _setup(r, pp=2, micro_batches=r["micro_batches"])
-        predicted = estimate(tiny_spec(), setup, SEQ, "none", CPU_LOCAL).stages[r["stage"]].activations
+        spec = tiny_spec(variant=r["variant"])
+        predicted = estimate(spec, setup, SEQ, "none", CPU_LOCAL).stages[r["stage"]].activations
+        print(f"{r['variant']} 1F1B stage {r['stage']} rank {r['rank']}: peak measured {r['peak']:,} "
+              f"predicted {predicted:,} ({predicted / r['peak'] - 1:+.1%})")
         assert abs(predicted / r["peak"] - 1) <= ACTIVATION_TOLERANCE, (r, predicted)
-        peaks[r["stage"]] = r["peak"]
+        peaks[r["variant"], r["stage"]] = r["peak"]
     # two layers per stage: stage 0 holds two micro-batches' worth, stage 1 one plus the loss
-    assert peaks[0] > 1.5 * (peaks[1] - act.last_stage_bytes(tiny_spec(), act.Shape(SEQ, 2, 1, 2), CPU_LOCAL, 256))
+    for variant in ("llama", "qwen3"):
+        spec = tiny_spec(variant=variant)
+        loss = act.last_stage_bytes(spec, act.Shape(SEQ, 2, 1, 2), CPU_LOCAL, Layout(1, 2).padded_vocab(spec.vocab_size))
+        assert peaks[variant, 0] > 1.5 * (peaks[variant, 1] - loss), variant
 
 
 def _setup(r: dict, pp: int = 1, micro_batches: int = 1) -> Setup:
@@ -179,7 +202,8 @@ def test_deepspeeds_own_estimators_on_the_same_models(measured):
     numels = stage_param_numels(spec, 1, 1, 0)
     rows = []
     for r in _on_device(measured):
-        if (r["tp"], r["pp"], r["precision"], r["zero"]) not in {(1, 1, "bf16", 2), (1, 1, "bf16", 3)}:
+        if (r["variant"], r["tp"], r["pp"], r["precision"], r["zero"]) not in {("llama", 1, 1, "bf16", 2),
+                                                                               ("llama", 1, 1, "bf16", 3)}:
             continue
         m, p = r["measured"], r["predicted"]
         held = m["params"] + m["grads"] + m["optimizer"]

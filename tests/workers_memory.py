@@ -307,7 +307,7 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
     for tp, pp in layouts:
         _switch_layout(tp, pp)
         for case in [c for c in state_cases if (c["tp"], c["pp"]) == (tp, pp)]:
-            out["states"].append(model_state_case(case, tiny_spec(), world))
+            out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if (c["tp"], c["pp"]) == (tp, pp)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
                                             case["micro"])
@@ -316,6 +316,7 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
         for case in [c for c in pipeline_cases if (c["tp"], c["pp"]) == (tp, pp)]:
             from megatron.core import parallel_state as ps
 
-            peak = pipeline_peak_bytes(tiny_spec(), dtypes[case["precision"]], case["micro"], case["micro_batches"])
+            peak = pipeline_peak_bytes(tiny_spec(variant=case["variant"]), dtypes[case["precision"]], case["micro"],
+                                       case["micro_batches"])
             out["pipeline"].append({**case, "stage": ps.get_pipeline_model_parallel_rank(), "peak": peak})
     return out

@@ -20,3 +20,7 @@ class DistributedError(ToolkitError):
 class ConfigError(ToolkitError):
     """A DeepSpeed config, a training recipe or a parallel layout cannot work as asked
     (bad arithmetic, incompatible options, unknown keys)."""
+
+
+class AdapterError(ToolkitError):
+    """A LoRA adapter cannot be built, loaded or exported as asked."""

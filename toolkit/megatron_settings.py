@@ -27,7 +27,22 @@ ARG_NAMES = {
     "rope_scaling": "use_rope_scaling",
     "max_sequence_length": "max_position_embeddings",
     "num_moe_experts": "num_experts",
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
+    "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
 }
+
+
+def gelu_tanh(x):
+    """HF's gelu_pytorch_tanh (Gemma's GeGLU)."""
+    import torch.nn.functional as F
+
+    return F.gelu(x, approximate="tanh")
+
+
+def _activation(name: str):
+    import torch.nn.functional as F
+
+    return {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[name]
 
 
 @dataclass(frozen=True)
@@ -37,8 +52,6 @@ class MegatronSettings:
 
 
 def settings_for(spec: ModelSpec) -> MegatronSettings:
-    import torch.nn.functional as F
-
     transformer = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -49,11 +62,14 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=_activation(spec.activation),
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         # HF: a token attends to `window` tokens including itself; megatron: (left, right) extra tokens.
         window_size=(spec.window_size - 1, 0) if spec.window_size else None,
+        # per layer, 1 where the window applies (megatron-core's is_layer_window_attention)
+        window_attn_skip_freq=[int(c) for c in spec.window_layers] if spec.window_layers else None,
+        softmax_scale=spec.softmax_scale,
         **family_named(spec.family).megatron,
         **moe_settings(spec),
     )
@@ -62,9 +78,10 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=spec.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or MCORE_ROPE_SCALING_FACTOR,
+        seq_len_interpolation_factor=spec.rope_linear_factor,
     )
     return MegatronSettings(transformer, gpt)
 
@@ -94,6 +111,8 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
     settings = settings_for(spec)
     named = {ARG_NAMES.get(k, k): v for k, v in {**settings.transformer, **settings.gpt}.items() if k != "activation_func"}
     named["untie_embeddings_and_output_weights"] = not named.pop("share_embeddings_and_output_weights")
+    if spec.activation != "silu":  # Megatron-LM's `swiglu` means a gated silu; it has no flag for this one
+        named["gated_linear_unit"], named["activation"] = named.pop("swiglu"), spec.activation
     dtype = getattr(torch, spec.dtype, torch.float32)
     return argparse.Namespace(
         **named,

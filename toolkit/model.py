@@ -5,7 +5,8 @@ the checkpoint writers); this module adds only how the model runs here: parallel
 no dropout, fused kernels on GPU. Loading a checkpoint into the model is toolkit.convert.load.
 
 The Transformer Engine layer spec is used where transformer_engine is importable (GPU machines);
-otherwise the local spec (always on CPU).
+otherwise the local spec (always on CPU). A family whose layer the stock GPT spec cannot express
+(`Family.layer`) gets the toolkit's own block spec of local modules on every device (toolkit/layers.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.util
 
 import torch
 
+from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
@@ -54,9 +56,16 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     return TransformerConfig(**kwargs)
 
 
-def layer_spec_module(layer_spec: str, config):
-    """megatron-core's layer spec for `config` (its q/k norm and normalization included)."""
+def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
+    """megatron-core's layer spec for `config` (its q/k norm and normalization included), or the
+    family's own block spec."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    family = family_named(spec.family) if spec else None
+    if family and family.layer:
+        from toolkit.layers import block_spec
+
+        return block_spec(config, spec, family.layer)
 
     # Experts: TE's grouped GEMM on GPUs, SequentialMLP locally (the legacy GroupedMLP needs the
     # grouped_gemm package, which CPUs lack).
@@ -75,13 +84,18 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
     config = config or transformer_config(spec, layout, dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec or layer_spec_module(running_layer_spec(), config),
+        transformer_layer_spec=layer_spec or layer_spec_module(running_layer_spec(), config, spec),
         vocab_size=layout.padded_vocab(spec.vocab_size),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         parallel_output=True,
         **settings_for(spec).gpt,
     )
+    layer = family_named(spec.family).layer
+    if layer:
+        from toolkit.layers import adapt_model
+
+        adapt_model(model, spec, layer)
     if torch.cuda.is_available():
         model.cuda()
     return model

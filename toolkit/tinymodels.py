@@ -42,6 +42,31 @@ QWEN3_MOE = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, h
 # Router weights this large give logits of about unit spread: routing depends on them, and
 # renormalising the top-2 probabilities (or not) changes the output (the parity guard).
 ROUTER_STD = 0.15
+# Phi-3: fused HF qkv_proj / gate_up_proj, GQA ratio 3 (Phi-3-mini itself is MHA), a window of 8
+PHI3 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=96, vocab_size=251,
+            sliding_window=8)
+# Phi-4-mini (HF Phi3 classes) shrunk: RoPE on 12 of each head's 16 dimensions (partial_rotary_factor
+# 0.75, as Phi-4-mini's 96 of 128), GQA ratio 3 (24 over 8 there), tied embeddings, a window longer
+# than any sequence (262144 there), odd vocab and FFN. Its LongRoPE cannot be converted exactly,
+# so the tiny model has plain RoPE (toolkit/families/spec.py MCORE_ROPE_GAPS).
+PHI4_MINI = dict(hidden_size=192, num_attention_heads=12, num_key_value_heads=4, intermediate_size=200, vocab_size=247,
+                 partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)
+# Gemma 3 with everything that differs from Llama in play: head_dim 24 where hidden / heads = 18,
+# one KV head (GQA 4, fewer KV heads than TP 2 and 4), sqrt(72) not exact in bf16, local layers
+# (window 8, shorter than the test sequences) with their own RoPE base between global ones with
+# linear scaling, a softmax scale of 20 ** -0.5 (not head_dim's), tied embeddings as every Gemma 3.
+GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head_dim=24, intermediate_size=96,
+              vocab_size=251, sliding_window=8, query_pre_attn_scalar=20, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+# OLMo 2: GQA 6 (2 KV heads, fewer than TP 4: the whole-projection k norm spans replicated heads)
+OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
+
+# Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
+# Gemma's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5.
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5)}
+DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 
 # name -> (config class name, overrides)
 VARIANTS = {
@@ -63,11 +88,15 @@ VARIANTS = {
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the test sequences
     "qwen3": ("Qwen3Config", QWEN3),
     "qwen3-tied": ("Qwen3Config", {**QWEN3, "tie_word_embeddings": True}),
-    # Phi-3: fused HF qkv_proj / gate_up_proj, GQA ratio 3 (Phi-3-mini itself is MHA), a window of 8
     "mixtral": ("MixtralConfig", MIXTRAL),
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_MOE),
-    "phi3": ("Phi3Config", dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=96,
-                                vocab_size=251, sliding_window=8)),
+    "phi3": ("Phi3Config", PHI3),
+    "phi4-mini": ("Phi3Config", PHI4_MINI),
+    # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
+    "qwen3-1kv": ("Qwen3Config", {**QWEN3, "num_key_value_heads": 1}),
+    "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
+    "gemma3": ("Gemma3TextConfig", GEMMA3),
+    "olmo2": ("Olmo2Config", OLMO2),
 }
 
 
@@ -102,10 +131,11 @@ def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32",
     config = make_config(variant, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    low, high = NORM_WEIGHTS.get(config.model_type, DEFAULT_NORM_WEIGHTS)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                param.uniform_(low, high)
             elif name.endswith("mlp.gate.weight"):  # a MoE router (HF's in-memory name)
                 param.normal_(0.0, ROUTER_STD)
             elif name.endswith("bias"):

@@ -60,8 +60,13 @@ def register(sub) -> None:
     p = csub.add_parser("megatron-to-hf", help="megatron-core shards -> HF safetensors directory",
                         description="Merge TP x PP shards back into an HF directory that "
                                     "AutoModelForCausalLM.from_pretrained loads. Vocab padding is stripped.")
-    p.add_argument("megatron_dir", help="checkpoint written by hf-to-megatron, or a Megatron-LM torch-format checkpoint")
+    p.add_argument("megatron_dir", help="checkpoint written by hf-to-megatron, or a Megatron-LM torch-format checkpoint "
+                                        "(with --adapter: a LoRA run's RUN/checkpoints/step_N)")
     p.add_argument("out_dir")
+    p.add_argument("--adapter", action="store_true",
+                   help="export the LoRA adapter of a training checkpoint as an HF PEFT directory")
+    p.add_argument("--merge", action="store_true",
+                   help="with --adapter: the whole HF model with the adapter merged in (fp32, then the base's dtype)")
     p.add_argument("--hf-config", help="HF config.json (or model directory) for checkpoints not written by this toolkit")
     p.add_argument("--max-shard-gb", type=positive_float, default=4.0, help="split the safetensors output above this size")
     _add_output_flags(p)
@@ -121,6 +126,17 @@ def _to_megatron(args) -> int:
 
 def _to_hf(args) -> int:
     from toolkit.convert import megatron_to_hf
+    from toolkit.errors import ConversionError
+
+    if args.merge and not args.adapter:
+        raise ConversionError("--merge merges a LoRA adapter: give --adapter with a LoRA run's checkpoint")
+    if args.adapter:
+        from toolkit.lora.export import export_adapter
+
+        out = export_adapter(args.megatron_dir, args.out_dir, merge=args.merge, overwrite=args.overwrite,
+                             progress=_progress(args))
+        print(f"wrote {'HF model with the adapter merged' if args.merge else 'HF PEFT adapter'} to {out}")
+        return 0
 
     out = megatron_to_hf(args.megatron_dir, args.out_dir, hf_config=args.hf_config, overwrite=args.overwrite,
                          max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args))

@@ -77,8 +77,11 @@ def megatron_to_hf(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool | None = None,
+    transform=None,
 ) -> Path:
     """Merge the TP x PP shards of `megatron_dir` into an HF checkpoint at `out_dir`.
+    `transform(hf_name, tensor)`, if given, changes each tensor before the cast to the source
+    dtype (toolkit.lora.export merges an adapter in this way).
 
     Every shard is checked against the sha256 in the metadata as it is read, and the metadata
     against the HF config and the shards; the result appears at `out_dir` only when complete."""
@@ -93,6 +96,7 @@ def megatron_to_hf(
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in ckpt.hf_tensors():
+                tensor = tensor if transform is None else transform(name, tensor)
                 writer.add(name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
                 bar.update(1)
         writer.close()

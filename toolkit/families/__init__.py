@@ -25,22 +25,16 @@ def _declared_families() -> tuple[Family, ...]:
 
 FAMILIES: tuple[Family, ...] = _declared_families()
 
-# Families asked for that megatron-core 0.16.1's GPTModel cannot express exactly, with each missing
-# piece (read from its source): refused with the reason, never approximated.
-_NO_POST_NORMS = "no norm after attention and after the MLP (TransformerLayerSubmodules, transformer_layer.py:197)"
+# model_types that name a known model this package cannot convert, with the reason.
 REFUSED = {
-    "olmo2": f"{_NO_POST_NORMS}; q/k norms over the whole projection, where qk_layernorm normalises each head "
-             "(attention.py:1281)",
-    "gemma3_text": f"{_NO_POST_NORMS}; no embedding scale by sqrt(hidden) (LanguageModelEmbedding); one RoPE base "
-                   "for every layer, where Gemma 3's local and global layers have two (gpt_model.py:160)",
+    "gemma3": "the multimodal Gemma 3 (Gemma3ForConditionalGeneration): convert its text model (model_type "
+              "gemma3_text, Gemma3ForCausalLM)",
 }
-REFUSED["gemma3"] = REFUSED["gemma3_text"]
 
 
 def family_for(model_type: str | None) -> Family:
     if model_type in REFUSED:
-        raise ConversionError(f"model_type {model_type!r} cannot be converted exactly: megatron-core 0.16.1 has "
-                              f"{REFUSED[model_type]}")
+        raise ConversionError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}")
     for family in FAMILIES:
         if model_type in family.model_types:
             return family

@@ -28,6 +28,8 @@ ROWS = (
     row("output_layer.weight", "lm_head.weight", Split.VOCAB, ("vocab", "hidden")),
 )
 
+BY_NAME = {r.megatron: r for r in ROWS}  # for families that take some of these rows
+
 LLAMA = Family(
     name="llama",
     model_types=("llama",),

@@ -1,7 +1,9 @@
-"""Phi-3 / Phi-3.5 mini: the Llama architecture with HF's q, k, v fused in one `qkv_proj` and
-gate, up in one `gate_up_proj`, which megatron-core wants fused per query group and per TP rank
-(the HF_QKV and HF_GATE_UP splits); an optional sliding window on every layer, as Mistral's.
-LongRoPE (the 128k variants) and partial rotary (Phi-4-mini) are refused by the shared reader."""
+"""Phi-3 / Phi-3.5 mini / Phi-4-mini: the Llama architecture with HF's q, k, v fused in one
+`qkv_proj` and gate, up in one `gate_up_proj`, which megatron-core wants fused per query group and
+per TP rank (the HF_QKV and HF_GATE_UP splits); an optional sliding window on every layer, as
+Mistral's; RoPE on only the first partial_rotary_factor of each head (Phi-4-mini: 0.75), which is
+megatron-core's rotary_percent. LongRoPE (the 128k variants, Phi-4-mini included) is refused by the
+shared reader, with the reason."""
 
 from toolkit.families.table import Family, row
 from toolkit.splits import Split
@@ -25,4 +27,5 @@ PHI3 = Family(
         row("output_layer.weight", "lm_head.weight", Split.VOCAB, ("vocab", "hidden")),
     ),
     window_key="sliding_window",
+    partial_rotary=True,
 )

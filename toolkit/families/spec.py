@@ -1,11 +1,13 @@
 """ModelSpec: the architecture facts megatron-core needs, read from an HF config.json.
 
 Reading is strict: anything we cannot reproduce exactly in megatron-core (a rope-scaling type, a
-bias, an activation, a partial rotary factor) is refused with a message, never approximated.
+bias, an activation, a partial rotary factor where the family's HF model has none) is refused with
+a message, never approximated.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import ConversionError
@@ -15,6 +17,14 @@ from toolkit.families.table import Family
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the
 # other llama3 parameters are its hard-coded defaults (rotary_pos_embedding.py:92-99).
 MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Why a rope type no family accepts cannot be expressed in megatron-core 0.16.1, where the reason
+# is known (read from its source); added to the refusal.
+MCORE_ROPE_GAPS = {
+    "longrope": "megatron-core 0.16.1's RotaryEmbedding derives its frequencies from rotary_base and the rotary "
+                "dimension alone (rotary_pos_embedding.py:79), with llama3 scaling as the only per-frequency "
+                "change: it has no per-frequency short_factor / long_factor, no switch between them past "
+                "original_max_position_embeddings, and no attention factor on cos / sin",
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,16 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+    # Share of each head's dimensions RoPE rotates (HF partial_rotary_factor, megatron-core
+    # rotary_percent); the rest pass through unrotated.
+    rotary_percent: float = 1.0
+    activation: str = "silu"  # of the gated MLP, in HF's name
+    # Per layer, "1" where the window applies, "0" for full attention (Gemma 3's local / global
+    # layers); None: the window, if any, applies to every layer
+    window_layers: str | None = None
+    window_rope_theta: float | None = None  # RoPE base of the windowed layers where it differs (Gemma 3)
+    softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor), None when unscaled
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -61,6 +81,12 @@ class ModelSpec:
             "2moe_ffn": 2 * self.moe_ffn_hidden_size,
         }[symbol]
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates: one pair per frequency of
+        arange(0, int(head_dim * rotary_percent), 2), in HF and in megatron-core alike."""
+        return 2 * -(-int(self.head_dim * self.rotary_percent) // 2)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -75,28 +101,44 @@ def _require(cfg: dict, key: str):
     return cfg[key]
 
 
-def _rope(cfg: dict, family: Family) -> tuple[float, float | None]:
-    """(rope_theta, llama3 factor or None). transformers 5 writes `rope_parameters` (theta
-    inside); older checkpoints have top-level `rope_theta` and `rope_scaling`."""
+def _rope(cfg: dict, family: Family) -> dict:
+    """rope_theta, the llama3 factor and the linear factor, as ModelSpec fields. transformers 5
+    writes `rope_parameters` (theta inside, one dict per layer type for some families);
+    older checkpoints have top-level `rope_theta` and `rope_scaling`."""
     source = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = dict(cfg.get(source) or {})
+    if family.rope_key and isinstance(params.get(family.rope_key), dict):
+        source, params = f"{source}.{family.rope_key}", dict(params[family.rope_key])
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     field = "rope_type" if "rope_type" in params else "type"
     rope_type = params.get(field, "default")
     if rope_type not in family.rope_types:
+        why = f": {MCORE_ROPE_GAPS[rope_type]}" if rope_type in MCORE_ROPE_GAPS else ""
         raise ConversionError(
             f"{source}.{field}={rope_type!r}: rope scaling type '{rope_type}' is not supported for {family.name} "
-            f"(supported: {', '.join(family.rope_types)}); refusing to convert approximately"
+            f"(supported: {', '.join(family.rope_types)}); refusing to convert approximately{why}"
         )
     if rope_type == "default":
-        return float(theta), None
+        return {"rope_theta": float(theta)}
+    if rope_type == "linear":
+        return {"rope_theta": float(theta), "rope_linear_factor": _linear_factor(params, source)}
     for key, fixed in MCORE_LLAMA3_FIXED.items():
         if float(params.get(key, fixed)) != fixed:
             raise ConversionError(
                 f"llama3 rope scaling with {key}={params.get(key)} is not supported: megatron-core "
                 f"0.16.1 hard-codes {key}={fixed} (only `factor` is configurable)"
             )
-    return float(theta), float(_require(params, "factor"))
+    return {"rope_theta": float(theta), "rope_scaling_factor": float(_require(params, "factor"))}
+
+
+def _linear_factor(params: dict, source: str) -> float:
+    """megatron-core divides positions by the factor (rotary_pos_embedding.py:142), HF divides the
+    frequencies: the same angles bit for bit only when dividing is exact, for a power of two."""
+    factor = float(_require(params, "factor"))
+    if factor < 1 or math.frexp(factor)[0] != 0.5:
+        raise ConversionError(f"{source}.factor={factor!r}: linear rope scaling is exact in megatron-core only for "
+                              "a power-of-two factor (it scales positions, HF scales frequencies)")
+    return factor
 
 
 def _refuse_unmappable(cfg: dict, family: Family) -> None:
@@ -115,18 +157,15 @@ def _refuse_unmappable(cfg: dict, family: Family) -> None:
 
 def read_spec(cfg: dict, family: Family) -> ModelSpec:
     _refuse_unmappable(cfg, family)
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConversionError(f"hidden_act={act!r} is not supported (only SwiGLU with silu)")
-    rope_params = cfg.get("rope_parameters") or {}  # transformers 5 keeps the factor there
-    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported (only 1.0)")
+    act_key, act_expected = family.activation
+    act = cfg.get(act_key, act_expected)
+    if act != act_expected:
+        raise ConversionError(f"{act_key}={act!r} is not supported for {family.name} (only a gated MLP with {act_expected})")
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
-    theta, factor = _rope(cfg, family)
     window = cfg.get(family.window_key) if family.window_key else None
     moe = read_moe(cfg, family.name, family.router) if family.router else None
+    fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
     return ModelSpec(
         family=family.name,
         num_layers=int(_require(cfg, "num_hidden_layers")),
@@ -137,13 +176,28 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab_size=int(_require(cfg, "vocab_size")),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
         max_position_embeddings=int(_require(cfg, "max_position_embeddings")),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias,
-        rope_scaling_factor=factor,
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         **({} if moe is None else dict(num_experts=moe.num_experts, moe_topk=moe.topk,
                                        moe_ffn_hidden_size=moe.ffn_hidden_size, moe_renormalise=moe.renormalise)),
+        rotary_percent=_rotary_percent(cfg, family),
+        activation=act,
+        **fields,
     )
+
+
+def _rotary_percent(cfg: dict, family: Family) -> float:
+    """HF's partial_rotary_factor: in rope_parameters (transformers 5), else at the top level, as
+    the HF config classes read it."""
+    rope_params = cfg.get("rope_parameters") or {}
+    partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is None or float(partial) == 1.0:
+        return 1.0
+    if not family.partial_rotary:
+        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported for {family.name} (only 1.0)")
+    if not 0.0 < float(partial) < 1.0:
+        raise ConversionError(f"partial_rotary_factor={partial!r} is not supported (only a share in (0, 1])")
+    return float(partial)

@@ -10,6 +10,7 @@ expert-parallel rank (`local_experts.#`); the converter maps it to the global HF
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from toolkit.families.router import Router
 from toolkit.splits import SplitKind
@@ -54,6 +55,20 @@ OUTPUT_LAYER = "output_layer.weight"
 
 
 @dataclass(frozen=True)
+class CustomLayer:
+    """A decoder layer megatron-core's stock GPT spec cannot express, as choices the toolkit's own
+    block spec (toolkit/layers.py) composes from megatron-core modules. Megatron-Bridge builds
+    Gemma 3 the same way: a custom layer spec, the rest of GPTModel unchanged."""
+
+    pre_norms: bool = True  # a norm before attention and before the MLP (input_layernorm, pre_mlp_layernorm)
+    post_norms: bool = False  # a norm on the attention output and on the MLP output, before the residual add
+    # "head": one RMSNorm per head on q and k (megatron-core's qk_layernorm); "projection": one
+    # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together
+    qk_norm: str | None = None
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -65,6 +80,9 @@ class Family:
     # config.json flags this family can't map exactly: refuse if any is truthy
     refuse_flags: tuple[str, ...] = ()
     rope_types: tuple[str, ...] = ("default",)
+    # The HF model rotates only the first int(head_dim * partial_rotary_factor) dimensions of each
+    # head and passes the rest through, as megatron-core does with rotary_percent (rope_utils.py:113)
+    partial_rotary: bool = False
     # config.json keys with the only values this family maps exactly (for a list, every element):
     # any other value is refused, naming the key and the value
     accepted: dict[str, tuple] = field(default_factory=dict, hash=False)
@@ -73,6 +91,14 @@ class Family:
     megatron: dict[str, object] = field(default_factory=dict, hash=False)
     # Mixture-of-Experts: where config.json holds the experts and how tokens are routed (None: dense)
     router: Router | None = None
+    # config.json key naming the MLP activation, and the only value accepted
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    # Where rope_parameters holds one dict per layer type: the key of the full-attention layers' dict
+    rope_key: str | None = None
+    # Family-specific config.json facts as ModelSpec fields (cfg -> dict), refusing what can't be exact
+    read: Callable[[dict], dict] | None = field(default=None, hash=False)
+    # The decoder layer, where megatron-core's stock GPT layer cannot express it
+    layer: CustomLayer | None = None
 
     def rows_for(self, tied: bool) -> tuple[Row, ...]:
         """With tied embeddings the output layer is the embedding, so its row is dropped."""

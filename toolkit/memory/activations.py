@@ -109,7 +109,7 @@ def _linear_inputs(spec: ModelSpec, shape: Shape) -> int:
 def _attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     heads, q, kv = spec.num_heads // shape.tp, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     t, b = shape.tokens, shape.act_bytes
-    rope = 4 * shape.seq * spec.head_dim * b  # cos and sin for q and k
+    rope = 4 * shape.seq * spec.rotary_dim * b  # cos and sin for q and k, over the rotated dims only
     if kernels.flash_attention:
         lse = FP32 * heads * t
         return b * t * (2 * q + 2 * kv) // shape.tp + lse + rope

@@ -146,11 +146,13 @@ def _causal_mask():
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
 
+    # On the compute device, as megatron-core's originals (device="cuda"): the strict-devices check
+    # (runtime/strict_devices.py) would otherwise tag every attention output as a host tensor.
     def get_default_causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device="cpu"), diagonal=1)
 
     def get_sliding_window_causal_mask(sq, skv, window_size):
-        allowed = torch.triu(torch.ones(sq, skv, dtype=torch.bool), diagonal=skv - sq - window_size[0])
+        allowed = torch.triu(torch.ones(sq, skv, dtype=torch.bool, device="cpu"), diagonal=skv - sq - window_size[0])
         return ~torch.tril(allowed, diagonal=skv - sq + window_size[1])
 
     for module in (utils, fused_softmax):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -131,3 +133,51 @@ def build_data(cfg: TrainConfig, info: ParallelInfo, tokenizer):
         vrows, _ = load_rows(cfg.data.valid_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
         valid = BatchSource(vrows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
     return train, valid, stats
+
+
+@dataclass
+class LoraPlan:
+    """LoRA as checked before any process starts: settings, the adapter to start from, the base."""
+
+    settings: object  # toolkit.lora.peft_dir.LoraSettings
+    family: object
+    init_from: Path | None
+    base: dict  # toolkit.lora.peft_dir.base_reference of model.checkpoint
+    base_name: str | None
+
+
+def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
+    """peft.* resolved against the model: targets the family has, r in range, and an init_from
+    adapter that fits and was (if it says so) trained on this very base checkpoint."""
+    from toolkit.families import family_named
+    from toolkit.lora import adapter, peft_dir
+
+    p = cfg.peft
+    if not p.enabled:
+        return None
+    spec, family = meta.model_spec, family_named(meta.model_spec.family)
+    if p.init_from:
+        settings = peft_dir.read_settings(Path(p.init_from))
+        peft_dir.check_base(Path(p.init_from), Path(cfg.model.checkpoint))
+    else:
+        names = tuple(n.strip() for n in p.target_modules.split(",") if n.strip())
+        settings = peft_dir.LoraSettings(p.r, p.alpha, p.dropout, names, p.use_rslora)
+    settings = adapter.resolve_settings(family, spec, settings)
+    if p.init_from:
+        adapter.read_initial(Path(p.init_from), family, spec, settings)
+    base = peft_dir.base_reference(Path(cfg.model.checkpoint))
+    base_name = p.base_model_name_or_path
+    if base_name is None and p.init_from:
+        base_name = json.loads((Path(p.init_from) / peft_dir.CONFIG).read_text()).get("base_model_name_or_path")
+    return LoraPlan(settings, family, Path(p.init_from) if p.init_from else None, base, base_name)
+
+
+def apply_lora(model, plan: LoraPlan, meta: CheckpointMeta, layout: Layout, info: ParallelInfo, seed: int):
+    """Freeze the base and wrap the targeted linears of this rank (toolkit.lora)."""
+    from toolkit.lora import adapter
+
+    initial = None
+    if plan.init_from is not None:
+        initial = adapter.read_initial(plan.init_from, plan.family, meta.model_spec, plan.settings)
+    return adapter.apply_lora(model, plan.family, meta.model_spec, layout, info.tp_rank, info.pp_rank, plan.settings,
+                              plan.base, seed, initial, plan.base_name)

@@ -4,6 +4,8 @@
       latest                      name of the newest complete checkpoint (replaced atomically)
       step_0000010/
         ds/                       DeepSpeed's save_checkpoint (engine, ZeRO optimizer, LR scheduler)
+        adapter/                  with LoRA instead of model/: the adapter as an HF PEFT directory,
+                                  with the base checkpoint's path and checksum (toolkit_base.json)
         model/                    fp32 master weights in our per-rank `torch` format + conversion
                                   metadata and HF config/tokenizer: `toolkit convert megatron-to-hf` reads it
         ranks/rank_00003.pt       each rank's RNG states and data position (DeepSpeed's client_state
@@ -37,7 +39,7 @@ LATEST = "latest"
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
-CHECKPOINTS, HF_EXPORT, METRICS = "checkpoints", "hf", "metrics.jsonl"
+CHECKPOINTS, HF_EXPORT, ADAPTER_EXPORT, METRICS = "checkpoints", "hf", "adapter", "metrics.jsonl"
 
 
 class CheckpointError(ToolkitError):
@@ -105,9 +107,11 @@ def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
 
 
-def save(run_dir: Path, step: int, engine, module, source, train_state: dict, source_meta, source_dir, keep_last: int) -> Path:
+def save(run_dir: Path, step: int, engine, module, source, train_state: dict, source_meta, source_dir, keep_last: int,
+         adapter=None) -> Path:
     """Collective: every rank calls it. `train_state` (the layout, the LR schedule) goes into
-    train_state.json, where a resume checks it before any process group exists."""
+    train_state.json, where a resume checks it before any process group exists. With a LoRA
+    `adapter` the frozen base is not saved: it stays in source_dir, which the adapter names."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
@@ -115,8 +119,13 @@ def save(run_dir: Path, step: int, engine, module, source, train_state: dict, so
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "ranks").mkdir(parents=True)
     dist.barrier()
-    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
-    _write_model(tmp, module, source_meta, Path(source_dir))
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=adapter is not None)
+    if adapter is None:
+        _write_model(tmp, module, source_meta, Path(source_dir))
+    else:
+        from toolkit.lora.adapter import save_adapter
+
+        save_adapter(adapter, tmp / ADAPTER_EXPORT)
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
         (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
@@ -156,7 +165,7 @@ def _prune(root: Path, keep_last: int, latest_step: int) -> None:
 def refuse_outputs_over_inputs(run_dir: Path, *inputs) -> None:
     """What a run replaces (its checkpoints, the HF export, the metrics) must not be, contain or lie
     inside what it reads (the model checkpoint, the data files)."""
-    for output in (CHECKPOINTS, HF_EXPORT, METRICS):
+    for output in (CHECKPOINTS, HF_EXPORT, ADAPTER_EXPORT, METRICS):
         refuse_output_overlapping_inputs(Path(run_dir) / output, *inputs)
 
 
@@ -187,8 +196,9 @@ def find_latest(run_dir: Path) -> Path | None:
     return path
 
 
-def check_resumable(path: Path, layout: dict, requested_schedule) -> int:
-    """Everything a resume from `path` needs that can be checked before training; returns its step."""
+def check_resumable(path: Path, layout: dict, requested_schedule, lora: bool = False, base_checkpoint=None) -> int:
+    """Everything a resume from `path` needs that can be checked before training; returns its step.
+    A LoRA run resumes only from a LoRA checkpoint of the same base checkpoint (by checksum)."""
     try:
         state = json.loads((path / "train_state.json").read_text())
         step = int(state["step"])
@@ -200,15 +210,25 @@ def check_resumable(path: Path, layout: dict, requested_schedule) -> int:
             f"{path} was written with {saved}, this run uses {layout}: resuming on another layout or "
             "DP size is not supported (export to HF and convert again instead)"
         )
+    has_adapter = (path / ADAPTER_EXPORT).is_dir()
+    if has_adapter != lora:
+        raise CheckpointError(f"{path} is a {'LoRA' if has_adapter else 'full'} fine-tuning checkpoint, this run is "
+                              f"{'LoRA' if lora else 'a full fine-tune'} (peft.enabled={str(lora).lower()})")
+    if lora:
+        from toolkit.lora.peft_dir import check_base
+
+        check_base(path / ADAPTER_EXPORT, Path(base_checkpoint))
     if "lr_schedule" in state:  # checkpoints of earlier versions carry none: the config's is used
         LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step)
     return step
 
 
-def resume(path: Path, engine, source, schedule, requested_schedule) -> int:
+def resume(path: Path, engine, source, schedule, requested_schedule, lora: bool = False) -> int:
     """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
-    The LR schedule DeepSpeed restores from it goes on as `requested_schedule` asks."""
-    load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    The LR schedule DeepSpeed restores from it goes on as `requested_schedule` asks. A LoRA
+    checkpoint holds the adapter only: the frozen base is already loaded from its own checkpoint."""
+    load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                          load_module_strict=not lora)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
     step = int(json.loads((path / "train_state.json").read_text())["step"])
@@ -216,3 +236,14 @@ def resume(path: Path, engine, source, schedule, requested_schedule) -> int:
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
     return step
+
+
+def export_adapter(run_dir: Path) -> Path:
+    """The latest checkpoint's adapter copied to RUN_DIR/adapter (replacing an older export whole)."""
+    out = Path(run_dir) / ADAPTER_EXPORT
+    tmp = Path(run_dir) / f".{ADAPTER_EXPORT}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(find_latest(run_dir) / ADAPTER_EXPORT, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out

@@ -70,12 +70,27 @@ class WandbConfig:
 
 
 @dataclass
+class PeftConfig:
+    """LoRA (toolkit.lora): the base frozen, only the adapter trained and saved."""
+
+    enabled: bool = False
+    r: int = 8  # checked against the targets' dimensions once the model is known
+    alpha: Annotated[float, Bound(gt=0.0)] = 16.0
+    dropout: Annotated[float, Bound(ge=0.0, lt=1.0)] = 0.0
+    target_modules: str = "all-linear"  # PEFT names, comma-separated: q_proj,v_proj
+    use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
+    init_from: str | None = None  # an HF PEFT adapter directory: its config supplies r, alpha, dropout and targets
+    base_model_name_or_path: str | None = None  # written into the exported adapter_config.json
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     precision: Literal["bf16", "fp32"] = "bf16"
     micro_batch: PositiveInt = 1
     global_batch: PositiveInt = 8
@@ -262,5 +277,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"resume={cfg.resume}: not 'none', 'auto' or a checkpoint directory")
     if not cfg.model.checkpoint:
         raise ConfigError("model.checkpoint is required (a directory from `toolkit convert hf-to-megatron`)")
+    if cfg.peft.init_from and not cfg.peft.enabled:
+        raise ConfigError("peft.init_from is given but peft.enabled is false: set peft.enabled=true to train the adapter")
+    if cfg.peft.init_from and not Path(cfg.peft.init_from).is_dir():
+        raise ConfigError(f"peft.init_from={cfg.peft.init_from}: not a directory")
     if not cfg.data.train_file:
         raise ConfigError("data.train_file is required")

@@ -58,7 +58,7 @@ def allreduce_tied_embedding_grads(model, tied: bool) -> None:
     group; DeepSpeed never does, and without it the copies silently drift apart."""
     from megatron.core import parallel_state as ps
 
-    if not tied or ps.get_pipeline_model_parallel_world_size() == 1:
+    if not tied or ps.get_pipeline_model_parallel_world_size() == 1 or not model.shared_embedding_or_output_weight().requires_grad:
         return
     if ps.is_pipeline_first_stage():
         weight = model.embedding.word_embeddings.weight
@@ -83,7 +83,7 @@ def sum_qk_norm_grads_over_tp(model) -> None:
         return
     group = ps.get_tensor_model_parallel_group()
     for name, param in model.named_parameters():
-        if "q_layernorm" in name or "k_layernorm" in name:
+        if param.requires_grad and ("q_layernorm" in name or "k_layernorm" in name):
             param.register_hook(lambda grad: _summed(grad, group))
 
 

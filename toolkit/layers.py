@@ -1,0 +1,178 @@
+"""Decoder-layer pieces megatron-core 0.16.1's stock GPT spec lacks, as megatron-core modules, and
+the block spec that composes them from a family's `CustomLayer` choices (toolkit/families/table.py).
+
+- RMSNorm: computed in fp32 as HF's Gemma 3 and OLMo 2 norms are, with the weight applied as
+  (1 + w) where the config says layernorm_zero_centered_gamma (Megatron-LM's --apply-layernorm-1p,
+  which Transformer Engine's norms honour and the local spec's WrappedTorchNorm refuses,
+  transformer/torch_norm.py:26). The checkpoint keeps HF's w itself, so no rounding of 1 + w.
+- PostNormRowParallelLinear: a RowParallelLinear whose output (after the TP all-reduce, before the
+  residual add) goes through a norm, `post_layernorm` (Megatron-Bridge's name for Gemma 3).
+- ProjectionRMSNorm: q/k RMSNorm over the whole projection (all heads), where megatron-core's
+  qk_layernorm normalises each head (attention.py:1281). Each TP rank holds some heads, so the sum
+  of squares is all-reduced over TP.
+- LayerRopeSelfAttention: SelfAttention whose layer may use its own RoPE base (GPTModel has one
+  rotary embedding for every layer, gpt_model.py:160).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+
+from toolkit.families.spec import ModelSpec
+from toolkit.families.table import CustomLayer
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__()
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered else torch.ones
+        # where megatron-core's own layers put their parameters (tensor_parallel/layers.py)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        self.eps = eps
+
+    def scale(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.0 + w.float() if self.zero_centered else w.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.scale(self.weight)).type_as(x)
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """Built by SelfAttention with hidden_size = head_dim; `heads` names the whole projection's
+    head count. Input: this rank's heads [s, b, n, d]. With fewer KV heads than TP ranks, several
+    ranks hold the same key head (attention.py:1398): `replicas` of each term in the TP sum."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, heads: int = 1, **unused):
+        super().__init__(config, hidden_size * heads, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        full, local = self.weight.numel(), x.shape[-2] * x.shape[-1]
+        replicas = max(1, tp * local // full)
+        xf = x.float().flatten(-2)
+        sum_sq = xf.pow(2).sum(-1, keepdim=True)
+        if tp > 1:
+            # all-reduce in forward and in backward: every rank's loss depends on every rank's q
+            from torch.distributed.nn.functional import all_reduce
+
+            sum_sq = all_reduce(sum_sq, group=ps.get_tensor_model_parallel_group()) / replicas
+        normed = xf * torch.rsqrt(sum_sq / full + self.eps)
+        start = (rank // replicas) * local
+        return (normed * self.scale(self.weight[start : start + local])).type_as(x).view_as(x)
+
+
+class PostNormRowParallelLinear(RowParallelLinear):
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = RMSNorm(config, output_size, config.layernorm_epsilon)
+
+    def forward(self, input_):
+        return self.post_layernorm(self.forward_before_norm(input_)), None
+
+    def forward_before_norm(self, input_):
+        """The linear alone: where an adapter (toolkit/lora) adds its delta, as HF PEFT does on o_proj."""
+        output, bias = super().forward(input_)
+        assert bias is None, "a post-norm linear has no bias (add_bias_linear=False)"
+        return output
+
+
+class LayerRopeSelfAttention(SelfAttention):
+    """`rope_bases[i]`: the RoPE base of global layer i (0-based), None for the model's."""
+
+    def __init__(self, config, submodules, layer_number: int, rope_bases: tuple = (), **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        base = rope_bases[layer_number - 1] if rope_bases else None
+        self.layer_rope = None
+        if base is not None:
+            self.layer_rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=base,
+                                              use_cpu_initialization=config.use_cpu_initialization)
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if self.layer_rope is not None and rotary_pos_emb is not None:
+            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0])
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+
+def _qk_norm(kind: str | None, heads: int):
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if kind == "projection":
+        return ModuleSpec(module=ProjectionRMSNorm, params={"heads": heads})
+    return RMSNorm if kind == "head" else IdentityOp
+
+
+def rope_bases(spec: ModelSpec) -> tuple:
+    """Per layer: the windowed layers' own RoPE base, None where the model's applies."""
+    if spec.window_rope_theta is None or not spec.window_layers:
+        return ()
+    return tuple(spec.window_rope_theta if c == "1" else None for c in spec.window_layers)
+
+
+def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
+    """One decoder layer of local (torch) megatron-core modules, with the family's choices."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    pre_norm = RMSNorm if layer.pre_norms else IdentityOp
+    out_linear = PostNormRowParallelLinear if layer.post_norms else RowParallelLinear
+    # The TE spec folds the pre-norms into the next linear; its names are the checkpoint's (as the local spec's map)
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if layer.pre_norms else {}
+    attention = ModuleSpec(
+        module=LayerRopeSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "rope_bases": rope_bases(spec)},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=out_linear,
+            q_layernorm=_qk_norm(layer.qk_norm, spec.num_heads),
+            k_layernorm=_qk_norm(layer.qk_norm, spec.num_kv_heads),
+        ),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=pre_norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=out_linear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def block_spec(config, spec: ModelSpec, layer: CustomLayer):
+    """This pipeline stage's layers and the final norm (which must be our RMSNorm too)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    one = layer_spec(config, spec, layer)
+    return TransformerBlockSubmodules(layer_specs=[one] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+
+
+def adapt_model(model, spec: ModelSpec, layer: CustomLayer) -> None:
+    """What the block spec cannot reach: the embedding's output scale (first stage only)."""
+    if layer.embedding_scale and getattr(model, "embedding", None) is not None:
+        normalizer = spec.hidden_size**0.5
+
+        def scale(module, inputs, output):
+            # HF: embed_scale cast to the weight dtype (Gemma3TextScaledWordEmbedding)
+            return output * torch.tensor(normalizer, dtype=module.word_embeddings.weight.dtype, device=output.device)
+
+        model.embedding.register_forward_hook(scale)

@@ -1,0 +1,100 @@
+"""Which linears of a family LoRA can adapt, named as HF PEFT names them.
+
+Read from the family table (toolkit/families): every per-layer weight row with a linear split is
+a megatron-core linear, and each of its HF tensors is one PEFT target module (`q_proj` inside
+the fused `linear_qkv`, `gate_proj` inside `linear_fc1`, Phi-3's whole `qkv_proj`). A new family
+therefore brings its LoRA targets with its table, and no family is named here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import AdapterError
+from toolkit.families import Family, ModelSpec
+from toolkit.families.table import Row
+from toolkit.splits import Split
+
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear but the output layer
+COLUMN, ROW = "column", "row"
+# Split kinds of linear weights; VOCAB (embedding, output layer) and REPLICATED (norms) are not targets.
+_COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One HF module (q_proj) whose LoRA lives in one megatron-core linear (linear_qkv)."""
+
+    name: str  # PEFT's target name: the module's last path component
+    hf_module: str  # HF module path, `*` for the layer: model.layers.*.self_attn.q_proj
+    in_features: int
+    out_features: int
+
+    def module_at(self, layer: int) -> str:
+        return self.hf_module.replace("*", str(layer))
+
+
+@dataclass(frozen=True)
+class LinearTargets:
+    """A megatron-core linear and the PEFT targets LoRA adapts inside it."""
+
+    row: Row
+    parallel: str  # COLUMN or ROW
+    parts: tuple[Target, ...]  # every HF module of the row, in the row's order
+    chosen: tuple[str, ...]  # the names of the parts adapted
+
+    @property
+    def module(self) -> str:
+        """The megatron-core module path inside a layer: self_attention.linear_qkv."""
+        return self.row.megatron.removeprefix("decoder.layers.*.").removesuffix(".weight")
+
+
+def _linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
+    linears = []
+    for row in family.rows_for(spec.tied_embeddings):
+        if not (row.per_layer and row.megatron.endswith(".weight")):
+            continue
+        if row.split is Split.ROW:
+            parallel = ROW
+        elif row.split in _COLUMN_SPLITS:
+            parallel = COLUMN
+        else:
+            continue
+        parts = tuple(
+            Target(name.removesuffix(".weight").rsplit(".", 1)[1], name.removesuffix(".weight"),
+                   spec.size_of(shape[1]), spec.size_of(shape[0]))
+            for name, shape in zip(row.hf, row.shapes)
+        )
+        linears.append(LinearTargets(row, parallel, parts, ()))
+    return linears
+
+
+def available(family: Family, spec: ModelSpec) -> list[str]:
+    return [t.name for linear in _linear_rows(family, spec) for t in linear.parts]
+
+
+def resolve(family: Family, spec: ModelSpec, target_modules: list[str]) -> list[LinearTargets]:
+    """The linears to wrap and their chosen parts; refuses a name the family does not have."""
+    names = available(family, spec)
+    wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise AdapterError(f"target module(s) {', '.join(unknown)} not in the {family.name} family "
+                           f"(it has: {', '.join(names)}, or {ALL_LINEAR})")
+    if not wanted:
+        raise AdapterError("no target modules given")
+    chosen = []
+    for linear in _linear_rows(family, spec):
+        picked = tuple(t.name for t in linear.parts if t.name in wanted)
+        if picked:
+            chosen.append(LinearTargets(linear.row, linear.parallel, linear.parts, picked))
+    return chosen
+
+
+def check_rank(r: int, linears: list[LinearTargets]) -> None:
+    """r must be positive and no larger than the smallest dimension of any adapted module."""
+    targets = [t for linear in linears for t in linear.parts if t.name in linear.chosen]
+    smallest = min(min(t.in_features, t.out_features) for t in targets)
+    if r <= 0 or r > smallest:
+        name = min(targets, key=lambda t: min(t.in_features, t.out_features)).name
+        raise AdapterError(f"LoRA r={r} must be between 1 and {smallest} (the smallest dimension of the targets, {name})")
