@@ -63,6 +63,11 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
         Layout(tp, pp, meta.vocab_divisor).check(meta.model_spec)
     except ConversionError as e:
         raise ConfigError(f"parallel.tp={tp} parallel.pp={pp} does not fit {cfg.model.checkpoint}: {e}") from None
+    if meta.model_spec.is_moe and tp > 1:
+        # moe_layer.py:379 refuses MoE training with TP > 1 unless sequence parallelism is on,
+        # which this trainer does not run yet (its norms would need a TP all-reduce of their grads)
+        raise ConfigError(f"parallel.tp={tp}: fine-tuning a Mixture-of-Experts model ({meta.model_spec.family}) with "
+                          "TP > 1 needs sequence parallelism, which this trainer does not support yet; use tp=1")
     return data_parallel_size(cfg, world_size)
 
 
