@@ -5,6 +5,8 @@ logits (tests/test_lora.py covers training; this covers where the delta enters).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -29,3 +31,16 @@ def test_post_norm_families_with_an_adapter_give_peft_logits_at_tp2(tmp_path, va
     worst = float((torch.tensor(ours) - peft_logits(hf, adapter, tokens)).abs().max())
     print(f"{variant}: max |logit difference| vs PeftModel.from_pretrained: {worst:.2e}")
     assert worst < LOGIT_TOLERANCE, worst
+
+
+def test_lora_on_a_mixture_of_experts_family_is_refused_in_one_line(tmp_path):
+    from toolkit.errors import AdapterError
+    from toolkit.families import family_named
+    from toolkit.families.spec import read_spec
+    from toolkit.lora import targets
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("mixtral", tmp_path / "hf", dtype="float32")
+    spec = read_spec(json.loads((hf / "config.json").read_text()), family_named("mixtral"))
+    with pytest.raises(AdapterError, match=r"^LoRA is not supported yet for Mixture-of-Experts families \(mixtral\)"):
+        targets.resolve(family_named("mixtral"), spec, ["q_proj"])
