@@ -69,6 +69,7 @@ class Run:
     layout_key: dict
     schedule: object
     resume_from: Path | None
+    same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
 
 
 def prepare(config_path, overrides) -> Run:
@@ -88,9 +89,8 @@ def prepare(config_path, overrides) -> Run:
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
     resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
     schedule = LRSchedule.from_config(cfg)
-    if resume_from is not None:
-        checkpoint.check_resumable(resume_from, layout_key, schedule)
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from)
+    same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, same_layout)
 
 
 def finetune(run: Run) -> int:
@@ -103,6 +103,7 @@ def finetune(run: Run) -> int:
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_qk_norm_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
+    from toolkit.train.elastic import ParamShards
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
@@ -121,14 +122,18 @@ def finetune(run: Run) -> int:
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
     num_microbatches = train_data.num_microbatches
 
-    # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule.
+    # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule. Each parameter's global
+    #    sharding is read first (ZeRO-3 empties the parameters): checkpoints use it for any layout.
+    shards = ParamShards(model)
     ds_config = build.ds_config(cfg, meta, dp)
     engine = build_engine(model, cfg, ds_config, run.schedule)
 
-    # 7. Resume (exactly: weights, optimizer, LR schedule, RNG, data position) if asked.
+    # 7. Resume (weights, optimizer, LR schedule, data position; RNG on the same layout) if asked,
+    #    from DeepSpeed's files on the same layout, else from the layout-independent state.
     start_step = 0
     if run.resume_from is not None:
-        start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg))
+        start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg),
+                                       shards, run.same_layout)
 
     resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
                 "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
@@ -164,8 +169,9 @@ def finetune(run: Run) -> int:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {**run.layout_key, "lr_schedule": run.schedule.state()}
-            checkpoint.save(run_dir, step, engine, model, train_data, train_state, meta, cfg.model.checkpoint, cfg.keep_last)
+            train_state = {**run.layout_key, "global_batch": cfg.global_batch, "lr_schedule": run.schedule.state()}
+            checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta, cfg.model.checkpoint,
+                            cfg.keep_last)
         if stop:
             if info.rank == 0:
                 print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)

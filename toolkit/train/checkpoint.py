@@ -8,7 +8,14 @@
                                   metadata and HF config/tokenizer: `toolkit convert megatron-to-hf` reads it
         ranks/rank_00003.pt       each rank's RNG states and data position (DeepSpeed's client_state
                                   is written by DP rank 0 only)
-        train_state.json          step and layout
+        train/                    layout-independent fp32 master weights and Adam moments
+                                  (torch_dist, toolkit.train.elastic): a resume on another layout
+        train_state.json          step, layout, global batch, samples consumed, LR schedule, Adam step
+
+A resume on the layout that wrote the checkpoint loads DeepSpeed's files (bit-exact, RNG included);
+on any other TP x PP x DP x ZeRO it loads `train/`, each rank reading only its own slice, and keeps
+the global batch (the micro-batches per step follow from the new DP). Per-rank RNG states cannot
+follow a changed layout: they are then re-seeded from the config's seed (exact without dropout).
 
 A checkpoint is written under .step_0000010.partial and renamed only after every rank finished
 (DeepSpeed's own `latest` file is written by rank 0 without a barrier, so save_latest=False).
@@ -105,9 +112,12 @@ def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
 
 
-def save(run_dir: Path, step: int, engine, module, source, train_state: dict, source_meta, source_dir, keep_last: int) -> Path:
-    """Collective: every rank calls it. `train_state` (the layout, the LR schedule) goes into
-    train_state.json, where a resume checks it before any process group exists."""
+def save(run_dir: Path, step: int, engine, module, shards, source, train_state: dict, source_meta, source_dir,
+         keep_last: int) -> Path:
+    """Collective: every rank calls it. `train_state` (the layout, the LR schedule, the global
+    batch) goes into train_state.json, where a resume checks it before any process group exists."""
+    from toolkit.train import elastic
+
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
@@ -118,8 +128,11 @@ def save(run_dir: Path, step: int, engine, module, source, train_state: dict, so
     engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
     _write_model(tmp, module, source_meta, Path(source_dir))
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
+    elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
+    resumable = {"consumed_samples": source.state_dict()["consumed"], "adam_step": elastic.adam_step(engine),
+                 "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups]}
     if dist.get_rank() == 0:
-        (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
+        (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         fault_point("checkpoint-before-marker")
@@ -187,32 +200,83 @@ def find_latest(run_dir: Path) -> Path | None:
     return path
 
 
-def check_resumable(path: Path, layout: dict, requested_schedule) -> int:
-    """Everything a resume from `path` needs that can be checked before training; returns its step."""
+def _train_state(path: Path) -> dict:
     try:
         state = json.loads((path / "train_state.json").read_text())
-        step = int(state["step"])
+        int(state["step"])
+        return state
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path / 'train_state.json'} is unreadable ({e}): not a complete checkpoint") from None
-    saved = {k: state.get(k) for k in layout}
-    if saved != layout:
-        raise CheckpointError(
-            f"{path} was written with {saved}, this run uses {layout}: resuming on another layout or "
-            "DP size is not supported (export to HF and convert again instead)"
-        )
+
+
+def check_resumable(path: Path, layout: dict, requested_schedule, meta: CheckpointMeta, global_batch: int) -> bool:
+    """Everything a resume from `path` needs that can be checked before training. Returns True
+    when the checkpoint was written on this very layout (DeepSpeed's files resume it exactly)."""
+    from toolkit.train import elastic
+
+    state = _train_state(path)
+    step = int(state["step"])
+    _check_same_model(path, meta)
+    same_layout = {k: state.get(k) for k in layout} == layout
+    if not same_layout:
+        if "consumed_samples" not in state:
+            saved = {k: state.get(k) for k in layout}
+            raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
+                                  f"state: resume it on that layout, not on {layout}")
+        elastic.check_files(path / elastic.STATE_DIR)
+    if state.get("global_batch", global_batch) != global_batch:
+        raise CheckpointError(f"{path} was trained with global_batch {state['global_batch']}, this run asks for "
+                              f"{global_batch}: a resumed run keeps its global batch (set global_batch={state['global_batch']})")
     if "lr_schedule" in state:  # checkpoints of earlier versions carry none: the config's is used
         LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step)
+    return same_layout
+
+
+def _check_same_model(path: Path, meta: CheckpointMeta) -> None:
+    """The checkpoint's model (architecture, vocabulary, heads, ...) must be the run's."""
+    try:
+        saved = CheckpointMeta.read(path / "model").spec
+    except ToolkitError as e:
+        raise CheckpointError(f"{path} holds no readable model description: {e}") from None
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in meta.spec.items() if saved.get(k) != v]
+    if changed:
+        raise CheckpointError(f"{path} is a checkpoint of another model ({', '.join(changed[:4])}): "
+                              "resume only the model it was trained from, or start a new run_dir")
+
+
+def resume(path: Path, engine, source, schedule, requested_schedule, shards, same_layout: bool) -> int:
+    """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
+    The LR schedule restored from it goes on as `requested_schedule` asks."""
+    if same_layout:
+        step = _resume_deepspeed(path, engine, source)
+    else:
+        step = _resume_elastic(path, engine, source, schedule, shards)
+    schedule.continue_as(requested_schedule, step)
     return step
 
 
-def resume(path: Path, engine, source, schedule, requested_schedule) -> int:
-    """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
-    The LR schedule DeepSpeed restores from it goes on as `requested_schedule` asks."""
+def _resume_deepspeed(path: Path, engine, source) -> int:
     load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
-    step = int(json.loads((path / "train_state.json").read_text())["step"])
-    schedule.continue_as(requested_schedule, step)
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
+    return int(_train_state(path)["step"])
+
+
+def _resume_elastic(path: Path, engine, source, schedule, shards) -> int:
+    """Another layout: weights and moments from `train/`, the LR schedule and the data position
+    (in samples, global) from train_state.json."""
+    from toolkit.train import elastic
+
+    state = _train_state(path)
+    step = int(state["step"])
+    elastic.load_state(path / elastic.STATE_DIR, engine, shards, int(state["adam_step"]))
+    vars(schedule).update(state["lr_schedule"])  # the LambdaLR's own callable
+    scheduler = engine.lr_scheduler
+    scheduler.last_epoch = step
+    for group, lr in zip(engine.optimizer.param_groups, state["last_lr"], strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(state["last_lr"])
+    source.load_state_dict({"consumed": state["consumed_samples"]})
     return step
