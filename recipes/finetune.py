@@ -169,7 +169,8 @@ def finetune(run: Run) -> int:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {**run.layout_key, "global_batch": cfg.global_batch, "lr_schedule": run.schedule.state()}
+            train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,
+                           "lr_schedule": run.schedule.state()}
             checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta, cfg.model.checkpoint,
                             cfg.keep_last)
         if stop:

@@ -87,6 +87,7 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     from toolkit.convert import hf_to_megatron
     from toolkit.errors import ToolkitError
     from toolkit.tinymodels import make_tiny_model
+    from toolkit.train.checkpoint_info import describe
 
     hf, mc, data = model_and_data
     cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=1)
@@ -115,6 +116,12 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     other_cfg = recipe(tmp_path / "other", other, data, steps=1, run_dir=str(run))
     refused("checkpoint of another model \\(.*vocab_size 250 -> 256", config=other_cfg)
 
+    info = describe(run)  # `toolkit ckpt inspect`, on the intact checkpoint
+    assert (info["step"], info["layout"], info["samples_seen"], info["tokens_seen_padded"]) == \
+        (1, {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1}, 16, 16 * 24)
+    assert info["tensors"]["exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight"] == [[4, 128, 64], "float32"]
+    assert info["resumable"] == {"tp": [1, 2, 4], "pp": [1, 2, 4], "dp": [1, 2, 4, 8, 16]}
+
     saved = shard.read_bytes()
     shard.write_bytes(saved[: len(saved) // 2])
     before = tree_state(run)
@@ -122,3 +129,5 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     shard.unlink()
     before = tree_state(run)
     refused("is missing: the checkpoint is incomplete")
+    with pytest.raises(ToolkitError, match="is missing"):
+        describe(run)

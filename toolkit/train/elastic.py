@@ -133,24 +133,23 @@ def _base_optimizer(engine):
 
 
 def load_state(directory: Path, engine, shards: ParamShards, step: int) -> None:
-    """Collective: read this rank's box of every tensor, give DeepSpeed this rank's fragment."""
+    """Collective: read this rank's box of every tensor, give DeepSpeed this rank's fragment.
+    One read per kind of state (master weights, then each moment), so a rank holds at most one
+    fp32 copy of its TP/PP shard at a time."""
     from megatron.core import dist_checkpointing
 
-    _create_adam_state(engine)
-    names = [name for name, _ in STATES if not (os.environ.get(DROP_MOMENTS_ENV) and name in MOMENTS)]
-    template = {}
-    for index, (param, entry, shape) in enumerate(shards.entries):
-        for name in names:
-            template[f"{name}/{index}"] = shards.sharded(name, entry, torch.empty(shape, dtype=torch.float32))
-    loaded = dist_checkpointing.load(template, str(directory))
-    keys = dict(STATES)
-    for index, (param, _, _) in enumerate(shards.entries):
-        for name in names:
-            _set_fragment(param, loaded.pop(f"{name}/{index}"), keys[name])
-    if len(names) < len(STATES):
-        for name in MOMENTS:
-            for param, _, shape in shards.entries:
-                _set_fragment(param, torch.zeros(shape), name)
+    _create_adam_state(engine)  # zeros: what a dropped moment (guard tests) stays
+    dropped = MOMENTS if os.environ.get(DROP_MOMENTS_ENV) else ()
+    for name, key in STATES:
+        if name in dropped:
+            continue
+        template = {
+            str(index): shards.sharded(name, entry, torch.empty(shape, dtype=torch.float32))
+            for index, (_, entry, shape) in enumerate(shards.entries)
+        }
+        loaded = dist_checkpointing.load(template, str(directory))
+        for index, (param, _, _) in enumerate(shards.entries):
+            _set_fragment(param, loaded.pop(str(index)), key)
     for flat in _flat_partitions(engine):
         _base_optimizer(engine).state[flat]["step"].fill_(step)
 
