@@ -66,7 +66,8 @@ class ParamShards:
             raise ElasticStateError(f"{len(missing)} parameters have no sharding in model.sharded_state_dict()")
         self.entries = [(params[i], by_index[i], tuple(params[i].shape)) for i in range(len(params))]
 
-    def sharded(self, name: str, entry, data: torch.Tensor, replica_id=None):
+    @staticmethod
+    def sharded(name: str, entry, data: torch.Tensor, replica_id=None):
         """`entry` (a ShardedTensor or a factory) for another tensor of the same shape."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -85,7 +86,8 @@ def _dp():
 
 
 def _main_over_dp(replica_id):
-    """The replica id with its DP part set to 0 (megatron-core's is (pp?, tp, dp) or a plain dp)."""
+    """The replica id with its DP part set to 0: megatron-core's ids end with the DP rank
+    (make_sharded_tensor_for_checkpoint: (0, tp_rank or 0, dp_rank)), or are the DP rank."""
     return (*replica_id[:-1], 0) if isinstance(replica_id, tuple) else 0
 
 
