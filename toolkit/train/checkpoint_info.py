@@ -64,7 +64,8 @@ def describe(path: Path) -> dict:
         "tokens_seen_padded": samples * seq_len if samples is not None and seq_len else None,
         "model": {k: meta.spec.get(k) for k in ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                "vocab_size")},
-        "tensors": {k: [list(shape), str(dtype).removeprefix("torch.")] for k, (shape, dtype) in tensor_shapes(train_dir).items()},
+        "tensors": {k: [list(shape), str(dtype).removeprefix("torch.")]
+                    for k, (shape, dtype) in tensor_shapes(train_dir).items()},
         "resumable": resumable_layouts(meta, state.get("global_batch")),
     }
 
@@ -74,7 +75,8 @@ def lines(info: dict) -> list[str]:
     out = [
         f"checkpoint {info['checkpoint']}: step {info['step']}, written at TP {layout['tp']} x PP {layout['pp']} x "
         f"DP {layout['dp']}, ZeRO-{layout['zero_stage']}",
-        f"global batch {info['global_batch']}; samples seen {info['samples_seen']}; tokens seen (padded) {info['tokens_seen_padded']}",
+        f"global batch {info['global_batch']}; samples seen {info['samples_seen']}; "
+        f"tokens seen (padded) {info['tokens_seen_padded']}",
         "model " + ", ".join(f"{k} {v}" for k, v in info["model"].items()),
         f"resumes at TP in {r['tp']}, PP in {r['pp']}, DP in {r['dp']} (DP x micro_batch must divide the global batch), "
         "any ZeRO stage 1-3 (2/3 with PP 1)",

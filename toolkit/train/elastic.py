@@ -234,7 +234,8 @@ def check_files(directory: Path) -> None:
     try:
         storage = FileSystemReader(str(directory)).read_metadata().storage_data
     except (OSError, ValueError, EOFError, RuntimeError) as e:
-        raise ElasticStateError(f"{directory} has no readable torch_dist index ({type(e).__name__}): incomplete checkpoint") from None
+        raise ElasticStateError(f"{directory} has no readable torch_dist index ({type(e).__name__}): "
+                                "incomplete checkpoint") from None
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
