@@ -228,8 +228,9 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
 
     state = _train_state(path)
     step = int(state["step"])
-    _check_same_model(path, meta)
     _check_same_kind(path, lora, base_checkpoint)
+    if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
+        _check_same_model(path, meta)
     same_layout = {k: state.get(k) for k in layout} == layout
     if not same_layout:
         saved = {k: state.get(k) for k in layout}
