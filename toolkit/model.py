@@ -65,7 +65,12 @@ def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
         return block_spec(config, spec, family.layer)
     if layer_spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    if config.sequence_parallel:  # the local spec's torch norms refuse SP (Transformer Engine's take it)
+        from toolkit.layers import sequence_parallel_block_spec
+
+        return sequence_parallel_block_spec(config, local)
+    return local
 
 
 def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None):
