@@ -65,3 +65,15 @@ def test_sequence_parallel_bad_input_refused_in_one_line(tmp_path, overrides, me
     with pytest.raises(ConfigError, match=message) as refused:
         load_config(str(recipe(tmp_path, tmp_path / "ckpt", data)), overrides)
     assert "\n" not in str(refused.value)
+
+
+def test_memory_estimate_refuses_sequence_parallel_without_tp_or_with_an_unsplittable_sequence():
+    from tests.workers_memory import tiny_spec
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import estimate
+
+    spec = tiny_spec()
+    for tp, seq_len, message in ((1, 32, "needs TP > 1"), (2, 33, "not divisible by TP 2")):
+        setup = Setup(gpus=2, tp=tp, pp=1, zero=1, precision="bf16", micro_batch=1, global_batch=2 // tp)
+        with pytest.raises(ConfigError, match=message):
+            estimate(spec, setup, seq_len, sequence_parallel=True)
