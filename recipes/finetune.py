@@ -73,6 +73,7 @@ class Run:
     schedule: object
     resume_from: Path | None
     lora: object  # toolkit.train.build.LoraPlan, or None for a full fine-tune
+    same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
 
 
 def prepare(config_path, overrides) -> Run:
@@ -93,9 +94,9 @@ def prepare(config_path, overrides) -> Run:
     resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
     schedule = LRSchedule.from_config(cfg)
     lora = build.lora_plan(cfg, meta)
-    if resume_from is not None:
-        checkpoint.check_resumable(resume_from, layout_key, schedule, lora is not None, cfg.model.checkpoint)
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora)
+    same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch,
+                                                                     lora is not None, cfg.model.checkpoint)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout)
 
 
 def finetune(run: Run) -> int:
@@ -108,6 +109,7 @@ def finetune(run: Run) -> int:
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
+    from toolkit.train.elastic import ParamShards
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
@@ -129,15 +131,18 @@ def finetune(run: Run) -> int:
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
     num_microbatches = train_data.num_microbatches
 
-    # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule.
+    # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule. Each parameter's global
+    #    sharding is read first (ZeRO-3 empties the parameters): checkpoints use it for any layout.
+    shards = ParamShards(model) if adapter is None else None  # an adapter resumes on its own layout only
     ds_config = build.ds_config(cfg, meta, dp)
     engine = build_engine(model, cfg, ds_config, run.schedule)
 
-    # 7. Resume (exactly: weights, optimizer, LR schedule, RNG, data position) if asked.
+    # 7. Resume (weights, optimizer, LR schedule, data position; RNG on the same layout) if asked,
+    #    from DeepSpeed's files on the same layout, else from the layout-independent state.
     start_step = 0
     if run.resume_from is not None:
         start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg),
-                                       lora=adapter is not None)
+                                       shards, run.same_layout, lora=adapter is not None)
 
     resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
                 "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
@@ -173,9 +178,10 @@ def finetune(run: Run) -> int:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            train_state = {**run.layout_key, "lr_schedule": run.schedule.state()}
-            checkpoint.save(run_dir, step, engine, model, train_data, train_state, meta, cfg.model.checkpoint, cfg.keep_last,
-                            adapter)
+            train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,
+                           "lr_schedule": run.schedule.state()}
+            checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta, cfg.model.checkpoint,
+                            cfg.keep_last, adapter)
         if stop:
             if info.rank == 0:
                 print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)

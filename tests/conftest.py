@@ -44,3 +44,33 @@ def hf_copy(tiny_hf, tmp_path):
         return dest
 
     return copy
+
+
+# Mixture-of-Experts families (toolkit/tinymodels.py); separate from VARIANTS, whose layouts (TP 4,
+# PP 3) these models' 6 heads and 4 layers do not all fit.
+MOE_VARIANTS = ("mixtral", "qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> dict[str, Path]:
+    """variant -> fp32 tiny MoE model (logit parity), plus `<variant>-bf16` (round trips in the HF dtype)."""
+    from toolkit.tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    models = {}
+    for i, v in enumerate(MOE_VARIANTS):
+        models[v] = make_tiny_model(v, root / v, dtype="float32", seed=100 + i)
+        models[f"{v}-bf16"] = make_tiny_model(v, root / f"{v}-bf16", dtype="bfloat16", seed=200 + i)
+    return models
+
+
+@pytest.fixture
+def moe_copy(tiny_moe, tmp_path):
+    """A writable copy of a tiny MoE model, for tests that change it."""
+
+    def copy(variant: str) -> Path:
+        dest = tmp_path / f"copy-{variant}"
+        shutil.copytree(tiny_moe[variant], dest)
+        return dest
+
+    return copy

@@ -104,7 +104,8 @@ def test_layout_agrees_with_megatron_core_itself(tiny_hf, tmp_path):
         assert {v[1] for v in result["ours"].values() if v != "bytes"} == {"torch.float32"}, family
         # From a bf16 source every tensor is stored bf16, as the HF files hold it.
         assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}, family
-    qwen3, gemma3, olmo2 = (results[i]["ours"] for i in (1, 2, 3))
+    by_family = {family: result["ours"] for family, result in zip(FAMILIES_CHECKED_NATIVELY, results)}
+    qwen3, gemma3, olmo2 = by_family["qwen3"], by_family["gemma3"], by_family["olmo2"]
     assert qwen3["decoder.layers.self_attention.q_layernorm.weight"] == ((6, 12), "torch.float32")
     assert qwen3["decoder.layers.self_attention.linear_qkv.weight"][0] == (6, (12 + 2 * 2) * 12, 64)
     assert gemma3["decoder.layers.mlp.linear_fc2.post_layernorm.weight"] == ((6, 72), "torch.float32")

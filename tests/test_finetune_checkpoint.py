@@ -95,8 +95,9 @@ def test_sigterm_saves_after_the_current_step_and_the_run_resumes(model_and_data
 
 
 @pytest.mark.multiprocess
-def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout_refused(model_and_data, tmp_path):
-    """One run under the `deepspeed` launcher with W&B offline, then a resume at TP=2 is refused."""
+def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout(model_and_data, tmp_path):
+    """One run under the `deepspeed` launcher with W&B offline, then a resume at TP=2 goes on
+    from the layout-independent state (tests/test_finetune_elastic.py checks its numbers)."""
     hf, mc, data = model_and_data
     wandb = {"enabled": True, "mode": "offline", "run_id": "test-run-1", "project": "toolkit-tests"}
     launch(2, recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=2, wandb=wandb),
@@ -113,8 +114,8 @@ def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout_refused(m
     assert report.ok, report.lines()
 
     cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4)
-    result = launch(2, cfg, "resume=auto", expect_failure=True)
-    assert "resuming on another layout" in result.stdout + result.stderr
+    launch(2, cfg, "resume=auto")
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
 
 
 @pytest.mark.multiprocess

@@ -79,9 +79,13 @@ class PostNormRowParallelLinear(RowParallelLinear):
         self.post_layernorm = RMSNorm(config, output_size, config.layernorm_epsilon)
 
     def forward(self, input_):
+        return self.post_layernorm(self.forward_before_norm(input_)), None
+
+    def forward_before_norm(self, input_):
+        """The linear alone: where an adapter (toolkit/lora) adds its delta, as HF PEFT does on o_proj."""
         output, bias = super().forward(input_)
         assert bias is None, "a post-norm linear has no bias (add_bias_linear=False)"
-        return self.post_layernorm(output), None
+        return output
 
 
 class LayerRopeSelfAttention(SelfAttention):

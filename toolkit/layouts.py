@@ -18,6 +18,9 @@ class Layout:
     tp: int = 1
     pp: int = 1
     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR
+    # expert parallelism: each EP rank holds num_experts / ep experts, split over TP as well
+    # (megatron-core's expert tensor parallel size defaults to TP)
+    ep: int = 1
 
     def padded_vocab(self, vocab_size: int) -> int:
         multiple = self.vocab_divisor * self.tp
@@ -36,9 +39,17 @@ class Layout:
             padded_vocab_size=self.padded_vocab(spec.vocab_size),
         )
 
-    def rank_dir(self, tp_rank: int, pp_rank: int) -> str:
-        """Megatron-LM's per-rank directory name (checkpointing.py get_checkpoint_name)."""
-        return f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:
+        """Global indices of the experts EP rank `ep_rank` holds (megatron-core's
+        MoELayer.local_expert_indices), numbered 0.. on the rank."""
+        per_rank = spec.num_experts // self.ep
+        return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+    def rank_dir(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+        """Megatron-LM's per-rank directory name (checkpointing.py get_checkpoint_name): the expert
+        rank is appended as _EEE when EP > 1."""
+        name = f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        return name if self.ep == 1 else f"{name}_{ep_rank:03d}"
 
     def check(self, spec: ModelSpec) -> None:
         """Refuse layouts megatron-core cannot build for this model."""
@@ -61,3 +72,15 @@ class Layout:
             )
         if spec.ffn_hidden_size % self.tp:
             raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by --tp {self.tp}")
+        self._check_experts(spec)
+
+    def _check_experts(self, spec: ModelSpec) -> None:
+        if self.ep < 1:
+            raise ConversionError(f"--ep must be >= 1 (got {self.ep})")
+        if self.ep > 1 and not spec.is_moe:
+            raise ConversionError(f"--ep {self.ep} needs a Mixture-of-Experts model; {spec.family} has no experts")
+        if spec.num_experts % self.ep:
+            raise ConversionError(f"{spec.num_experts} experts cannot be split evenly over --ep {self.ep}")
+        if spec.moe_ffn_hidden_size % self.tp:
+            raise ConversionError(f"the experts' FFN width {spec.moe_ffn_hidden_size} is not divisible by --tp "
+                                  f"{self.tp} (expert tensor parallelism is the TP size)")

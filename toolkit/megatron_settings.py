@@ -26,6 +26,7 @@ ARG_NAMES = {
     "gated_linear_unit": "swiglu",  # with activation_func silu, which args do not store
     "rope_scaling": "use_rope_scaling",
     "max_sequence_length": "max_position_embeddings",
+    "num_moe_experts": "num_experts",
     "layernorm_zero_centered_gamma": "apply_layernorm_1p",
     "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
 }
@@ -70,6 +71,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         window_attn_skip_freq=[int(c) for c in spec.window_layers] if spec.window_layers else None,
         softmax_scale=spec.softmax_scale,
         **family_named(spec.family).megatron,
+        **moe_settings(spec),
     )
     gpt = dict(
         max_sequence_length=spec.max_position_embeddings,
@@ -82,6 +84,24 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         seq_len_interpolation_factor=spec.rope_linear_factor,
     )
     return MegatronSettings(transformer, gpt)
+
+
+def moe_settings(spec: ModelSpec) -> dict:
+    """The router HF uses, in megatron-core's terms (see toolkit/families/router.py): renormalised
+    top-k is top-k of the logits then softmax (pre_softmax off); otherwise softmax then top-k. No
+    score scaling, and no capacity factor, so no token is ever dropped."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.moe_renormalise,
+        moe_router_topk_scaling_factor=None,
+        moe_expert_capacity_factor=None,
+        moe_token_dispatcher_type="alltoall",
+    )
 
 
 def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:
@@ -105,6 +125,8 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
         tokenizer_type="HuggingFaceTokenizer",
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         params_dtype=dtype,

@@ -36,6 +36,9 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
+        moe_grouped_gemm=spec.is_moe and running_layer_spec() == "te",
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -63,9 +66,14 @@ def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
         from toolkit.layers import block_spec
 
         return block_spec(config, spec, family.layer)
+
+    # Experts: TE's grouped GEMM on GPUs, SequentialMLP locally (the legacy GroupedMLP needs the
+    # grouped_gemm package, which CPUs lack).
+    experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if layer_spec == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                                                     **experts)
     if config.sequence_parallel:  # the local spec's torch norms refuse SP (Transformer Engine's take it)
         from toolkit.layers import sequence_parallel_block_spec
 

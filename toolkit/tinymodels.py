@@ -32,6 +32,16 @@ BASE = dict(
 QWEN3 = dict(num_attention_heads=12, num_key_value_heads=2, head_dim=12, intermediate_size=96, vocab_size=251,
              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
+# Mixture-of-Experts: top-2 of 6 (Mixtral) and of 8 (Qwen3-MoE) experts, so EP 2 gives 3 and 4 local
+# experts; expert FFN widths (40, 36) unlike the dense intermediate_size; 4 layers for PP 2.
+MIXTRAL = dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, intermediate_size=40, num_local_experts=6,
+               num_experts_per_tok=2, num_hidden_layers=4, vocab_size=251, sliding_window=8)
+QWEN3_MOE = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=12, intermediate_size=96,
+                 moe_intermediate_size=36, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                 num_hidden_layers=4, vocab_size=251, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+# Router weights this large give logits of about unit spread: routing depends on them, and
+# renormalising the top-2 probabilities (or not) changes the output (the parity guard).
+ROUTER_STD = 0.15
 # Phi-3: fused HF qkv_proj / gate_up_proj, GQA ratio 3 (Phi-3-mini itself is MHA), a window of 8
 PHI3 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=96, vocab_size=251,
             sliding_window=8)
@@ -78,6 +88,8 @@ VARIANTS = {
     "mistral": ("MistralConfig", {"sliding_window": 8}),  # shorter than the test sequences
     "qwen3": ("Qwen3Config", QWEN3),
     "qwen3-tied": ("Qwen3Config", {**QWEN3, "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", MIXTRAL),
+    "qwen3-moe": ("Qwen3MoeConfig", QWEN3_MOE),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
@@ -124,6 +136,8 @@ def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32",
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(low, high)
+            elif name.endswith("mlp.gate.weight"):  # a MoE router (HF's in-memory name)
+                param.normal_(0.0, ROUTER_STD)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
     model = model.to(getattr(torch, dtype))

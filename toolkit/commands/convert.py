@@ -12,10 +12,12 @@ output file as soon as it is complete (memory: about one output file). The resul
 a temporary name and appears at OUT_DIR only when complete.
 
 Formats:
-  torch       Megatron-LM per-rank files: release/mp_rank_TT[_PPP]/model_optim_rng.pt
-  torch_dist  megatron-core distributed checkpoint; loads into any TP/PP layout
+  torch       Megatron-LM per-rank files: release/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+              (_EEE: the expert-parallel rank, when --ep > 1)
+  torch_dist  megatron-core distributed checkpoint; loads into any TP/PP/EP layout
 
-Supported families: llama (2, 3, 3.1, 3.2; llama3 rope scaling), mistral (sliding window), qwen2.
+Supported families: llama (2, 3, 3.1, 3.2; llama3 rope scaling), mistral (sliding window), qwen2,
+qwen3, phi3, and the Mixture-of-Experts families mixtral and qwen3_moe (--ep).
 """
 
 VERIFY_HELP = """\
@@ -42,6 +44,9 @@ def register(sub) -> None:
     p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size for Mixture-of-Experts models (default 1): each EP rank holds "
+                        "experts/EP experts, split over TP as well")
     p.add_argument("--format", dest="fmt", choices=("torch", "torch_dist"), default="torch")
     p.add_argument("--layer-spec", choices=("te", "local"), default="te",
                    help="parameter names in torch-format files: Transformer Engine (default, what GPU "
@@ -111,9 +116,11 @@ def _add_output_flags(p) -> None:
 def _to_megatron(args) -> int:
     from toolkit.convert import hf_to_megatron
 
-    out = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, fmt=args.fmt, layer_spec=args.layer_spec,
-                         vocab_divisor=args.vocab_divisor, overwrite=args.overwrite, progress=_progress(args))
-    print(f"wrote {args.fmt} checkpoint TP={args.tp} PP={args.pp} to {out}")
+    out = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep, fmt=args.fmt,
+                         layer_spec=args.layer_spec, vocab_divisor=args.vocab_divisor, overwrite=args.overwrite,
+                         progress=_progress(args))
+    experts = f" EP={args.ep}" if args.ep > 1 else ""
+    print(f"wrote {args.fmt} checkpoint TP={args.tp} PP={args.pp}{experts} to {out}")
     return 0
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from toolkit.convert import dist_format
-from toolkit.convert.stages import stage_megatron_shapes
+from toolkit.convert.stages import row_instances, stage_megatron_shapes
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
@@ -24,9 +24,8 @@ def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int,
     """Every HF tensor name the family table expects for this config, with its shape."""
     out = {}
     for row in family.rows_for(spec.tied_embeddings):
-        layers = range(spec.num_layers) if row.per_layer else [None]
-        for layer in layers:
-            for name, symbols in zip(row.hf_names(layer), row.shapes):
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts)):
+            for name, symbols in zip(row.hf_names(layer, expert), row.shapes):
                 out[name] = tuple(spec.size_of(s) for s in symbols)
     return out
 
@@ -47,10 +46,10 @@ def check_format_files(fmt: str, shards: Path) -> None:
         raise ConversionError(f"{shards} holds a {found} checkpoint but the metadata says format {fmt!r}: {EDITED_HINT}")
 
 
-def check_rank_layout(found: tuple[int, int], layout: Layout, shards: Path) -> None:
-    if found != (layout.tp, layout.pp):
-        raise ConversionError(f"{shards} holds rank files for TP={found[0]} PP={found[1]} but the metadata says "
-                              f"TP={layout.tp} PP={layout.pp}: {EDITED_HINT}")
+def check_rank_layout(found: tuple[int, int, int], layout: Layout, shards: Path) -> None:
+    if found != (layout.tp, layout.pp, layout.ep):
+        raise ConversionError(f"{shards} holds rank files for TP={found[0]} PP={found[1]} EP={found[2]} but the "
+                              f"metadata says TP={layout.tp} PP={layout.pp} EP={layout.ep}: {EDITED_HINT}")
 
 
 def _compare(found: dict[str, tuple], expected: dict[str, tuple], where: str) -> None:
@@ -76,11 +75,16 @@ def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dic
     geo, hf = layout.geometry(spec), expected_hf_tensors(family, spec)
     out = {}
     for row in family.rows_for(spec.tied_embeddings):
-        shape = megatron_shape(row.split, [hf[n] for n in row.hf_names(0 if row.per_layer else None)], geo)
+        layer, expert = (0 if row.per_layer else None), (0 if row.per_expert else None)
+        shape = megatron_shape(row.split, [hf[n] for n in row.hf_names(layer, expert)], geo)
+        if row.per_expert:
+            shape = (spec.num_experts, *shape)
         if row.per_layer:
-            out[dist_format.stacked_key(row.megatron_name(0))] = (spec.num_layers, *shape)
+            out[dist_format.stacked_key(row.megatron_name(0, 0))] = (spec.num_layers, *shape)
         else:
             out[row.megatron] = shape
+    if spec.is_moe:
+        out.update((alias, out[key]) for key, alias in dist_format.TE_MOE_ALIASES.items())
     return out
 
 

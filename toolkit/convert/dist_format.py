@@ -6,6 +6,10 @@ writes (checked against it in the tests):
   * every tensor has its *global* (TP=1) shape, so any TP/PP layout can load it;
   * per-layer tensors are stacked: `decoder.layers.<name>` has shape [num_layers, ...], stored as
     one chunk per layer; fc1 is the global [gate; up];
+  * experts are stacked once more, SequentialMLP's sharded keys: `decoder.layers.mlp.experts.experts.
+    linear_fc1.weight` has shape [num_layers, num_experts, ...], one chunk per (layer, expert), so
+    megatron-core's loader gives each EP rank its experts (and each expert-TP rank its slice);
+  * a MoE layer's pre-MLP norm is stored twice (TE_MOE_ALIASES), under each layer spec's key;
   * `_extra_state` entries are byte objects keyed `<name>/shard_<layer>_<num_layers>`;
   * tied output layers are not stored (the last stage loads them from the embedding).
 
@@ -15,8 +19,10 @@ when the writer asks for it, so memory holds about one tensor at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -61,10 +67,28 @@ class Chunk:
     load: Callable[[], torch.Tensor]
 
 
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
+EXPERTS_PREFIX = "mlp.experts.experts."  # SequentialMLP's sharded key prefix (experts.py sharded_state_dict)
+
+
+# Under the TE spec a MoE layer's pre-MLP norm is a module of its own with no key map
+# (gpt_layer_specs.py get_gpt_layer_with_transformer_engine_spec: pre_mlp_layernorm=TENorm when
+# num_experts), so its sharded key is `pre_mlp_layernorm.weight`; the local spec maps the same norm
+# to `mlp.linear_fc1.layer_norm_weight` (its sharded_state_dict_keys_map). A MoE checkpoint holds
+# both, so a GPU (TE) model and a CPU (local) model both load it.
+TE_MOE_ALIASES = {STACKED_PREFIX + "mlp.linear_fc1.layer_norm_weight": STACKED_PREFIX + "pre_mlp_layernorm.weight"}
+
+
+def with_te_moe_aliases(chunks: list[Chunk]) -> list[Chunk]:
+    return chunks + [dataclasses.replace(c, key=TE_MOE_ALIASES[c.key]) for c in chunks if c.key in TE_MOE_ALIASES]
+
+
 def stacked_key(canonical_layer_name: str) -> str:
-    """'decoder.layers.3.mlp.linear_fc2.weight' -> 'decoder.layers.mlp.linear_fc2.weight'."""
+    """'decoder.layers.3.mlp.linear_fc2.weight' -> 'decoder.layers.mlp.linear_fc2.weight';
+    'decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight' ->
+    'decoder.layers.mlp.experts.experts.linear_fc2.weight'."""
     _, suffix = naming.split_layer(canonical_layer_name)
-    return STACKED_PREFIX + suffix
+    return STACKED_PREFIX + _LOCAL_EXPERT.sub(EXPERTS_PREFIX, suffix)
 
 
 class _LazySavePlanner(SavePlanner):
@@ -113,13 +137,22 @@ class _LazySavePlanner(SavePlanner):
         return tensor
 
 
-def extra_state_objects(num_layers: int) -> dict[str, object]:
-    """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None])."""
-    return {
+def extra_state_objects(num_layers: int, num_experts: int = 0) -> dict[str, object]:
+    """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None]); an
+    expert's is keyed by (layer, expert), as ShardedObject.unique_key writes offsets and shape."""
+    modules = naming.MOE_ATTENTION_EXTRA_STATE if num_experts else naming.EXTRA_STATE_MODULES
+    objects = {
         f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}": [None]
-        for module in naming.EXTRA_STATE_MODULES
+        for module in modules
         for layer in range(num_layers)
     }
+    objects.update(
+        (f"{STACKED_PREFIX}{EXPERTS_PREFIX}linear_fc{k}._extra_state/shard_{layer}.{e}_{num_layers}.{num_experts}", [None])
+        for k in (1, 2)
+        for layer in range(num_layers)
+        for e in range(num_experts)
+    )
+    return objects
 
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict, on_item=lambda: None) -> None:

@@ -36,33 +36,37 @@ def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -
         load_dist(model, shards)
         return meta
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    if (tp, pp) == (meta.tp, meta.pp):
-        path = torch_format.rank_file(shards, meta.layout, tp_rank, pp_rank)
+    ep = ps.get_expert_model_parallel_world_size()
+    ranks = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+             ps.get_expert_model_parallel_rank())
+    if (tp, pp, ep) == (meta.tp, meta.pp, meta.ep):
+        path = torch_format.rank_file(shards, meta.layout, *ranks)
         if check_sums and meta.checksums:  # Megatron-LM's own checkpoints carry none
             verify_file(root, path, meta.checksums)  # before unpickling anything from it
         state = torch_format.load_trusted_types(path)["model"]
     else:
-        state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor), tp_rank, pp_rank))
+        state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor, ep), *ranks))
     load_state_by_name(model, state)
     return meta
 
 
-def _reshard(root: Path, layout: Layout, tp_rank: int, pp_rank: int):
+def _reshard(root: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int):
     """This rank's shard of a per-rank checkpoint written for another layout: merge the HF
-    tensors this stage needs from the stored shards, then split them for the new layout."""
+    tensors this stage (and EP rank) needs from the stored shards, then split them for the new layout."""
     ckpt = MegatronCheckpoint.open(root)
-    wanted = stage_hf_names(ckpt.family, ckpt.spec, layout, pp_rank)
+    wanted = stage_hf_names(ckpt.family, ckpt.spec, layout, pp_rank, ep_rank)
     source = TensorSource(dict(ckpt.hf_tensors(wanted)))
-    return stage_tensors(source, ckpt.family, ckpt.spec, layout, tp_rank, pp_rank)
+    return stage_tensors(source, ckpt.family, ckpt.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
 
 
 def load_state_by_name(model, state: dict) -> None:
     """load_state_dict that accepts either TE or local names and ignores `_extra_state`."""
-    target_spec = naming.detect_layer_spec(model.state_dict().keys())
+    names = model.state_dict().keys()
+    target_spec = naming.detect_layer_spec(names)
+    moe = any(".mlp.router." in n for n in names)
     dtype = next(model.parameters()).dtype
     renamed = {
-        naming.to_spec_name(naming.to_canonical(k), target_spec): v.to(dtype)
+        naming.to_spec_name(naming.to_canonical(k), target_spec, moe): v.to(dtype)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }

@@ -16,6 +16,7 @@ from toolkit.convert import consistency, dist_format, torch_format
 from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import TOKENIZER_FILES, read_config
 from toolkit.convert.jsonfile import read_json_object, read_utf8
+from toolkit.convert.stages import row_instances
 from toolkit.convert.metadata import (
     HF_DIR,
     META_FILE,
@@ -94,7 +95,8 @@ class MegatronCheckpoint:
         check_file_set(root, shards, meta.checksums)
         consistency.check_format_files(meta.format, shards)
         if meta.format == "torch":
-            consistency.check_rank_layout(torch_format.discover_layout(shards), meta.layout, shards)
+            found = torch_format.discover_layout(shards, second_is_expert=meta.pp == 1 and meta.ep > 1)
+            consistency.check_rank_layout(found, meta.layout, shards)
         meta.layout.check(spec)
         tokenizer = sorted(p for p in (root / HF_DIR).iterdir() if p.name != "config.json" and p.is_file())
         return cls(root, shards, meta.format, family, spec, meta.layout, config_path.read_bytes(), tokenizer, meta)
@@ -115,9 +117,13 @@ class MegatronCheckpoint:
         family, spec = checked_spec(cfg, config_path)
         if (shards / "metadata.json").is_file():
             raise ConversionError("torch_dist checkpoints not written by this toolkit are not supported yet")
-        tp, pp = torch_format.discover_layout(shards)
+        args = torch_format.stored_args(shards)
+        tp, pp, ep = torch_format.discover_layout(shards, second_is_expert=_expert_parallel_at_pp1(args))
+        # Megatron-LM pads the vocab to a multiple of make_vocab_size_divisible_by x TP (arguments.py)
+        divisor = getattr(args, "make_vocab_size_divisible_by", None) or 1
         tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
-        return cls(root, shards, "torch", family, spec, Layout(tp, pp, 1), config_path.read_bytes(), tokenizer, None)
+        return cls(root, shards, "torch", family, spec, Layout(tp, pp, divisor, ep), config_path.read_bytes(), tokenizer,
+                   None)
 
     def hf_tensors(self, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor of the HF model (or only `wanted` ones), one at a time."""
@@ -136,23 +142,29 @@ class MegatronCheckpoint:
         return self.family.rows_for(self.spec.tied_embeddings)
 
     def _from_rank_files(self, wanted):
-        geo = self.layout.geometry(self.spec)
+        """Stage by stage, EP rank by EP rank: memory maps one EP rank's TP files at a time. The dense
+        tensors come from EP rank 0's files (every EP rank's files hold the same)."""
         for pp_rank in range(self.layout.pp):
-            layers = self.layout.stage_layers(self.spec, pp_rank)
-            if wanted is not None and not any(_needed(r, layers, wanted) for r in self._rows()):
-                continue
-            stage = torch_format.read_stage(self.shards, self.layout, pp_rank, before_load=self._verified)
-            consistency.check_stage(stage, self.family, self.spec, self.layout, pp_rank, self.shards)
-            for row in self._rows():
-                for layer in layers if row.per_layer else [None]:
-                    if wanted is not None and not wanted.intersection(row.hf_names(layer)):
-                        continue
-                    name = row.megatron_name(None if layer is None else layer - layers.start)
-                    if name not in stage[0]:
-                        continue  # embedding / final norm / output layer live on one stage only
-                    shards = [rank_state[name] for rank_state in stage]
-                    yield from zip(row.hf_names(layer), merge_shards(row.split, shards, geo))
-            del stage
+            for ep_rank in range(self.layout.ep):
+                yield from self._from_stage(pp_rank, ep_rank, wanted)
+
+    def _from_stage(self, pp_rank: int, ep_rank: int, wanted):
+        geo = self.layout.geometry(self.spec)
+        layers, experts = self.layout.stage_layers(self.spec, pp_rank), self.layout.local_experts(self.spec, ep_rank)
+        rows = [r for r in self._rows() if r.per_expert or ep_rank == 0]
+        if wanted is not None and not any(_needed(r, layers, experts, wanted) for r in rows):
+            return
+        stage = torch_format.read_stage(self.shards, self.layout, pp_rank, self._verified, ep_rank)
+        consistency.check_stage(stage, self.family, self.spec, self.layout, pp_rank, self.shards)
+        for row in rows:
+            for layer, local, expert, local_expert in row_instances(row, layers, experts):
+                names = row.hf_names(layer, expert)
+                if wanted is not None and not wanted.intersection(names):
+                    continue
+                name = row.megatron_name(local, local_expert)
+                if name not in stage[0]:
+                    continue  # embedding / final norm / output layer live on one stage only
+                yield from zip(names, merge_shards(row.split, [rank_state[name] for rank_state in stage], geo))
 
     def _from_dist(self, wanted):
         geo = self.layout.geometry(self.spec)
@@ -160,20 +172,26 @@ class MegatronCheckpoint:
             self._verified(path)  # DCP reads pieces of every file: check them all first
         stored = dist_format.tensor_shapes(self.shards)
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
+        every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
         for row in self._rows():
-            for layer in range(self.spec.num_layers) if row.per_layer else [None]:
-                if wanted is not None and not wanted.intersection(row.hf_names(layer)):
+            for layer, _, expert, _ in row_instances(row, every_layer, every_expert):
+                names = row.hf_names(layer, expert)
+                if wanted is not None and not wanted.intersection(names):
                     continue
-                key = dist_format.stacked_key(row.megatron_name(layer)) if row.per_layer else row.megatron
+                key = dist_format.stacked_key(row.megatron_name(layer, 0)) if row.per_layer else row.megatron
                 if key not in stored:
                     raise ConversionError(f"{self.shards} has no tensor {key!r}")
                 shape, dtype = stored[key]
-                if row.per_layer:
-                    t = dist_format.read_box(self.shards, key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]), dtype)[0]
-                else:
-                    t = dist_format.read_box(self.shards, key, (0,) * len(shape), shape, dtype)
-                yield from zip(row.hf_names(layer), merge_shards(row.split, [t], geo))
+                index = [i for i in (layer, expert) if i is not None]  # the stacked (layer, expert) dims
+                box = dist_format.read_box(self.shards, key, (*index, *(0,) * (len(shape) - len(index))),
+                                           (*(1,) * len(index), *shape[len(index):]), dtype)
+                yield from zip(names, merge_shards(row.split, [box.reshape(shape[len(index):])], geo))
 
 
-def _needed(row, layers, wanted: set[str]) -> bool:
-    return any(wanted.intersection(row.hf_names(layer)) for layer in (layers if row.per_layer else [None]))
+def _needed(row, layers, experts, wanted: set[str]) -> bool:
+    return any(wanted.intersection(row.hf_names(layer, expert)) for layer, _, expert, _ in row_instances(row, layers, experts))
+
+
+def _expert_parallel_at_pp1(args) -> bool:
+    """Whether a Megatron-LM checkpoint's mp_rank_TT_NNN names an EP rank: its stored args say."""
+    return getattr(args, "pipeline_model_parallel_size", 1) == 1 and getattr(args, "expert_model_parallel_size", 1) > 1

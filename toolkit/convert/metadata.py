@@ -69,6 +69,7 @@ class CheckpointMeta:
     spec: dict
     checksums: dict = field(default_factory=dict)
     toolkit_version: str = __version__
+    ep: int = 1  # expert-parallel size (Mixture-of-Experts)
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -76,7 +77,7 @@ class CheckpointMeta:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.vocab_divisor)
+        return Layout(self.tp, self.pp, self.vocab_divisor, self.ep)
 
     def write(self, directory: Path) -> None:
         (directory / META_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")

@@ -1,5 +1,11 @@
 """megatron-core parameter names: the canonical (Transformer Engine / dist-checkpoint) names used
-by the family tables, the local-spec names, and PP-stage-local layer numbers."""
+by the family tables, the local-spec names, and PP-stage-local layer numbers.
+
+Mixture-of-Experts layers differ under the TE spec: the pre-MLP norm is its own module
+(`pre_mlp_layernorm.weight`, gpt_layer_specs.py: TENorm when num_experts), and the experts are one
+TEGroupedMLP whose i-th local expert is `mlp.experts.linear_fc1.weight{i}` (grouped GEMM). The
+canonical names are the local spec's sharded keys: `mlp.linear_fc1.layer_norm_weight` and
+SequentialMLP's `mlp.experts.local_experts.{i}.linear_fc1.weight`."""
 
 from __future__ import annotations
 
@@ -20,8 +26,13 @@ EXTRA_STATE_MODULES = (
     "mlp.linear_fc2",
 )
 LAYER_SPECS = ("te", "local")
+# Attention modules with `_extra_state` in a Mixture-of-Experts layer; the experts add their own.
+MOE_ATTENTION_EXTRA_STATE = EXTRA_STATE_MODULES[:2]
+TE_MOE_NORM = "pre_mlp_layernorm.weight"
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 def split_layer(name: str) -> tuple[int | None, str]:
@@ -34,17 +45,43 @@ def layer_name(layer: int, suffix: str) -> str:
     return f"decoder.layers.{layer}.{suffix}"
 
 
-def to_spec_name(canonical: str, layer_spec: str) -> str:
-    """Canonical (TE) name -> the name used by `layer_spec`."""
+def to_spec_name(canonical: str, layer_spec: str, moe: bool = False) -> str:
+    """Canonical (TE) name -> the name used by `layer_spec` (`moe`: in a Mixture-of-Experts model)."""
     layer, suffix = split_layer(canonical)
-    if layer is None or layer_spec == "te":
+    if layer is None:
         return canonical
-    return layer_name(layer, TE_TO_LOCAL.get(suffix, suffix))
+    if layer_spec == "local":
+        return layer_name(layer, TE_TO_LOCAL.get(suffix, suffix))
+    if moe and suffix == LOCAL_TO_TE[TE_MOE_NORM]:
+        return layer_name(layer, TE_MOE_NORM)
+    expert = _LOCAL_EXPERT.match(suffix)
+    if expert:
+        index, module, kind = expert.groups()
+        return layer_name(layer, f"mlp.experts.{module}.{kind}{index}")
+    return canonical
 
 
 def to_canonical(name: str) -> str:
     layer, suffix = split_layer(name)
-    return name if layer is None else layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
+    if layer is None:
+        return name
+    grouped = _GROUPED_EXPERT.match(suffix)
+    if grouped:
+        module, kind, index = grouped.groups()
+        return layer_name(layer, f"mlp.experts.local_experts.{index}.{module}.{kind}")
+    return layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
+
+
+def extra_state_names(num_layers: int, local_experts: int, layer_spec: str) -> list[str]:
+    """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files)."""
+    if not local_experts:
+        modules = list(EXTRA_STATE_MODULES)
+    elif layer_spec == "te":
+        modules = [*MOE_ATTENTION_EXTRA_STATE, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
+    else:
+        modules = [*MOE_ATTENTION_EXTRA_STATE] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
+                                                  for i in range(local_experts) for k in (1, 2)]
+    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers) for module in modules]
 
 
 def shift_layer(name: str, delta: int) -> str:
@@ -53,4 +90,6 @@ def shift_layer(name: str, delta: int) -> str:
 
 
 def detect_layer_spec(names) -> str:
-    return "local" if any(split_layer(n)[1] in LOCAL_TO_TE for n in names) else "te"
+    """The local spec has a separate input norm; TE fuses it into linear_qkv (dense and MoE alike)."""
+    return "local" if any(split_layer(n)[1] == TE_TO_LOCAL["self_attention.linear_qkv.layer_norm_weight"]
+                          for n in names) else "te"

@@ -119,13 +119,13 @@ def _stage_forward(model, tokens: torch.Tensor, spec, hidden_dtype) -> tuple[tor
     return out, outputs
 
 
-def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None) -> list[dict]:
-    """Runs on every rank: load each checkpoint at TP x PP and compare with its HF reference."""
+def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep: int = 1) -> list[dict]:
+    """Runs on every rank: load each checkpoint at TP x PP (x EP) and compare with its HF reference."""
     from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model
     from toolkit.runtime.distributed import init_parallel
 
-    info = init_parallel(tp, pp)
+    info = init_parallel(tp, pp, ep=ep)
     stages = stages or Stages("verify", VERIFY_STAGES, enabled=False)
     results = []
     for job in jobs:
@@ -134,7 +134,7 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None) -> 
         dtype = getattr(torch, job["dtype"])
         spec = meta.model_spec
         ref = torch.load(job["reference"], weights_only=True)
-        model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor), dtype).eval()
+        model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor, ep if spec.is_moe else 1), dtype).eval()
         load_converted(model, job["checkpoint"], check_sums=False)  # verify_many reports bad sums itself
         stages(4, f"forward of {tuple(ref['tokens'].shape)} tokens through {pp} pipeline stage(s)", info.rank)
         logits, outputs = _stage_forward(model, ref["tokens"], spec, dtype)
@@ -173,14 +173,16 @@ def verify_many(
     tp: int | None = None,
     pp: int | None = None,
     dtype: str = "float32",
+    ep: int | None = None,
     seq_len: int = DEFAULT_SEQ_LEN,
     batch: int = DEFAULT_BATCH,
     cpu: bool = False,
     progress: bool | None = None,
 ) -> list[Report]:
-    """Verify several (hf_dir, megatron_dir) pairs in one launch of TP*PP processes.
+    """Verify several (hf_dir, megatron_dir) pairs in one launch of TP*PP*EP processes (EP ranks
+    are data-parallel ranks of the dense part; a dense checkpoint in the batch runs at EP 1).
 
-    TP/PP default to the layout of the first checkpoint; torch_dist checkpoints load at any layout.
+    TP/PP/EP default to the layout of the first checkpoint; torch_dist checkpoints load at any layout.
     `cpu` runs the processes on CPU where CUDA is present (without it, TP*PP must not exceed the
     GPUs). `progress` prints stage lines on stderr (default: when stderr is a terminal).
     """
@@ -189,6 +191,7 @@ def verify_many(
     metas = [_checked_inputs(hf_dir, mdir) for hf_dir, mdir in pairs]
     tp = tp or metas[0].tp
     pp = pp or metas[0].pp
+    ep = ep or metas[0].ep
     stages = Stages("verify", VERIFY_STAGES, sys.stderr.isatty() if progress is None else progress)
     with tempfile.TemporaryDirectory(prefix="toolkit-verify-") as tmp:
         jobs = []
@@ -199,8 +202,8 @@ def verify_many(
             torch.save(hf_reference(hf_dir, tokens, getattr(torch, dtype)), ref_path)
             jobs.append({"checkpoint": str(mdir), "reference": str(ref_path), "dtype": dtype})
         where = "on CPU (--cpu)" if cpu else "on CUDA if present, else CPU"
-        stages(2, f"launching {tp * pp} processes (TP {tp} x PP {pp}) {where}; importing megatron-core")
-        per_rank = run_on_processes("toolkit.convert.parity:worker", tp * pp, jobs, tp, pp, stages, cpu=cpu)
+        stages(2, f"launching {tp * pp * ep} processes (TP {tp} x PP {pp}{f' x EP {ep}' if ep > 1 else ''}) {where}; importing megatron-core")
+        per_rank = run_on_processes("toolkit.convert.parity:worker", tp * pp * ep, jobs, tp, pp, stages, ep, cpu=cpu)
     stages(5, "comparing logits and layer outputs; checking shard checksums")
     reports = []
     for j, ((_, mdir), meta) in enumerate(zip(pairs, metas)):

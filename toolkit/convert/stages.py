@@ -1,4 +1,4 @@
-"""What one (TP rank, PP stage) of a megatron-core model holds, built from HF tensors.
+"""What one (TP rank, PP stage, EP rank) of a megatron-core model holds, built from HF tensors.
 
 Used by the converter (writing per-rank files) and by the trainer (loading a per-rank checkpoint
 into another layout)."""
@@ -31,14 +31,26 @@ def _ties_output_here(spec: ModelSpec, layout: Layout, pp_rank: int) -> bool:
     return spec.tied_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1
 
 
-def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int) -> set[str]:
-    layers = layout.stage_layers(spec, pp_rank)
+def row_instances(row: Row, layers: range, experts: range) -> Iterator[tuple[int | None, int | None, int | None, int | None]]:
+    """(global layer, stage-local layer, global expert, rank-local expert) of each tensor of `row`
+    on a stage holding `layers` and an EP rank holding `experts` (None where the row has no such index)."""
+    for layer in layers if row.per_layer else [None]:
+        local = None if layer is None else layer - layers.start
+        if row.per_expert:
+            for i, expert in enumerate(experts):
+                yield layer, local, expert, i
+        else:
+            yield layer, local, None, None
+
+
+def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int, ep_rank: int = 0) -> set[str]:
+    layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
     names = {
         name
         for row in family.rows_for(spec.tied_embeddings)
         if on_stage(row, pp_rank, layout.pp)
-        for layer in (layers if row.per_layer else [None])
-        for name in row.hf_names(layer)
+        for layer, _, expert, _ in row_instances(row, layers, experts)
+        for name in row.hf_names(layer, expert)
     }
     if _ties_output_here(spec, layout, pp_rank):
         names |= set(embedding_row(family).hf_names())
@@ -49,15 +61,14 @@ def stage_megatron_shapes(family: Family, spec: ModelSpec, layout: Layout, pp_ra
     """(canonical name with stage-local layer number) -> shape of one TP rank's shard, for the
     tensors stage_tensors yields: what a rank file of this stage must hold."""
     geo = layout.geometry(spec)
-    layers = layout.stage_layers(spec, pp_rank)
+    layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, 0)
     shapes = {}
     for row in family.rows_for(spec.tied_embeddings):
         if not on_stage(row, pp_rank, layout.pp):
             continue
         hf_shapes = [tuple(spec.size_of(s) for s in symbols) for symbols in row.shapes]
-        for layer in layers if row.per_layer else [None]:
-            local = None if layer is None else layer - layers.start
-            shapes[row.megatron_name(local)] = megatron_shape(row.split, hf_shapes, geo, layout.tp)
+        for _, local, _, local_expert in row_instances(row, layers, experts):
+            shapes[row.megatron_name(local, local_expert)] = megatron_shape(row.split, hf_shapes, geo, layout.tp)
     if _ties_output_here(spec, layout, pp_rank):
         emb = embedding_row(family)
         shapes["output_layer.weight"] = megatron_shape(Split.VOCAB, [tuple(spec.size_of(s) for s in emb.shapes[0])],
@@ -66,16 +77,17 @@ def stage_megatron_shapes(family: Family, spec: ModelSpec, layout: Layout, pp_ra
 
 
 def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank: int, pp_rank: int,
-                  on_tensor=lambda: None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name with stage-local layer number, this rank's shard) for every tensor of the stage."""
+                  on_tensor=lambda: None, ep_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name with stage-local layer and rank-local expert numbers, this rank's shard) for
+    every tensor of the stage; experts split over TP as dense tensors are (expert TP = TP)."""
     geo = layout.geometry(spec)
-    layers = layout.stage_layers(spec, pp_rank)
+    layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
     for row in family.rows_for(spec.tied_embeddings):
         if not on_stage(row, pp_rank, layout.pp):
             continue
-        for layer in layers if row.per_layer else [None]:
-            local = None if layer is None else layer - layers.start
-            yield row.megatron_name(local), build_shard(row.split, src, row.hf_names(layer), layout.tp, tp_rank, geo)
+        for layer, local, expert, local_expert in row_instances(row, layers, experts):
+            yield (row.megatron_name(local, local_expert),
+                   build_shard(row.split, src, row.hf_names(layer, expert), layout.tp, tp_rank, geo))
             on_tensor()
     if _ties_output_here(spec, layout, pp_rank):
         emb = embedding_row(family)

@@ -1,4 +1,4 @@
-"""HF checkpoint -> megatron-core TP x PP checkpoint (`torch` per-rank or `torch_dist`).
+"""HF checkpoint -> megatron-core TP x PP (x EP) checkpoint (`torch` per-rank or `torch_dist`).
 
 One process, plain tensor operations: each output file is assembled from slices read straight
 from the HF safetensors and written as soon as it is complete.
@@ -26,7 +26,7 @@ from toolkit.convert.metadata import (
     copy_hf_files,
 )
 from toolkit.convert.progress import progress_bar
-from toolkit.convert.stages import stage_tensors
+from toolkit.convert.stages import row_instances, stage_tensors
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
@@ -59,28 +59,38 @@ def output_bytes(src: HFCheckpoint) -> int:
 
 
 def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> dict[Path, str]:
-    def build_stage(tp_rank: int, pp_rank: int):
-        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, on_tensor=lambda: bar.update(1))
+    def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
+        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, lambda: bar.update(1), ep_rank)
 
-    return torch_format.write_rank_files(release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec, args)
+    local_experts = len(layout.local_experts(spec, 0))
+    return torch_format.write_rank_files(release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec,
+                                         args, local_experts)
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
+    """One chunk per global tensor, per layer of a stacked one, per (layer, expert) of an expert's."""
     geo = layout.geometry(spec)
     chunks = []
     for row in family.rows_for(spec.tied_embeddings):
-        for layer in range(spec.num_layers) if row.per_layer else [None]:
-            names = row.hf_names(layer)
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts)):
+            names = row.hf_names(layer, expert)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
             dtype = src.tensors[names[0]].torch_dtype
             load = lambda split=row.split, names=names: build_shard(split, src, names, 1, 0, geo)  # noqa: E731
-            if row.per_layer:
-                key = dist_format.stacked_key(row.megatron_name(layer))
-                global_shape, offsets, shape = (spec.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape)
-            else:
-                key, global_shape, offsets = row.megatron, shape, (0,) * len(shape)
-            chunks.append(dist_format.Chunk(key, global_shape, offsets, shape, dtype, load))
-    return chunks
+            stack = [(spec.num_layers, layer)] * row.per_layer + [(spec.num_experts, expert)] * row.per_expert
+            key = dist_format.stacked_key(row.megatron_name(layer, 0)) if row.per_layer else row.megatron
+            chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
+                                            (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
+                                            dtype, load))
+    return dist_format.with_te_moe_aliases(chunks) if spec.is_moe else chunks
+
+
+def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
+    """Tensors the per-rank writer builds (for the progress bar)."""
+    experts = len(layout.local_experts(spec, 0))
+    per_rank = sum((spec.num_layers if r.per_layer else 1) * (experts if r.per_expert else 1)
+                   for r in family.rows_for(spec.tied_embeddings))
+    return layout.tp * layout.ep * per_rank
 
 
 def hf_to_megatron(
@@ -89,6 +99,7 @@ def hf_to_megatron(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     fmt: str = "torch",
     layer_spec: str = "te",
     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR,
@@ -107,7 +118,7 @@ def hf_to_megatron(
     refuse_output_overlapping_inputs(out_dir, hf_dir)
     src = HFCheckpoint(hf_dir)
     family, spec = checked_spec(src.config, src.dir / "config.json", src.tensors)
-    layout = Layout(tp, pp, vocab_divisor)
+    layout = Layout(tp, pp, vocab_divisor, ep)
     layout.check(spec)
     check_tensors(src, family, spec)
     check_weight_dtypes(src.tensors, config_dtype(src.config))
@@ -115,16 +126,15 @@ def hf_to_megatron(
     with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE
         if fmt == "torch":
-            rows = family.rows_for(spec.tied_embeddings)
-            total = layout.tp * sum(spec.num_layers if r.per_layer else 1 for r in rows)
-            with progress_bar(total, "writing shards", progress) as bar:
+            with progress_bar(torch_tensor_count(family, spec, layout), "writing shards", progress) as bar:
                 written = _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
             checksums = {str(p.relative_to(tmp)): digest for p, digest in written.items()}
         else:
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
-                dist_format.write(release, chunks, dist_format.extra_state_objects(spec.num_layers), common, bar.update)
+                objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts)
+                dist_format.write(release, chunks, objects, common, bar.update)
             checksums = checksum_tree(tmp)
         (tmp / TRACKER).write_text(RELEASE)
         copy_hf_files(src.config_bytes, src.tokenizer_files(), tmp / HF_DIR)
@@ -133,6 +143,7 @@ def hf_to_megatron(
             layer_spec=layer_spec,
             tp=tp,
             pp=pp,
+            ep=ep,
             vocab_divisor=vocab_divisor,
             vocab_size=spec.vocab_size,
             padded_vocab_size=layout.padded_vocab(spec.vocab_size),

@@ -1,7 +1,11 @@
 """Megatron-LM's per-rank `torch` checkpoint format.
 
-    release/mp_rank_TT/model_optim_rng.pt        (PP == 1)
-    release/mp_rank_TT_PPP/model_optim_rng.pt    (PP > 1)
+    release/mp_rank_TT/model_optim_rng.pt          (PP == 1)
+    release/mp_rank_TT_PPP/model_optim_rng.pt      (PP > 1)
+    release/mp_rank_TT[_PPP]_EEE/model_optim_rng.pt (expert parallelism: EP rank appended when EP > 1)
+
+With EP > 1 every file holds its TP rank's dense tensors (the same in every EP rank's file) and
+its EP rank's experts, numbered from 0 on the rank, as Megatron-LM saves them.
 
 Each file is {"model": state dict with PP-stage-local layer numbers, "args": Namespace,
 "checkpoint_version": 3.0, "iteration": 0}. Files are read with torch.load(weights_only=True),
@@ -26,7 +30,7 @@ from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
 RANK_FILE = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3})?")
+_RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
 # The only non-tensor, non-builtin type in the files we write (Megatron-LM's `args`).
 SAFE_GLOBALS = [argparse.Namespace]
 
@@ -75,16 +79,15 @@ def save_with_sha256(obj, path: Path) -> str:
     return writer.digest.hexdigest()
 
 
-def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int) -> Path:
-    return release / layout.rank_dir(tp_rank, pp_rank) / RANK_FILE
+def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+    return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
 
 
-def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int) -> str:
+def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
+                   local_experts: int = 0) -> str:
     """Write one rank's file from canonical names (stage-local layer numbers); returns its sha256."""
-    named = {naming.to_spec_name(name, layer_spec): t for name, t in model.items()}
-    for layer in range(num_stage_layers):
-        for module in naming.EXTRA_STATE_MODULES:
-            named[naming.layer_name(layer, f"{module}._extra_state")] = None
+    named = {naming.to_spec_name(name, layer_spec, moe=local_experts > 0): t for name, t in model.items()}
+    named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec)))
     path.parent.mkdir(parents=True)
     state = {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
     return save_with_sha256(state, path)
@@ -97,47 +100,62 @@ def write_rank_files(
     num_stage_layers: int,
     layer_spec: str,
     args: argparse.Namespace,
+    local_experts: int = 0,
 ) -> dict[Path, str]:
-    """One file per (TP, PP) rank, written as soon as it is complete; returns {path: sha256}.
+    """One file per (TP, PP, EP) rank, written as soon as it is complete; returns {path: sha256}.
 
-    build_stage(tp_rank, pp_rank) yields (canonical name with stage-local layer number, tensor).
+    build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
+    rank-local expert numbers, tensor): memory holds one rank's experts, never all of them.
     """
     checksums = {}
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            path = rank_file(release, layout, tp_rank, pp_rank)
-            model = dict(build_stage(tp_rank, pp_rank))
-            checksums[path] = save_rank_file(path, model, args, layer_spec, num_stage_layers)
-            del model
+            for ep_rank in range(layout.ep):
+                path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
+                model = dict(build_stage(tp_rank, pp_rank, ep_rank))
+                checksums[path] = save_rank_file(path, model, args, layer_spec, num_stage_layers, local_experts)
+                del model
     return checksums
 
 
-def discover_layout(release: Path) -> tuple[int, int]:
-    """(TP, PP) from the mp_rank_* directory names of a per-rank checkpoint."""
+def discover_layout(release: Path, second_is_expert: bool = False) -> tuple[int, int, int]:
+    """(TP, PP, EP) from the mp_rank_* directory names of a per-rank checkpoint. Megatron-LM's
+    mp_rank_TT_NNN is ambiguous (a PP rank, or an EP rank at PP 1): `second_is_expert` settles it."""
     dirs = [d.name for d in release.glob("mp_rank_*") if (d / RANK_FILE).is_file()]
     if not dirs:
         raise ConversionError(f"{release} holds no mp_rank_*/{RANK_FILE} files")
     odd = [d for d in dirs if not _RANK_DIR.fullmatch(d)]
     if odd:
-        raise ConversionError(f"{release / odd[0]} is not a Megatron-LM rank directory name (mp_rank_TT or mp_rank_TT_PPP)")
-    parts = [d.split("_")[2:] for d in dirs]
-    tp = 1 + max(int(p[0]) for p in parts)
-    pp = 1 + max(int(p[1]) for p in parts) if len(parts[0]) > 1 else 1
-    if len(dirs) != tp * pp:
-        raise ConversionError(f"{release} has {len(dirs)} rank files, expected TP*PP = {tp}*{pp}")
-    return tp, pp
+        raise ConversionError(f"{release / odd[0]} is not a Megatron-LM rank directory name "
+                              "(mp_rank_TT, mp_rank_TT_PPP or mp_rank_TT_PPP_EEE)")
+    parts = [[int(x) for x in d.split("_")[2:]] for d in dirs]
+    if len({len(p) for p in parts}) > 1:
+        raise ConversionError(f"{release} mixes rank directory names of different layouts")
+    if len(parts[0]) == 2 and second_is_expert:
+        parts = [[p[0], 0, p[1]] for p in parts]
+    tp, pp, ep = (1 + max(p[i] for p in parts) if len(parts[0]) > i else 1 for i in range(3))
+    if len(dirs) != tp * pp * ep:
+        raise ConversionError(f"{release} has {len(dirs)} rank files, expected TP*PP*EP = {tp}*{pp}*{ep}")
+    return tp, pp, ep
+
+
+def stored_args(release: Path) -> argparse.Namespace | None:
+    """Megatron-LM's `args` from one rank file (all hold the same)."""
+    first = min(release.glob(f"mp_rank_*/{RANK_FILE}"), default=None)
+    return None if first is None else load_trusted_types(first).get("args")
 
 
 def read_stage(release: Path, layout: Layout, pp_rank: int,
-               before_load: Callable[[Path], None] = lambda path: None) -> list[dict[str, torch.Tensor]]:
-    """Each TP rank's model state for one stage, memory-mapped, in canonical names.
+               before_load: Callable[[Path], None] = lambda path: None, ep_rank: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Each TP rank's model state for one stage (and EP rank), memory-mapped, in canonical names.
     `before_load(path)` runs before each file is loaded (the checksum check)."""
     out = []
     for tp_rank in range(layout.tp):
-        before_load(rank_file(release, layout, tp_rank, pp_rank))
-        state = load_trusted_types(rank_file(release, layout, tp_rank, pp_rank))
+        path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
+        before_load(path)
+        state = load_trusted_types(path)
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise ConversionError(f"{rank_file(release, layout, tp_rank, pp_rank)} has no 'model' entry")
+            raise ConversionError(f"{path} has no 'model' entry")
         out.append(
             {
                 naming.to_canonical(k): v

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import ConversionError
+from toolkit.families.router import read_moe
 from toolkit.families.table import Family
 
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the
@@ -44,6 +45,16 @@ class ModelSpec:
     rope_scaling_factor: float | None  # llama3-type scaling, None when unscaled
     window_size: int | None  # sliding window in tokens (HF semantics: attends to this many, itself included)
     dtype: str  # torch dtype name of the checkpoint, e.g. "bfloat16"
+    # Mixture-of-Experts (0 experts: a dense model): routed experts, experts per token, one
+    # expert's FFN width, whether the top-k probabilities are renormalised (toolkit/families/router.py)
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_renormalise: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
     # Share of each head's dimensions RoPE rotates (HF partial_rotary_factor, megatron-core
     # rotary_percent); the rest pass through unrotated.
     rotary_percent: float = 1.0
@@ -65,6 +76,9 @@ class ModelSpec:
             "head_dim": self.head_dim,
             "qkv_size": (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
             "2ffn": 2 * self.ffn_hidden_size,
+            "experts": self.num_experts,
+            "moe_ffn": self.moe_ffn_hidden_size,
+            "2moe_ffn": 2 * self.moe_ffn_hidden_size,
         }[symbol]
 
     @property
@@ -150,6 +164,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     window = cfg.get(family.window_key) if family.window_key else None
+    moe = read_moe(cfg, family.name, family.router) if family.router else None
     fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
     return ModelSpec(
         family=family.name,
@@ -166,6 +181,8 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         qkv_bias=family.qkv_bias,
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        **({} if moe is None else dict(num_experts=moe.num_experts, moe_topk=moe.topk,
+                                       moe_ffn_hidden_size=moe.ffn_hidden_size, moe_renormalise=moe.renormalise)),
         rotary_percent=_rotary_percent(cfg, family),
         activation=act,
         **fields,

@@ -1,8 +1,10 @@
 """The shape of a model family: a table of mapping rows plus the few config facts that differ.
 
 A row pairs one megatron-core tensor (canonical Transformer Engine / dist-checkpoint name, `*`
-standing for the layer index) with the HF tensor(s) it is built from and how it splits across
-tensor-parallel ranks. Adding a family means writing a table, not new control flow.
+standing for the layer index, `#` for the expert index of a Mixture-of-Experts layer) with the HF
+tensor(s) it is built from and how it splits across tensor-parallel ranks. Adding a family means
+writing a table, not new control flow. Expert rows use megatron-core's local numbering on an
+expert-parallel rank (`local_experts.#`); the converter maps it to the global HF expert.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from toolkit.families.router import Router
 from toolkit.splits import SplitKind
+
+EXPERT = "#"
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,21 @@ class Row:
     def per_layer(self) -> bool:
         return "*" in self.megatron
 
-    def megatron_name(self, layer: int | None = None) -> str:
-        return self.megatron.replace("*", str(layer)) if self.per_layer else self.megatron
+    @property
+    def per_expert(self) -> bool:
+        return EXPERT in self.megatron
 
-    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
-        return tuple(n.replace("*", str(layer)) for n in self.hf) if self.per_layer else self.hf
+    def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return _fill(self.megatron, layer, expert)
+
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
+        return tuple(_fill(n, layer, expert) for n in self.hf)
+
+
+def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
+    if layer is not None:
+        pattern = pattern.replace("*", str(layer))
+    return pattern if expert is None else pattern.replace(EXPERT, str(expert))
 
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...]) -> Row:
@@ -74,6 +89,8 @@ class Family:
     # megatron-core TransformerConfig fields this family sets beyond the shared ones (toolkit/
     # megatron_settings.py), as a Megatron-Bridge provider does per family: e.g. qk_layernorm
     megatron: dict[str, object] = field(default_factory=dict, hash=False)
+    # Mixture-of-Experts: where config.json holds the experts and how tokens are routed (None: dense)
+    router: Router | None = None
     # config.json key naming the MLP activation, and the only value accepted
     activation: tuple[str, str] = ("hidden_act", "silu")
     # Where rope_parameters holds one dict per layer type: the key of the full-attention layers' dict

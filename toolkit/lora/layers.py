@@ -43,6 +43,9 @@ class LoraLinear(torch.nn.Module):
             return getattr(self._modules["base"], name)
 
     def forward(self, x, *args, **kwargs):
+        post_norm = getattr(self.base, "post_layernorm", None)
+        if post_norm is not None:  # Gemma 3 / OLMo 2 (toolkit/layers.py): the delta enters before the norm
+            return post_norm(self.add_delta(self.base.forward_before_norm(x), self.dropout(x))), None
         out, bias = self.base(x, *args, **kwargs)
         return self.add_delta(out, self.dropout(x)), bias
 

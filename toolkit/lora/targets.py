@@ -75,6 +75,9 @@ def available(family: Family, spec: ModelSpec) -> list[str]:
 
 def resolve(family: Family, spec: ModelSpec, target_modules: list[str]) -> list[LinearTargets]:
     """The linears to wrap and their chosen parts; refuses a name the family does not have."""
+    if spec.is_moe:
+        raise AdapterError(f"LoRA is not supported yet for Mixture-of-Experts families ({family.name}): the experts "
+                           "have no LoRA layer, and adapters have not been proven on the MoE trainer path")
     names = available(family, spec)
     wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
     unknown = sorted(wanted - set(names))

@@ -16,8 +16,9 @@ LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[int, ...]:
-    """Element count of every parameter tensor on one TP rank of pipeline stage `stage`."""
+def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 1) -> tuple[int, ...]:
+    """Element count of every parameter tensor on one TP (and EP) rank of pipeline stage `stage`;
+    an expert row gives one tensor per local expert (num_experts / ep of them)."""
     family = family_named(spec.family)
     padded_vocab = Layout(tp, pp).padded_vocab(spec.vocab_size)
     first, last = stage == 0, stage == pp - 1
@@ -27,7 +28,7 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[i
         if row.split is not Split.REPLICATED:
             numel //= tp
         if row.per_layer:
-            numels += [numel] * (spec.num_layers // pp)
+            numels += [numel] * (spec.num_layers // pp) * (spec.num_experts // ep if row.per_expert else 1)
         elif row.megatron.startswith(EMBEDDING_PREFIX):
             numels += [numel] * first
             # Tied embeddings with PP > 1: megatron-core keeps a copy on the last stage as its output layer.
@@ -44,5 +45,5 @@ def total_params(spec: ModelSpec) -> int:
     total = 0
     for row in family.rows_for(spec.tied_embeddings):
         numel = sum(math.prod(spec.size_of(s) for s in shape) for shape in row.shapes)
-        total += numel * (spec.num_layers if row.per_layer else 1)
+        total += numel * (spec.num_layers if row.per_layer else 1) * (spec.num_experts if row.per_expert else 1)
     return total

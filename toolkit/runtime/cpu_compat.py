@@ -36,7 +36,17 @@ UPSTREAM_SPOTS = {
     "tied_embeddings": "models/common/language_module/language_module.py:244: "
     "setup_embeddings_and_output_layer() moves the shared embedding with .cuda() before the "
     "first/last-stage all-reduce (tied embeddings with PP > 1; not in the reference's six spots)",
+    "moe_dispatcher_stream": "transformer/moe/token_dispatcher.py:445: MoEAlltoAllTokenDispatcher.__init__ makes "
+    "a torch.cuda.Stream(); :862-899 _maybe_dtoh_and_synchronize copies the split sizes to the host on it "
+    "and turns them into numpy arrays (moe_utils.py:1093 skips CPU tensors, so they stay tensors, which "
+    "ProcessGroup.all_to_all_single rejects via tensor_parallel/mappings.py:444)",
+    "uneven_gather": "tensor_parallel/mappings.py:150: _gather_along_first_dim with output_split_sizes is a list "
+    "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
+    "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
 }
+# Applied on every machine without Transformer Engine, GPUs included: an upstream bug, not a CPU one.
+TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
+                "transformer_engine`; RouterGatingLinearFunction reads it at :1192/:1225 (NameError without TE)")
 
 APPLIED: list[str] = []
 _log = logging.getLogger(__name__)
@@ -171,6 +181,52 @@ def _tied_embeddings():
     LanguageModule.setup_embeddings_and_output_layer = _run_on_cpu(LanguageModule.setup_embeddings_and_output_layer)
 
 
+def _moe_dispatcher_stream():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    cls.cuda_dtoh_stream = object()  # non-None: __init__ skips torch.cuda.Stream()
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        # Nothing to copy or wait for on CPU; only upstream's as_numpy conversion remains.
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+
+
+def _uneven_gather():
+    """The unequal all_gather re-expressed as all_to_all_single, which gloo takes with uneven splits."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    upstream = mappings._gather_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return upstream(input_, group, output_split_sizes, use_global_buffer)
+        world, rows = group.size(), input_.shape[0]
+        output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+        send = input_.contiguous().repeat((world,) + (1,) * (input_.dim() - 1))
+        dist.all_to_all_single(output, send, output_split_sizes=[int(n) for n in output_split_sizes],
+                               input_split_sizes=[rows] * world, group=group)
+        return output
+
+    mappings._gather_along_first_dim = gather
+
+
+def define_te_general_gemm() -> None:
+    """See TE_GEMM_SPOT: without TE the router's gating linear falls back to torch once the name exists."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 _PATCHES = {
     "current_device": _current_device,
     "synchronize": _synchronize,
@@ -179,11 +235,14 @@ _PATCHES = {
     "schedules": _schedules,
     "dist_ckpt": _dist_ckpt,
     "tied_embeddings": _tied_embeddings,
+    "moe_dispatcher_stream": _moe_dispatcher_stream,
+    "uneven_gather": _uneven_gather,
 }
 
 
 def apply(force: bool = False) -> list[str]:
     """Apply every patch once, only on a machine without CUDA. Returns the names applied."""
+    define_te_general_gemm()
     if APPLIED or (torch.cuda.is_available() and not force):
         return APPLIED
     for name, patch in _PATCHES.items():

@@ -68,17 +68,19 @@ def init_process_group() -> torch.device:
     return device
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> ParallelInfo:
-    """Initialise the process group and megatron-core's TP/PP/DP groups; DP = world / (TP*PP)."""
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> ParallelInfo:
+    """Initialise the process group and megatron-core's TP/PP/DP groups; DP = world / (TP*PP).
+    Expert parallelism (EP) is carved out of DP, with expert TP = TP (megatron-core's default)."""
     device = init_process_group()
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise DistributedError(f"world size {world} is not divisible by TP*PP = {tp}*{pp}")
+    if world % (tp * pp) or (world // (tp * pp)) % ep:
+        raise DistributedError(f"world size {world} is not divisible by TP*PP*EP = {tp}*{pp}*{ep}")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
         rank=dist.get_rank(),

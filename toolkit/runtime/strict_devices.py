@@ -12,7 +12,9 @@ host/device split on CPU:
 * torch.distributed's tensor collectives, called from our code, raise if given a tagged tensor
   or a tensor that is not on the rank's compute device.
 
-Library code (megatron-core, DeepSpeed) is not checked: it picks its devices itself.
+Library code (megatron-core, DeepSpeed) is not checked: it picks its devices itself. Neither is
+toolkit/runtime/cpu_compat.py, whose functions stand in for megatron-core's on CPU only (on a GPU
+the upstream ones run), e.g. the MoE dispatcher's uneven gather.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "reduce", "send", "recv", "all_to_all_single")
 _LIBRARY_ROOTS = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]})
+_LIBRARY_STAND_INS = (str(Path(__file__).with_name("cpu_compat.py").resolve()),)
 
 
 class DeviceError(RuntimeError):
@@ -43,7 +46,8 @@ class DeviceError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def _is_our_file(filename: str) -> bool:
-    return not filename.startswith("<") and not str(Path(filename).resolve()).startswith(_LIBRARY_ROOTS)
+    resolved = str(Path(filename).resolve())
+    return not filename.startswith("<") and not resolved.startswith(_LIBRARY_ROOTS) and resolved not in _LIBRARY_STAND_INS
 
 
 def _is_our_code(frame) -> bool:

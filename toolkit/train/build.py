@@ -63,6 +63,11 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
         Layout(tp, pp, meta.vocab_divisor).check(meta.model_spec)
     except ConversionError as e:
         raise ConfigError(f"parallel.tp={tp} parallel.pp={pp} does not fit {cfg.model.checkpoint}: {e}") from None
+    if meta.model_spec.is_moe and tp > 1:
+        # moe_layer.py:379 refuses MoE training with TP > 1 unless sequence parallelism is on,
+        # which this trainer does not run yet (its norms would need a TP all-reduce of their grads)
+        raise ConfigError(f"parallel.tp={tp}: fine-tuning a Mixture-of-Experts model ({meta.model_spec.family}) with "
+                          "TP > 1 needs sequence parallelism, which this trainer does not support yet; use tp=1")
     return data_parallel_size(cfg, world_size)
 
 
@@ -70,11 +75,23 @@ def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
     """DP for this world size, refusing a world or batch that doesn't divide."""
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by TP*PP = {tp}*{pp}")
+        raise ConfigError(f"world size {world_size} is not divisible by TP*PP = {tp}*{pp}; {valid_world_sizes(cfg)}")
     dp = world_size // (tp * pp)
     if cfg.global_batch % (cfg.micro_batch * dp):
-        raise ConfigError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} x DP {dp}")
+        raise ConfigError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} x DP {dp} "
+                          f"(world size {world_size}); {valid_world_sizes(cfg)}")
     return dp
+
+
+def valid_world_sizes(cfg: TrainConfig) -> str:
+    """The world sizes that keep the global batch at this TP x PP and micro-batch."""
+    tp, pp, micro = cfg.parallel.tp, cfg.parallel.pp, cfg.micro_batch
+    per_step = cfg.global_batch // micro if cfg.global_batch % micro == 0 else 0
+    dps = [d for d in range(1, per_step + 1) if per_step % d == 0]
+    if not dps:
+        return f"global_batch {cfg.global_batch} is not a multiple of micro_batch {micro} at any world size"
+    sizes = ", ".join(f"{d * tp * pp} (DP {d})" for d in dps)
+    return f"world sizes keeping global_batch {cfg.global_batch} at TP {tp} x PP {pp}, micro_batch {micro}: {sizes}"
 
 
 def build_model(meta: CheckpointMeta, cfg: TrainConfig):

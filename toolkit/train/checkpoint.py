@@ -10,7 +10,14 @@
                                   metadata and HF config/tokenizer: `toolkit convert megatron-to-hf` reads it
         ranks/rank_00003.pt       each rank's RNG states and data position (DeepSpeed's client_state
                                   is written by DP rank 0 only)
-        train_state.json          step and layout
+        train/                    layout-independent fp32 master weights and Adam moments
+                                  (torch_dist, toolkit.train.elastic): a resume on another layout
+        train_state.json          step, layout, global batch, samples consumed, LR schedule, Adam step
+
+A resume on the layout that wrote the checkpoint loads DeepSpeed's files (bit-exact, RNG included);
+on any other TP x PP x DP x ZeRO it loads `train/`, each rank reading only its own slice, and keeps
+the global batch (the micro-batches per step follow from the new DP). Per-rank RNG states cannot
+follow a changed layout: they are then re-seeded from the config's seed (exact without dropout).
 
 A checkpoint is written under .step_0000010.partial and renamed only after every rank finished
 (DeepSpeed's own `latest` file is written by rank 0 without a barrier, so save_latest=False).
@@ -107,11 +114,14 @@ def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
 
 
-def save(run_dir: Path, step: int, engine, module, source, train_state: dict, source_meta, source_dir, keep_last: int,
-         adapter=None) -> Path:
-    """Collective: every rank calls it. `train_state` (the layout, the LR schedule) goes into
-    train_state.json, where a resume checks it before any process group exists. With a LoRA
-    `adapter` the frozen base is not saved: it stays in source_dir, which the adapter names."""
+def save(run_dir: Path, step: int, engine, module, shards, source, train_state: dict, source_meta, source_dir,
+         keep_last: int, adapter=None) -> Path:
+    """Collective: every rank calls it. `train_state` (the layout, the LR schedule, the global
+    batch) goes into train_state.json, where a resume checks it before any process group exists.
+    With a LoRA `adapter` the frozen base is not saved: it stays in source_dir, which the adapter
+    names, and the adapter resumes on its own layout only (no layout-independent state)."""
+    from toolkit.train import elastic
+
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
@@ -127,8 +137,12 @@ def save(run_dir: Path, step: int, engine, module, source, train_state: dict, so
 
         save_adapter(adapter, tmp / ADAPTER_EXPORT)
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
+    if adapter is None:
+        elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
+    resumable = {"consumed_samples": source.state_dict()["consumed"], "adam_step": elastic.adam_step(engine),
+                 "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups]}
     if dist.get_rank() == 0:
-        (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
+        (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
         fault_point("checkpoint-before-marker")
@@ -196,20 +210,45 @@ def find_latest(run_dir: Path) -> Path | None:
     return path
 
 
-def check_resumable(path: Path, layout: dict, requested_schedule, lora: bool = False, base_checkpoint=None) -> int:
-    """Everything a resume from `path` needs that can be checked before training; returns its step.
-    A LoRA run resumes only from a LoRA checkpoint of the same base checkpoint (by checksum)."""
+def _train_state(path: Path) -> dict:
     try:
         state = json.loads((path / "train_state.json").read_text())
-        step = int(state["step"])
+        int(state["step"])
+        return state
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path / 'train_state.json'} is unreadable ({e}): not a complete checkpoint") from None
-    saved = {k: state.get(k) for k in layout}
-    if saved != layout:
-        raise CheckpointError(
-            f"{path} was written with {saved}, this run uses {layout}: resuming on another layout or "
-            "DP size is not supported (export to HF and convert again instead)"
-        )
+
+
+def check_resumable(path: Path, layout: dict, requested_schedule, meta: CheckpointMeta, global_batch: int,
+                    lora: bool = False, base_checkpoint=None) -> bool:
+    """Everything a resume from `path` needs that can be checked before training. Returns True
+    when the checkpoint was written on this very layout (DeepSpeed's files resume it exactly).
+    A LoRA run resumes only from a LoRA checkpoint of the same base checkpoint (by checksum)."""
+    from toolkit.train import elastic
+
+    state = _train_state(path)
+    step = int(state["step"])
+    _check_same_model(path, meta)
+    _check_same_kind(path, lora, base_checkpoint)
+    same_layout = {k: state.get(k) for k in layout} == layout
+    if not same_layout:
+        saved = {k: state.get(k) for k in layout}
+        if lora:
+            raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
+                                  f"layout only, not on {layout}")
+        if "consumed_samples" not in state:
+            raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
+                                  f"state: resume it on that layout, not on {layout}")
+        elastic.check_files(path / elastic.STATE_DIR)
+    if state.get("global_batch", global_batch) != global_batch:
+        raise CheckpointError(f"{path} was trained with global_batch {state['global_batch']}, this run asks for "
+                              f"{global_batch}: a resumed run keeps its global batch (set global_batch={state['global_batch']})")
+    if "lr_schedule" in state:  # checkpoints of earlier versions carry none: the config's is used
+        LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step)
+    return same_layout
+
+
+def _check_same_kind(path: Path, lora: bool, base_checkpoint) -> None:
     has_adapter = (path / ADAPTER_EXPORT).is_dir()
     if has_adapter != lora:
         raise CheckpointError(f"{path} is a {'LoRA' if has_adapter else 'full'} fine-tuning checkpoint, this run is "
@@ -218,23 +257,57 @@ def check_resumable(path: Path, layout: dict, requested_schedule, lora: bool = F
         from toolkit.lora.peft_dir import check_base
 
         check_base(path / ADAPTER_EXPORT, Path(base_checkpoint))
-    if "lr_schedule" in state:  # checkpoints of earlier versions carry none: the config's is used
-        LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step)
+
+
+def _check_same_model(path: Path, meta: CheckpointMeta) -> None:
+    """The checkpoint's model (architecture, vocabulary, heads, ...) must be the run's."""
+    try:
+        saved = CheckpointMeta.read(path / "model").spec
+    except ToolkitError as e:
+        raise CheckpointError(f"{path} holds no readable model description: {e}") from None
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in meta.spec.items() if saved.get(k) != v]
+    if changed:
+        raise CheckpointError(f"{path} is a checkpoint of another model ({', '.join(changed[:4])}): "
+                              "resume only the model it was trained from, or start a new run_dir")
+
+
+def resume(path: Path, engine, source, schedule, requested_schedule, shards, same_layout: bool, lora: bool = False) -> int:
+    """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
+    The LR schedule restored from it goes on as `requested_schedule` asks."""
+    if same_layout:
+        step = _resume_deepspeed(path, engine, source, lora)
+    else:
+        step = _resume_elastic(path, engine, source, schedule, shards)
+    schedule.continue_as(requested_schedule, step)
     return step
 
 
-def resume(path: Path, engine, source, schedule, requested_schedule, lora: bool = False) -> int:
-    """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
-    The LR schedule DeepSpeed restores from it goes on as `requested_schedule` asks. A LoRA
-    checkpoint holds the adapter only: the frozen base is already loaded from its own checkpoint."""
+def _resume_deepspeed(path: Path, engine, source, lora: bool) -> int:
+    # A LoRA checkpoint holds the adapter only: the frozen base is already loaded from its own checkpoint.
     load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
                                           load_module_strict=not lora)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
-    step = int(json.loads((path / "train_state.json").read_text())["step"])
-    schedule.continue_as(requested_schedule, step)
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
+    return int(_train_state(path)["step"])
+
+
+def _resume_elastic(path: Path, engine, source, schedule, shards) -> int:
+    """Another layout: weights and moments from `train/`, the LR schedule and the data position
+    (in samples, global) from train_state.json."""
+    from toolkit.train import elastic
+
+    state = _train_state(path)
+    step = int(state["step"])
+    elastic.load_state(path / elastic.STATE_DIR, engine, shards, int(state["adam_step"]))
+    vars(schedule).update(state["lr_schedule"])  # the LambdaLR's own callable
+    scheduler = engine.lr_scheduler
+    scheduler.last_epoch = step
+    for group, lr in zip(engine.optimizer.param_groups, state["last_lr"], strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(state["last_lr"])
+    source.load_state_dict({"consumed": state["consumed_samples"]})
     return step
 
 

@@ -1,0 +1,27 @@
+"""The rows every Mixture-of-Experts family shares: attention as Llama's, then a router and routed
+experts in place of the dense MLP. A family file names only its HF tensors.
+
+megatron-core names (SequentialMLP, local numbering on an expert-parallel rank):
+    decoder.layers.*.mlp.router.weight                                [experts, hidden], replicated
+    decoder.layers.*.mlp.experts.local_experts.#.linear_fc1.weight    [gate; up] per TP rank, as dense
+    decoder.layers.*.mlp.experts.local_experts.#.linear_fc2.weight    split on dim 1, as dense
+Expert tensor parallelism is megatron-core's default, the TP size (parallel_state.py:786-812).
+"""
+
+from toolkit.families.llama import ROWS, M
+from toolkit.families.table import EXPERT, Row, row
+from toolkit.splits import Split
+
+DENSE_MLP = (M + "mlp.linear_fc1.weight", M + "mlp.linear_fc2.weight")
+ATTENTION_ROWS = tuple(r for r in ROWS if r.megatron not in DENSE_MLP)
+LOCAL_EXPERT = M + f"mlp.experts.local_experts.{EXPERT}."
+
+
+def expert_rows(router: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
+    """Rows of the router and of one expert's gate, up and down projections (HF names with `*`
+    for the layer and `#` for the expert)."""
+    return (
+        row(M + "mlp.router.weight", router, Split.REPLICATED, ("experts", "hidden")),
+        row(LOCAL_EXPERT + "linear_fc1.weight", (gate, up), Split.GATE_UP, ("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
+        row(LOCAL_EXPERT + "linear_fc2.weight", down, Split.ROW, ("hidden", "moe_ffn")),
+    )

@@ -1,0 +1,59 @@
+"""Mixture-of-Experts facts of a family: where its config.json keeps the experts, and how HF routes
+tokens to them, read strictly (what megatron-core 0.16.1 cannot reproduce is refused, naming the
+config field and its value).
+
+HF's routers (Mixtral, Qwen3-MoE) take a softmax over all experts, keep the top k, then may
+renormalise the k kept probabilities to sum to 1. megatron-core's TopKRouter
+(transformer/moe/moe_utils.py topk_routing_with_score_function, score_function="softmax") does:
+    pre_softmax=True:  softmax over all experts, then top-k           (HF without renormalising)
+    pre_softmax=False: top-k of the logits, then softmax over those k (HF with renormalising:
+                       exp(l_i) / sum over the k kept of exp(l_j) is the renormalised softmax)
+with no scaling factor. The translation to those fields is toolkit/megatron_settings.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.errors import ConversionError
+
+ALL_LAYERS_SPARSE = "dense MLP layers among the MoE layers are not supported by this converter yet"
+
+
+@dataclass(frozen=True)
+class Router:
+    experts_keys: tuple[str, ...]  # config.json keys holding the number of routed experts (first present wins)
+    ffn_key: str  # config.json key holding one expert's FFN width
+    # config.json flag saying whether the top-k probabilities are renormalised; None: always
+    renormalise_key: str | None = None
+    topk_key: str = "num_experts_per_tok"
+    # config.json key -> (the only value megatron-core reproduces exactly, why others are refused)
+    exact: dict[str, tuple[object, str]] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class MoeFields:
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    renormalise: bool
+
+
+def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
+    for key, (value, why) in router.exact.items():
+        if key in cfg and cfg[key] is not None and cfg[key] != value:
+            raise ConversionError(f"{family_name} with {key}={cfg[key]!r} cannot be mapped exactly to megatron-core: {why}")
+    key = next((k for k in router.experts_keys if cfg.get(k) is not None), router.experts_keys[0])
+    experts, topk = _positive(cfg, key), _positive(cfg, router.topk_key)
+    if topk > experts:
+        raise ConversionError(f"{router.topk_key}={topk} is more than the {experts} experts ({key}): "
+                              "a token cannot be routed to more experts than there are")
+    renormalise = True if router.renormalise_key is None else bool(cfg.get(router.renormalise_key, False))
+    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise)
+
+
+def _positive(cfg: dict, key: str) -> int:
+    value = cfg.get(key)
+    if type(value) is not int or value < 1:
+        raise ConversionError(f"config.json has {key}={value!r}; a Mixture-of-Experts model needs a positive integer")
+    return value
