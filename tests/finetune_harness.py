@@ -250,5 +250,7 @@ def compare_with_reference(setup, tmp_path: Path, nprocs: int, model: str, toler
     assert worst < tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
     if tolerance == LOSS_TOLERANCE_FP32:
         norms = [m["grad_norm"] for m in metrics]
+        relative = max(abs(a - b) / max(1.0, b) for a, b in zip(norms, ref_norms))
+        print(f"{model} x {nprocs} processes: max |loss - reference| {worst:.1e}, grad norm relative {relative:.1e}")
         assert all(abs(a - b) <= GRAD_NORM_TOLERANCE * max(1.0, b) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
     return metrics
