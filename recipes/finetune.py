@@ -5,9 +5,10 @@
     srun ... torchrun ... recipes/finetune.py ...             (see toolkit slurm)
 
 Who owns what:
-  megatron-core  tensor-parallel layers (GPTModel) and the pipeline schedule (1F1B)
+  megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule (1F1B)
   DeepSpeed      data parallelism (ZeRO), precision, the optimizer step, checkpoint files
-  this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients,
+  this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients, the TP sum
+                 of gradients megatron-core leaves partial (sequence-parallel norms, q/k norms),
                  data order, checkpoint markers, metrics and the export to HF
   toolkit.lora    with peft.enabled=true: LoRA around megatron-core's linears, the base frozen
                  (applied in step 3b), the adapter saved and exported as an HF PEFT directory
@@ -105,7 +106,7 @@ def finetune(run: Run) -> int:
     from toolkit.train import build, checkpoint
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
-    from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_qk_norm_grads_over_tp
+    from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.elastic import ParamShards
@@ -124,7 +125,7 @@ def finetune(run: Run) -> int:
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
     mark_tied_output_replica(model, spec.tied_embeddings)
-    sum_qk_norm_grads_over_tp(model)
+    sum_partial_grads_over_tp(model)
 
     # 5. Data: this DP rank's share of every global batch, in a deterministic order.
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)

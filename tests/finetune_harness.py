@@ -202,3 +202,55 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
         sched.step()
         losses.append(float(loss))
     return losses, norms
+
+
+STEPS = 10
+LOSS_TOLERANCE_FP32 = 1e-5
+GRAD_NORM_TOLERANCE = 1e-4  # relative
+# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256
+PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
+                 "phi4-mini": "phi4-mini", "gemma3": "gemma3", "olmo2": "olmo2"}
+
+
+def parity_setup(root: Path, models: dict, steps: int):
+    """Tiny fp32 HF models converted to torch_dist, uneven data, and the HF reference per
+    (model, packing), computed once on first use."""
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_model
+
+    data = write_uneven_data(root / "data.jsonl", 300)
+    built = {}
+    four_layer_types = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"] * 2}}
+    for name, variant in models.items():
+        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250,
+                             **four_layer_types.get(name, {}))
+        built[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
+    references = {}
+
+    def reference(name, cfg_path, pack=False):
+        if (name, pack) not in references:
+            references[name, pack] = hf_reference(built[name][0], data, cfg_path, steps)
+        return references[name, pack]
+
+    return root, data, built, reference
+
+
+def compare_with_reference(setup, tmp_path: Path, nprocs: int, model: str, tolerance: float = LOSS_TOLERANCE_FP32,
+                           pack: bool = False, **overrides) -> list[dict]:
+    """Launch the recipe; its losses within `tolerance` of the HF reference at every step, and
+    (at the fp32 tolerance) its gradient norms within GRAD_NORM_TOLERANCE."""
+    _, data, models, reference = setup
+    cfg = recipe(tmp_path, models[model][1], data, data__pack=pack, **overrides)
+    launch(nprocs, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    ref_losses, ref_norms = reference(model, cfg, pack)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    losses = [m["loss"] for m in metrics]
+    worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert worst < tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
+    if tolerance == LOSS_TOLERANCE_FP32:
+        norms = [m["grad_norm"] for m in metrics]
+        relative = max(abs(a - b) / max(1.0, b) for a, b in zip(norms, ref_norms))
+        print(f"{model} x {nprocs} processes: max |loss - reference| {worst:.1e}, grad norm relative {relative:.1e}")
+        assert all(abs(a - b) <= GRAD_NORM_TOLERANCE * max(1.0, b) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+    return metrics

@@ -200,3 +200,42 @@ def lora_logits(checkpoint: str, adapter_dir: str, tokens, export_dir: str | Non
             b[: 2 * group] = torch.cat([b[group : 2 * group], b[:group]]).clone()
         swapped = logits()
     return correct, swapped
+
+
+def sequence_parallel_grad_errors(checkpoint: str, seq_len: int) -> dict:
+    """At TP 2 (two processes): the gradients of one backward with sequence parallelism, against
+    the same model without it, both with the TP sum of partial gradients (toolkit.train.parallel)
+    and without it. Returns the largest |difference| of the loss and of any gradient, and the
+    names summed over TP."""
+    import torch
+
+    from toolkit.convert.load import load_converted
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.layouts import Layout
+    from toolkit.model import build_gpt_model, transformer_config
+    from toolkit.runtime.distributed import init_parallel
+    from toolkit.train.parallel import sum_partial_grads_over_tp
+
+    init_parallel(2, 1)
+    meta = CheckpointMeta.read(Path(checkpoint))
+    spec, layout = meta.model_spec, Layout(2, 1, meta.vocab_divisor)
+    tokens = torch.randint(0, spec.vocab_size, (2, seq_len + 1), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(seq_len)[None].expand(2, -1)
+
+    def backward(sequence_parallel: bool, summed: bool):
+        config = transformer_config(spec, layout, torch.float32, sequence_parallel=sequence_parallel)
+        model = build_gpt_model(spec, layout, torch.float32, config=config)
+        load_converted(model, checkpoint)
+        names = sum_partial_grads_over_tp(model) if summed else []
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
+        loss.backward()
+        return float(loss), {n: p.grad for n, p in model.named_parameters()}, names
+
+    loss, grads, _ = backward(False, True)
+
+    def errors(summed: bool) -> dict:
+        sp_loss, sp_grads, names = backward(True, summed)
+        worst = max(float((sp_grads[n] - g).abs().max()) for n, g in grads.items())
+        return {"loss": abs(sp_loss - loss), "grad": worst, "names": names}
+
+    return {"summed": errors(True), "not_summed": errors(False)}

@@ -10,52 +10,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.finetune_harness import hf_reference, launch, read_metrics, recipe, write_uneven_data
-from toolkit.convert import hf_to_megatron
+from tests.finetune_harness import LOSS_TOLERANCE_FP32, PARITY_MODELS, STEPS, compare_with_reference, parity_setup
 
-STEPS = 10
-LOSS_TOLERANCE_FP32 = 1e-5
 # bf16 rounds weights and activations: a loss within 2% of the fp32 reference is the bar.
 LOSS_TOLERANCE_BF16 = 2e-2
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from toolkit.tinymodels import make_tiny_model
-
-    root = tmp_path_factory.mktemp("finetune")
-    data = write_uneven_data(root / "data.jsonl", 300)
-    models = {}
-    four_layer_types = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"] * 2}}
-    for name, variant in (("untied", "llama-odd-vocab"), ("tied", "llama-tied"), ("qwen3", "qwen3"), ("phi3", "phi3"),
-                          ("phi4-mini", "phi4-mini"), ("gemma3", "gemma3"), ("olmo2", "olmo2")):
-        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250,
-                             **four_layer_types.get(name, {}))
-        models[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
-    references = {}
-
-    def reference(name, cfg_path, pack=False):
-        if (name, pack) not in references:
-            references[name, pack] = hf_reference(models[name][0], data, cfg_path, STEPS)
-        return references[name, pack]
-
-    return root, data, models, reference
+    return parity_setup(tmp_path_factory.mktemp("finetune"), PARITY_MODELS, STEPS)
 
 
 def run_and_compare(setup, tmp_path, nprocs, model="untied", tolerance=LOSS_TOLERANCE_FP32, pack=False, **overrides):
-    _, data, models, reference = setup
-    cfg = recipe(tmp_path, models[model][1], data, data__pack=pack, **overrides)
-    launch(nprocs, cfg)
-    metrics = read_metrics(tmp_path / "run")
-    ref_losses, ref_norms = reference(model, cfg, pack)
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    losses = [m["loss"] for m in metrics]
-    worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert worst < tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
-    if tolerance == LOSS_TOLERANCE_FP32:
-        norms = [m["grad_norm"] for m in metrics]
-        assert all(abs(a - b) <= 1e-4 * max(1.0, b) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
-    return metrics
+    return compare_with_reference(setup, tmp_path, nprocs, model, tolerance, pack, **overrides)
 
 
 @pytest.mark.multiprocess

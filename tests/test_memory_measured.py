@@ -7,7 +7,7 @@ and ZeRO 0/1 at PP 2 (ZeRO-2/3 can't run with PP), in bf16 and fp32 and in both 
 and counts what each rank holds: parameters after step(), gradients after each backward (before
 step()), optimizer states after the first step. The same launch counts the bytes saved for
 backward with torch.autograd.graph.saved_tensors_hooks on CPU forward passes, with and without
-recompute, and the peak on each stage of a 1F1B pipeline. Those engines also prove that
+recompute and sequence parallelism, and the peak on each stage of a 1F1B pipeline. Those engines also prove that
 deepspeed.initialize builds from every generated config (ZeRO 0-3 x bf16/fp32 x both modes);
 NVMe offload configs are only parse-checked (tests/test_dsconfig_oracle.py): DeepSpeed's async
 I/O op needs the libaio headers, which this machine lacks.
@@ -27,6 +27,7 @@ from toolkit.runtime.launch import run_on_processes
 
 STATES_TOLERANCE = 0.10
 ACTIVATION_TOLERANCE = 0.15
+SEQUENCE_PARALLEL_TOLERANCE = 0.10  # issue 14's bar for the sequence-parallel rows
 WORLD = 4
 
 
@@ -66,6 +67,10 @@ def _cases():
                     for tp, p in ((1, "bf16"), (1, "fp32"), (2, "bf16")) for r in ("none", "selective")]
     # Phi-4-mini: RoPE on 12 of 16 dimensions per head, so smaller cos / sin
     activations += [dict(tp=tp, pp=1, precision="bf16", recompute="none", micro=2, variant="phi4-mini") for tp in (1, 2)]
+    # Sequence parallelism: norms, residuals and the linears' saved inputs split over TP
+    activations += [dict(tp=2, pp=1, precision=p, recompute=r, micro=2, variant=v, sequence_parallel=True)
+                    for v, p, r in (("llama", "bf16", "none"), ("llama", "fp32", "none"), ("llama", "bf16", "selective"),
+                                    ("llama", "bf16", "full"), ("qwen3", "bf16", "none"))]
     pipeline = [dict(tp=1, pp=2, precision="bf16", micro=2, micro_batches=4, variant=v) for v in ("llama", "qwen3")]
     return states, activations, pipeline
 
@@ -140,18 +145,21 @@ def test_offloaded_states_add_up_to_what_the_ranks_hold(measured):
 @pytest.mark.multiprocess
 def test_activation_bytes_per_layer_match_saved_tensors(measured):
     """Per layer = (saved bytes of a 4-layer model - of a 2-layer model) / 2, so the embedding and
-    loss terms cancel out of the measurement."""
+    loss terms cancel out of the measurement. The sequence-parallel rows (TP2-SP) are held to 10%."""
     rows = []
     for r in measured["activations"]:
         spec = tiny_spec(4, r["variant"])
         per_layer = (r["saved"][4] - r["saved"][2]) / 2
-        shape = act.Shape(SEQ, r["micro"], r["tp"], 2 if r["precision"] == "bf16" else 4)
+        sp = r.get("sequence_parallel", False)
+        shape = act.Shape(SEQ, r["micro"], r["tp"], 2 if r["precision"] == "bf16" else 4, sp)
         predicted = act.layer_bytes(spec, shape, CPU_LOCAL, r["recompute"])
-        rows.append(f"{r['variant']:<9} TP{r['tp']} {r['precision']} recompute {r['recompute']:<9} rank {r['rank']}: "
+        rows.append(f"{r['variant']:<9} TP{r['tp']}{'-SP' if sp else '   '} {r['precision']} recompute {r['recompute']:<9} rank {r['rank']}: "
                     f"per layer measured {per_layer:>9,.0f} predicted {predicted:>9,} ({predicted / per_layer - 1:+.1%})")
-        assert abs(predicted / per_layer - 1) <= ACTIVATION_TOLERANCE, rows[-1]
-        whole = estimate(spec, _setup(r), SEQ, r["recompute"], CPU_LOCAL).stages[0].activations
-        assert abs(whole / r["saved"][4] - 1) <= ACTIVATION_TOLERANCE, (r, r["saved"][4], whole)
+        tolerance = SEQUENCE_PARALLEL_TOLERANCE if sp else ACTIVATION_TOLERANCE
+        whole = estimate(spec, _setup(r), SEQ, r["recompute"], CPU_LOCAL, sp).stages[0].activations
+        rows[-1] += f"; model measured {r['saved'][4]:>9,} predicted {whole:>9,} ({whole / r['saved'][4] - 1:+.1%})"
+        assert abs(predicted / per_layer - 1) <= tolerance, rows[-1]
+        assert abs(whole / r["saved"][4] - 1) <= tolerance, rows[-1]
     print("\n".join(rows))
 
 

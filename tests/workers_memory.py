@@ -229,7 +229,7 @@ class _Held:
         self.live.release(self.key)
 
 
-def _model(spec, tp, pp, dtype, recompute):
+def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False):
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, transformer_config
 
@@ -237,12 +237,13 @@ def _model(spec, tp, pp, dtype, recompute):
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
     torch.manual_seed(SEED)
     layout = Layout(tp, pp)
-    return build_gpt_model(spec, layout, dtype, config=transformer_config(spec, layout, dtype, **extra))
+    config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra)
+    return build_gpt_model(spec, layout, dtype, config=config)
 
 
-def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int) -> int:
+def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequence_parallel: bool = False) -> int:
     """Bytes saved for backward by one forward of one micro-batch (PP = 1), parameters excluded."""
-    model = _model(spec, tp, 1, dtype, recompute)
+    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel)
     live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
     tokens = _batches(spec, 1, micro, seed=7)[0]
     pos = torch.arange(SEQ)[None].expand(micro, -1)
@@ -310,7 +311,7 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
             out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if (c["tp"], c["pp"]) == (tp, pp)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
-                                            case["micro"])
+                                            case["micro"], case.get("sequence_parallel", False))
                      for n in (2, 4)}
             out["activations"].append({**case, "saved": saved})
         for case in [c for c in pipeline_cases if (c["tp"], c["pp"]) == (tp, pp)]:

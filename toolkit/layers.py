@@ -5,6 +5,9 @@ the block spec that composes them from a family's `CustomLayer` choices (toolkit
   (1 + w) where the config says layernorm_zero_centered_gamma (Megatron-LM's --apply-layernorm-1p,
   which Transformer Engine's norms honour and the local spec's WrappedTorchNorm refuses,
   transformer/torch_norm.py:26). The checkpoint keeps HF's w itself, so no rounding of 1 + w.
+  It also runs under sequence parallelism, which WrappedTorchNorm refuses (torch_norm.py:32):
+  its weight is tagged `sequence_parallel` as megatron-core's own norms tag theirs, so that its
+  gradient, partial on each TP rank, is summed over TP (toolkit.train.parallel).
 - PostNormRowParallelLinear: a RowParallelLinear whose output (after the TP all-reduce, before the
   residual add) goes through a norm, `post_layernorm` (Megatron-Bridge's name for Gemma 3).
 - ProjectionRMSNorm: q/k RMSNorm over the whole projection (all heads), where megatron-core's
@@ -34,6 +37,7 @@ class RMSNorm(torch.nn.Module):
         # where megatron-core's own layers put their parameters (tensor_parallel/layers.py)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        self.weight.sequence_parallel = config.sequence_parallel
         self.eps = eps
 
     def scale(self, w: torch.Tensor) -> torch.Tensor:
@@ -156,6 +160,25 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
             sharded_state_dict_keys_map=keys_map,
         ),
     )
+
+
+def sequence_parallel_block_spec(config, layer):
+    """A stock local-spec `layer` with every torch norm (pre-norms, q/k norms, the final norm)
+    replaced by RMSNorm, which sequence parallelism needs; only RMSNorm models get here."""
+    from dataclasses import replace
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if config.normalization != "RMSNorm":
+        raise NotImplementedError(f"sequence parallelism with {config.normalization} on the local spec")
+    attention = layer.submodules.self_attention
+    qk = {name: RMSNorm for name in ("q_layernorm", "k_layernorm")
+          if getattr(attention.submodules, name) is not IdentityOp}
+    attention = replace(attention, submodules=replace(attention.submodules, **qk))
+    layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
+                                              self_attention=attention))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
 def block_spec(config, spec: ModelSpec, layer: CustomLayer):

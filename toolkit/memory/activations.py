@@ -15,6 +15,13 @@ validated against torch.autograd.graph.saved_tensors_hooks byte counts in
 tests/test_memory_measured.py; the GPU profile follows the same terms with the fused kernels'
 saved tensors (Transformer Engine: fused RMSNorm saves input + rsigma, flash attention saves
 q, k, v, output + softmax LSE, fused SwiGLU saves its input) and is not measured here.
+
+Sequence parallelism (Korthikanti et al. §4.2.2) splits over TP what TP alone leaves whole: the
+norms (input and output), the inputs the column-parallel linears keep (megatron-core saves the
+rank's sequence shard and gathers it again in backward, tensor_parallel/layers.py) and the layer
+input full recompute keeps. Attention and MLP internals are split by TP already; the RoPE tables,
+the causal mask and the logits (the output layer gathers the sequence) stay whole. Measured at
+TP 2 in tests/test_memory_measured.py too.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolkit.dsconfig import Setup, build
+from toolkit.errors import ConfigError
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.memory import activations as act
@@ -95,6 +96,10 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
     """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`)."""
     if recompute not in act.RECOMPUTE:
         raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
+    if sequence_parallel and setup.tp == 1:
+        raise ConfigError("sequence parallelism needs TP > 1: it splits the sequence over the TP ranks")
+    if sequence_parallel and seq_len % setup.tp:
+        raise ConfigError(f"sequence length {seq_len} is not divisible by TP {setup.tp}, which sequence parallelism splits it over")
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
     shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)

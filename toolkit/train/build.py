@@ -105,7 +105,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     elif cfg.parallel.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     dtype = DTYPES[cfg.precision]
-    config = transformer_config(meta.model_spec, layout, dtype, **recompute)
+    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **recompute)
     model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
     load_converted(model, cfg.model.checkpoint)
     return model, layout

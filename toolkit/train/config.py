@@ -36,6 +36,8 @@ class ParallelConfig:
     pp: PositiveInt = 1
     zero_stage: int = 1  # 1, 2 or 3; only 1 with PP > 1
     recompute: Literal["selective", "full"] | None = None  # megatron-core granularity
+    # megatron-core sequence parallelism (TP > 1): norms and residuals hold seq_len / TP tokens per rank
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -271,6 +273,7 @@ def validate(cfg: TrainConfig) -> None:
             "zero_stage must be 1, 2 or 3: at ZeRO-0 DeepSpeed refuses the direct backward calls of "
             "megatron-core's schedule (and reports no gradient norm); ZeRO-1 costs nothing extra at DP=1"
         )
+    _validate_sequence_parallel(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above optim.lr {cfg.optim.lr:g}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
@@ -283,3 +286,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"peft.init_from={cfg.peft.init_from}: not a directory")
     if not cfg.data.train_file:
         raise ConfigError("data.train_file is required")
+
+
+def _validate_sequence_parallel(cfg: TrainConfig) -> None:
+    if not cfg.parallel.sequence_parallel:
+        return
+    tp = cfg.parallel.tp
+    if tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: it splits the sequence over the TP ranks")
+    if cfg.data.seq_len % tp:
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} is not divisible by parallel.tp {tp}, "
+                          "which sequence parallelism splits it over")
+    if cfg.peft.enabled:
+        raise ConfigError("peft.enabled with parallel.sequence_parallel is not supported: the LoRA linears "
+                          "do not gather the sequence-parallel input")

@@ -71,20 +71,29 @@ def allreduce_tied_embedding_grads(model, tied: bool) -> None:
     dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def sum_qk_norm_grads_over_tp(model) -> None:
-    """Each TP rank applies the same q/k norms (qk_layernorm) to its own heads, so each computes
-    part of their gradient: megatron's finalize_model_grads sums them over the TP group
-    (_allreduce_non_tensor_model_parallel_grads); DeepSpeed never does, and without it the TP
-    copies silently drift apart. A hook sums every micro-batch's part as backward computes it,
-    before DeepSpeed's ZeRO hooks take the gradient (at ZeRO-2/3 no .grad is left by the step)."""
+def partial_over_tp(config, name: str, param) -> bool:
+    """Replicated over TP, but each TP rank computes only part of its gradient: megatron's
+    finalize_model_grads sums these over TP (_allreduce_non_tensor_model_parallel_grads, the same
+    rule). Under sequence parallelism each rank normalises its own tokens (norms, tagged
+    `sequence_parallel`); q/k norms see each rank's own heads."""
+    return (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+        config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+
+
+def sum_partial_grads_over_tp(model) -> list[str]:
+    """DeepSpeed never sums the gradients above over TP, and without it the TP copies silently
+    drift apart. A hook sums every micro-batch's part as backward computes it, before DeepSpeed's
+    ZeRO hooks take the gradient (at ZeRO-2/3 no .grad is left by the step). Returns the names."""
     from megatron.core import parallel_state as ps
 
-    if not model.config.qk_layernorm or ps.get_tensor_model_parallel_world_size() == 1:
-        return
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return []
     group = ps.get_tensor_model_parallel_group()
-    for name, param in model.named_parameters():
-        if param.requires_grad and ("q_layernorm" in name or "k_layernorm" in name):
-            param.register_hook(lambda grad: _summed(grad, group))
+    summed = [(name, param) for name, param in model.named_parameters()
+              if param.requires_grad and partial_over_tp(model.config, name, param)]
+    for _, param in summed:
+        param.register_hook(lambda grad: _summed(grad, group))
+    return [name for name, _ in summed]
 
 
 def _summed(grad: torch.Tensor, group) -> torch.Tensor:
