@@ -78,7 +78,8 @@ LAYOUTS = {
     "TP2xPP2xDP2-zero1": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "all", {}),
     "DP2-zero2-qv-rslora": (2, {"tp": 1, "pp": 1, "zero_stage": 2}, "qv-rslora", {}),
     "DP2-zero3": (2, {"tp": 1, "pp": 1, "zero_stage": 3}, "all", {}),
-    "phi3-TP2xDP2-zero1": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "phi3-all", {}),
+    # fused qkv_proj / gate_up_proj split over TP: DP adds nothing the Llama layouts do not show
+    "phi3-TP2-zero1": (2, {"tp": 2, "pp": 1, "zero_stage": 1}, "phi3-all", {}),
     "bf16-PP2": (2, {"tp": 1, "pp": 2, "zero_stage": 1}, "all", {"precision": "bf16"}),
 }
 RESUMED_FROM = "TP2xDP2-zero1"
