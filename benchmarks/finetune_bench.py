@@ -100,11 +100,15 @@ def data_parallel_processes() -> int:
     return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
 
 
+def bench_args(doc: str, repeats: int, steps: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--steps", type=int, default=steps)
+    return parser.parse_args()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
+    args = bench_args(__doc__, repeats=3, steps=20)
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
         root = Path(tmp)
         hf, mc, data = prepare(root)

@@ -105,7 +105,7 @@ def finetune(run: Run) -> int:
     from toolkit.runtime.distributed import init_parallel, shutdown
     from toolkit.train import build, checkpoint
     from toolkit.train.loss import padded_vocab_mask
-    from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_tflops
+    from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
@@ -172,6 +172,7 @@ def finetune(run: Run) -> int:
                    "padded_tokens_per_s": padded_tokens / seconds,
                    "tflops_per_device": flops_per_token(spec, cfg.data.seq_len) * ctx.real_tokens / seconds / info.world_size / 1e12}
         metrics["mfu"] = metrics["tflops_per_device"] / peak if peak else None
+        metrics["peak_memory_bytes"] = peak_memory_bytes(info.device)  # rank 0's, as every figure logged here
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval_loss"] = evaluate(model, valid_data, context)
         if step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1:

@@ -152,14 +152,28 @@ def strict_device_checks(nprocs_expected: int) -> dict:
     return verdicts
 
 
-def lora_logits(checkpoint: str, adapter_dir: str, tokens, export_dir: str | None = None,
-                swap_query_groups: bool = False, tp: int = 1, fresh: bool = False):
-    """Logits (whole vocab, padding sliced off) of the megatron-core model at TP=`tp` with the HF
-    PEFT adapter at `adapter_dir` imported onto it. With `export_dir`, the imported adapter is
-    gathered back there untouched (import -> 0 steps -> export). With `swap_query_groups`, also
-    the logits after swapping the q_proj B rows of the first two query groups in layer 0 (a
-    wrong interleave). With `fresh`, only the adapter's settings are used and the weights are
-    initialised as PEFT does. Returns (logits, swapped logits or None)."""
+def lora_logits(checkpoint: str, tokens, cases: list[dict]) -> list[tuple]:
+    """Per case, in one launch: logits (whole vocab, padding sliced off) of the megatron-core
+    model at TP=case["tp"] with the HF PEFT adapter at case["adapter"] imported onto it; the
+    model parallel groups are rebuilt where the TP changes. A case may also ask for
+      export: the imported adapter gathered back to that directory untouched (import -> 0 steps
+      -> export);
+      swap_query_groups: the logits after swapping the q_proj B rows of the first two query
+      groups in layer 0 (a wrong interleave);
+      fresh: only the adapter's settings are used and the weights initialised as PEFT does.
+    Returns (logits, swapped logits or None) per case."""
+    from tests.workers_memory import switch_layout
+
+    out = []
+    for case in cases:
+        switch_layout(case.get("tp", 1), 1)
+        out.append(_lora_case(checkpoint, tokens, case["adapter"], case.get("export"),
+                              case.get("swap_query_groups", False), case.get("fresh", False)))
+    return out
+
+
+def _lora_case(checkpoint: str, tokens, adapter_dir: str, export_dir: str | None, swap_query_groups: bool,
+               fresh: bool):
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -170,9 +184,8 @@ def lora_logits(checkpoint: str, adapter_dir: str, tokens, export_dir: str | Non
     from toolkit.layouts import Layout
     from toolkit.lora import adapter, peft_dir
     from toolkit.model import build_gpt_model
-    from toolkit.runtime.distributed import init_parallel
 
-    init_parallel(tp, 1)
+    tp = ps.get_tensor_model_parallel_world_size()
     meta = CheckpointMeta.read(Path(checkpoint))
     spec, layout = meta.model_spec, Layout(tp, 1, meta.vocab_divisor)
     model = build_gpt_model(spec, layout, torch.float32)

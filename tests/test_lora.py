@@ -3,7 +3,10 @@ an HF PEFT directory that PeftModel.from_pretrained loads.
 
 The reference is HF transformers + peft.get_peft_model with the same LoRA config and initial
 weights (an adapter PEFT saved, with non-zero B), trained single-process with torch.optim.AdamW
-on the same global batches (tests/finetune_harness.py). Each layout is one torchrun launch.
+on the same global batches (tests/finetune_harness.py). Each layout is one torchrun launch, made
+once per module (`runs`): the TP2 x DP2 run also saves its step-5 checkpoint, which the resume
+and export tests start from. Every megatron-core logits check (export, import, guard,
+initialisation) is one 2-process launch (`megatron_logits`).
 """
 
 from __future__ import annotations
@@ -67,14 +70,50 @@ def setup(tmp_path_factory):
     return Setup(write_uneven_data(root / "data.jsonl", 300), models, adapters)
 
 
-def lora_run(setup, tmp_path, nprocs, parallel, adapter="all", **overrides):
-    cfg = recipe(tmp_path, setup.megatron(adapter), setup.data, parallel=parallel,
-                 peft={"enabled": True, "init_from": str(setup.adapter(adapter))}, **overrides)
-    return cfg, launch(nprocs, cfg)
+# name -> (processes, parallel, adapter, recipe overrides)
+LAYOUTS = {
+    # also the straight run of the resume test and the source of the export test
+    "TP2xDP2-zero1": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "all", {"save_every": 5}),
+    "PP2xDP2-zero1": (4, {"tp": 1, "pp": 2, "zero_stage": 1}, "all", {}),
+    "TP2xPP2xDP2-zero1": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "all", {}),
+    "DP2-zero2-qv-rslora": (2, {"tp": 1, "pp": 1, "zero_stage": 2}, "qv-rslora", {}),
+    "DP2-zero3": (2, {"tp": 1, "pp": 1, "zero_stage": 3}, "all", {}),
+    # fused qkv_proj / gate_up_proj split over TP: DP adds nothing the Llama layouts do not show
+    "phi3-TP2-zero1": (2, {"tp": 2, "pp": 1, "zero_stage": 1}, "phi3-all", {}),
+    "bf16-PP2": (2, {"tp": 1, "pp": 2, "zero_stage": 1}, "all", {"precision": "bf16"}),
+}
+RESUMED_FROM = "TP2xDP2-zero1"
 
 
-def assert_matches_reference(setup, tmp_path, cfg, adapter="all", loss_tolerance=LOSS_TOLERANCE):
-    metrics = read_metrics(tmp_path / "run")
+class Runs:
+    """Each layout of LAYOUTS trained once, on first use: name -> (recipe path, its directory)."""
+
+    def __init__(self, setup: Setup, root: Path):
+        self.setup, self.root, self.done = setup, root, {}
+
+    def __call__(self, name: str) -> tuple[Path, Path]:
+        if name not in self.done:
+            nprocs, parallel, adapter, overrides = LAYOUTS[name]
+            directory = self.root / name
+            directory.mkdir()
+            cfg = lora_recipe(self.setup, directory, parallel, adapter, **overrides)
+            launch(nprocs, cfg)
+            self.done[name] = (cfg, directory)
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory):
+    return Runs(setup, tmp_path_factory.mktemp("lora-runs"))
+
+
+def lora_recipe(setup, directory, parallel, adapter="all", **overrides):
+    return recipe(directory, setup.megatron(adapter), setup.data, parallel=parallel,
+                  peft={"enabled": True, "init_from": str(setup.adapter(adapter))}, **overrides)
+
+
+def assert_matches_reference(setup, directory, cfg, adapter="all", loss_tolerance=LOSS_TOLERANCE):
+    metrics = read_metrics(directory / "run")
     ref_losses, ref_norms = setup.reference(adapter, cfg)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     losses, norms = [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
@@ -92,23 +131,16 @@ def exported_keys_and_shapes(adapter_dir):
     return {k: tuple(v.shape) for k, v in load_file(str(adapter_dir / "adapter_model.safetensors")).items()}
 
 
+PARITY_LAYOUTS = [name for name, (_, _, _, overrides) in LAYOUTS.items() if "precision" not in overrides]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "nprocs, parallel, adapter",
-    [
-        (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "all"),
-        (4, {"tp": 1, "pp": 2, "zero_stage": 1}, "all"),
-        (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "all"),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 2}, "qv-rslora"),
-        (2, {"tp": 1, "pp": 1, "zero_stage": 3}, "all"),
-        (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "phi3-all"),
-    ],
-    ids=["TP2xDP2-zero1", "PP2xDP2-zero1", "TP2xPP2xDP2-zero1", "DP2-zero2-qv-rslora", "DP2-zero3", "phi3-TP2xDP2-zero1"],
-)
-def test_lora_losses_and_grad_norms_match_peft_reference(setup, tmp_path, nprocs, parallel, adapter):
-    cfg, _ = lora_run(setup, tmp_path, nprocs, parallel, adapter)
-    assert_matches_reference(setup, tmp_path, cfg, adapter)
-    exported = tmp_path / "run" / "adapter"
+@pytest.mark.parametrize("name", PARITY_LAYOUTS)
+def test_lora_losses_and_grad_norms_match_peft_reference(setup, runs, name):
+    cfg, directory = runs(name)
+    adapter = LAYOUTS[name][2]
+    assert_matches_reference(setup, directory, cfg, adapter)
+    exported = directory / "run" / "adapter"
     config = json.loads((exported / "adapter_config.json").read_text())
     source = json.loads((setup.adapter(adapter) / "adapter_config.json").read_text())
     assert {k: config[k] for k in ("r", "lora_alpha", "use_rslora")} == {k: source[k] for k in ("r", "lora_alpha", "use_rslora")}
@@ -116,7 +148,7 @@ def test_lora_losses_and_grad_norms_match_peft_reference(setup, tmp_path, nprocs
     assert sorted(config["target_modules"]) == sorted({m.rsplit(".", 1)[-1] for m in source["target_modules"]})
     assert config["base_model_name_or_path"]
     assert exported_keys_and_shapes(exported) == exported_keys_and_shapes(setup.adapter(adapter))
-    assert not (tmp_path / "run" / "hf").exists()
+    assert not (directory / "run" / "hf").exists()
 
 
 def peft_logits(hf_dir, adapter_dir, tokens):
@@ -139,53 +171,67 @@ def adapter_tensors(adapter_dir):
     return load_file(str(adapter_dir / "adapter_model.safetensors"))
 
 
-@pytest.mark.multiprocess
-def test_exported_adapter_gives_peft_the_megatron_logits_and_merges_like_peft(setup, tmp_path, capsys):
-    """Train at DP2, export; megatron-core at TP2 with that adapter and PeftModel.from_pretrained
-    agree on a held-out batch, and gathering the adapter back from TP2 reproduces the export.
-    `convert megatron-to-hf --adapter` writes the same adapter; `--merge` equals merge_and_unload()."""
-    from toolkit.cli import main as cli
+@pytest.fixture(scope="module")
+def megatron_logits(setup, runs, tmp_path_factory):
+    """One 2-process launch for every megatron-core logits check: name -> (logits, swapped logits
+    or None, the directory the case exported its adapter to)."""
     from toolkit.runtime.launch import run_on_processes
 
-    hf, megatron = setup.hf(), setup.megatron()
-    lora_run(setup, tmp_path, 2, {"tp": 1, "pp": 1, "zero_stage": 1})
-    step = tmp_path / "run" / "checkpoints" / "step_0000010"
-    assert cli(["convert", "megatron-to-hf", "--adapter", str(step), str(tmp_path / "cli-adapter")]) == 0
-    assert cli(["convert", "megatron-to-hf", "--adapter", "--merge", str(step), str(tmp_path / "merged")]) == 0
-    assert_merged_equals_peft_merge(hf, tmp_path / "cli-adapter", tmp_path / "merged")
-    exported, tokens = tmp_path / "run" / "adapter", held_out_tokens()
-    (ours, _), _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), str(exported), tokens,
-                                    str(tmp_path / "again"), tp=2)
-    theirs = peft_logits(hf, exported, tokens)
+    out = tmp_path_factory.mktemp("lora-logits")
+    trained = runs(RESUMED_FROM)[1] / "run" / "adapter"
+    source = str(setup.adapter())
+    cases = {
+        "trained-tp2": dict(tp=2, adapter=str(trained)),  # gathered back: must reproduce the export
+        "imported-tp2": dict(tp=2, adapter=source),
+        "fresh-tp2": dict(tp=2, adapter=source, fresh=True),
+        "fresh-tp1": dict(tp=1, adapter=source, fresh=True),
+        "swapped-tp1": dict(tp=1, adapter=source, swap_query_groups=True),
+    }
+    for name, case in cases.items():
+        case["export"] = str(out / name)
+    results, _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(setup.megatron()), held_out_tokens(),
+                                  list(cases.values()))
+    return {name: (*result, out / name) for name, result in zip(cases, results)}
+
+
+@pytest.mark.multiprocess
+def test_exported_adapter_gives_peft_the_megatron_logits_and_merges_like_peft(setup, runs, megatron_logits):
+    """Train at TP2 x DP2, export; megatron-core at TP2 with that adapter and
+    PeftModel.from_pretrained agree on a held-out batch, and gathering the adapter back from TP2
+    reproduces the export. `convert megatron-to-hf --adapter` writes the same adapter; `--merge`
+    equals merge_and_unload()."""
+    from toolkit.cli import main as cli
+
+    hf, directory = setup.hf(), runs(RESUMED_FROM)[1]
+    step = directory / "run" / "checkpoints" / "step_0000010"
+    out = directory / "exports"
+    assert cli(["convert", "megatron-to-hf", "--adapter", str(step), str(out / "cli-adapter")]) == 0
+    assert cli(["convert", "megatron-to-hf", "--adapter", "--merge", str(step), str(out / "merged")]) == 0
+    assert_merged_equals_peft_merge(hf, out / "cli-adapter", out / "merged")
+    exported = directory / "run" / "adapter"
+    ours, _, again = megatron_logits["trained-tp2"]
+    theirs = peft_logits(hf, exported, held_out_tokens())
     worst = float((torch.tensor(ours) - theirs).abs().max())
     assert worst < 1e-4, worst
     trained, untrained = adapter_tensors(exported), adapter_tensors(setup.adapter())
     assert any(not torch.equal(trained[k], untrained[k]) for k in trained), "the adapter did not train"
-    again, cli_export = adapter_tensors(tmp_path / "again"), adapter_tensors(tmp_path / "cli-adapter")
+    again, cli_export = adapter_tensors(again), adapter_tensors(out / "cli-adapter")
     assert all(torch.equal(again[k], trained[k]) and torch.equal(cli_export[k], trained[k]) for k in trained)
     print(f"max |logit difference| vs PeftModel.from_pretrained: {worst:.2e}")
 
 
 @pytest.mark.multiprocess
-def test_import_then_export_at_tp2_reproduces_the_adapter_bit_exactly(setup, tmp_path):
-    from toolkit.runtime.launch import run_on_processes
-
-    run_on_processes("tests.mp_workers:lora_logits", 2, str(setup.megatron()), str(setup.adapter()), held_out_tokens(),
-                     str(tmp_path / "out"), tp=2)
-    source, out = adapter_tensors(setup.adapter()), adapter_tensors(tmp_path / "out")
+def test_import_then_export_at_tp2_reproduces_the_adapter_bit_exactly(setup, megatron_logits):
+    source, out = adapter_tensors(setup.adapter()), adapter_tensors(megatron_logits["imported-tp2"][2])
     assert sorted(source) == sorted(out)
     assert all(torch.equal(source[k], out[k]) for k in source)
 
 
 @pytest.mark.multiprocess
-def test_swapped_query_group_rows_of_b_break_parity_with_peft(setup):
+def test_swapped_query_group_rows_of_b_break_parity_with_peft(setup, megatron_logits):
     """Guard: the logits comparison does see the per-query-group interleave of B in linear_qkv."""
-    from toolkit.runtime.launch import run_on_processes
-
-    tokens = held_out_tokens()
-    ((correct, swapped),) = run_on_processes("tests.mp_workers:lora_logits", 1, str(setup.megatron()),
-                                             str(setup.adapter()), tokens, swap_query_groups=True)
-    theirs = peft_logits(setup.hf(), setup.adapter(), tokens)
+    correct, swapped, _ = megatron_logits["swapped-tp1"]
+    theirs = peft_logits(setup.hf(), setup.adapter(), held_out_tokens())
     assert float((torch.tensor(correct) - theirs).abs().max()) < 1e-4
     assert float((torch.tensor(swapped) - theirs).abs().max()) > 1e-3
 
@@ -207,15 +253,13 @@ def assert_merged_equals_peft_merge(hf, adapter_dir, merged_dir):
 
 
 @pytest.mark.multiprocess
-def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, tmp_path):
+def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, runs, tmp_path):
     """A run resumed from its step-5 checkpoint repeats the uninterrupted losses and gradient
     norms exactly; the checkpoint holds the adapter (and its optimizer state), not the base."""
     import shutil
 
-    parallel = {"tp": 2, "pp": 1, "zero_stage": 1}
-    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    straight_dir.mkdir()
-    cfg, _ = lora_run(setup, straight_dir, 4, parallel, save_every=5)
+    nprocs, parallel, adapter, overrides = LAYOUTS[RESUMED_FROM]
+    straight_dir, resumed_dir = runs(RESUMED_FROM)[1], tmp_path / "resumed"
     straight = read_metrics(straight_dir / "run")
 
     step5 = straight_dir / "run" / "checkpoints" / "step_0000005"
@@ -228,15 +272,13 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, t
         assert tensors and all(".lora_" in k for k in tensors), sorted(tensors)[:3]
 
     # The same run stopped after its step-5 checkpoint: step 10 and its metrics never written.
-    shutil.copytree(straight_dir, resumed_dir)
+    shutil.copytree(straight_dir / "run", resumed_dir / "run")
     checkpoints = resumed_dir / "run" / "checkpoints"
     shutil.rmtree(checkpoints / "step_0000010")
     (checkpoints / "latest").write_text("step_0000005")
     metrics = resumed_dir / "run" / "metrics.jsonl"
     metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:5]))
-    resumed_cfg = recipe(resumed_dir, setup.megatron(), setup.data, parallel=parallel, save_every=5,
-                         peft={"enabled": True, "init_from": str(setup.adapter())})
-    launch(4, resumed_cfg, "resume=auto")
+    launch(nprocs, lora_recipe(setup, resumed_dir, parallel, adapter, **overrides), "resume=auto")
     resumed = read_metrics(resumed_dir / "run")
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
@@ -244,25 +286,20 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, t
 
 
 @pytest.mark.multiprocess
-def test_lora_bf16_stays_close_to_fp32_peft_reference(setup, tmp_path):
+def test_lora_bf16_stays_close_to_fp32_peft_reference(setup, runs):
     """bf16 rounds the frozen base and the activations: a loss within 2% of the fp32 reference."""
-    cfg, _ = lora_run(setup, tmp_path, 2, {"tp": 1, "pp": 2, "zero_stage": 1}, precision="bf16")
-    assert_matches_reference(setup, tmp_path, cfg, loss_tolerance=LOSS_TOLERANCE_BF16)
+    cfg, directory = runs("bf16-PP2")
+    assert_matches_reference(setup, directory, cfg, loss_tolerance=LOSS_TOLERANCE_BF16)
 
 
 @pytest.mark.multiprocess
-def test_peft_initialisation_is_the_same_at_tp1_and_tp2(setup, tmp_path):
+def test_peft_initialisation_is_the_same_at_tp1_and_tp2(megatron_logits):
     """Without init_from: A Kaiming-uniform(a=sqrt(5)) as PEFT draws it (bound 1/sqrt(in)), B zero,
     seeded per tensor so that TP ranks agree on the replicated parts and every layout gets the
     same adapter."""
     import math
 
-    from toolkit.runtime.launch import run_on_processes
-
-    for tp in (1, 2):
-        run_on_processes("tests.mp_workers:lora_logits", tp, str(setup.megatron()), str(setup.adapter()),
-                         held_out_tokens(), str(tmp_path / f"tp{tp}"), tp=tp, fresh=True)
-    tp1, tp2 = adapter_tensors(tmp_path / "tp1"), adapter_tensors(tmp_path / "tp2")
+    tp1, tp2 = adapter_tensors(megatron_logits["fresh-tp1"][2]), adapter_tensors(megatron_logits["fresh-tp2"][2])
     assert sorted(tp1) == sorted(tp2) and all(torch.equal(tp1[k], tp2[k]) for k in tp1)
     for key, tensor in tp1.items():
         if ".lora_B." in key:

@@ -151,3 +151,26 @@ def test_plan_prints_the_global_batch_even_when_nothing_fits(capsys):
     out = capsys.readouterr().out
     assert "None" not in out
     assert "global batch 64 sequences" in out  # the default: 4 x GPUs, at least 64
+
+
+def test_lora_makes_70b_fit_8_gpus_without_offload_where_full_finetune_does_not(plans, llama70b, capsys):
+    """LoRA r=16 on every linear: the frozen 70.6B base is 2 bytes/param (141 GB, 17.6 GB per GPU
+    over TP x PP = 8), the adapter (~0.2B) carries the 16 bytes/param of Adam in mixed precision."""
+    from toolkit.cli import main
+    from toolkit.memory.lora import LoraShape, adapter_numels
+
+    lora = LoraShape(16)
+    assert 0.1e9 < sum(adapter_numels(llama70b, lora, 1, 1)) < 0.01 * total_params(llama70b)
+    with_lora = plan(llama70b, Cluster(8, H100), allow_offload=False, lora=lora)
+    assert not plans["70b@8"].fits_without_offload and with_lora.fits_without_offload
+    assert with_lora.advice[-1].endswith("; full fine-tuning: nothing fits")
+    for c in with_lora.ranked:
+        states = c.memory.peak.states
+        assert states.optimizer + states.grads < 2 * GIB, c.explain(with_lora.cluster)  # the adapter's only
+    assert main(["plan", "--model", str(MODELS / "llama-3-70b"), "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--no-offload", "--top", "1", "--lora-r", "16"]) == 0
+    assert "LoRA r=16" in capsys.readouterr().out
+    assert main(["memory", str(MODELS / "llama-3-70b"), "--gpus", "8", "--tp", "8", "--zero", "1", "--bf16",
+                 "--gpu-memory", "80GiB", "--lora-r", "16", "--lora-targets", "q_proj", "v_proj"]) == 0
+    assert main(["memory", str(MODELS / "llama-3-70b"), "--gpus", "8", "--tp", "8", "--zero", "1", "--bf16",
+                 "--lora-r", "16", "--lora-targets", "qkv"]) == 2  # a name Llama does not have: one line

@@ -140,7 +140,7 @@ def _engine(case: dict, spec, world: int):
     from toolkit.dsconfig import OptimizerSettings, Setup, build
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model
-    from toolkit.train.parallel import MegatronCoreMPU
+    from toolkit.train.parallel import MegatronCoreMPU, param_groups
 
     tp, pp = case["tp"], case["pp"]
     dp = world // (tp * pp)
@@ -152,15 +152,32 @@ def _engine(case: dict, spec, world: int):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case["precision"]]
     torch.manual_seed(SEED)
     model = build_gpt_model(spec, Layout(tp, pp), dtype)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                      mpu=MegatronCoreMPU())
+    if "lora" in case:
+        _apply_lora(model, spec, Layout(tp, pp), case["lora"])
+    # under LoRA the recipe's parameter groups: only what requires a gradient (the adapter)
+    parameters = param_groups(model, 0.0) if "lora" in case else model.parameters()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config, mpu=MegatronCoreMPU())
     return engine, setup
+
+
+def _apply_lora(model, spec, layout, lora: dict) -> None:
+    """toolkit.lora's layers with PEFT's initialisation, as the recipe applies them."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.families import family_named
+    from toolkit.lora.adapter import apply_lora
+    from toolkit.lora.peft_dir import LoraSettings
+
+    settings = LoraSettings(lora["r"], 2.0 * lora["r"], 0.0, tuple(lora["targets"]))
+    apply_lora(model, family_named(spec.family), spec, layout, ps.get_tensor_model_parallel_rank(),
+               ps.get_pipeline_model_parallel_rank(), settings, {}, SEED)
 
 
 def model_state_case(case: dict, spec, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from toolkit.memory import CPU_LOCAL, estimate
+    from toolkit.memory.lora import LoraShape
 
     engine, setup = _engine(case, spec, world)
     grads = _run_step(engine, setup, spec, seed=case["zero"])
@@ -168,7 +185,8 @@ def model_state_case(case: dict, spec, world: int) -> dict:
     engine.step()
     after_step = census(engine)
     stage = ps.get_pipeline_model_parallel_rank()
-    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0).stages[stage].states
+    lora = LoraShape(case["lora"]["r"], tuple(case["lora"]["targets"])) if "lora" in case else None
+    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0, lora=lora).stages[stage].states
     result = {
         **case,
         "stage": stage,
@@ -229,7 +247,7 @@ class _Held:
         self.live.release(self.key)
 
 
-def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False):
+def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None):
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, transformer_config
 
@@ -238,12 +256,16 @@ def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False):
     torch.manual_seed(SEED)
     layout = Layout(tp, pp)
     config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra)
-    return build_gpt_model(spec, layout, dtype, config=config)
+    model = build_gpt_model(spec, layout, dtype, config=config)
+    if lora is not None:
+        _apply_lora(model, spec, layout, lora)
+    return model
 
 
-def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequence_parallel: bool = False) -> int:
+def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequence_parallel: bool = False,
+                        lora: dict | None = None) -> int:
     """Bytes saved for backward by one forward of one micro-batch (PP = 1), parameters excluded."""
-    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel)
+    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel, lora)
     live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
     tokens = _batches(spec, 1, micro, seed=7)[0]
     pos = torch.arange(SEQ)[None].expand(micro, -1)
@@ -278,7 +300,7 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
 # the launch
 
 
-def _switch_layout(tp: int, pp: int):
+def switch_layout(tp: int, pp: int):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -299,19 +321,19 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
     from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
 
     skip_deepspeed_shm_op()
-    _switch_layout(1, 1)
+    switch_layout(1, 1)
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     out = {"states": [], "activations": [], "pipeline": []}
     layouts = sorted({(c["tp"], c["pp"]) for c in state_cases + activation_cases + pipeline_cases})
     for tp, pp in layouts:
-        _switch_layout(tp, pp)
+        switch_layout(tp, pp)
         for case in [c for c in state_cases if (c["tp"], c["pp"]) == (tp, pp)]:
             out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if (c["tp"], c["pp"]) == (tp, pp)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
-                                            case["micro"], case.get("sequence_parallel", False))
+                                            case["micro"], case.get("sequence_parallel", False), case.get("lora"))
                      for n in (2, 4)}
             out["activations"].append({**case, "saved": saved})
         for case in [c for c in pipeline_cases if (c["tp"], c["pp"]) == (tp, pp)]:

@@ -16,6 +16,7 @@ from toolkit.dsconfig import OptimizerSettings, Setup, build
 from toolkit.errors import ConfigError
 from toolkit.families.spec import ModelSpec
 from toolkit.memory import GIB, GPU, Estimate, estimate
+from toolkit.memory.lora import LoraShape
 from toolkit.throughput import Hardware, StepTime, step_time
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -79,14 +80,29 @@ class Plan:
 
 
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: int | None = None,
-         precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True) -> Plan:
+         precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True,
+         lora: LoraShape | None = None) -> Plan:
+    """With `lora`, the layouts of a LoRA fine-tune (toolkit.memory.lora), and advice that says
+    whether full fine-tuning would fit too."""
     global_batch = global_batch or default_global_batch(cluster.gpus)
-    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload))
+    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora))
     fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
     result = Plan(cluster, fitting, None if fitting else smallest, [])
-    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result)
+    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora)
+    if lora is not None:
+        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload)
+        result.advice.append(_lora_versus_full(result, full, lora))
     return result
+
+
+def _lora_versus_full(with_lora: Plan, full: Plan, lora: LoraShape) -> str:
+    def verdict(p: Plan) -> str:
+        if p.fits_without_offload:
+            return f"{sum(not c.offloaded for c in p.ranked)} layouts fit without offload"
+        return f"{len(p.ranked)} fit only with offload" if p.ranked else "nothing fits"
+
+    return f"LoRA r={lora.r} ({', '.join(lora.target_modules)}): {verdict(with_lora)}; full fine-tuning: {verdict(full)}"
 
 
 def default_global_batch(gpus: int) -> int:
@@ -109,7 +125,7 @@ def _zero_stages(schedule: str) -> range:
     return range(1, 4) if schedule == "megatron" else range(4)
 
 
-def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload):
+def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None):
     offloads = OFFLOADS if allow_offload else OFFLOADS[:1]
     for (tp, pp), zero, offload, micro in itertools.product(
             layouts(spec, cluster.gpus, cluster.gpus_per_node), _zero_stages(schedule), offloads, MICRO_BATCHES):
@@ -121,7 +137,7 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
         except ConfigError:
             continue
         for recompute in RECOMPUTE:
-            memory = estimate(spec, setup, seq_len, recompute, GPU)
+            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora)
             yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
                                                                  cluster.gpus_per_node, cluster.hardware))
 
@@ -133,7 +149,7 @@ def _fits(c: Candidate, cluster: Cluster) -> bool:
     return cluster.host_memory_per_node is None or host <= cluster.host_memory_per_node
 
 
-def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan) -> list[str]:
+def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan, lora=None) -> list[str]:
     budget = f"{cluster.gpus} x {cluster.gpu_memory / GIB:.0f} GiB"
     if result.fits_without_offload:
         return [f"{len(result.ranked)} layouts fit in {budget}"]
@@ -148,18 +164,18 @@ def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: P
         advice.append(f"offload fits: {len(offloaded)} layouts, best ZeRO-{offloaded[0].setup.zero} with "
                       f"{offloaded[0].setup.offload_optimizer}/{offloaded[0].setup.offload_param} offload "
                       f"(needs ~{host:.0f} GiB host memory per node)")
-    more = _more_gpus(spec, cluster, seq_len, precision, schedule)
+    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora)
     if more:
         advice.append(f"more GPUs: {more} GPUs fit without offload")
     return advice
 
 
-def _more_gpus(spec, cluster, seq_len, precision, schedule) -> int | None:
+def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None) -> int | None:
     """The smallest multiple of a node that fits without offload (recompute included)."""
     node = cluster.gpus_per_node
     for gpus in range(cluster.gpus + node, cluster.gpus * MAX_GPU_MULTIPLE + 1, node):
         bigger = Cluster(gpus, cluster.gpu_memory, node, cluster.host_memory_per_node, cluster.hardware)
-        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False):
+        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False, lora):
             if c.setup.micro_batch == 1 and c.recompute == "full" and _fits(c, bigger):
                 return gpus
     return None

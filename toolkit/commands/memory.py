@@ -27,7 +27,26 @@ def register(sub) -> None:
     p.add_argument("--kernels", choices=("gpu", "cpu"), default="gpu",
                    help="gpu: Transformer Engine kernels (default); cpu: megatron-core's local spec")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB: say whether the layout fits")
+    add_lora_args(p)
     p.set_defaults(func=_run)
+
+
+def add_lora_args(p) -> None:
+    g = p.add_argument_group("LoRA (the base frozen: weights only; the adapter trained)")
+    g.add_argument("--lora-r", type=int, help="LoRA rank: estimate a LoRA fine-tune instead of a full one")
+    g.add_argument("--lora-targets", nargs="+", default=["all-linear"],
+                   help="PEFT target module names, e.g. q_proj v_proj (default all-linear)")
+
+
+def lora_shape(args, spec):
+    """toolkit.memory.lora.LoraShape from --lora-r / --lora-targets, checked against the model."""
+    from toolkit.memory.lora import LoraShape
+
+    if args.lora_r is None:
+        return None
+    lora = LoraShape(args.lora_r, tuple(args.lora_targets))
+    lora.linears(spec)  # refuses a target the family lacks, or r out of range
+    return lora
 
 
 def _run(args) -> int:
@@ -39,10 +58,12 @@ def _run(args) -> int:
     setup = training_setup(args)
     spec = modelspec.read(args.model)
     args.seq_len = sequence_length(args.seq_len, spec)
+    args.lora = lora_shape(args, spec)
     est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
-                   args.sequence_parallel)
+                   args.sequence_parallel, lora=args.lora)
+    lora = f", LoRA r={args.lora.r} on {' '.join(args.lora.target_modules)}" if args.lora else ""
     print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}, ZeRO-{setup.zero}, {setup.precision}, micro-batch "
-          f"{setup.micro_batch} x {setup.micro_batches} per step, sequence {args.seq_len}, recompute {args.recompute}")
+          f"{setup.micro_batch} x {setup.micro_batches} per step, sequence {args.seq_len}, recompute {args.recompute}{lora}")
     print("\n".join(est.table(args.gpus_per_node)))
     if not args.gpu_memory:
         return 0
@@ -62,12 +83,12 @@ def _suggest(spec, setup, args, limit) -> None:
 
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
-        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel)
+        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora)
         if est.fits(limit):
             print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return
     result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step,
-                  setup.precision, setup.schedule)
+                  setup.precision, setup.schedule, lora=args.lora)
     for line in result.advice:
         print(f"note: {line}")
     if result.best is not None:

@@ -24,6 +24,7 @@ recipe) is written there; without it nothing is written.
 
 def register(sub) -> None:
     from toolkit.commands.ds_config import add_cluster_args
+    from toolkit.commands.memory import add_lora_args
 
     p = sub.add_parser("plan", help="rank the 3D layouts that fit a model on a GPU budget",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,12 +41,14 @@ def register(sub) -> None:
     p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("-o", "--output", help="write the best layout's DeepSpeed config here (default: write nothing)")
+    add_lora_args(p)
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
     from toolkit import modelspec
     from toolkit.commands.ds_config import sequence_length, total_gpus
+    from toolkit.commands.memory import lora_shape
     from toolkit.memory.params import total_params
     from toolkit.plan import Cluster, default_global_batch, plan
     from toolkit.units import gib, parse_size
@@ -57,8 +60,9 @@ def _run(args) -> int:
     args.seq_len = sequence_length(args.seq_len, spec)
     cluster = Cluster(gpus, parse_size(args.gpu_memory), args.gpus_per_node,
                       parse_size(args.host_memory) if args.host_memory else None)
+    lora = lora_shape(args, spec)
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
-                  allow_offload=not args.no_offload)
+                  allow_offload=not args.no_offload, lora=lora)
     batch = args.global_batch or default_global_batch(gpus)
     print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
           f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")

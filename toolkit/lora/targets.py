@@ -49,7 +49,7 @@ class LinearTargets:
         return self.row.megatron.removeprefix("decoder.layers.*.").removesuffix(".weight")
 
 
-def _linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
+def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
     linears = []
     for row in family.rows_for(spec.tied_embeddings):
         if not (row.per_layer and row.megatron.endswith(".weight")):
@@ -70,7 +70,7 @@ def _linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
 
 
 def available(family: Family, spec: ModelSpec) -> list[str]:
-    return [t.name for linear in _linear_rows(family, spec) for t in linear.parts]
+    return [t.name for linear in linear_rows(family, spec) for t in linear.parts]
 
 
 def resolve(family: Family, spec: ModelSpec, target_modules: list[str]) -> list[LinearTargets]:
@@ -87,7 +87,7 @@ def resolve(family: Family, spec: ModelSpec, target_modules: list[str]) -> list[
     if not wanted:
         raise AdapterError("no target modules given")
     chosen = []
-    for linear in _linear_rows(family, spec):
+    for linear in linear_rows(family, spec):
         picked = tuple(t.name for t in linear.parts if t.name in wanted)
         if picked:
             chosen.append(LinearTargets(linear.row, linear.parallel, linear.parts, picked))

@@ -17,8 +17,9 @@ from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.memory import activations as act
 from toolkit.memory.activations import GPU, Kernels, Shape
+from toolkit.memory.lora import LoraShape, activation_change, adapter_numels
 from toolkit.memory.params import stage_param_numels
-from toolkit.memory.states import ModelStates, ZeroSettings, model_states
+from toolkit.memory.states import ModelStates, ZeroSettings, frozen_states, model_states
 from toolkit.units import size
 
 GIB = 1 << 30
@@ -57,6 +58,7 @@ class Estimate:
     recompute: str
     kernels: Kernels
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
+    lora: LoraShape | None = None
 
     @property
     def peak(self) -> StageMemory:
@@ -92,8 +94,9 @@ class Estimate:
 
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
-             sequence_parallel: bool = False, reserve: int | None = None) -> Estimate:
-    """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`)."""
+             sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None) -> Estimate:
+    """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`); with
+    `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora)."""
     if recompute not in act.RECOMPUTE:
         raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
     if sequence_parallel and setup.tp == 1:
@@ -103,8 +106,8 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
     shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)
-    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve) for s in range(setup.pp))
-    return Estimate(setup, seq_len, recompute, kernels, stages)
+    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora) for s in range(setup.pp))
+    return Estimate(setup, seq_len, recompute, kernels, stages, lora)
 
 
 def backward_calls(setup: Setup) -> int:
@@ -121,17 +124,32 @@ def in_flight(setup: Setup, stage: int) -> int:
     return min(setup.pp - stage, setup.micro_batches)
 
 
-def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve) -> StageMemory:
+def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora) -> StageMemory:
     layers = spec.num_layers // setup.pp
     padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
     first, last = stage == 0, stage == setup.pp - 1
-    per_microbatch = layers * act.layer_bytes(spec, shape, kernels, recompute) + first * act.first_stage_bytes(shape)
-    activations = in_flight(setup, stage) * per_microbatch + last * act.last_stage_bytes(spec, shape, kernels, padded_vocab)
-    temporaries = (act.recompute_working_set(spec, shape, kernels, recompute) + act.attention_buffer(spec, shape, kernels)
-                   + last * act.logits_temporary(shape, padded_vocab))
+    layer = act.layer_bytes(spec, shape, kernels, recompute)
+    working_set = act.recompute_working_set(spec, shape, kernels, recompute)
+    final = act.last_stage_bytes(spec, shape, kernels, padded_vocab)
+    if lora is not None:
+        change = activation_change(spec, lora, shape.tokens, setup.tp, shape.act_bytes)
+        layer += change if recompute != "full" else 0
+        working_set += change if recompute == "full" else 0
+        final -= shape.act_bytes * shape.hidden_tokens(spec)  # the frozen output layer keeps no input
+    per_microbatch = layers * layer + first * act.first_stage_bytes(shape)
+    activations = in_flight(setup, stage) * per_microbatch + last * final
+    temporaries = working_set + act.attention_buffer(spec, shape, kernels) + last * act.logits_temporary(shape, padded_vocab)
+    return StageMemory(stage, _states(spec, setup, zero, stage, lora), activations, temporaries, reserve)
+
+
+def _states(spec, setup, zero, stage, lora) -> ModelStates:
     numels = stage_param_numels(spec, setup.tp, setup.pp, stage)
-    states = model_states(numels, WEIGHT_BYTES[setup.precision], setup.dp, zero, backward_calls(setup))
-    return StageMemory(stage, states, activations, temporaries, reserve)
+    weight_bytes = WEIGHT_BYTES[setup.precision]
+    if lora is None:
+        return model_states(numels, weight_bytes, setup.dp, zero, backward_calls(setup))
+    adapter = model_states(adapter_numels(spec, lora, setup.tp, setup.pp), weight_bytes, setup.dp, zero,
+                           backward_calls(setup))
+    return frozen_states(numels, weight_bytes, setup.dp, zero, adapter)
 
 
 __all__ = ["Estimate", "StageMemory", "estimate", "GIB"]

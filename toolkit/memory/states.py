@@ -81,6 +81,19 @@ def model_states(numels, weight_bytes: int, dp: int, zero: ZeroSettings,
     return _zero3(numels, weight_bytes, dp, zero)
 
 
+def frozen_states(numels, weight_bytes: int, dp: int, zero: ZeroSettings, adapter: ModelStates) -> ModelStates:
+    """`adapter`'s states plus a frozen base of tensors `numels`: weights only, in the training
+    dtype (DeepSpeed's optimizers take only parameters that require a gradient). ZeRO-3 partitions
+    the base as any parameter and gathers it a module at a time."""
+    w = weight_bytes
+    if zero.stage < 3:
+        return replace(adapter, params=adapter.params + w * sum(numels))
+    part = sum(-(-n // dp) for n in numels)
+    persistent = sum(n for n in numels if n < zero.param_persistence_threshold)
+    gathered = min(max(numels, default=0) + zero.prefetch_bucket_size, zero.max_live_parameters)
+    return replace(adapter, params=adapter.params + w * (part + persistent), buffers=adapter.buffers + w * gathered)
+
+
 def _zero0(total: int, w: int) -> ModelStates:
     # fp32: torch AdamW straight on the model. bf16/fp16: DeepSpeed's FP16 optimizer wrapper
     # keeps an fp32 master copy and builds fp32 gradients for it during step().

@@ -32,6 +32,16 @@ def peak_tflops(override: float | None) -> tuple[float, str]:
     return CPU_NOMINAL_TFLOPS, "CPU, nominal"
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: allocated CUDA memory on a GPU; on CPU the process's peak
+    resident set (everything: Python, libraries, model states, activations)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def flops_per_token(spec, seq_len: int) -> float:
     params = spec.num_layers * (
         spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim  # qkv
