@@ -27,7 +27,8 @@ def test_post_norm_families_with_an_adapter_give_peft_logits_at_tp2(tmp_path, va
     megatron = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
     adapter = write_peft_adapter(hf, tmp_path / "adapter", "all-linear", r=4, alpha=8.0)
     tokens = held_out_tokens()
-    (ours, _), _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), str(adapter), tokens, tp=2)
+    [(ours, _)], _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), tokens,
+                                      [{"adapter": str(adapter), "tp": 2}])
     worst = float((torch.tensor(ours) - peft_logits(hf, adapter, tokens)).abs().max())
     print(f"{variant}: max |logit difference| vs PeftModel.from_pretrained: {worst:.2e}")
     assert worst < LOGIT_TOLERANCE, worst
