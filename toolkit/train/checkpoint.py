@@ -275,15 +275,17 @@ def _check_same_model(path: Path, meta: CheckpointMeta) -> None:
 def resume(path: Path, engine, source, schedule, requested_schedule, shards, same_layout: bool, lora: bool = False) -> int:
     """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
     The LR schedule restored from it goes on as `requested_schedule` asks."""
+    state = _train_state(path)
+    step = int(state["step"])
     if same_layout:
-        step = _resume_deepspeed(path, engine, source, lora)
+        _resume_deepspeed(path, engine, source, lora)
     else:
-        step = _resume_elastic(path, engine, source, schedule, shards)
+        _resume_elastic(path, state, engine, source, schedule, shards)
     schedule.continue_as(requested_schedule, step)
     return step
 
 
-def _resume_deepspeed(path: Path, engine, source, lora: bool) -> int:
+def _resume_deepspeed(path: Path, engine, source, lora: bool) -> None:
     # A LoRA checkpoint holds the adapter only: the frozen base is already loaded from its own checkpoint.
     load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
                                           load_module_strict=not lora)
@@ -291,15 +293,13 @@ def _resume_deepspeed(path: Path, engine, source, lora: bool) -> int:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
-    return int(_train_state(path)["step"])
 
 
-def _resume_elastic(path: Path, engine, source, schedule, shards) -> int:
+def _resume_elastic(path: Path, state: dict, engine, source, schedule, shards) -> None:
     """Another layout: weights and moments from `train/`, the LR schedule and the data position
     (in samples, global) from train_state.json."""
     from toolkit.train import elastic
 
-    state = _train_state(path)
     step = int(state["step"])
     elastic.load_state(path / elastic.STATE_DIR, engine, shards, int(state["adam_step"]))
     vars(schedule).update(state["lr_schedule"])  # the LambdaLR's own callable
@@ -309,7 +309,6 @@ def _resume_elastic(path: Path, engine, source, schedule, shards) -> int:
         group["lr"] = lr
     scheduler._last_lr = list(state["last_lr"])
     source.load_state_dict({"consumed": state["consumed_samples"]})
-    return step
 
 
 def export_adapter(run_dir: Path) -> Path:
