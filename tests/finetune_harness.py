@@ -56,6 +56,8 @@ def recipe(tmp: Path, checkpoint: Path, data: Path, **overrides) -> Path:
 
 
 def launcher_command(nprocs: int, launcher: str) -> list[str]:
+    if launcher == "fork":  # the ranks forked from one pre-imported process (tests/forkrun.py)
+        return [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nprocs)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     # DeepSpeed's launcher starts one process per "GPU"; on CPU it must be told how many.
@@ -65,7 +67,9 @@ def launcher_command(nprocs: int, launcher: str) -> list[str]:
 
 
 def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
-           launcher: str = "torchrun", expect_failure: bool = False):
+           launcher: str | None = None, expect_failure: bool = False):
+    # Forked ranks save each rank the imports (tests/forkrun.py); CUDA must not be forked, so torchrun there.
+    launcher = launcher or ("torchrun" if torch.cuda.is_available() else "fork")
     cmd = [*launcher_command(nprocs, launcher), str(RECIPE), "--config", str(recipe_path), *overrides]
     # os.environ carries TOOLKIT_STRICT_DEVICES=1 from tests/conftest.py: device-strict collectives.
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

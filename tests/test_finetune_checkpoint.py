@@ -46,7 +46,8 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, t
     # Second run: pause rank 0 in its 2nd save (step 10) between the shard writes and the marker, then SIGKILL all.
     flag = tmp_path / "paused"
     cfg = recipe(killed_dir, mc, data, parallel=parallel, save_every=5)
-    proc = launch(4, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-before-marker@2:{flag}"}, wait=False)
+    proc = launch(4, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-before-marker@2:{flag}"}, wait=False,
+                  launcher="torchrun")  # a kill under the real launcher
     wait_for(flag.exists, proc)
     kill_tree(proc.pid)
     proc.wait()
@@ -78,7 +79,7 @@ def test_sigterm_saves_after_the_current_step_and_the_run_resumes(model_and_data
     hf, mc, data = model_and_data
     cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=500,
                  optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0})
-    proc = launch(2, cfg, wait=False)
+    proc = launch(2, cfg, wait=False, launcher="torchrun")  # signals as the real launcher passes them on
     metrics = tmp_path / "run" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, proc)
     for worker in psutil.Process(proc.pid).children(recursive=True):

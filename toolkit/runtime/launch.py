@@ -25,6 +25,18 @@ from toolkit.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 900
 
+# What a rank imports that costs most (about 8 s of CPU per process). Without CUDA, the ranks are
+# forked from a server that imported these once (multiprocessing's forkserver preload), instead of
+# each importing them again; tests/forkrun.py does the same for the recipe. Missing one costs
+# time, not correctness.
+HEAVY_IMPORTS = (
+    "deepspeed", "deepspeed.runtime.engine", "wandb", "accelerate",
+    "transformers.models.llama.configuration_llama", "transformers.modeling_utils", "transformers.tokenization_utils_fast",
+    "megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing.serialization", "megatron.core.transformer.moe.moe_layer",
+    "toolkit.model", "toolkit.train.build", "toolkit.train.checkpoint", "toolkit.train.parallel", "toolkit.train.step",
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,7 +54,23 @@ def launch_device(nprocs: int, cuda_available: bool, device_count: int, cpu: boo
     return "cuda"
 
 
-def _child(target: str, rank: int, nprocs: int, port: int, device: str, results, args, kwargs) -> None:
+def process_context(cuda_available: bool):
+    """spawn where CUDA is present (CUDA must not be forked); else a forkserver that has imported
+    HEAVY_IMPORTS, started once per parent process and shared by all its launches."""
+    if cuda_available:
+        return mp.get_context("spawn")
+    from toolkit.runtime.distributed import choose_deepspeed_accelerator
+
+    choose_deepspeed_accelerator()  # the server imports DeepSpeed with the environment it starts with
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(HEAVY_IMPORTS))
+    return ctx
+
+
+def _child(target: str, rank: int, nprocs: int, port: int, device: str, env: dict, results, args, kwargs) -> None:
+    # A forked child has the environment the server started with: take the launcher's own.
+    os.environ.clear()
+    os.environ.update(env)
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is initialised here: the child sees no GPU
     os.environ.update(
@@ -77,11 +105,12 @@ def run_on_processes(target: str, nprocs: int, *args, timeout: float = DEFAULT_T
     import torch
 
     device = launch_device(nprocs, torch.cuda.is_available(), torch.cuda.device_count(), cpu)
-    ctx = mp.get_context("spawn")
+    ctx = process_context(torch.cuda.is_available())
     results = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(target, rank, nprocs, port, device, results, args, kwargs), daemon=False)
+        ctx.Process(target=_child, args=(target, rank, nprocs, port, device, env, results, args, kwargs), daemon=False)
         for rank in range(nprocs)
     ]
     for p in procs:

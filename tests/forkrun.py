@@ -1,0 +1,101 @@
+"""The tests' launcher: N ranks of a script, forked from one process that imported the libraries once.
+
+    python tests/forkrun.py NPROCS SCRIPT [ARGS...]
+
+torchrun starts every rank as a fresh interpreter, and importing torch, megatron-core, DeepSpeed
+and transformers costs each rank about 8 s of CPU: on two cores that is most of what a tiny test
+run costs. Here the parent imports them once and forks the ranks, which then run SCRIPT as
+`__main__` with the environment torchrun gives them (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). As torchrun does, the first rank that fails stops
+the others and its exit code is the launcher's. Nothing here initialises CUDA or a process group
+before the fork; with CUDA present the tests use torchrun instead (tests/finetune_harness.py).
+
+The tests about launching itself (torchrun, DeepSpeed's launcher, signals, SIGKILL and requeue)
+use the real launchers; this one only removes repeated start-up cost from the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+GRACE_S = 10  # after a rank fails, how long the others get to exit on SIGTERM
+
+
+def preload() -> None:
+    """Import what the ranks would each import (the parent's only work)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from toolkit.runtime.distributed import choose_deepspeed_accelerator
+
+    choose_deepspeed_accelerator()  # as recipes/finetune.py does, before DeepSpeed is imported
+    from toolkit.runtime.quiet import quiet_third_party
+
+    quiet_third_party(False)
+    from toolkit.runtime.launch import HEAVY_IMPORTS
+
+    for name in HEAVY_IMPORTS:
+        importlib.import_module(name)
+
+
+def run_rank(rank: int, nprocs: int, port: int, script: str, args: list[str]) -> int:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported like an uncaught exception in a torchrun rank
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def stop(pids: dict[int, int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while pids and time.monotonic() < deadline:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            pids.pop(pid, None)
+        else:
+            time.sleep(0.1)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+def main() -> int:
+    nprocs, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    preload()
+    from toolkit.runtime.launch import free_port
+
+    port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = {}
+    for rank in range(nprocs):
+        pid = os.fork()
+        if pid == 0:  # the rank: exit through the interpreter, so atexit handlers (W&B, ...) run
+            sys.exit(run_rank(rank, nprocs, port, script, args))
+        pids[pid] = rank
+    while pids:
+        pid, status = os.wait()
+        pids.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            stop(pids)
+            return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
