@@ -252,3 +252,57 @@ def sequence_parallel_grad_errors(checkpoint: str, seq_len: int) -> dict:
         return {"loss": abs(sp_loss - loss), "grad": worst, "names": names}
 
     return {"summed": errors(True), "not_summed": errors(False)}
+
+
+def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
+    """For each case (`hf`: an fp32 HF MoE model, `checkpoint`: it converted at EP 1, `coeff`), one
+    forward of the same batch through HF with output_router_logits and through our megatron-core
+    model in each aux-loss mode (toolkit/moe_aux.py); the loss values (without the coefficient) and
+    the gradients of coeff * loss wrt every router weight. Only the aux loss reaches the routers:
+    the main loss is multiplied by 0 on both sides. Also the megatron mode's formula (README)
+    evaluated on HF's router logits."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.load import load_converted
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.model import build_gpt_model
+    from toolkit.moe_aux import AuxLoss, last_aux_loss
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    results = []
+    for case in cases:
+        meta = CheckpointMeta.read(Path(case["checkpoint"]))
+        tokens = torch.randint(0, meta.model_spec.vocab_size, (3, 19), generator=torch.Generator().manual_seed(5))
+        hf = AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.float32).train()
+        out = hf(input_ids=tokens, output_router_logits=True)
+        (out.logits.sum() * 0 + case["coeff"] * out.aux_loss).backward()
+        hf_grads = [m.weight.grad for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+        result = {"reference": float(out.aux_loss), "megatron_formula": _megatron_switch_loss(out.router_logits, hf.config)}
+        for mode in ("hf", "megatron"):
+            model = build_gpt_model(meta.model_spec, meta.layout, aux_loss=AuxLoss(mode, case["coeff"])).train()
+            load_converted(model, case["checkpoint"])
+            clear_aux_losses_tracker()
+            logits = model(tokens, torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1), attention_mask=None)
+            (logits.sum() * 0).backward()
+            grads = [m.weight.grad for name, m in model.named_modules() if name.endswith("mlp.router")]
+            tracker = get_moe_layer_wise_logging_tracker()
+            result[mode] = float(last_aux_loss(model) if mode == "hf" else tracker["load_balancing_loss"]["values"].sum())
+            result[f"{mode}_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads, hf_grads))
+        result["grad_max"] = max(float(g.abs().max()) for g in hf_grads)
+        results.append(result)
+    return results
+
+
+def _megatron_switch_loss(router_logits, config) -> float:
+    """sum over layers of E / (k T^2) * sum_i c[l, i] p[l, i] (toolkit/moe_aux.py), from HF's logits."""
+    import torch
+
+    k, total = config.num_experts_per_tok, 0.0
+    for logits in router_logits:
+        probs = torch.softmax(logits.detach().float(), dim=-1)
+        counts = torch.zeros_like(probs).scatter(1, probs.topk(k, dim=-1).indices, 1.0).sum(0)
+        total += float(probs.shape[1] * (counts * probs.sum(0)).sum() / (k * probs.shape[0] ** 2))
+    return total

@@ -5,7 +5,7 @@ width `moe_intermediate_size`; softmax over every expert, top-k, renormalised if
 from toolkit.families.experts import ATTENTION_ROWS, expert_rows
 from toolkit.families.llama import L
 from toolkit.families.qwen3 import QWEN3
-from toolkit.families.router import ALL_LAYERS_SPARSE, Router
+from toolkit.families.router import SPARSE_PATTERN_EXACT, Router
 from toolkit.families.table import Family
 
 E = L + "mlp."
@@ -25,6 +25,6 @@ QWEN3_MOE = Family(
         experts_keys=("num_experts", "num_local_experts"),
         ffn_key="moe_intermediate_size",
         renormalise_key="norm_topk_prob",
-        exact={"mlp_only_layers": ([], ALL_LAYERS_SPARSE), "decoder_sparse_step": (1, ALL_LAYERS_SPARSE)},
+        exact=SPARSE_PATTERN_EXACT,
     ),
 )
