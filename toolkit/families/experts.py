@@ -10,7 +10,7 @@ A shared expert (SharedExpertMLP) is a dense MLP split over TP as a dense one, i
     decoder.layers.*.mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight [1, hidden]
 """
 
-from toolkit.families.llama import ROWS, M
+from toolkit.families.llama import ROWS, L, M
 from toolkit.families.table import EXPERT, Row, row
 from toolkit.splits import Split
 
@@ -39,3 +39,12 @@ def shared_expert_rows(gate: str, up: str, down: str, gate_weight: str | None = 
     )
     return rows + ((row(SHARED_EXPERT + "gate_weight", gate_weight, Split.REPLICATED, ("one", "hidden")),)
                    if gate_weight else ())
+
+
+def _mlp(name: str) -> str:
+    return L + "mlp." + name
+
+
+# Qwen2-MoE, Qwen3-MoE and OLMoE name their router and experts alike
+GATE_PROJ_EXPERT_ROWS = expert_rows(_mlp("gate.weight"), _mlp("experts.#.gate_proj.weight"),
+                                    _mlp("experts.#.up_proj.weight"), _mlp("experts.#.down_proj.weight"))

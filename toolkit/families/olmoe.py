@@ -4,21 +4,16 @@ spanning TP ranks; toolkit/layers.py ProjectionRMSNorm) and routed experts of wi
 pre-norms. Softmax over every expert, top-k, renormalised iff `norm_topk_prob` (HF
 OlmoeTopKRouter), as Qwen3-MoE. HF's clip_qkv clamps q, k and v, which megatron-core cannot."""
 
-from toolkit.families.experts import ATTENTION_ROWS, expert_rows
-from toolkit.families.llama import L
+from toolkit.families.experts import ATTENTION_ROWS, GATE_PROJ_EXPERT_ROWS
 from toolkit.families.olmo2 import WHOLE_PROJECTION_QK_NORMS
 from toolkit.families.router import Router
 from toolkit.families.table import CustomLayer, Family
-
-E = L + "mlp."
 
 OLMOE = Family(
     name="olmoe",
     model_types=("olmoe",),
     architecture="OlmoeForCausalLM",
-    rows=ATTENTION_ROWS + tuple(WHOLE_PROJECTION_QK_NORMS.values())
-    + expert_rows(E + "gate.weight", E + "experts.#.gate_proj.weight", E + "experts.#.up_proj.weight",
-                  E + "experts.#.down_proj.weight"),
+    rows=ATTENTION_ROWS + tuple(WHOLE_PROJECTION_QK_NORMS.values()) + GATE_PROJ_EXPERT_ROWS,
     refuse_flags=("attention_bias", "clip_qkv"),
     megatron={"qk_layernorm": True},
     router=Router(experts_keys=("num_experts", "num_local_experts"), ffn_key="intermediate_size",
