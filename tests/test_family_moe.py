@@ -342,7 +342,7 @@ def test_hf_aux_loss_matches_hf_output_router_logits(tiny_moe, tmp_path):
              for v in MOE_VARIANTS]
     (results,) = run_on_processes("tests.mp_workers:moe_aux_loss_checks", 1, cases)
     for variant, r in zip(MOE_VARIANTS, results):
-        print(variant, {k: f"{v:.3g}" for k, v in r.items()})
+        print(variant, {k: f"{v:.3g}" for k, v in r.items()}, f"|hf - reference| {abs(r['hf'] - r['reference']):.1e}")
         assert abs(r["hf"] - r["reference"]) < 1e-6 and r["hf_grad_diff"] < 1e-6 < r["grad_max"] * 1e-2, (variant, r)
         assert abs(r["megatron"] - r["megatron_formula"]) < 1e-6 * r["megatron"], (variant, r)
         assert abs(r["megatron"] - r["reference"]) > 0.1 and r["megatron_grad_diff"] > 100 * r["hf_grad_diff"], r

@@ -41,7 +41,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp,
-        moe_grouped_gemm=spec.is_moe and running_layer_spec() == "te",
+        # a family's own block spec (toolkit/layers.py) builds local modules, SequentialMLP experts included
+        moe_grouped_gemm=spec.is_moe and running_layer_spec() == "te" and not family_named(spec.family).layer,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
