@@ -267,7 +267,7 @@ def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
 
     from toolkit.convert.load import load_converted
     from toolkit.convert.metadata import CheckpointMeta
-    from toolkit.model import build_gpt_model
+    from toolkit.model import build_gpt_model, transformer_config
     from toolkit.moe_aux import AuxLoss, last_aux_loss
     from toolkit.runtime.distributed import init_parallel
 
@@ -281,15 +281,20 @@ def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
         (out.logits.sum() * 0 + case["coeff"] * out.aux_loss).backward()
         hf_grads = [m.weight.grad for name, m in hf.named_modules() if name.endswith("mlp.gate")]
         result = {"reference": float(out.aux_loss), "megatron_formula": _megatron_switch_loss(out.router_logits, hf.config)}
-        for mode in ("hf", "megatron"):
-            model = build_gpt_model(meta.model_spec, meta.layout, aux_loss=AuxLoss(mode, case["coeff"])).train()
+        # hf_recompute: the hf mode with every layer's forward recomputed in backward
+        for mode in ("hf", "megatron", "hf_recompute"):
+            aux = AuxLoss(mode.split("_")[0], case["coeff"])
+            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            config = transformer_config(meta.model_spec, meta.layout, torch.float32, aux,
+                                        **(recompute if mode == "hf_recompute" else {}))
+            model = build_gpt_model(meta.model_spec, meta.layout, config=config, aux_loss=aux).train()
             load_converted(model, case["checkpoint"])
             clear_aux_losses_tracker()
             logits = model(tokens, torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1), attention_mask=None)
             (logits.sum() * 0).backward()
             grads = [m.weight.grad for name, m in model.named_modules() if name.endswith("mlp.router")]
             tracker = get_moe_layer_wise_logging_tracker()
-            result[mode] = float(last_aux_loss(model) if mode == "hf" else tracker["load_balancing_loss"]["values"].sum())
+            result[mode] = float(last_aux_loss(model) if aux.mode == "hf" else tracker["load_balancing_loss"]["values"].sum())
             result[f"{mode}_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads, hf_grads))
         result["grad_max"] = max(float(g.abs().max()) for g in hf_grads)
         results.append(result)

@@ -13,10 +13,10 @@ p[l, i] the sum over tokens of softmax(router logits)[i]. With the coefficient `
       coeff * E / (L * T)^2 * sum_i (sum_l c[l, i]) * (sum_l p[l, i])
   which is no sum of per-layer terms: layer l's gradient depends on every layer's counts.
 
-"hf" replaces each router's `_apply_aux_loss` (transformer/moe/router.py:275) with one that adds its
-layer's counts and probabilities to the pool of the current forward and attaches the gradient, as
-MoEAuxLossAutoScaler does, from the pool's final counts: backward runs after the whole forward, when
-the pool is complete. That holds at PP = 1 only; at PP > 1 the layers live on different stages, and
+"hf" wraps each router's `routing` (transformer/moe/router.py:545): after it, the layer's counts and
+probabilities go to the pool of the current forward, and the gradient is attached to the router's
+output, as MoEAuxLossAutoScaler does, computed from the pool's final counts: backward runs after the
+whole forward, when the pool is complete. That holds at PP = 1 only; at PP > 1 the layers live on different stages, and
 no stage sees the others' counts before its backward, so "hf" is refused there. Tokens are those of
 the router's input summed over the TP / CP group (sequence parallelism), as megatron-core counts them;
 padding is left out where megatron-core is given a padding mask, as HF leaves it out given an
@@ -51,9 +51,10 @@ class AuxLoss:
                               "forward, which at PP > 1 live on different pipeline stages; use moe.aux_loss=megatron")
 
     def config_fields(self) -> dict:
-        """TransformerConfig fields: megatron-core's "aux_loss" load balancing with this coefficient
-        (the hf mode reuses its hook, router.py:598-611)."""
-        return {"moe_aux_loss_coeff": self.coeff, "moe_router_load_balancing_type": "aux_loss"}
+        """TransformerConfig fields: megatron-core's "aux_loss" load balancing with this coefficient;
+        none of megatron-core's own in hf mode (install adds HF's)."""
+        return {"moe_aux_loss_coeff": self.coeff if self.mode == "megatron" else 0.0,
+                "moe_router_load_balancing_type": "aux_loss"}
 
     def install(self, model: torch.nn.Module) -> None:
         """In hf mode, pool the routers of `model` (one pipeline stage, the whole model at PP 1)."""
@@ -66,7 +67,7 @@ class AuxLoss:
         model.moe_aux_pool = current
         for module in model.modules():
             if isinstance(module, TopKRouter):
-                module._apply_aux_loss = functools.partial(_pooled_aux_loss, module, current)
+                module.routing = functools.partial(_pooled_routing, module, current, self.coeff, module.routing)
 
 
 def last_aux_loss(model: torch.nn.Module) -> torch.Tensor:
@@ -76,25 +77,27 @@ def last_aux_loss(model: torch.nn.Module) -> torch.Tensor:
 
 
 class _Pool:
-    """One forward's router statistics, summed over layers."""
+    """One forward's router statistics per layer: (counts, probability sums, tokens). Keyed by layer,
+    so a layer's forward recomputed in backward (activation recomputation) replaces its own entry."""
 
     def __init__(self):
-        self.counts = self.probs = None
-        self.tokens = 0.0
-        self.num_experts = 0
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, object]] = {}
 
-    def add(self, counts: torch.Tensor, probs: torch.Tensor, tokens) -> None:
-        self.counts = counts if self.counts is None else self.counts + counts
-        self.probs = probs if self.probs is None else self.probs + probs
-        self.tokens = self.tokens + tokens
-        self.num_experts = counts.numel()
+    def add(self, layer: int, counts: torch.Tensor, probs: torch.Tensor, tokens) -> None:
+        self.layers[layer] = (counts, probs, tokens)
+
+    def _totals(self):
+        counts, probs, tokens = zip(*self.layers.values())
+        return sum(counts), sum(probs), sum(tokens)
 
     def value(self) -> torch.Tensor:
-        return self.num_experts * (self.counts * self.probs).sum() / self.tokens**2
+        counts, probs, tokens = self._totals()
+        return counts.numel() * (counts * probs).sum() / tokens**2
 
     def probs_gradient(self, coeff: float) -> torch.Tensor:
         """d(coeff * value) / d(one token's probabilities): the same for every token."""
-        return coeff * self.num_experts * self.counts / self.tokens**2
+        counts, _, tokens = self._totals()
+        return coeff * counts.numel() * counts / tokens**2
 
 
 class _Current:
@@ -122,16 +125,24 @@ class _PooledGradient(torch.autograd.Function):
         return grad_probs, grad if scale is None else grad * scale, None, None
 
 
-def _pooled_aux_loss(router, current: _Current, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
-    """TopKRouter._apply_aux_loss's signature and counting (router.py:275-313), pooled."""
+def _pooled_routing(router, current: _Current, coeff: float, routing, logits, padding_mask=None):
+    """TopKRouter.routing, then this layer's counts and probabilities into the pool, counted as
+    megatron-core counts them for its own loss (router.py:598-611, 275-313). Pooled in any grad mode:
+    under activation recomputation the first forward runs without grad and must still count."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-    from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
+    from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                         get_tokens_per_expert_and_token_count)
 
-    coeff = router.get_aux_loss_coeff("aux_loss")
-    if coeff == 0:
-        return probs
+    probs, routing_map = routing(logits, padding_mask=padding_mask)
+    if not router.training:
+        return probs, routing_map
+    mask = None if padding_mask is None else padding_mask.reshape(-1)
+    aux_map, scores = compute_routing_scores_for_aux_loss(logits.view(-1, router.config.num_moe_experts), router.topk,
+                                                          router.score_function, padding_mask=mask)
     counts, _, total_tokens = get_tokens_per_expert_and_token_count(
-        routing_map=routing_map, reduce_group=router.tp_cp_group, topk=router.topk, with_padding_mask=with_padding_mask)
-    probs_sum = reduce_from_tensor_model_parallel_region(scores_for_aux_loss.detach().sum(0), router.tp_cp_group)
-    current.pool.add(counts.float(), probs_sum.float(), total_tokens)
-    return _PooledGradient.apply(probs, scores_for_aux_loss, current.pool, coeff)
+        routing_map=aux_map, reduce_group=router.tp_cp_group, topk=router.topk, with_padding_mask=mask is not None)
+    probs_sum = reduce_from_tensor_model_parallel_region(scores.detach().sum(0), router.tp_cp_group)
+    current.pool.add(router.layer_number, counts.float(), probs_sum.float(), total_tokens)
+    if torch.is_grad_enabled():
+        probs = _PooledGradient.apply(probs, scores, current.pool, coeff)
+    return probs, routing_map
