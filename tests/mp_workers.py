@@ -259,11 +259,11 @@ def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
     forward of the same batch through HF with output_router_logits and through our megatron-core
     model in each aux-loss mode (toolkit/moe_aux.py); the loss values (without the coefficient) and
     the gradients of coeff * loss wrt every router weight. Only the aux loss reaches the routers:
-    the main loss is multiplied by 0 on both sides. Also the megatron mode's formula (README)
-    evaluated on HF's router logits."""
+    the main loss is multiplied by 0 on both sides. Modes: hf, megatron, hf with full activation
+    recomputation, and hf on a batch whose first row ends in padding (HF's attention_mask,
+    megatron-core's padding_mask). Also the megatron mode's formula (README) on HF's router logits."""
     import torch
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-    from transformers import AutoModelForCausalLM
 
     from toolkit.convert.load import load_converted
     from toolkit.convert.metadata import CheckpointMeta
@@ -272,33 +272,49 @@ def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
     from toolkit.runtime.distributed import init_parallel
 
     init_parallel(1, 1)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     results = []
     for case in cases:
         meta = CheckpointMeta.read(Path(case["checkpoint"]))
         tokens = torch.randint(0, meta.model_spec.vocab_size, (3, 19), generator=torch.Generator().manual_seed(5))
-        hf = AutoModelForCausalLM.from_pretrained(case["hf"], dtype=torch.float32).train()
-        out = hf(input_ids=tokens, output_router_logits=True)
-        (out.logits.sum() * 0 + case["coeff"] * out.aux_loss).backward()
-        hf_grads = [m.weight.grad for name, m in hf.named_modules() if name.endswith("mlp.gate")]
-        result = {"reference": float(out.aux_loss), "megatron_formula": _megatron_switch_loss(out.router_logits, hf.config)}
-        # hf_recompute: the hf mode with every layer's forward recomputed in backward
-        for mode in ("hf", "megatron", "hf_recompute"):
+        valid = torch.ones_like(tokens)
+        valid[0, -5:] = 0
+        reference, hf_grads, router_logits, config = _hf_aux_loss(case["hf"], tokens, case["coeff"], None)
+        padded_reference, padded_hf_grads, *_ = _hf_aux_loss(case["hf"], tokens, case["coeff"], valid)
+        result = {"reference": reference, "padded_reference": padded_reference,
+                  "megatron_formula": _megatron_switch_loss(router_logits, config)}
+        for mode in ("hf", "megatron", "hf_recompute", "hf_padded"):
             aux = AuxLoss(mode.split("_")[0], case["coeff"])
-            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
             config = transformer_config(meta.model_spec, meta.layout, torch.float32, aux,
                                         **(recompute if mode == "hf_recompute" else {}))
             model = build_gpt_model(meta.model_spec, meta.layout, config=config, aux_loss=aux).train()
             load_converted(model, case["checkpoint"])
             clear_aux_losses_tracker()
-            logits = model(tokens, torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1), attention_mask=None)
+            padding = (valid == 0) if mode == "hf_padded" else None  # megatron-core: True = padding
+            logits = model(tokens, torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1), attention_mask=None,
+                           padding_mask=padding)
             (logits.sum() * 0).backward()
             grads = [m.weight.grad for name, m in model.named_modules() if name.endswith("mlp.router")]
             tracker = get_moe_layer_wise_logging_tracker()
             result[mode] = float(last_aux_loss(model) if aux.mode == "hf" else tracker["load_balancing_loss"]["values"].sum())
-            result[f"{mode}_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads, hf_grads))
+            expected = padded_hf_grads if mode == "hf_padded" else hf_grads
+            result[f"{mode}_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads, expected))
         result["grad_max"] = max(float(g.abs().max()) for g in hf_grads)
         results.append(result)
     return results
+
+
+def _hf_aux_loss(hf_dir: str, tokens, coeff: float, attention_mask):
+    """HF's aux loss (without the coefficient), the gradients of coeff * it wrt the routers, the router
+    logits and the config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+    out = hf(input_ids=tokens, attention_mask=attention_mask, output_router_logits=True)
+    (out.logits.sum() * 0 + coeff * out.aux_loss).backward()
+    grads = [m.weight.grad for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+    return float(out.aux_loss), grads, out.router_logits, hf.config
 
 
 def _megatron_switch_loss(router_logits, config) -> float:

@@ -333,7 +333,8 @@ def test_mixtral_fine_tune_at_dp2_without_expert_parallelism_matches_hf(tmp_path
 def test_hf_aux_loss_matches_hf_output_router_logits(tiny_moe, tmp_path):
     """moe aux loss "hf": our megatron-core model's load-balancing loss (value, and the gradient of
     coeff * loss wrt every router weight) is HF's with output_router_logits=True on the same batch, within
-    1e-6, for every MoE family, with and without activation recomputation; "megatron" is megatron-core's per-layer sum (its formula in README and
+    1e-6, for every MoE family, with and without activation recomputation, and with padding left out
+    (HF's attention_mask, megatron-core's padding_mask); "megatron" is megatron-core's per-layer sum (its formula in README and
     toolkit/moe_aux.py, evaluated on HF's router logits), far from HF's. One process, one launch."""
     from toolkit.moe_aux import AuxLoss
 
@@ -342,9 +343,11 @@ def test_hf_aux_loss_matches_hf_output_router_logits(tiny_moe, tmp_path):
              for v in MOE_VARIANTS]
     (results,) = run_on_processes("tests.mp_workers:moe_aux_loss_checks", 1, cases)
     for variant, r in zip(MOE_VARIANTS, results):
-        print(variant, {k: f"{v:.3g}" for k, v in r.items()}, f"|hf - reference| {abs(r['hf'] - r['reference']):.1e}")
-        for mode in ("hf", "hf_recompute"):  # also with activation recomputation
-            assert abs(r[mode] - r["reference"]) < 1e-6 and r[f"{mode}_grad_diff"] < 1e-6 < r["grad_max"] * 1e-2, r
+        print(variant, {k: f"{v:.3g}" for k, v in r.items()}, f"|hf - reference| {abs(r['hf'] - r['reference']):.1e}",
+              f"padded {abs(r['hf_padded'] - r['padded_reference']):.1e}")
+        for mode, reference in (("hf", "reference"), ("hf_recompute", "reference"), ("hf_padded", "padded_reference")):
+            assert abs(r[mode] - r[reference]) < 1e-6 and r[f"{mode}_grad_diff"] < 1e-6 < r["grad_max"] * 1e-2, r
+        assert abs(r["padded_reference"] - r["reference"]) > 1e-3  # the padding matters
         assert abs(r["megatron"] - r["megatron_formula"]) < 1e-6 * r["megatron"], (variant, r)
         assert abs(r["megatron"] - r["reference"]) > 0.1 and r["megatron_grad_diff"] > 100 * r["hf_grad_diff"], r
     assert AuxLoss("hf", 0.02).config_fields()["moe_aux_loss_coeff"] == 0.0  # megatron-core's own loss off
