@@ -16,8 +16,8 @@ p[l, i] the sum over tokens of softmax(router logits)[i]. With the coefficient `
 "hf" wraps each router's `routing` (transformer/moe/router.py:545): after it, the layer's counts and
 probabilities go to the pool of the current forward, and the gradient is attached to the router's
 output, as MoEAuxLossAutoScaler does, computed from the pool's final counts: backward runs after the
-whole forward, when the pool is complete. That holds at PP = 1 only; at PP > 1 the layers live on different stages, and
-no stage sees the others' counts before its backward, so "hf" is refused there. Tokens are those of
+whole forward, when the pool is complete. That holds at PP = 1 only; at PP > 1 the layers live on
+different stages, and no stage sees the others' counts before its backward, so "hf" is refused there. Tokens are those of
 the router's input summed over the TP / CP group (sequence parallelism), as megatron-core counts them;
 padding is left out where megatron-core is given a padding mask, as HF leaves it out given an
 attention mask. Both modes scale the injected gradient by MoEAuxLossAutoScaler's
