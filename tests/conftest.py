@@ -48,7 +48,7 @@ def hf_copy(tiny_hf, tmp_path):
 
 # Mixture-of-Experts families (toolkit/tinymodels.py); separate from VARIANTS, whose layouts (TP 4,
 # PP 3) these models' 6 heads and 4 layers do not all fit.
-MOE_VARIANTS = ("mixtral", "qwen3-moe")
+MOE_VARIANTS = ("mixtral", "qwen3-moe", "qwen2-moe", "olmoe")
 
 
 @pytest.fixture(scope="session")

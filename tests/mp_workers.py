@@ -252,3 +252,78 @@ def sequence_parallel_grad_errors(checkpoint: str, seq_len: int) -> dict:
         return {"loss": abs(sp_loss - loss), "grad": worst, "names": names}
 
     return {"summed": errors(True), "not_summed": errors(False)}
+
+
+def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
+    """For each case (`hf`: an fp32 HF MoE model, `checkpoint`: it converted at EP 1, `coeff`), one
+    forward of the same batch through HF with output_router_logits and through our megatron-core
+    model in each aux-loss mode (toolkit/moe_aux.py); the loss values (without the coefficient) and
+    the gradients of coeff * loss wrt every router weight. Only the aux loss reaches the routers:
+    the main loss is multiplied by 0 on both sides. Modes: hf, megatron, hf with full activation
+    recomputation, and hf on a batch whose first row ends in padding (HF's attention_mask,
+    megatron-core's padding_mask). Also the megatron mode's formula (README) on HF's router logits."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from toolkit.convert.load import load_converted
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.model import build_gpt_model, transformer_config
+    from toolkit.moe_aux import AuxLoss, last_aux_loss
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    results = []
+    for case in cases:
+        meta = CheckpointMeta.read(Path(case["checkpoint"]))
+        tokens = torch.randint(0, meta.model_spec.vocab_size, (3, 19), generator=torch.Generator().manual_seed(5))
+        valid = torch.ones_like(tokens)
+        valid[0, -5:] = 0
+        reference, hf_grads, router_logits, config = _hf_aux_loss(case["hf"], tokens, case["coeff"], None)
+        padded_reference, padded_hf_grads, *_ = _hf_aux_loss(case["hf"], tokens, case["coeff"], valid)
+        result = {"reference": reference, "padded_reference": padded_reference,
+                  "megatron_formula": _megatron_switch_loss(router_logits, config)}
+        for mode in ("hf", "megatron", "hf_recompute", "hf_padded"):
+            aux = AuxLoss(mode.split("_")[0], case["coeff"])
+            config = transformer_config(meta.model_spec, meta.layout, torch.float32, aux,
+                                        **(recompute if mode == "hf_recompute" else {}))
+            model = build_gpt_model(meta.model_spec, meta.layout, config=config, aux_loss=aux).train()
+            load_converted(model, case["checkpoint"])
+            clear_aux_losses_tracker()
+            padding = (valid == 0) if mode == "hf_padded" else None  # megatron-core: True = padding
+            logits = model(tokens, torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1), attention_mask=None,
+                           padding_mask=padding)
+            (logits.sum() * 0).backward()
+            grads = [m.weight.grad for name, m in model.named_modules() if name.endswith("mlp.router")]
+            tracker = get_moe_layer_wise_logging_tracker()
+            result[mode] = float(last_aux_loss(model) if aux.mode == "hf" else tracker["load_balancing_loss"]["values"].sum())
+            expected = padded_hf_grads if mode == "hf_padded" else hf_grads
+            result[f"{mode}_grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads, expected))
+        result["grad_max"] = max(float(g.abs().max()) for g in hf_grads)
+        results.append(result)
+    return results
+
+
+def _hf_aux_loss(hf_dir: str, tokens, coeff: float, attention_mask):
+    """HF's aux loss (without the coefficient), the gradients of coeff * it wrt the routers, the router
+    logits and the config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+    out = hf(input_ids=tokens, attention_mask=attention_mask, output_router_logits=True)
+    (out.logits.sum() * 0 + coeff * out.aux_loss).backward()
+    grads = [m.weight.grad for name, m in hf.named_modules() if name.endswith("mlp.gate")]
+    return float(out.aux_loss), grads, out.router_logits, hf.config
+
+
+def _megatron_switch_loss(router_logits, config) -> float:
+    """sum over layers of E / (k T^2) * sum_i c[l, i] p[l, i] (toolkit/moe_aux.py), from HF's logits."""
+    import torch
+
+    k, total = config.num_experts_per_tok, 0.0
+    for logits in router_logits:
+        probs = torch.softmax(logits.detach().float(), dim=-1)
+        counts = torch.zeros_like(probs).scatter(1, probs.topk(k, dim=-1).indices, 1.0).sum(0)
+        total += float(probs.shape[1] * (counts * probs.sum(0)).sum() / (k * probs.shape[0] ** 2))
+    return total

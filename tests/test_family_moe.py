@@ -1,4 +1,6 @@
-"""Mixture-of-Experts families (Mixtral, Qwen3-MoE) converted with expert parallelism.
+"""Mixture-of-Experts families (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert, OLMoE with
+its whole-projection q/k norms) converted with expert parallelism, and the routers' load-balancing
+loss in HF's form (toolkit/moe_aux.py).
 
 The HF model is the independent reference: megatron-core, loading our checkpoints on EP 2, TP 2 x
 EP 2 and PP 2 x EP 2 gloo processes, gives its logits within 1e-4 in fp32; the router mapping is
@@ -45,13 +47,55 @@ def test_router_settings_reproduce_hf_routing():
     top-k logits; without renormalising it is softmax first (pre_softmax). No scaling, no dropping."""
     expected = {"moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
                 "moe_expert_capacity_factor": None, "moe_router_topk": 2}
-    for spec, pre_softmax, experts, ffn in ((spec_of("mixtral"), False, 6, 40), (spec_of("qwen3-moe"), False, 8, 36),
-                                            (spec_of("qwen3-moe", norm_topk_prob=False), True, 8, 36)):
+    cases = ((spec_of("mixtral"), False, 6, 40, None), (spec_of("qwen3-moe"), False, 8, 36, None),
+             (spec_of("qwen3-moe", norm_topk_prob=False), True, 8, 36, None), (spec_of("qwen2-moe"), True, 6, 36, 52),
+             (spec_of("olmoe"), False, 8, 44, None))
+    for spec, pre_softmax, experts, ffn, shared in cases:
         settings = settings_for(spec).transformer
-        assert {k: settings[k] for k in expected} == expected
+        assert {k: settings[k] for k in {**expected, "moe_router_topk": spec.moe_topk}} == {
+            **expected, "moe_router_topk": spec.moe_topk}
         assert settings["moe_router_pre_softmax"] is pre_softmax
         assert (settings["num_moe_experts"], settings["moe_ffn_hidden_size"]) == (experts, ffn)
+        # Qwen2-MoE's shared expert: megatron-core's SharedExpertMLP, sigmoid-gated as HF's shared_expert_gate
+        assert (settings["moe_shared_expert_intermediate_size"], settings["moe_shared_expert_gate"]) == (
+            shared, shared is not None)
     assert "num_moe_experts" not in settings_for(spec_of("llama")).transformer
+
+
+def test_megatron_core_shared_expert_gate_is_hf_sigmoid_gate():
+    """megatron-core's SharedExpertMLP.forward (shared_experts.py:128-131) scales the MLP's output by
+    sigmoid(x @ gate_weight.T), gate_weight [1, hidden], as HF's sigmoid(shared_expert_gate(x))."""
+    import inspect
+
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    source = inspect.getsource(SharedExpertMLP.forward)
+    assert "torch.nn.functional.linear(hidden_states, self.gate_weight)" in source
+    assert "torch.nn.functional.sigmoid(logits)" in source and "output = output * gate_score" in source
+
+
+def test_shared_expert_and_its_gate_change_the_model_so_parity_proves_them(tiny_moe):
+    """Qwen2-MoE's shared expert ungated (scale 1) or dropped moves logits far past the tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe["qwen2-moe"], dtype=torch.float32)
+    tokens = reference_tokens(model.config.vocab_size, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+    blocks = [layer.mlp for layer in model.model.layers]
+    with torch.no_grad():
+        logits = model(tokens).logits
+        gates = [b.shared_expert_gate for b in blocks]
+        for b in blocks:  # sigmoid(1e4) == 1: the shared expert ungated
+            b.shared_expert_gate = torch.nn.Linear(model.config.hidden_size, 1).requires_grad_(False)
+            b.shared_expert_gate.weight.zero_()
+            b.shared_expert_gate.bias.fill_(1e4)
+        ungated = (model(tokens).logits - logits).abs().max().item()
+        for b, gate in zip(blocks, gates):
+            b.shared_expert_gate = gate
+            b.shared_expert.down_proj.weight.zero_()
+        dropped = (model(tokens).logits - logits).abs().max().item()
+    assert min(ungated, dropped) > 100 * FP32_TOLERANCE, (ungated, dropped)
 
 
 def test_router_renormalisation_changes_the_model_so_parity_proves_it(tiny_moe):
@@ -173,8 +217,15 @@ def test_torch_dist_loads_at_ep1_through_megatron_core_and_is_its_own_layout(tin
         ("qwen3-moe", {"decoder_sparse_step": 2}, {}, "qwen3_moe with decoder_sparse_step=2 cannot be mapped exactly"),
         ("qwen3-moe", {}, {"tp": 8}, "attention heads are not divisible by --tp 8"),
         ("qwen3-moe", {"moe_intermediate_size": 35}, {"tp": 2}, "the experts' FFN width 35 is not divisible by --tp 2"),
+        ("qwen2-moe", {"decoder_sparse_step": 2}, {}, "qwen2_moe with decoder_sparse_step=2 cannot be mapped exactly "
+                                                      "to megatron-core: dense MLP layers among the MoE layers"),
+        ("qwen2-moe", {"qkv_bias": False}, {}, "qwen2_moe with qkv_bias=False cannot be mapped exactly"),
+        ("qwen2-moe", {"shared_expert_intermediate_size": 51}, {"tp": 2},
+         "the shared expert's FFN width 51 is not divisible by --tp 2"),
+        ("olmoe", {"clip_qkv": 8.0}, {}, "olmoe with clip_qkv=8.0 cannot be mapped exactly"),
     ],
-    ids=["ep-not-dividing", "topk-over-experts", "jitter", "dense-layers", "sparse-step", "tp", "expert-ffn-tp"],
+    ids=["ep-not-dividing", "topk-over-experts", "jitter", "dense-layers", "sparse-step", "tp", "expert-ffn-tp",
+         "qwen2-moe-sparse-step", "qwen2-moe-no-qkv-bias", "shared-ffn-tp", "olmoe-clip-qkv"],
 )
 def test_bad_moe_input_is_refused_in_one_line_and_nothing_written(moe_copy, tmp_path, variant, changes, kwargs, line):
     src = moe_copy(variant)
@@ -187,14 +238,18 @@ def test_ep_on_a_dense_model_is_refused(hf_copy, tmp_path):
     convert_fails(hf_copy("llama"), tmp_path / "out", re.escape("--ep 2 needs a Mixture-of-Experts model"), ep=2)
 
 
-def test_cli_ep_flag(tiny_moe, tmp_path):
+@pytest.mark.parametrize("variant, ep, tp", [("qwen3-moe", 4, 2), ("qwen2-moe", 2, 2), ("olmoe", 4, 1)])
+def test_cli_ep_flag(tiny_moe, tmp_path, variant, ep, tp):
     out = tmp_path / "m"
-    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(tiny_moe["qwen3-moe"]),
-                             str(out), "--ep", "4", "--tp", "2", "--no-progress"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(tiny_moe[variant]),
+                             str(out), "--ep", str(ep), "--tp", str(tp), "--no-progress"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert f"TP=2 PP=1 EP=4 to {out}" in result.stdout
-    assert len(list((out / "release").iterdir())) == 8
-    assert json.loads((out / "toolkit_checkpoint.json").read_text())["ep"] == 4
+    assert f"TP={tp} PP=1 EP={ep} to {out}" in result.stdout
+    assert len(list((out / "release").iterdir())) == ep * tp
+    assert json.loads((out / "toolkit_checkpoint.json").read_text())["ep"] == ep
+
+
+def test_cli_ep_not_dividing_the_experts_is_one_line_and_writes_nothing(tiny_moe, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(tiny_moe["qwen3-moe"]),
                           str(tmp_path / "bad"), "--ep", "3"], capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0, bad.stderr
@@ -272,6 +327,43 @@ def test_mixtral_fine_tune_at_dp2_without_expert_parallelism_matches_hf(tmp_path
     assert [m["step"] for m in metrics] == list(range(1, 11))
     assert max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses)) < 1e-5, (metrics, ref_losses)
     assert all(abs(m["grad_norm"] - r) <= 1e-4 * max(1.0, r) for m, r in zip(metrics, ref_norms))
+
+
+@pytest.mark.multiprocess
+def test_hf_aux_loss_matches_hf_output_router_logits(tiny_moe, tmp_path):
+    """moe aux loss "hf": our megatron-core model's load-balancing loss (value, and the gradient of
+    coeff * loss wrt every router weight) is HF's with output_router_logits=True on the same batch, within
+    1e-6, for every MoE family, with and without activation recomputation, and with padding left out
+    (HF's attention_mask, megatron-core's padding_mask); "megatron" is megatron-core's per-layer sum (its formula in README and
+    toolkit/moe_aux.py, evaluated on HF's router logits), far from HF's. One process, one launch."""
+    from toolkit.moe_aux import AuxLoss
+
+    cases = [{"hf": str(tiny_moe[v]), "coeff": 0.02,
+              "checkpoint": str(hf_to_megatron(tiny_moe[v], tmp_path / v, fmt="torch_dist", progress=False))}
+             for v in MOE_VARIANTS]
+    (results,) = run_on_processes("tests.mp_workers:moe_aux_loss_checks", 1, cases)
+    for variant, r in zip(MOE_VARIANTS, results):
+        print(variant, {k: f"{v:.3g}" for k, v in r.items()}, f"|hf - reference| {abs(r['hf'] - r['reference']):.1e}",
+              f"padded {abs(r['hf_padded'] - r['padded_reference']):.1e}")
+        for mode, reference in (("hf", "reference"), ("hf_recompute", "reference"), ("hf_padded", "padded_reference")):
+            assert abs(r[mode] - r[reference]) < 1e-6 and r[f"{mode}_grad_diff"] < 1e-6 < r["grad_max"] * 1e-2, r
+        assert abs(r["padded_reference"] - r["reference"]) > 1e-3  # the padding matters
+        assert abs(r["megatron"] - r["megatron_formula"]) < 1e-6 * r["megatron"], (variant, r)
+        assert abs(r["megatron"] - r["reference"]) > 0.1 and r["megatron_grad_diff"] > 100 * r["hf_grad_diff"], r
+    assert AuxLoss("hf", 0.02).config_fields()["moe_aux_loss_coeff"] == 0.0  # megatron-core's own loss off
+
+
+@pytest.mark.parametrize("aux, pp, line", [
+    (("hf", 0.01), 2, "moe.aux_loss=hf with PP=2: HF's loss pools router counts over all layers of a forward"),
+    (("switch", 0.01), 1, "moe.aux_loss='switch': choose one of megatron, hf"),
+    (("megatron", -1.0), 1, "moe.aux_loss_coeff=-1.0: must be >= 0"),
+], ids=["hf-at-pp2", "unknown-mode", "negative-coeff"])
+def test_bad_aux_loss_setting_is_refused_in_one_line(aux, pp, line):
+    from toolkit.errors import ConfigError
+    from toolkit.moe_aux import AuxLoss
+
+    with pytest.raises(ConfigError, match=r"^" + re.escape(line) + r"[^\n]*$"):
+        AuxLoss(*aux).check(pp)
 
 
 def test_moe_fine_tune_with_tp_is_refused_in_one_line(tiny_moe, tmp_path):

@@ -114,6 +114,21 @@ def _qk_norm(kind: str | None, heads: int):
     return RMSNorm if kind == "head" else IdentityOp
 
 
+def _mlp(config, out_linear):
+    """The dense MLP, or megatron-core's own local MoE module (router, SequentialMLP experts, a
+    shared expert where configured) in a Mixture-of-Experts model; its output never post-normed."""
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if config.num_moe_experts:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        if out_linear is not RowParallelLinear:
+            raise NotImplementedError("a norm after a Mixture-of-Experts layer's output")
+        return get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=out_linear))
+
+
 def rope_bases(spec: ModelSpec) -> tuple:
     """Per layer: the windowed layers' own RoPE base, None where the model's applies."""
     if spec.window_rope_theta is None or not spec.window_layers:
@@ -128,7 +143,6 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -155,7 +169,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=out_linear)),
+            mlp=_mlp(config, out_linear),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),

@@ -84,3 +84,6 @@ class Layout:
         if spec.moe_ffn_hidden_size % self.tp:
             raise ConversionError(f"the experts' FFN width {spec.moe_ffn_hidden_size} is not divisible by --tp "
                                   f"{self.tp} (expert tensor parallelism is the TP size)")
+        if spec.moe_shared_ffn_hidden_size % self.tp:
+            raise ConversionError(f"the shared expert's FFN width {spec.moe_shared_ffn_hidden_size} is not divisible "
+                                  f"by --tp {self.tp}")

@@ -89,7 +89,8 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
 def moe_settings(spec: ModelSpec) -> dict:
     """The router HF uses, in megatron-core's terms (see toolkit/families/router.py): renormalised
     top-k is top-k of the logits then softmax (pre_softmax off); otherwise softmax then top-k. No
-    score scaling, and no capacity factor, so no token is ever dropped."""
+    score scaling, and no capacity factor, so no token is ever dropped. A shared expert is
+    megatron-core's SharedExpertMLP, gated as HF's where the family says so."""
     if not spec.is_moe:
         return {}
     return dict(
@@ -101,6 +102,8 @@ def moe_settings(spec: ModelSpec) -> dict:
         moe_router_topk_scaling_factor=None,
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
+        moe_shared_expert_gate=spec.moe_shared_expert_gate,
     )
 
 

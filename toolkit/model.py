@@ -19,6 +19,7 @@ from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
+from toolkit.moe_aux import AuxLoss
 
 
 def running_layer_spec() -> str:
@@ -26,7 +27,9 @@ def running_layer_spec() -> str:
     return "te" if has_te and torch.cuda.is_available() else "local"
 
 
-def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, **overrides):
+def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32,
+                       aux_loss: AuxLoss | None = None, **overrides):
+    """`aux_loss`: the routers' load-balancing loss of a Mixture-of-Experts model (none by default)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
@@ -38,7 +41,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp,
-        moe_grouped_gemm=spec.is_moe and running_layer_spec() == "te",
+        # a family's own block spec (toolkit/layers.py) builds local modules, SequentialMLP experts included
+        moe_grouped_gemm=spec.is_moe and running_layer_spec() == "te" and not family_named(spec.family).layer,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -51,6 +55,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **(aux_loss.config_fields() if aux_loss and spec.is_moe else {}),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -81,12 +86,16 @@ def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     return local
 
 
-def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None):
-    """GPTModel for this process's pipeline stage (parallel_state must be initialised)."""
+def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None,
+                    aux_loss: AuxLoss | None = None):
+    """GPTModel for this process's pipeline stage (parallel_state must be initialised); `aux_loss`
+    as in transformer_config (toolkit/moe_aux.py), checked against the layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    config = config or transformer_config(spec, layout, dtype)
+    if aux_loss:
+        aux_loss.check(layout.pp)
+    config = config or transformer_config(spec, layout, dtype, aux_loss)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec or layer_spec_module(running_layer_spec(), config, spec),
@@ -101,6 +110,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         from toolkit.layers import adapt_model
 
         adapt_model(model, spec, layer)
+    if aux_loss and spec.is_moe:
+        aux_loss.install(model)
     if torch.cuda.is_available():
         model.cuda()
     return model

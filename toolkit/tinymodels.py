@@ -39,6 +39,15 @@ MIXTRAL = dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, int
 QWEN3_MOE = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=12, intermediate_size=96,
                  moe_intermediate_size=36, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                  num_hidden_layers=4, vocab_size=251, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+# Qwen2-MoE: 6 experts top-3 (3 per EP 2 rank) of width 36, not renormalised (the family's default,
+# megatron-core's pre-softmax router), a shared expert of width 52 with its sigmoid gate, q/k/v biases.
+QWEN2_MOE = dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, intermediate_size=96,
+                 moe_intermediate_size=36, shared_expert_intermediate_size=52, num_experts=6, num_experts_per_tok=3,
+                 norm_topk_prob=False, num_hidden_layers=4, vocab_size=251)
+# OLMoE (64 experts top-8 there): 8 experts top-3 of width 44, renormalised, q/k norms over the whole
+# projection with 2 KV heads (fewer than TP 4).
+OLMOE = dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, intermediate_size=44, num_experts=8,
+             num_experts_per_tok=3, norm_topk_prob=True, num_hidden_layers=4, vocab_size=251)
 # Router weights this large give logits of about unit spread: routing depends on them, and
 # renormalising the top-2 probabilities (or not) changes the output (the parity guard).
 ROUTER_STD = 0.15
@@ -90,6 +99,8 @@ VARIANTS = {
     "qwen3-tied": ("Qwen3Config", {**QWEN3, "tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", MIXTRAL),
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_MOE),
+    "qwen2-moe": ("Qwen2MoeConfig", QWEN2_MOE),
+    "olmoe": ("OlmoeConfig", OLMOE),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
@@ -136,7 +147,7 @@ def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32",
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(low, high)
-            elif name.endswith("mlp.gate.weight"):  # a MoE router (HF's in-memory name)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # a MoE router, a shared expert's gate
                 param.normal_(0.0, ROUTER_STD)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)

@@ -137,10 +137,11 @@ class _LazySavePlanner(SavePlanner):
         return tensor
 
 
-def extra_state_objects(num_layers: int, num_experts: int = 0) -> dict[str, object]:
+def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False) -> dict[str, object]:
     """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None]); an
     expert's is keyed by (layer, expert), as ShardedObject.unique_key writes offsets and shape."""
     modules = naming.MOE_ATTENTION_EXTRA_STATE if num_experts else naming.EXTRA_STATE_MODULES
+    modules += naming.SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     objects = {
         f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}": [None]
         for module in modules

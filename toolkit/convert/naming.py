@@ -28,6 +28,9 @@ EXTRA_STATE_MODULES = (
 LAYER_SPECS = ("te", "local")
 # Attention modules with `_extra_state` in a Mixture-of-Experts layer; the experts add their own.
 MOE_ATTENTION_EXTRA_STATE = EXTRA_STATE_MODULES[:2]
+# A shared expert (SharedExpertMLP) is an MLP of its own linears, under either spec.
+SHARED_EXPERT_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+SHARED_EXPERT_PREFIX = "mlp.shared_experts."
 TE_MOE_NORM = "pre_mlp_layernorm.weight"
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -72,15 +75,16 @@ def to_canonical(name: str) -> str:
     return layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
 
 
-def extra_state_names(num_layers: int, local_experts: int, layer_spec: str) -> list[str]:
+def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shared_expert: bool = False) -> list[str]:
     """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files)."""
+    shared = SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     if not local_experts:
         modules = list(EXTRA_STATE_MODULES)
     elif layer_spec == "te":
-        modules = [*MOE_ATTENTION_EXTRA_STATE, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
+        modules = [*MOE_ATTENTION_EXTRA_STATE, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
     else:
-        modules = [*MOE_ATTENTION_EXTRA_STATE] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
-                                                  for i in range(local_experts) for k in (1, 2)]
+        modules = [*MOE_ATTENTION_EXTRA_STATE, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
+                                                           for i in range(local_experts) for k in (1, 2)]
     return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers) for module in modules]
 
 

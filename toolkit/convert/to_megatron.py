@@ -133,7 +133,8 @@ def hf_to_megatron(
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
-                objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts)
+                objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts,
+                                                          spec.moe_shared_ffn_hidden_size > 0)
                 dist_format.write(release, chunks, objects, common, bar.update)
             checksums = checksum_tree(tmp)
         (tmp / TRACKER).write_text(RELEASE)

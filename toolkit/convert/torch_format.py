@@ -87,7 +87,8 @@ def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec
                    local_experts: int = 0) -> str:
     """Write one rank's file from canonical names (stage-local layer numbers); returns its sha256."""
     named = {naming.to_spec_name(name, layer_spec, moe=local_experts > 0): t for name, t in model.items()}
-    named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec)))
+    shared = any(naming.split_layer(name)[1].startswith(naming.SHARED_EXPERT_PREFIX) for name in model)
+    named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec, shared)))
     path.parent.mkdir(parents=True)
     state = {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
     return save_with_sha256(state, path)

@@ -2,13 +2,11 @@
 width `moe_intermediate_size`; softmax over every expert, top-k, renormalised iff `norm_topk_prob`
 (HF Qwen3MoeTopKRouter), i.e. megatron-core's pre-softmax router when not renormalised."""
 
-from toolkit.families.experts import ATTENTION_ROWS, expert_rows
-from toolkit.families.llama import L
+from toolkit.families.experts import ATTENTION_ROWS, GATE_PROJ_EXPERT_ROWS
 from toolkit.families.qwen3 import QWEN3
-from toolkit.families.router import ALL_LAYERS_SPARSE, Router
+from toolkit.families.router import SPARSE_PATTERN_EXACT, Router
 from toolkit.families.table import Family
 
-E = L + "mlp."
 QK_NORMS = tuple(r for r in QWEN3.rows if "layernorm" in r.megatron and "self_attention" in r.megatron
                  and "linear_qkv" not in r.megatron)
 
@@ -16,15 +14,13 @@ QWEN3_MOE = Family(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     architecture="Qwen3MoeForCausalLM",
-    rows=ATTENTION_ROWS + QK_NORMS
-    + expert_rows(E + "gate.weight", E + "experts.#.gate_proj.weight", E + "experts.#.up_proj.weight",
-                  E + "experts.#.down_proj.weight"),
+    rows=ATTENTION_ROWS + QK_NORMS + GATE_PROJ_EXPERT_ROWS,
     megatron=QWEN3.megatron,
     refuse_flags=QWEN3.refuse_flags,
     router=Router(
         experts_keys=("num_experts", "num_local_experts"),
         ffn_key="moe_intermediate_size",
         renormalise_key="norm_topk_prob",
-        exact={"mlp_only_layers": ([], ALL_LAYERS_SPARSE), "decoder_sparse_step": (1, ALL_LAYERS_SPARSE)},
+        exact=SPARSE_PATTERN_EXACT,
     ),
 )

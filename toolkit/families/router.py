@@ -9,6 +9,11 @@ renormalise the k kept probabilities to sum to 1. megatron-core's TopKRouter
     pre_softmax=False: top-k of the logits, then softmax over those k (HF with renormalising:
                        exp(l_i) / sum over the k kept of exp(l_j) is the renormalised softmax)
 with no scaling factor. The translation to those fields is toolkit/megatron_settings.py.
+
+A shared expert (Qwen2-MoE) is an MLP every token goes through, added to the routed experts'
+output; HF scales it by sigmoid(shared_expert_gate(x)), which is megatron-core's SharedExpertMLP
+with moe_shared_expert_gate (transformer/moe/shared_experts.py:128-131: sigmoid(x @ gate_weight.T)
+times the MLP's output, gate_weight [1, hidden] as HF's Linear(hidden, 1)).
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ from dataclasses import dataclass, field
 
 from toolkit.errors import ConversionError
 
-ALL_LAYERS_SPARSE = "dense MLP layers among the MoE layers are not supported by this converter yet"
+# megatron-core 0.16.1 could build the pattern (moe_layer_freq as a list, gpt_layer_specs.py:579-597),
+# but a family table maps every layer alike (one `*` row set), so dense layers among MoE ones have
+# no rows to convert: refused, not approximated.
+ALL_LAYERS_SPARSE = ("dense MLP layers among the MoE layers (megatron-core's moe_layer_freq) are not supported: "
+                     "the converter's family tables map every layer alike")
+# HF Qwen2-MoE / Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+SPARSE_PATTERN_EXACT = {"mlp_only_layers": ([], ALL_LAYERS_SPARSE), "decoder_sparse_step": (1, ALL_LAYERS_SPARSE)}
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,9 @@ class Router:
     topk_key: str = "num_experts_per_tok"
     # config.json key -> (the only value megatron-core reproduces exactly, why others are refused)
     exact: dict[str, tuple[object, str]] = field(default_factory=dict, hash=False)
+    # config.json key holding the shared expert's FFN width (None: no shared expert)
+    shared_ffn_key: str | None = None
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate(x))
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,14 @@ class MoeFields:
     topk: int
     ffn_hidden_size: int
     renormalise: bool
+    shared_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+
+    def spec_fields(self) -> dict:
+        """As ModelSpec fields."""
+        return dict(num_experts=self.num_experts, moe_topk=self.topk, moe_ffn_hidden_size=self.ffn_hidden_size,
+                    moe_renormalise=self.renormalise, moe_shared_ffn_hidden_size=self.shared_ffn_hidden_size,
+                    moe_shared_expert_gate=self.shared_expert_gate)
 
 
 def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
@@ -49,7 +71,8 @@ def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
         raise ConversionError(f"{router.topk_key}={topk} is more than the {experts} experts ({key}): "
                               "a token cannot be routed to more experts than there are")
     renormalise = True if router.renormalise_key is None else bool(cfg.get(router.renormalise_key, False))
-    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise)
+    shared = _positive(cfg, router.shared_ffn_key) if router.shared_ffn_key else 0
+    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise, shared, router.shared_expert_gate)
 
 
 def _positive(cfg: dict, key: str) -> int:

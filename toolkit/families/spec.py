@@ -51,6 +51,10 @@ class ModelSpec:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     moe_renormalise: bool = False
+    # A shared expert every token goes through, of this FFN width (0: none), scaled by a sigmoid gate
+    # of its own where moe_shared_expert_gate (Qwen2-MoE's shared_expert_gate)
+    moe_shared_ffn_hidden_size: int = 0
+    moe_shared_expert_gate: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -79,6 +83,8 @@ class ModelSpec:
             "experts": self.num_experts,
             "moe_ffn": self.moe_ffn_hidden_size,
             "2moe_ffn": 2 * self.moe_ffn_hidden_size,
+            "shared_ffn": self.moe_shared_ffn_hidden_size,
+            "one": 1,
         }[symbol]
 
     @property
@@ -181,8 +187,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         qkv_bias=family.qkv_bias,
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-        **({} if moe is None else dict(num_experts=moe.num_experts, moe_topk=moe.topk,
-                                       moe_ffn_hidden_size=moe.ffn_hidden_size, moe_renormalise=moe.renormalise)),
+        **({} if moe is None else moe.spec_fields()),
         rotary_percent=_rotary_percent(cfg, family),
         activation=act,
         **fields,
