@@ -87,7 +87,8 @@ def prepare(config_path, overrides) -> Run:
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
-    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage,
+                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
@@ -116,8 +117,8 @@ def finetune(run: Run) -> int:
     spec = meta.model_spec
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
-    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP groups.
-    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep)
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
@@ -157,7 +158,8 @@ def finetune(run: Run) -> int:
 
     def context(batches):
         loss_tokens, real_tokens = count_global_tokens(batches, info.device)
-        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens)
+        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens,
+                           spec.is_moe, cfg.parallel.sequence_parallel)
 
     # 8. The loop.
     for step in range(start_step + 1, cfg.steps + 1):

@@ -27,6 +27,8 @@ class Router:
     # config.json flag saying whether the top-k probabilities are renormalised; None: always
     renormalise_key: str | None = None
     topk_key: str = "num_experts_per_tok"
+    # config.json key of the load-balancing loss coefficient (HF adds it when output_router_logits)
+    aux_loss_key: str = "router_aux_loss_coef"
     # config.json key -> (the only value megatron-core reproduces exactly, why others are refused)
     exact: dict[str, tuple[object, str]] = field(default_factory=dict, hash=False)
 
@@ -37,6 +39,7 @@ class MoeFields:
     topk: int
     ffn_hidden_size: int
     renormalise: bool
+    aux_loss_coeff: float
 
 
 def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
@@ -49,7 +52,10 @@ def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
         raise ConversionError(f"{router.topk_key}={topk} is more than the {experts} experts ({key}): "
                               "a token cannot be routed to more experts than there are")
     renormalise = True if router.renormalise_key is None else bool(cfg.get(router.renormalise_key, False))
-    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise)
+    aux = cfg.get(router.aux_loss_key) or 0.0
+    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0.0 <= aux < float("inf"):
+        raise ConversionError(f"config.json has {router.aux_loss_key}={aux!r}; expected a finite number >= 0")
+    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise, float(aux))
 
 
 def _positive(cfg: dict, key: str) -> int:

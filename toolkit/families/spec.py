@@ -51,6 +51,7 @@ class ModelSpec:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     moe_renormalise: bool = False
+    moe_aux_loss_coeff: float = 0.0  # the load-balancing loss coefficient (toolkit/megatron_settings.py)
 
     @property
     def is_moe(self) -> bool:
@@ -182,7 +183,8 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         **({} if moe is None else dict(num_experts=moe.num_experts, moe_topk=moe.topk,
-                                       moe_ffn_hidden_size=moe.ffn_hidden_size, moe_renormalise=moe.renormalise)),
+                                       moe_ffn_hidden_size=moe.ffn_hidden_size, moe_renormalise=moe.renormalise,
+                                       moe_aux_loss_coeff=moe.aux_loss_coeff)),
         rotary_percent=_rotary_percent(cfg, family),
         activation=act,
         **fields,
