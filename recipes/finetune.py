@@ -6,7 +6,8 @@
 
 Who owns what:
   megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule (1F1B)
-  DeepSpeed      data parallelism (ZeRO), precision, the optimizer step, checkpoint files
+  DeepSpeed      data parallelism (ZeRO; experts over megatron-core's expert-DP group), precision,
+                 the optimizer step, checkpoint files
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients, the TP sum
                  of gradients megatron-core leaves partial (sequence-parallel norms, q/k norms),
                  data order, checkpoint markers, metrics and the export to HF

@@ -116,6 +116,22 @@ def test_dp2_ep2_matches_reference_and_resumes_after_sigkill_exactly_with_every_
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight]
+    assert_resume_on_another_layout_refused(cfg, killed / "run")
+
+
+def assert_resume_on_another_layout_refused(cfg_path, run_dir):
+    """The layout-independent state does not reshard experts yet: one line, before any process."""
+    from toolkit.errors import ToolkitError
+    from toolkit.train import build, checkpoint
+    from toolkit.train.config import load_config
+    from toolkit.train.schedule import LRSchedule
+
+    cfg = load_config(str(cfg_path), ["parallel.ep=1"])
+    layout = {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1, "ep": 1}
+    with pytest.raises(ToolkitError, match="expert parallelism on another layout") as refused:
+        checkpoint.check_resumable(checkpoint.find_latest(run_dir), layout, LRSchedule.from_config(cfg),
+                                   build.read_checkpoint_meta(cfg), cfg.global_batch)
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
 from toolkit.megatron_settings import megatron_args
+from toolkit.train.experts import restore_experts_from_masters
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
@@ -299,6 +300,7 @@ def _resume_deepspeed(path: Path, engine, source, lora: bool) -> None:
                                           load_module_strict=not lora)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
+    restore_experts_from_masters(engine.module)  # DeepSpeed's model file has DP rank 0's experts only
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
 

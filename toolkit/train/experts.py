@@ -99,3 +99,14 @@ def moe_engine(name: str | None):
         yield
     finally:
         DeepSpeedEngine._configure_distributed_model = upstream
+
+
+def restore_experts_from_masters(module) -> None:
+    """After engine.load_checkpoint: DeepSpeed's model file (DP rank 0's) holds one EP rank's experts
+    and puts them on every EP rank, while its ZeRO files hold each rank's own fp32 master partitions
+    (restored as they were). Copy those masters back into the experts (collective over expert-DP)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for param in module.parameters():
+        if is_expert(param) and hasattr(param, "group_name"):
+            param.data.copy_(safe_get_full_fp32_param(param).to(param.dtype))
