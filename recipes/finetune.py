@@ -112,6 +112,7 @@ def finetune(run: Run) -> int:
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.elastic import ParamShards
+    from toolkit.train.expert_load import ExpertLoad
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
@@ -162,6 +163,9 @@ def finetune(run: Run) -> int:
         return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens,
                            spec.is_moe, cfg.parallel.sequence_parallel)
 
+    # Tokens per expert per layer (the load balance), logged with the other metrics.
+    expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
+
     # 8. The loop.
     for step in range(start_step + 1, cfg.steps + 1):
         batches = train_data.next_global_batch()
@@ -178,7 +182,10 @@ def finetune(run: Run) -> int:
         metrics["peak_memory_bytes"] = peak_memory_bytes(info.device)  # rank 0's, as every figure logged here
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval_loss"] = evaluate(model, valid_data, context)
-        if step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1:
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1
+        if expert_load is not None:
+            metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
+        if log_now:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):

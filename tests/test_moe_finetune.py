@@ -76,6 +76,20 @@ def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_p
     loss, norm = differences(metrics, moe[3](cfg))
     print(f"{layout}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (layout, loss, norm)
+    assert_tokens_per_expert_cover_every_routed_token(moe, metrics)
+
+
+def assert_tokens_per_expert_cover_every_routed_token(moe, metrics):
+    """Logged load balance: per layer, the non-padding input tokens of the step's global batch x top-k
+    (summed over DP, the TP ranks' sequence shards and the stages), spread over the 6 experts."""
+    from tests.finetune_harness import reference_samples
+
+    hf, _, data, _ = moe
+    lengths = [min(len(tokens), 24) for tokens, _ in reference_samples(AutoTokenizer.from_pretrained(hf), data, 25)]
+    for m in metrics:
+        table = m["tokens_per_expert"]
+        real = sum(lengths[i % len(lengths)] for i in range((m["step"] - 1) * 16, m["step"] * 16))
+        assert len(table) == 4 and all(len(row) == 6 and sum(row) == 2 * real for row in table), (m["step"], table, real)
 
 
 @pytest.mark.multiprocess
