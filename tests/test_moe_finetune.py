@@ -94,11 +94,12 @@ def assert_tokens_per_expert_cover_every_routed_token(moe, metrics):
 
 @pytest.mark.multiprocess
 def test_expert_grads_reduced_over_all_of_dp_break_parity(moe, tmp_path):
-    """Guard: the same DP2 x EP2 run with the experts left to DeepSpeed as dense parameters
-    (broadcast from DP rank 0, averaged over all of DP instead of the expert-DP group)."""
-    from toolkit.train.experts import EXPERTS_AS_DENSE_ENV
+    """Guard: the same DP2 x EP2 run with all of DP handed to DeepSpeed as the experts' data-parallel
+    group: their gradients are then averaged with another EP rank's experts (and ZeRO partitions them
+    over ranks holding different experts)."""
+    from toolkit.train.experts import EXPERTS_OVER_DP_ENV
 
-    cfg, metrics = run(moe, tmp_path, 2, {"zero_stage": 1, "ep": 2}, "steps=3", env={EXPERTS_AS_DENSE_ENV: "1"})
+    cfg, metrics = run(moe, tmp_path, 2, {"zero_stage": 1, "ep": 2}, "steps=3", env={EXPERTS_OVER_DP_ENV: "1"})
     loss, norm = differences(metrics, moe[3](cfg))
     print(f"experts reduced over all of DP: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss > 100 * LOSS_TOLERANCE_FP32 and norm > 100 * GRAD_NORM_TOLERANCE, (loss, norm)

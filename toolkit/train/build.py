@@ -63,7 +63,8 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     try:
         Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec)
     except ConversionError as e:
-        raise ConfigError(f"parallel.tp={tp} parallel.pp={pp} parallel.ep={ep} does not fit {cfg.model.checkpoint}: {e}") from None
+        named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
+        raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
     dp = data_parallel_size(cfg, world_size)
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)

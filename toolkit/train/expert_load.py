@@ -12,7 +12,8 @@ class ExpertLoad:
     def __init__(self, model, num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.shape = (num_layers, num_experts)
+        self.counts = None  # on the compute device, made at the first count (no host sync per layer)
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 module.register_forward_hook(self._count)
@@ -24,13 +25,15 @@ class ExpertLoad:
         padding = inputs[1] if len(inputs) > 1 else None  # [s, b] from MoELayer.route, True at padding
         if padding is not None:
             routing_map = routing_map & ~padding.reshape(-1, 1)
-        self.counts[router.layer_number - 1] += routing_map.sum(0).double().cpu()  # global, 1-based
+        if self.counts is None:
+            self.counts = torch.zeros(self.shape, dtype=torch.float64, device=routing_map.device)
+        self.counts[router.layer_number - 1] += routing_map.sum(0).double()  # global layer number, 1-based
 
     def take(self, device) -> list[list[int]]:
         """The step's counts over every rank (collective), then reset."""
         from megatron.core import parallel_state as ps
 
-        total = self.counts.to(device)
+        total = torch.zeros(self.shape, dtype=torch.float64, device=device) if self.counts is None else self.counts.clone()
         groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
         if ps.get_tensor_model_parallel_world_size() > 1:  # MoE with TP runs sequence-parallel: distinct tokens
             groups.append(ps.get_tensor_model_parallel_group())
@@ -40,4 +43,5 @@ class ExpertLoad:
         return [[int(n) for n in layer] for layer in total.tolist()]
 
     def reset(self) -> None:
-        self.counts.zero_()
+        if self.counts is not None:
+            self.counts.zero_()

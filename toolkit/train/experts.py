@@ -25,8 +25,8 @@ import os
 
 import torch.distributed as dist
 
-# Guard tests only: leave the experts to DeepSpeed as dense parameters (reduced over all of DP).
-EXPERTS_AS_DENSE_ENV = "TOOLKIT_TEST_EXPERTS_AS_DENSE"
+# Guard tests only: hand DeepSpeed all of DP as the experts' data-parallel group (the wrong group).
+EXPERTS_OVER_DP_ENV = "TOOLKIT_TEST_EXPERTS_OVER_DP"
 
 
 def is_expert(param) -> bool:
@@ -43,11 +43,6 @@ def register_expert_groups(model, ep: int) -> str | None:
     group name, or None at EP 1 (experts replicated over DP, reduced like dense weights)."""
     if ep == 1:
         return None
-    if os.environ.get(EXPERTS_AS_DENSE_ENV):
-        for param in model.parameters():
-            if is_expert(param):
-                param.allreduce = True
-        return None
     from deepspeed.utils import groups
     from megatron.core import parallel_state as ps
 
@@ -55,10 +50,10 @@ def register_expert_groups(model, ep: int) -> str | None:
     for param in model.parameters():
         if is_expert(param):
             param.group_name = name
+    expert_dp = ps.get_data_parallel_group() if os.environ.get(EXPERTS_OVER_DP_ENV) else ps.get_expert_data_parallel_group()
     for registry, ranks, group in (
             (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ps.get_expert_model_parallel_group()),
-            (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
-             ps.get_expert_data_parallel_group())):
+            (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, expert_dp)):
         registry[name] = group
         ranks[name] = dist.get_process_group_ranks(group)
     return name
