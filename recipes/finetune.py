@@ -6,7 +6,8 @@
 
 Who owns what:
   megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule (1F1B)
-  DeepSpeed      data parallelism (ZeRO), precision, the optimizer step, checkpoint files
+  DeepSpeed      data parallelism (ZeRO; experts over megatron-core's expert-DP group), precision,
+                 the optimizer step, checkpoint files
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients, the TP sum
                  of gradients megatron-core leaves partial (sequence-parallel norms, q/k norms),
                  data order, checkpoint markers, metrics and the export to HF
@@ -87,7 +88,8 @@ def prepare(config_path, overrides) -> Run:
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
-    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage}
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage,
+                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
@@ -110,14 +112,15 @@ def finetune(run: Run) -> int:
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.elastic import ParamShards
+    from toolkit.train.expert_load import ExpertLoad
     from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
     spec = meta.model_spec
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
-    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP groups.
-    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed)
+    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep)
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
@@ -157,7 +160,11 @@ def finetune(run: Run) -> int:
 
     def context(batches):
         loss_tokens, real_tokens = count_global_tokens(batches, info.device)
-        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens)
+        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens,
+                           spec.is_moe, cfg.parallel.sequence_parallel)
+
+    # Tokens per expert per layer (the load balance), logged with the other metrics.
+    expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
 
     # 8. The loop.
     for step in range(start_step + 1, cfg.steps + 1):
@@ -175,7 +182,10 @@ def finetune(run: Run) -> int:
         metrics["peak_memory_bytes"] = peak_memory_bytes(info.device)  # rank 0's, as every figure logged here
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval_loss"] = evaluate(model, valid_data, context)
-        if step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1:
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1
+        if expert_load is not None:
+            metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
+        if log_now:
             logger.log(step, metrics)
         stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):

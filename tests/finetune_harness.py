@@ -159,14 +159,16 @@ def peft_model(model, adapter_dir: Path):
 
 
 def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu",
-                 adapter: Path | None = None) -> tuple[list[float], list[float]]:
+                 adapter: Path | None = None, step_loss=None) -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
     same global batches: loss = sum of token losses over the global batch / its token count.
     With `adapter` (an HF PEFT directory) the model is HF PEFT's LoRA from that adapter, and
     only its LoRA weights train.
 
     Independent of the product's data and schedule code: its own tokenisation and masking, its
-    own packing, one forward per document (no padding, positions from 0), its own LR formula."""
+    own packing, one forward per document (no padding, positions from 0), its own LR formula.
+    `step_loss(model, rows, cfg, device)` -> (objective to back-propagate, reported loss) replaces
+    that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -191,21 +193,28 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
-        total, count = 0.0, 0
-        for i in range(step * batch, (step + 1) * batch):
-            for tokens, mask in rows[i % len(rows)]:
-                logits = model(input_ids=torch.tensor([tokens], device=device)).logits[0, :-1].float()
-                targets = torch.tensor(mask[1:], dtype=torch.float32, device=device)
-                token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:], device=device), reduction="none")
-                total = total + (token_loss * targets).sum()
-                count += int(targets.sum())
-        loss = total / count
-        loss.backward()
+        global_rows = [rows[i % len(rows)] for i in range(step * batch, (step + 1) * batch)]
+        objective, loss = (step_loss or document_loss)(model, global_rows, cfg, device)
+        objective.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(trained, optim["clip_grad"])))
         opt.step()
         sched.step()
         losses.append(float(loss))
     return losses, norms
+
+
+def document_loss(model, global_rows, cfg, device):
+    """Sum of token losses over the global batch / its token count, one forward per document."""
+    total, count = 0.0, 0
+    for row in global_rows:
+        for tokens, mask in row:
+            logits = model(input_ids=torch.tensor([tokens], device=device)).logits[0, :-1].float()
+            targets = torch.tensor(mask[1:], dtype=torch.float32, device=device)
+            token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:], device=device), reduction="none")
+            total = total + (token_loss * targets).sum()
+            count += int(targets.sum())
+    loss = total / count
+    return loss, loss
 
 
 STEPS = 10

@@ -312,9 +312,13 @@ def test_qwen3_moe_hub_config_naming_num_experts_converts(moe_copy, tmp_path):
 
 @pytest.mark.multiprocess
 def test_mixtral_fine_tune_at_dp2_without_expert_parallelism_matches_hf(tmp_path):
-    """Before expert parallelism: the trainer as it is fine-tunes a MoE model at DP 2 (EP 1, experts
-    replicated like dense weights) step for step like the single-process HF reference."""
+    """At EP 1 (experts replicated like dense weights) the trainer fine-tunes a MoE model at DP 2 step
+    for step like the single-process HF reference, router load-balancing loss included
+    (tests/moe_reference.py; expert parallelism: tests/test_moe_finetune.py)."""
+    from transformers import AutoTokenizer
+
     from tests.finetune_harness import hf_reference, launch, read_metrics, recipe, write_uneven_data
+    from tests.moe_reference import moe_step_loss
     from toolkit.tinymodels import make_tiny_model
 
     data = write_uneven_data(tmp_path / "data.jsonl", 300)
@@ -323,7 +327,9 @@ def test_mixtral_fine_tune_at_dp2_without_expert_parallelism_matches_hf(tmp_path
                  parallel={"tp": 1, "pp": 1, "zero_stage": 1})
     launch(2, cfg)
     metrics = read_metrics(tmp_path / "run")
-    ref_losses, ref_norms = hf_reference(hf, data, cfg, 10)
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ref_losses, ref_norms = hf_reference(hf, data, cfg, 10, step_loss=moe_step_loss(pad))
     assert [m["step"] for m in metrics] == list(range(1, 11))
     assert max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses)) < 1e-5, (metrics, ref_losses)
     assert all(abs(m["grad_norm"] - r) <= 1e-4 * max(1.0, r) for m, r in zip(metrics, ref_norms))

@@ -48,3 +48,31 @@ def test_cli_writes_a_png_of_the_figure(run_dir):
 def test_run_without_metrics_is_one_line_error(tmp_path):
     with pytest.raises(ToolkitError, match="no metrics.jsonl"):
         loss_figure(tmp_path)
+
+
+def test_expert_load_heat_map_is_the_last_logged_step_and_flattens_for_wandb(tmp_path):
+    """Tokens per expert per layer (MoE runs): the heat map holds the last logged step's table,
+    `toolkit plot` writes it next to loss.png, and W&B gets one scalar per layer and expert."""
+    import matplotlib.pyplot as plt
+
+    from toolkit.train.metrics import wandb_record
+    from toolkit.train.plot import expert_load_figure, plot_run
+
+    tables = {1: [[5, 1, 2], [0, 4, 4]], 2: [[3, 3, 2], [6, 1, 1]]}
+    rows = [{"step": s, "loss": 2.0 / s, "tokens_per_expert": t} for s, t in tables.items()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = expert_load_figure(tmp_path)
+    assert fig.axes[0].images[0].get_array().tolist() == tables[2]
+    plt.close(fig)
+    plot_run(tmp_path)
+    assert (tmp_path / "expert_load.png").read_bytes().startswith(PNG_SIGNATURE)
+    flat = wandb_record(rows[1])
+    assert flat["tokens_per_expert/layer_1/expert_0"] == 6 and "tokens_per_expert" not in flat and flat["loss"] == 1.0
+
+
+def test_dense_run_has_no_expert_load_heat_map(run_dir):
+    from toolkit.train.plot import expert_load_figure, plot_run
+
+    assert expert_load_figure(run_dir) is None
+    plot_run(run_dir)
+    assert not (run_dir / "expert_load.png").exists()

@@ -104,7 +104,19 @@ def moe_settings(spec: ModelSpec) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
         moe_shared_expert_gate=spec.moe_shared_expert_gate,
+        **load_balancing_loss(spec),
     )
+
+
+def load_balancing_loss(spec: ModelSpec) -> dict:
+    """The router's auxiliary loss, with HF's coefficient (`router_aux_loss_coef`) in megatron-core's
+    per-layer form (moe_utils.py switch_load_balancing_loss_func), summed over layers, per micro-batch:
+        L = coeff * E / (k * T^2) * sum_i P_i * c_i   (T tokens of the micro-batch, c_i routed to
+                                                       expert i, P_i their summed softmax scores)
+    HF's load_balancing_loss_func pools all layers (T*L rows) and has no 1/k:
+        L_HF = coeff * E * sum_i (c_i / (T*L)) * (P_i / (T*L)).
+    Only in training with gradients (router.py:598); logits are unaffected."""
+    return dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=spec.moe_aux_loss_coeff)
 
 
 def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse.Namespace:

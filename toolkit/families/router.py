@@ -38,6 +38,8 @@ class Router:
     # config.json flag saying whether the top-k probabilities are renormalised; None: always
     renormalise_key: str | None = None
     topk_key: str = "num_experts_per_tok"
+    # config.json key of the load-balancing loss coefficient (HF adds it when output_router_logits)
+    aux_loss_key: str = "router_aux_loss_coef"
     # config.json key -> (the only value megatron-core reproduces exactly, why others are refused)
     exact: dict[str, tuple[object, str]] = field(default_factory=dict, hash=False)
     # config.json key holding the shared expert's FFN width (None: no shared expert)
@@ -51,14 +53,15 @@ class MoeFields:
     topk: int
     ffn_hidden_size: int
     renormalise: bool
+    aux_loss_coeff: float
     shared_ffn_hidden_size: int = 0
     shared_expert_gate: bool = False
 
     def spec_fields(self) -> dict:
         """As ModelSpec fields."""
         return dict(num_experts=self.num_experts, moe_topk=self.topk, moe_ffn_hidden_size=self.ffn_hidden_size,
-                    moe_renormalise=self.renormalise, moe_shared_ffn_hidden_size=self.shared_ffn_hidden_size,
-                    moe_shared_expert_gate=self.shared_expert_gate)
+                    moe_renormalise=self.renormalise, moe_aux_loss_coeff=self.aux_loss_coeff,
+                    moe_shared_ffn_hidden_size=self.shared_ffn_hidden_size, moe_shared_expert_gate=self.shared_expert_gate)
 
 
 def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
@@ -71,8 +74,12 @@ def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
         raise ConversionError(f"{router.topk_key}={topk} is more than the {experts} experts ({key}): "
                               "a token cannot be routed to more experts than there are")
     renormalise = True if router.renormalise_key is None else bool(cfg.get(router.renormalise_key, False))
+    aux = cfg.get(router.aux_loss_key) or 0.0
+    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0.0 <= aux < float("inf"):
+        raise ConversionError(f"config.json has {router.aux_loss_key}={aux!r}; expected a finite number >= 0")
     shared = _positive(cfg, router.shared_ffn_key) if router.shared_ffn_key else 0
-    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise, shared, router.shared_expert_gate)
+    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise, float(aux), shared,
+                     router.shared_expert_gate)
 
 
 def _positive(cfg: dict, key: str) -> int:

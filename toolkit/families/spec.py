@@ -55,6 +55,7 @@ class ModelSpec:
     # of its own where moe_shared_expert_gate (Qwen2-MoE's shared_expert_gate)
     moe_shared_ffn_hidden_size: int = 0
     moe_shared_expert_gate: bool = False
+    moe_aux_loss_coeff: float = 0.0  # the load-balancing loss coefficient (toolkit/megatron_settings.py)
 
     @property
     def is_moe(self) -> bool:

@@ -57,18 +57,35 @@ def load_tokenizer(cfg: TrainConfig):
 
 def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int:
     """Refuse layouts that don't fit, before any heavy work, with the converter's own model x
-    layout check (Layout.check); returns DP."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    layout check (Layout.check, which also refuses EP on a dense model or not dividing the
+    experts); returns DP."""
+    tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
     try:
-        Layout(tp, pp, meta.vocab_divisor).check(meta.model_spec)
+        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec)
     except ConversionError as e:
-        raise ConfigError(f"parallel.tp={tp} parallel.pp={pp} does not fit {cfg.model.checkpoint}: {e}") from None
-    if meta.model_spec.is_moe and tp > 1:
-        # moe_layer.py:379 refuses MoE training with TP > 1 unless sequence parallelism is on,
-        # which this trainer does not run yet (its norms would need a TP all-reduce of their grads)
-        raise ConfigError(f"parallel.tp={tp}: fine-tuning a Mixture-of-Experts model ({meta.model_spec.family}) with "
-                          "TP > 1 needs sequence parallelism, which this trainer does not support yet; use tp=1")
-    return data_parallel_size(cfg, world_size)
+        named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
+        raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
+    dp = data_parallel_size(cfg, world_size)
+    if meta.model_spec.is_moe:
+        check_expert_layout(cfg, dp, meta.model_spec.family)
+    return dp
+
+
+def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
+    """megatron-core carves the expert groups out of TP x DP with expert TP = TP
+    (parallel_state.py:786-812): EP x TP must divide TP x DP, i.e. EP divides DP, and the
+    expert-data-parallel size is DP / EP."""
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} x parallel.tp={tp} does not fit the TP x DP = {tp} x {dp} ranks of each "
+                          f"pipeline stage: EP must divide DP ({dp}); use a world size of TP x PP x a multiple of EP")
+    if tp > 1 and not cfg.parallel.sequence_parallel:
+        # moe_layer.py:379: megatron-core refuses MoE training with TP > 1 without sequence parallelism
+        raise ConfigError(f"parallel.tp={tp}: fine-tuning a Mixture-of-Experts model ({family}) with TP > 1 needs "
+                          "sequence parallelism, as in megatron-core: set parallel.sequence_parallel=true")
+    if ep > 1 and cfg.parallel.zero_stage == 3:
+        raise ConfigError(f"parallel.ep={ep} with zero_stage=3: DeepSpeed's ZeRO-3 does not partition expert "
+                          "parameters over the expert-data-parallel group; use zero_stage=1 or 2")
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
@@ -98,7 +115,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model, transformer_config
 
-    layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor)
+    layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
     recompute = {}
     if cfg.parallel.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -40,6 +40,7 @@ from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
 from toolkit.megatron_settings import megatron_args
+from toolkit.train.experts import restore_experts_from_masters
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
@@ -92,19 +93,24 @@ def _master_weights(module) -> dict[str, torch.Tensor]:
 
 
 def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir: Path) -> None:
-    """Our per-rank torch format with the fp32 master weights, so export needs only this checkpoint."""
+    """Our per-rank torch format with the fp32 master weights, so export needs only this checkpoint.
+    With expert parallelism each EP rank writes its own experts (expert-DP rank 0 of each): DeepSpeed's
+    model-states file, from DP rank 0 alone, holds only that rank's."""
     from megatron.core import parallel_state as ps
 
-    weights = _master_weights(module)  # every rank takes part in the DP collectives
+    weights = _master_weights(module)  # every rank takes part in the DP (expert-DP) collectives
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp})
+    ep = ps.get_expert_model_parallel_world_size()
+    meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep})
     digest = None
-    if ps.get_data_parallel_rank() == 0:
+    if ps.get_expert_data_parallel_rank() == 0:  # one writer per (TP, PP, EP) rank
         path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank())
+                                      ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank())
         args = megatron_args(meta.model_spec, meta.layout, "torch")
         layers = meta.model_spec.num_layers // pp
-        digest = (str(path.relative_to(step_dir / "model")), torch_format.save_rank_file(path, weights, args, "local", layers))
+        local_experts = meta.model_spec.num_experts // ep
+        digest = (str(path.relative_to(step_dir / "model")),
+                  torch_format.save_rank_file(path, weights, args, "local", layers, local_experts))
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     if dist.get_rank() == 0:
@@ -237,6 +243,9 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")
+        if max(saved.get("ep") or 1, layout.get("ep", 1)) > 1:
+            raise CheckpointError(f"{path} was written with {saved}: a resume with expert parallelism on another "
+                                  f"layout ({layout}) is not supported yet; resume on that layout")
         if "consumed_samples" not in state:
             raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
                                   f"state: resume it on that layout, not on {layout}")
@@ -291,6 +300,7 @@ def _resume_deepspeed(path: Path, engine, source, lora: bool) -> None:
                                           load_module_strict=not lora)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
+    restore_experts_from_masters(engine.module)  # DeepSpeed's model file has DP rank 0's experts only
     rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
     _restore_rank_states(torch.load(rank_file, weights_only=True), source)
 

@@ -38,6 +38,8 @@ class ParallelConfig:
     recompute: Literal["selective", "full"] | None = None  # megatron-core granularity
     # megatron-core sequence parallelism (TP > 1): norms and residuals hold seq_len / TP tokens per rank
     sequence_parallel: bool = False
+    # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
+    ep: PositiveInt = 1
 
 
 @dataclass

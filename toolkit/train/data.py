@@ -156,7 +156,8 @@ def collate(rows: list[Row], packed: bool) -> dict[str, torch.Tensor]:
     tokens = torch.tensor([r.tokens for r in rows], dtype=torch.long)
     mask = torch.tensor([r.loss_mask for r in rows], dtype=torch.float32)
     docs = torch.tensor([r.doc_ids for r in rows])[:, :-1]
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask[:, 1:], "real_tokens": (docs >= 0).sum()}
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask[:, 1:], "real_tokens": (docs >= 0).sum(),
+             "padding": docs < 0}
     if packed:
         seq = docs.shape[1]
         causal = torch.ones(seq, seq, dtype=torch.bool).tril()

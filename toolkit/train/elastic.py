@@ -79,9 +79,14 @@ class ParamShards:
         return replace(entry, **fields)
 
 
-def _dp():
+def _dp(param=None):
+    """The ranks holding `param` in ZeRO fragments: DP, or the expert-DP group for an expert."""
     from megatron.core import parallel_state as ps
 
+    from toolkit.train.experts import is_expert
+
+    if param is not None and is_expert(param):
+        return ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()
     return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
 
@@ -106,10 +111,10 @@ def save_state(directory: Path, engine, shards: ParamShards) -> None:
     """Collective: every rank calls it. Writes `directory` (which must not exist)."""
     from megatron.core import dist_checkpointing
 
-    dp, dp_rank = _dp()
     _link_fragments(engine)
     sharded = {}
     for index, (param, entry, _) in enumerate(shards.entries):
+        dp, dp_rank = _dp(param)  # each EP rank's experts are kept by one of their expert-DP ranks
         for name, key in STATES:
             full = _full(param, key)  # every DP rank takes part; one keeps it
             if index % dp == dp_rank:

@@ -76,16 +76,28 @@ class MetricsLogger:
         record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+                         if not isinstance(v, list))
         print(shown, flush=True)
         if self.wandb is not None:
             # commit=True: with an explicit step wandb holds the row open until a later step or
             # finish(), so a rank 0 killed after logging would lose that step; ours are complete.
-            self.wandb.log(record, step=step, commit=True)
+            self.wandb.log(wandb_record(record), step=step, commit=True)
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def wandb_record(record: dict) -> dict:
+    """Per-layer, per-expert tables (tokens_per_expert) as one W&B scalar each: `KEY/layer_L/expert_E`."""
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            flat.update({f"{key}/layer_{l}/expert_{e}": n for l, row in enumerate(value) for e, n in enumerate(row)})
+        else:
+            flat[key] = value
+    return flat
 
 
 WANDB_ID_FILE = "wandb_run_id"

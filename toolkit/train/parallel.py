@@ -108,14 +108,18 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
     import deepspeed
 
     from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+    from toolkit.train import experts
 
     if not torch.cuda.is_available():
         skip_deepspeed_shm_op()
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, cfg.optim.weight_decay),
-        config=ds_config,
-        mpu=MegatronCoreMPU(),
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-    )
+    expert_group = experts.register_expert_groups(model, cfg.parallel.ep)
+    with experts.moe_engine(expert_group):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=experts.split_expert_group(param_groups(model, cfg.optim.weight_decay), expert_group),
+            config=ds_config,
+            mpu=MegatronCoreMPU(),
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        )
+    engine.has_moe_layers = False  # the optimizer keeps its expert groups; checkpoints are ours (toolkit.train.experts)
     return engine

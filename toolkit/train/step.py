@@ -21,6 +21,8 @@ class StepContext:
     seq_len: int
     micro_batch: int
     real_tokens: int = 0  # non-padding input tokens of the global batch (throughput)
+    moe: bool = False  # Mixture-of-Experts: padding is left out of the router's load-balancing loss
+    sequence_parallel: bool = False
 
 
 def count_global_tokens(batches: list[dict], device) -> tuple[int, int]:
@@ -41,7 +43,8 @@ def _forward_step_func(model_call, ctx: StepContext, device):
         tokens = batch["tokens"].to(device)
         positions = torch.arange(tokens.shape[1], device=device)[None].expand(tokens.shape[0], -1)
         mask = batch.get("attention_mask")
-        logits = model_call(tokens, positions, None if mask is None else mask.to(device))
+        extra = {"padding_mask": routing_padding_mask(batch["padding"].to(device), ctx)} if ctx.moe else {}
+        logits = model_call(tokens, positions, None if mask is None else mask.to(device), **extra)
 
         def loss_func(output):
             losses = loss_lib.token_losses(output, batch["labels"].to(device), ctx.vocab_mask)
@@ -51,6 +54,18 @@ def _forward_step_func(model_call, ctx: StepContext, device):
         return logits, loss_func
 
     return forward_step
+
+
+def routing_padding_mask(padding: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """[b, s], True at padding: megatron-core then leaves those tokens out of the load-balancing
+    loss (router.py:598-611), as HF does with an attention mask. Under sequence parallelism GPTModel
+    scatters it over TP on the first stage only (gpt_model.py:314); later stages get their slice here."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    if ctx.sequence_parallel and not ps.is_pipeline_first_stage():
+        return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+    return padding
 
 
 def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool) -> float:

@@ -1,0 +1,52 @@
+"""The single-process HF reference of a Mixture-of-Experts fine-tune, with the router's auxiliary
+(load-balancing) loss written out in megatron-core's per-layer form, independently of
+megatron-core's code:
+
+    per micro-batch m and layer l, over its T non-padding tokens (the trainer's padding_mask):
+        aux(m, l) = coeff * E / (k * T^2) * sum_i P_i * c_i
+    P_i the sum over tokens of the softmax score of expert i, c_i the tokens whose top-k holds i;
+    the step's objective adds the mean over the global batch's micro-batches of sum_l aux(m, l)
+    (megatron-core scales each micro-batch's aux gradient by 1 / micro-batches, DeepSpeed by 1 / DP).
+
+HF's own load_balancing_loss_func differs (all layers pooled, no 1/k; see the README): this is
+the loss the trainer optimises, not HF's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def megatron_aux_loss(router_logits: torch.Tensor, valid: torch.Tensor, coeff: float, topk: int) -> torch.Tensor:
+    """One layer's load-balancing loss over one micro-batch's non-padding tokens ([T, E] router logits)."""
+    router_logits = router_logits[valid]
+    tokens, experts = router_logits.shape
+    scores = torch.softmax(router_logits.float(), dim=-1)
+    routed = torch.zeros_like(scores).scatter(1, torch.topk(scores, topk, dim=1).indices, 1.0)
+    return coeff * experts / (topk * tokens * tokens) * (scores.sum(0) * routed.sum(0)).sum()
+
+
+def moe_step_loss(pad_id: int):
+    """tests.finetune_harness.hf_reference's `step_loss`: the global batch as the trainer's padded
+    micro-batches (rows of seq_len + 1 tokens, inputs the first seq_len), one forward each."""
+
+    def step_loss(model, global_rows, cfg, device):
+        seq_len, micro = cfg["data"]["seq_len"], cfg["micro_batch"]
+        coeff, topk = model.config.router_aux_loss_coef, model.config.num_experts_per_tok
+        total, count, aux = 0.0, 0, 0.0
+        micro_batches = [global_rows[i : i + micro] for i in range(0, len(global_rows), micro)]
+        for rows in micro_batches:
+            (tokens, masks) = zip(*(row[0] for row in rows))  # unpacked: one document per row
+            ids = torch.tensor([t + [pad_id] * (seq_len + 1 - len(t)) for t in tokens], device=device)
+            mask = torch.tensor([m + [0] * (seq_len + 1 - len(m)) for m in masks], dtype=torch.float32, device=device)
+            out = model(input_ids=ids[:, :-1], output_router_logits=True)
+            token_loss = F.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+            total = total + (token_loss * mask[:, 1:].flatten()).sum()
+            count += int(mask[:, 1:].sum())
+            valid = torch.tensor([[j < len(t) for j in range(seq_len)] for t in tokens], device=device).flatten()
+            aux = aux + sum(megatron_aux_loss(layer, valid, coeff, topk) for layer in out.router_logits)
+        loss = total / count
+        return loss + aux / len(micro_batches), loss
+
+    return step_loss

@@ -1,0 +1,184 @@
+"""Fine-tuning a Mixture-of-Experts model with expert parallelism (parallel.ep).
+
+The reference is the single-process HF model (tests/finetune_harness.py) with the router's
+load-balancing loss in megatron-core's per-layer form (tests/moe_reference.py), its coefficient
+raised to 0.1 so that a wrong aux gradient shows. Each layout is one launch of the real recipe;
+the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, hf_reference, launch, read_metrics,
+                                    recipe, write_uneven_data)
+from tests.moe_reference import moe_step_loss
+from tests.test_finetune_checkpoint import kill_tree, wait_for
+from toolkit.convert import hf_to_megatron
+
+AUX_LOSS_COEF = 0.1
+SAVE_EVERY = 5
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny fp32 Mixtral (6 experts, top-2, a vocab of 250 padded to 256) in torch_dist, uneven
+    data, and the HF reference (computed once)."""
+    from toolkit.tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe-ft")
+    hf = make_tiny_model("mixtral", root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    data = write_uneven_data(root / "data.jsonl", 300)
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    cache = {}
+
+    def reference(cfg_path):
+        if not cache:
+            cache["ref"] = hf_reference(hf, data, cfg_path, STEPS, step_loss=moe_step_loss(pad))
+        return cache["ref"]
+
+    return hf, mc, data, reference
+
+
+def differences(metrics, reference) -> tuple[float, float]:
+    """(max |loss - reference|, max relative grad-norm difference) over the steps."""
+    ref_losses, ref_norms = reference
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    loss = max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses))
+    norm = max(abs(m["grad_norm"] - r) / max(1.0, r) for m, r in zip(metrics, ref_norms))
+    return loss, norm
+
+
+def run(moe, directory, nprocs, parallel, *overrides, env=None, **settings):
+    hf, mc, data, reference = moe
+    directory.mkdir(exist_ok=True)
+    cfg = recipe(directory, mc, data, parallel=parallel, **settings)
+    launch(nprocs, cfg, *overrides, env=env)
+    return cfg, read_metrics(directory / "run")
+
+
+# DP2 x EP2 (2 processes) is the uninterrupted run of the resume test below.
+LAYOUTS = {
+    "TP2xDP2xEP2": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}),
+    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_path, layout):
+    nprocs, parallel = LAYOUTS[layout]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel})
+    assert len(metrics) == STEPS
+    loss, norm = differences(metrics, moe[3](cfg))
+    print(f"{layout}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (layout, loss, norm)
+    assert_tokens_per_expert_cover_every_routed_token(moe, metrics)
+
+
+def assert_tokens_per_expert_cover_every_routed_token(moe, metrics):
+    """Logged load balance: per layer, the non-padding input tokens of the step's global batch x top-k
+    (summed over DP, the TP ranks' sequence shards and the stages), spread over the 6 experts."""
+    from tests.finetune_harness import reference_samples
+
+    hf, _, data, _ = moe
+    lengths = [min(len(tokens), 24) for tokens, _ in reference_samples(AutoTokenizer.from_pretrained(hf), data, 25)]
+    for m in metrics:
+        table = m["tokens_per_expert"]
+        real = sum(lengths[i % len(lengths)] for i in range((m["step"] - 1) * 16, m["step"] * 16))
+        assert len(table) == 4 and all(len(row) == 6 and sum(row) == 2 * real for row in table), (m["step"], table, real)
+
+
+@pytest.mark.multiprocess
+def test_expert_grads_reduced_over_all_of_dp_break_parity(moe, tmp_path):
+    """Guard: the same DP2 x EP2 run with all of DP handed to DeepSpeed as the experts' data-parallel
+    group: their gradients are then averaged with another EP rank's experts (and ZeRO partitions them
+    over ranks holding different experts)."""
+    from toolkit.train.experts import EXPERTS_OVER_DP_ENV
+
+    cfg, metrics = run(moe, tmp_path, 2, {"zero_stage": 1, "ep": 2}, "steps=3", env={EXPERTS_OVER_DP_ENV: "1"})
+    loss, norm = differences(metrics, moe[3](cfg))
+    print(f"experts reduced over all of DP: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss > 100 * LOSS_TOLERANCE_FP32 and norm > 100 * GRAD_NORM_TOLERANCE, (loss, norm)
+
+
+@pytest.mark.multiprocess
+def test_dp2_ep2_matches_reference_and_resumes_after_sigkill_exactly_with_every_ep_ranks_experts(moe, tmp_path):
+    parallel = {"zero_stage": 1, "ep": 2}
+    straight_cfg, straight = run(moe, tmp_path / "straight", 2, parallel, save_every=SAVE_EVERY)
+    loss, norm = differences(straight, moe[3](straight_cfg))
+    print(f"DP2xEP2: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    release = tmp_path / "straight" / "run" / "checkpoints" / "step_0000010" / "model" / "release"
+    assert sorted(p.name for p in release.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"], "one file per EP rank"
+
+    hf, mc, data, _ = moe
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    flag = tmp_path / "paused"
+    cfg = recipe(killed, mc, data, parallel=parallel, save_every=SAVE_EVERY)
+    proc = launch(2, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-before-marker@2:{flag}"}, wait=False)
+    wait_for(flag.exists, proc)
+    kill_tree(proc.pid)
+    proc.wait()
+    assert (killed / "run" / "checkpoints" / "latest").read_text() == "step_0000005"
+
+    launch(2, cfg, "resume=auto")
+    resumed = read_metrics(killed / "run")
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight]
+    assert_resume_on_another_layout_refused(cfg, killed / "run")
+
+
+def assert_resume_on_another_layout_refused(cfg_path, run_dir):
+    """The layout-independent state does not reshard experts yet: one line, before any process."""
+    from toolkit.errors import ToolkitError
+    from toolkit.train import build, checkpoint
+    from toolkit.train.config import load_config
+    from toolkit.train.schedule import LRSchedule
+
+    cfg = load_config(str(cfg_path), ["parallel.ep=1"])
+    layout = {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1, "ep": 1}
+    with pytest.raises(ToolkitError, match="expert parallelism on another layout") as refused:
+        checkpoint.check_resumable(checkpoint.find_latest(run_dir), layout, LRSchedule.from_config(cfg),
+                                   build.read_checkpoint_meta(cfg), cfg.global_batch)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "world, overrides, message",
+    [
+        (4, ["parallel.ep=4"], "6 experts cannot be split evenly over --ep 4"),
+        (6, ["parallel.ep=2", "parallel.tp=2"], r"parallel.ep=2 x parallel.tp=2 does not fit the TP x DP = 2 x 3 ranks"),
+        (4, ["parallel.ep=2", "parallel.tp=2"], "needs sequence parallelism, as in megatron-core"),
+        (4, ["parallel.ep=2", "parallel.zero_stage=3"], "zero_stage=3"),
+    ],
+)
+def test_expert_layouts_that_do_not_fit_are_refused_in_one_line(moe, tmp_path, world, overrides, message):
+    from toolkit.errors import ToolkitError
+    from toolkit.train import build
+    from toolkit.train.config import load_config
+
+    hf, mc, data, _ = moe
+    cfg = load_config(str(recipe(tmp_path, mc, data, global_batch=24)), overrides)
+    with pytest.raises(ToolkitError, match=message) as refused:
+        build.check_layout(cfg, world, build.read_checkpoint_meta(cfg))
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_ep_on_a_dense_model_is_refused(tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit.tinymodels import make_tiny_model
+    from toolkit.train import build
+    from toolkit.train.config import load_config
+
+    hf = make_tiny_model("llama", tmp_path / "hf", dtype="float32")
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
+    cfg = load_config(str(recipe(tmp_path, mc, write_uneven_data(tmp_path / "d.jsonl", 4))), ["parallel.ep=2"])
+    with pytest.raises(ToolkitError, match="needs a Mixture-of-Experts model"):
+        build.check_layout(cfg, 2, build.read_checkpoint_meta(cfg))

@@ -1,0 +1,107 @@
+"""Expert parallelism under DeepSpeed ZeRO: megatron-core's expert groups handed to DeepSpeed's
+own MoE support, so that ZeRO partitions and averages expert gradients over the expert-data-
+parallel group (the ranks holding the same experts), not over all of DP.
+
+megatron-core tags every expert parameter `allreduce=False`; DeepSpeed's is_moe_param reads the
+same tag. Untagged for DeepSpeed's groups, those parameters are silently corrupted: broadcast from
+DP rank 0 at start and averaged over all of DP (feasibility probe q3_ds_moe.py). What DeepSpeed
+0.19.8 needs, and what this module gives it:
+  * `param.group_name` on each expert parameter, naming an entry of deepspeed.utils.groups'
+    expert-parallel and expert-data-parallel registries, filled with megatron-core's groups;
+  * a param group `{"moe": True, "name": ...}` holding the experts (stage_1_and_2.py:875-887:
+    partitioned over the expert-DP group; :1641 reduced over it, divided by all of DP at :1688);
+  * `engine.has_moe_layers` while the ZeRO optimizer is built (engine.py:2101-2107 sets it only
+    for DeepSpeed's own MoE modules); the optimizer then sums each expert partition's squares
+    once in the gradient norm (over DP, then TP x PP) and clips every group by that one norm.
+The engine's flag is cleared afterwards: its checkpoint path for MoE (engine.py:4914,
+_save_moe_checkpoint) looks for DeepSpeed MoE modules; toolkit.train.checkpoint saves the experts
+of every EP rank itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch.distributed as dist
+
+# Guard tests only: hand DeepSpeed all of DP as the experts' data-parallel group (the wrong group).
+EXPERTS_OVER_DP_ENV = "TOOLKIT_TEST_EXPERTS_OVER_DP"
+
+
+def is_expert(param) -> bool:
+    """megatron-core's tag on expert parameters (SequentialMLP / TEGroupedMLP: allreduce=False)."""
+    return not getattr(param, "allreduce", True)
+
+
+def group_name(ep: int) -> str:
+    return f"ep_size_{ep}"  # DeepSpeed's own naming (deepspeed/moe/layer.py)
+
+
+def register_expert_groups(model, ep: int) -> str | None:
+    """Tag the experts and give DeepSpeed megatron-core's EP and expert-DP groups. Returns the
+    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights)."""
+    if ep == 1:
+        return None
+    from deepspeed.utils import groups
+    from megatron.core import parallel_state as ps
+
+    name = group_name(ep)
+    for param in model.parameters():
+        if is_expert(param):
+            param.group_name = name
+    expert_dp = ps.get_data_parallel_group() if os.environ.get(EXPERTS_OVER_DP_ENV) else ps.get_expert_data_parallel_group()
+    for registry, ranks, group in (
+            (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ps.get_expert_model_parallel_group()),
+            (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, expert_dp)):
+        registry[name] = group
+        ranks[name] = dist.get_process_group_ranks(group)
+    return name
+
+
+def split_expert_group(groups: list[dict], name: str | None) -> list[dict]:
+    """The experts of each param group moved into a group of their own, which DeepSpeed marks
+    `moe` (same settings, e.g. weight decay)."""
+    if name is None:
+        return groups
+    out = []
+    for index, group in enumerate(groups):
+        dense = [p for p in group["params"] if not is_expert(p)]
+        experts = [p for p in group["params"] if is_expert(p)]
+        out.append({**group, "params": dense, "name": f"dense_{index}"})
+        if experts:
+            out.append({**group, "params": experts, "name": name, "moe": True})
+    return out
+
+
+@contextlib.contextmanager
+def moe_engine(name: str | None):
+    """While DeepSpeed builds the engine: has_moe_layers set once the model is configured, so that
+    the ZeRO optimizer learns the expert groups; cleared on the engine afterwards (see above)."""
+    if name is None:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    upstream = DeepSpeedEngine._configure_distributed_model
+
+    def configure(self, model):
+        upstream(self, model)
+        self.has_moe_layers = True
+
+    DeepSpeedEngine._configure_distributed_model = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_distributed_model = upstream
+
+
+def restore_experts_from_masters(module) -> None:
+    """After engine.load_checkpoint: DeepSpeed's model file (DP rank 0's) holds one EP rank's experts
+    and puts them on every EP rank, while its ZeRO files hold each rank's own fp32 master partitions
+    (restored as they were). Copy those masters back into the experts (collective over expert-DP)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for param in module.parameters():
+        if is_expert(param) and hasattr(param, "group_name"):
+            param.data.copy_(safe_get_full_fp32_param(param).to(param.dtype))
