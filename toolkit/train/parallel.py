@@ -107,10 +107,11 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
     steps the scheduler in engine.step() and keeps its state, the schedule's too, in checkpoints."""
     import deepspeed
 
-    from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+    from toolkit.runtime.cpu_compat import allow_deepspeed_fp16, skip_deepspeed_shm_op
 
     if not torch.cuda.is_available():
         skip_deepspeed_shm_op()
+        allow_deepspeed_fp16()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, cfg.optim.weight_decay),
