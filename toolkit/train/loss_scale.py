@@ -7,10 +7,10 @@ after `window` clean steps. What they need from the backward is a loss multiplie
 and to know that the multiplication happened:
 
 * megatron-core calls `config.grad_scale_func(loss)` before the backward of each micro-batch,
-  only on the last pipeline stage (pipeline_parallel/schedules.py:476-477). It is wired to
+  only on the last pipeline stage (pipeline_parallel/schedules.py:477-478). It is wired to
   `engine.scale` (deepspeed/runtime/engine.py:3338), DeepSpeed's manual-backward API, which both
   scales and records that the backward is expected; a bare multiply by the scale makes DeepSpeed's
-  backward hook raise (engine.py:3205-3211: "Loss scaling is required ...").
+  backward hook raise (engine.py:3205-3210: "Loss scaling is required ...").
 * Earlier stages start their backward from the received gradient, already scaled by the last
   stage, and never call grad_scale_func: a hook on the stage's output tells DeepSpeed the same
   (the flag `engine.scale` sets), each time that output's backward begins.
