@@ -5,6 +5,7 @@
 FP16_INF_RANK, FP16_INF_STEPS ("11,13-": step 11, and 13 onwards): on that rank the first
 micro-batch's loss of those steps is multiplied by inf before backward. Every rank appends
 {"step", "skipped", "loss_scale"} per step to FP16_RECORD_DIR/rank<R>.jsonl, read from its own engine.
+FP16_WITHOUT_STAGE_HOOK=1 (the guard): earlier pipeline stages do not mark their backward as scaled.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def _steps(spec: str):
 
 def patch() -> None:
     from toolkit.train import loss as loss_lib
+    from toolkit.train import loss_scale
     from toolkit.train import step as step_lib
+
+    if os.environ.get("FP16_WITHOUT_STAGE_HOOK") == "1":
+        loss_scale._expect_scaled_backward = lambda engine, output: None
 
     rank, record = int(os.environ["RANK"]), Path(os.environ["FP16_RECORD_DIR"]) / f"rank{os.environ['RANK']}.jsonl"
     planted, inf_rank = _steps(os.environ["FP16_INF_STEPS"]), int(os.environ["FP16_INF_RANK"])

@@ -11,6 +11,7 @@ Two launches of 2 processes, each checking several things:
   skipped steps in a row, with one clear error.
 * PP2: steps 1-10 within the same tolerance (the first stage's backward is marked as scaled, or
   DeepSpeed raises); an inf at step 11 on the last stage is skipped by both stages.
+* Guard, PP2: without the first stage's mark DeepSpeed refuses its backward (one short launch).
 
 The overflow is planted by tests/fp16_overflow_worker.py around the real recipe, not by the product.
 """
@@ -42,13 +43,19 @@ def model(tmp_path_factory):
     return hf, hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False), write_uneven_data(root / "data.jsonl", 300)
 
 
-def run_with_planted_inf(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure=False):
-    hf, mc, data = model
+def launch_worker(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure=False, **env):
+    _, mc, data = model
     cfg = recipe(tmp_path, mc, data, parallel=parallel, steps=steps, **FP16)
     records = tmp_path / "records"
     records.mkdir()
     result = launch(2, cfg, script=WORKER, expect_failure=expect_failure,
-                    env={"FP16_INF_RANK": str(inf_rank), "FP16_INF_STEPS": inf_steps, "FP16_RECORD_DIR": str(records)})
+                    env={"FP16_INF_RANK": str(inf_rank), "FP16_INF_STEPS": inf_steps, "FP16_RECORD_DIR": str(records), **env})
+    return result, cfg, records
+
+
+def run_with_planted_inf(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure=False):
+    hf, _, data = model
+    result, cfg, records = launch_worker(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure)
     per_rank = [[json.loads(line) for line in (records / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     reference, _ = hf_reference(hf, data, cfg, 10)
     return result, read_metrics(tmp_path / "run"), per_rank, reference
@@ -95,3 +102,10 @@ def test_fp16_pp2_matches_fp32_and_both_stages_skip_an_overflow_on_the_last(mode
     assert_parity(metrics, reference, "PP2")
     assert_all_ranks_skipped(per_rank, 11, metrics[9]["loss_scale"])
     assert not metrics[11]["step_skipped"] and metrics[11]["skipped_steps"] == 1
+
+
+@pytest.mark.multiprocess
+def test_guard_fp16_pp2_first_stage_backward_is_refused_without_its_scaled_mark(model, tmp_path):
+    result, _, _ = launch_worker(model, tmp_path, {"tp": 1, "pp": 2, "zero_stage": 1}, 1, inf_rank=1, inf_steps="99",
+                                 expect_failure=True, FP16_WITHOUT_STAGE_HOOK="1")
+    assert "Loss scaling is required for this configuration" in result.stdout + result.stderr
