@@ -56,8 +56,21 @@ def estimated_states(mc: Path, dp: int, lora: bool) -> int:
     return states.params + states.grads + states.optimizer
 
 
+def quiet() -> None:
+    """Only the figures: the libraries' notices and progress bars say nothing about them."""
+    from transformers.utils import logging as hf_logging
+
+    from toolkit.runtime.distributed import choose_deepspeed_accelerator
+    from toolkit.runtime.quiet import quiet_third_party
+
+    quiet_third_party(verbose=False)
+    choose_deepspeed_accelerator()
+    hf_logging.disable_progress_bar()
+
+
 def main() -> None:
     args = bench_args(__doc__, repeats=2, steps=12)
+    quiet()
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         root = Path(tmp)
         _, mc, data = prepare(root)

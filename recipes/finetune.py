@@ -105,7 +105,7 @@ def finetune(run: Run) -> int:
     import torch.distributed as dist
 
     from toolkit.runtime.distributed import init_parallel, shutdown
-    from toolkit.train import build, checkpoint
+    from toolkit.train import build, checkpoint, loss_scale
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
@@ -139,6 +139,8 @@ def finetune(run: Run) -> int:
     shards = ParamShards(model) if adapter is None else None  # an adapter resumes on its own layout only
     ds_config = build.ds_config(cfg, meta, dp)
     engine = build_engine(model, cfg, ds_config, run.schedule)
+    # fp16: megatron-core's backward scales the loss by DeepSpeed's dynamic loss scale (toolkit.train.loss_scale).
+    fp16_watch = loss_scale.wire(engine, model, cfg) if cfg.precision == "fp16" else None
 
     # 7. Resume (weights, optimizer, LR schedule, data position; RNG on the same layout) if asked,
     #    from DeepSpeed's files on the same layout, else from the layout-independent state.
@@ -180,6 +182,8 @@ def finetune(run: Run) -> int:
                    "tflops_per_device": flops_per_token(spec, cfg.data.seq_len) * ctx.real_tokens / seconds / info.world_size / 1e12}
         metrics["mfu"] = metrics["tflops_per_device"] / peak if peak else None
         metrics["peak_memory_bytes"] = peak_memory_bytes(info.device)  # rank 0's, as every figure logged here
+        if fp16_watch is not None:
+            metrics.update(fp16_watch.after_step(step))  # loss scale, skipped steps; stops after too many in a row
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval_loss"] = evaluate(model, valid_data, context)
         log_now = step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1

@@ -67,10 +67,11 @@ def launcher_command(nprocs: int, launcher: str) -> list[str]:
 
 
 def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
-           launcher: str | None = None, expect_failure: bool = False):
+           launcher: str | None = None, expect_failure: bool = False, script: Path = RECIPE):
+    """`script`: the recipe, or a test's wrapper that patches something and then runs it."""
     # Forked ranks save each rank the imports (tests/forkrun.py); CUDA must not be forked, so torchrun there.
     launcher = launcher or ("torchrun" if torch.cuda.is_available() else "fork")
-    cmd = [*launcher_command(nprocs, launcher), str(RECIPE), "--config", str(recipe_path), *overrides]
+    cmd = [*launcher_command(nprocs, launcher), str(script), "--config", str(recipe_path), *overrides]
     # os.environ carries TOOLKIT_STRICT_DEVICES=1 from tests/conftest.py: device-strict collectives.
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:

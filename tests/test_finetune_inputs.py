@@ -106,7 +106,9 @@ def recipe_file(tmp_path, **extra):
     "overrides, match",
     [
         (["parallel.pp=2", "parallel.zero_stage=2"], "ZeRO-2/3 do not work with pipeline parallelism"),
-        (["precision=fp16"], "fp16 is refused"),
+        (["precision=fp16,bf16"], "fp16 and bf16 cannot both be enabled"),
+        (["precision=[bf16, fp16]"], "fp16 and bf16 cannot both be enabled"),
+        (["loss_scale.initial_scale_power=40"], "loss_scale.initial_scale_power.*<= 32"),
         (["parallel.zero_stage=0"], "zero_stage must be 1, 2 or 3"),
         (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
         (["steps=abc"], "steps"),

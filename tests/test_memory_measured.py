@@ -63,6 +63,9 @@ def _cases():
         dict(tp=1, pp=1, zero=3, precision="bf16", schedule="megatron", micro_batches=2, **offload),
         dict(tp=2, pp=1, zero=3, precision="bf16", schedule="deepspeed", micro_batches=2, offload_param="cpu", **offload),
     ]
+    # fp16: DeepSpeed's ZeRO optimizers with the dynamic loss scaler (engine.backward scales)
+    states += [dict(tp=tp, pp=1, zero=zero, precision="fp16", schedule="deepspeed", micro_batches=2)
+               for tp, zero in ((1, 1), (2, 2), (1, 3))]
     states = [dict(c, variant="llama") for c in states] + [dict(c, variant="qwen3") for c in qwen3]
     # LoRA: the base frozen (weights only), the adapter with gradients, fp32 master and Adam states
     states += [dict(c, variant="llama", lora=lora) for c, lora in (
@@ -114,7 +117,8 @@ def _lora(r: dict):
 @pytest.mark.multiprocess
 def test_engines_build_and_step_from_generated_configs_at_every_zero_stage(measured):
     built = {(r["zero"], r["precision"], r["schedule"]) for r in _on_device(measured)}
-    assert built == {(z, p, s) for z in range(4) for p in ("bf16", "fp32") for s in ("deepspeed", "megatron")}
+    assert built == {(z, p, s) for z in range(4) for p in ("bf16", "fp32") for s in ("deepspeed", "megatron")} | {
+        (z, "fp16", "deepspeed") for z in (1, 2, 3)}
     for r in measured["states"]:
         assert r["global_steps"] == 1, _label(r)  # one optimizer step per global batch, in both modes
         assert r["lr_after_step"] > 0, _label(r)
@@ -137,7 +141,7 @@ def test_model_states_per_rank_match_what_each_rank_holds(measured):
         assert abs(total_p / total_m - 1) <= STATES_TOLERANCE, rows[-1]
         for key in ("params", "optimizer"):
             assert abs(p[key] / m[key] - 1) <= STATES_TOLERANCE, (rows[-1], key, m, p)
-        bytes_per = 2 if r["precision"] == "bf16" else 4
+        bytes_per = 4 if r["precision"] == "fp32" else 2
         largest = bytes_per * max(stage_param_numels(spec, r["tp"], r["pp"], r["stage"]))
         assert abs(p["grads"] - m["grads"]) <= max(STATES_TOLERANCE * m["grads"], largest), (rows[-1], m, p)
         assert m["unaccounted"] <= 16, (rows[-1], m)  # only scalars (grad norm, overflow flag)
@@ -224,7 +228,7 @@ def test_lora_model_states_per_rank_match_what_each_rank_holds(measured):
             assert abs(p[key] / m[key] - 1) <= LORA_TOLERANCE, (rows[-1], key, m, p)
         # as for full fine-tuning: a ZeRO-1/2 gradient buffer keeps whole the tensors a partition
         # boundary cuts, so one rank may differ from the expectation by one (adapter) tensor
-        bytes_per = 2 if r["precision"] == "bf16" else 4
+        bytes_per = 4 if r["precision"] == "fp32" else 2
         largest = bytes_per * max(adapter_numels(tiny_spec(), _lora(r), r["tp"], r["pp"]))
         assert abs(p["grads"] - m["grads"]) <= max(LORA_TOLERANCE * m["grads"], largest), (rows[-1], m, p)
         full = [f for f in _on_device(measured) if all(f[k] == r[k] for k in ("tp", "pp", "zero", "precision", "rank"))]

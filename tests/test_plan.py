@@ -174,3 +174,22 @@ def test_lora_makes_70b_fit_8_gpus_without_offload_where_full_finetune_does_not(
                  "--gpu-memory", "80GiB", "--lora-r", "16", "--lora-targets", "q_proj", "v_proj"]) == 0
     assert main(["memory", str(MODELS / "llama-3-70b"), "--gpus", "8", "--tp", "8", "--zero", "1", "--bf16",
                  "--lora-r", "16", "--lora-targets", "qkv"]) == 2  # a name Llama does not have: one line
+
+
+def test_lora_throughput_counts_no_weight_gradients_for_the_frozen_base(llama8b):
+    """A frozen base skips the weight-gradient GEMMs: ~2/3 of full fine-tuning's FLOPs (plus the
+    adapter's own, under 1%), and only the adapter's gradients cross DP; ZeRO-3 still gathers the base.
+    A short sequence keeps attention (weightless, its backward unchanged) out of the ratio."""
+    from toolkit.dsconfig import Setup
+    from toolkit.memory.lora import LoraShape
+    from toolkit.throughput import step_time
+
+    lora = LoraShape(16)
+    for zero in (1, 3):
+        setup = Setup(gpus=8, tp=2, pp=2, zero=zero, precision="bf16", micro_batch=1, global_batch=64)
+        full, adapted = (step_time(llama8b, setup, 256, "none", 8, lora=x) for x in (None, lora))
+        assert 2 / 3 < adapted.compute / full.compute < 2 / 3 + 0.015, (adapted.compute, full.compute)
+        assert adapted.dp_comm < (0.01 if zero == 1 else 0.7) * full.dp_comm
+        assert adapted.tokens_per_gpu_s > full.tokens_per_gpu_s
+    recomputed = step_time(llama8b, setup, 256, "full", 8, lora=lora).compute / adapted.compute
+    assert recomputed == pytest.approx(3 / 2, rel=0.05)  # one extra forward on top of two passes

@@ -140,6 +140,7 @@ def _engine(case: dict, spec, world: int):
     from toolkit.dsconfig import OptimizerSettings, Setup, build
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model
+    from toolkit.runtime.cpu_compat import allow_deepspeed_fp16
     from toolkit.train.parallel import MegatronCoreMPU, param_groups
 
     tp, pp = case["tp"], case["pp"]
@@ -156,6 +157,7 @@ def _engine(case: dict, spec, world: int):
         _apply_lora(model, spec, Layout(tp, pp), case["lora"])
     # under LoRA the recipe's parameter groups: only what requires a gradient (the adapter)
     parameters = param_groups(model, 0.0) if "lora" in case else model.parameters()
+    allow_deepspeed_fp16()  # CPU only (toolkit.runtime.cpu_compat), as the recipe's engine
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config, mpu=MegatronCoreMPU())
     return engine, setup
 

@@ -1,8 +1,10 @@
-"""A small synthetic task a tiny model learns in a few hundred steps: reverse a digit string.
+"""Small synthetic tasks a tiny model learns in a few hundred steps, on the same prompts:
 
-    {"prompt": "123456=", "response": "654321"}
+    reverse            {"prompt": "123456=", "response": "654321"}   (the quick start)
+    reverse-plus-one   {"prompt": "123456=", "response": "765432"}   (reversed, each digit + 1 mod 10:
+                                                                       the quick start's LoRA task)
 
-Measured (../shared/reference/README.md): a tiny Llama reaches ~94% exact match after 400 steps.
+Measured (../shared/reference/README.md): a tiny Llama reaches ~94% exact match on `reverse` after 400 steps.
 """
 
 from __future__ import annotations
@@ -16,19 +18,25 @@ DIGITS_PER_PROMPT = 6
 
 N_TRAIN, N_VALID = 4000, 200
 
+TASKS = {
+    "reverse": lambda digits: digits[::-1],
+    "reverse-plus-one": lambda digits: "".join(str((int(d) + 1) % 10) for d in digits[::-1]),
+}
 
-def reversal_split(n_train: int = N_TRAIN, n_valid: int = N_VALID, seed: int = 0):
+
+def reversal_split(n_train: int = N_TRAIN, n_valid: int = N_VALID, seed: int = 0, task: str = "reverse"):
     """(train pairs, held-out pairs): distinct digit strings, so no held-out prompt was trained on."""
     numbers = random.Random(seed).sample(range(10**DIGITS_PER_PROMPT), n_train + n_valid)
-    pairs = [(f"{n:0{DIGITS_PER_PROMPT}d}=", f"{n:0{DIGITS_PER_PROMPT}d}"[::-1]) for n in numbers]
+    answer = TASKS[task]
+    pairs = [(f"{n:0{DIGITS_PER_PROMPT}d}=", answer(f"{n:0{DIGITS_PER_PROMPT}d}")) for n in numbers]
     return pairs[:n_train], pairs[n_train:]
 
 
-def write_reversal_task(directory: str | Path, seed: int = 0) -> tuple[Path, Path, list[tuple[str, str]]]:
+def write_reversal_task(directory: str | Path, seed: int = 0, task: str = "reverse") -> tuple[Path, Path, list[tuple[str, str]]]:
     """train.jsonl and valid.jsonl in `directory`; also returns the held-out pairs."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    train, valid = reversal_split(seed=seed)
+    train, valid = reversal_split(seed=seed, task=task)
     paths = (directory / "train.jsonl", directory / "valid.jsonl")
     for path, chunk in zip(paths, (train, valid)):
         path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in chunk))

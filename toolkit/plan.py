@@ -139,7 +139,7 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
         for recompute in RECOMPUTE:
             memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora)
             yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
-                                                                 cluster.gpus_per_node, cluster.hardware))
+                                                                 cluster.gpus_per_node, cluster.hardware, lora))
 
 
 def _fits(c: Candidate, cluster: Cluster) -> bool:

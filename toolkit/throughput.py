@@ -3,6 +3,9 @@
     step = compute of the slowest stage / (1 - pipeline bubble)
            + TP all-reduces + pipeline sends + DP gradient traffic + offload
 
+With LoRA (`lora=`) the base is frozen: its linears run no weight-gradient GEMM (2 of the 3 matmul
+passes, so ~2/3 of full fine-tuning's FLOPs), and only the adapter's gradients cross DP and PCIe.
+
 Each term is written so the ranking prefers less communication: TP inside a node (NVLink), PP
 across nodes, few pipeline bubbles ((PP-1)/(m+PP-1)), stages of equal work (the last one also
 runs the output layer), ZeRO stages that move fewer bytes, and no offload unless needed. Ranks
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from toolkit.dsconfig import Setup
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
+from toolkit.memory.lora import LoraShape, adapter_numels
 from toolkit.memory.params import stage_param_numels, total_params
 
 # H100 SXM dense bf16 peak; Megatron-Core's H100 table reports 41-48% MFU against it.
@@ -33,8 +37,12 @@ INFINIBAND_BYTES_PER_S = 50e9
 # parameters per second DeepSpeedCPUAdam updates on one GPU's share of host cores.
 PCIE_BYTES_PER_S = 25e9
 CPU_ADAM_PARAMS_PER_S = 1e9
-# Hardware FLOPs multiplier: full recompute runs every forward twice (Korthikanti et al.).
-RECOMPUTE_FLOPS = {"none": 1.0, "selective": 1.02, "full": 4 / 3}
+# Matmul passes per training step: forward, input gradient, weight gradient (2 FLOPs per weight
+# and token each: the 6N rule); a frozen weight skips the weight gradient.
+TRAINED_PASSES, FROZEN_PASSES = 3, 2
+# Extra forward passes recomputation adds: full recompute runs every forward twice (Korthikanti et
+# al.: 4/3 of full fine-tuning's FLOPs), selective about 2% of them.
+RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.06, "full": 1.0}
 
 
 @dataclass(frozen=True)
@@ -61,30 +69,38 @@ class StepTime:
 
 
 def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_per_node: int,
-              hw: Hardware = Hardware()) -> StepTime:
+              hw: Hardware = Hardware(), lora: LoraShape | None = None) -> StepTime:
     tokens = setup.samples_per_step * seq_len
-    flops = tokens * setup.pp * _slowest_stage_flops_per_token(spec, setup, seq_len) * RECOMPUTE_FLOPS[recompute]
+    flops = tokens * setup.pp * _slowest_stage_flops_per_token(spec, setup, seq_len, recompute, lora)
     micro_tokens = setup.micro_batch * seq_len
     efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     compute = flops / (setup.gpus * hw.flops * efficiency)
     m = setup.micro_batches
     bubble = (setup.pp - 1) / (m + setup.pp - 1)
     n = total_params(spec)
+    trained = n if lora is None else sum(adapter_numels(spec, lora, 1, 1))
     comm = (_tp_comm(spec, setup, seq_len, hw, gpus_per_node), _pp_comm(spec, setup, seq_len, hw, gpus_per_node),
-            _dp_comm(n, setup, hw, gpus_per_node))
-    offload = _offload(n, setup, hw)
+            _dp_comm(n, trained, setup, hw, gpus_per_node))
+    offload = _offload(n, trained, setup, hw)
     step = StepTime(compute, bubble, comm[0] + comm[1], comm[2], offload, 0.0)
     return StepTime(compute, bubble, comm[0] + comm[1], comm[2], offload, tokens / step.total / setup.gpus)
 
 
-def _slowest_stage_flops_per_token(spec, setup, seq_len) -> float:
+def _slowest_stage_flops_per_token(spec, setup, seq_len, recompute="none", lora=None) -> float:
     """6 x the matmul parameters of a stage (the embedding is a lookup) plus causal attention
-    (torchtitan's 6*L*h*s, halved for causality); the pipeline runs at its slowest stage."""
+    (torchtitan's 6*L*h*s, halved for causality); the pipeline runs at its slowest stage. Under
+    LoRA the base's matmuls make 2 passes instead of 3 and the adapter's make 3; attention has no
+    weights, so its backward is unchanged. Recompute adds forward passes of everything."""
     lookup = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size) * spec.hidden_size
     layers = spec.num_layers // setup.pp
     stages = (0, setup.pp - 1)
     matmul = max(sum(stage_param_numels(spec, setup.tp, setup.pp, s)) * setup.tp - (s == 0) * lookup for s in stages)
-    return 6 * matmul + 6 * layers * spec.hidden_size * seq_len
+    extra = RECOMPUTE_FORWARDS[recompute]
+    attention = 6 * layers * spec.hidden_size * seq_len * (TRAINED_PASSES + extra) / TRAINED_PASSES
+    if lora is None:
+        return 2 * matmul * (TRAINED_PASSES + extra) + attention
+    adapter = sum(adapter_numels(spec, lora, 1, setup.pp))
+    return 2 * matmul * (FROZEN_PASSES + extra) + 2 * adapter * (TRAINED_PASSES + extra) + attention
 
 
 def _bytes(setup: Setup) -> int:
@@ -110,23 +126,26 @@ def _pp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:
     return 2 * setup.micro_batches * size / (hw.intra_node if inside else hw.inter_node)
 
 
-def _dp_comm(n, setup, hw, gpus_per_node) -> float:
-    """ZeRO paper §7: ZeRO-0/1/2 move 2 x the local parameters per step, ZeRO-3 3 x. A DP group
-    spans TP x DP consecutive ranks."""
+def _dp_comm(n, trained, setup, hw, gpus_per_node) -> float:
+    """ZeRO paper §7: ZeRO-0/1/2 move 2 x the local trained parameters per step (gradients
+    reduced, updated parameters gathered), ZeRO-3 also gathers every parameter twice (forward and
+    backward) and reduces the gradients once. A DP group spans TP x DP consecutive ranks."""
     if setup.dp == 1:
         return 0.0
-    volume = (3 if setup.zero == 3 else 2) * (setup.dp - 1) / setup.dp * n / (setup.tp * setup.pp) * _bytes(setup)
+    moved = 2 * n + trained if setup.zero == 3 else 2 * trained
+    volume = moved * (setup.dp - 1) / setup.dp / (setup.tp * setup.pp) * _bytes(setup)
     inside = setup.tp * setup.dp <= gpus_per_node
     return volume / (hw.intra_node if inside else hw.inter_node)
 
 
-def _offload(n, setup, hw) -> float:
-    """Gradients down and parameters up over PCIe, the Adam step on host cores; with parameter
-    offload, the parameters also cross PCIe for every forward and backward."""
-    local = n / (setup.tp * setup.pp * setup.dp)
+def _offload(n, trained, setup, hw) -> float:
+    """Gradients down and parameters up over PCIe, the Adam step on host cores (the trained
+    parameters only); with parameter offload, every parameter also crosses PCIe for every forward
+    and backward."""
+    local, local_trained = (x / (setup.tp * setup.pp * setup.dp) for x in (n, trained))
     t = 0.0
     if setup.offload_optimizer != "none":
-        t += local * (4 + _bytes(setup)) / hw.pcie + local / hw.cpu_adam
+        t += local_trained * (4 + _bytes(setup)) / hw.pcie + local_trained / hw.cpu_adam
     if setup.offload_param != "none":
         t += 2 * setup.micro_batches * local * _bytes(setup) / hw.pcie
     return t

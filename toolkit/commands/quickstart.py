@@ -14,11 +14,14 @@ def register(sub) -> None:
     )
     p.add_argument("--workdir", default="quickstart_out", help="where to put the example files (default ./quickstart_out)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's 300)")
+    p.add_argument("--lora", action="store_true",
+                   help="then train a LoRA adapter on the fine-tuned model for a second task (reversed digits + 1) "
+                   "and check the merged model on its held-out prompts")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
     from toolkit.quickstart import run
 
-    run(args.workdir, steps=args.steps)
+    run(args.workdir, steps=args.steps, lora=args.lora)
     return 0

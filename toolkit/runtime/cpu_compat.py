@@ -258,3 +258,16 @@ def skip_deepspeed_shm_op() -> None:
     inference_all_reduce. Training all-reduces go through gloo, so skip the build."""
     # `import deepspeed.comm.torch` would bind the torch package (deepspeed.comm has a `torch` attribute).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def allow_deepspeed_fp16() -> None:
+    """DeepSpeed, CPU accelerator: `is_fp16_supported()` (deepspeed/accelerator/cpu_accelerator.py:228-233)
+    is true only where oneDNN has native fp16 kernels (AVX512-FP16 / AMX-FP16), and engine.py:2003-2004
+    then refuses fp16 ("Type fp16 is not supported on your device"). torch's generic CPU kernels run
+    every fp16 op a training step needs (torch 2.13: matmul, linear and SDPA forward and backward,
+    softmax, RMSNorm, cross-entropy), so say so, on CPU only; with CUDA the accelerator's own answer stands."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed
+
+    deepspeed.get_accelerator().is_fp16_supported = lambda: True

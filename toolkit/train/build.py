@@ -16,7 +16,7 @@ from toolkit.errors import ConfigError, ConversionError
 from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
@@ -134,6 +134,7 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
     is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none."""
     from toolkit.dsconfig import OptimizerSettings, Setup, build
     from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
+    from toolkit.train.loss_scale import fp16_ds_settings
 
     o = cfg.optim
     setup = Setup(
@@ -151,7 +152,10 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
                                     torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
         scheduler=None,
     )
-    return build(setup, meta.model_spec)
+    config = build(setup, meta.model_spec)
+    if cfg.precision == "fp16":
+        config["fp16"].update(fp16_ds_settings(cfg))
+    return config
 
 
 def build_data(cfg: TrainConfig, info: ParallelInfo, tokenizer):

@@ -88,6 +88,17 @@ class PeftConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """fp16's dynamic loss scaling (DeepSpeed's DynamicLossScaler; toolkit.train.loss_scale)."""
+
+    initial_scale_power: Annotated[int, Bound(integer=True, ge=0, le=32)] = 16  # the first scale is 2**power
+    window: PositiveInt = 1000  # clean steps before the scale doubles
+    hysteresis: PositiveInt = 2  # overflows in a row before the scale halves (each one skips its step)
+    min_scale: Annotated[float, Bound(gt=0.0)] = 1.0
+    max_consecutive_skips: PositiveInt = 20  # overflowed steps in a row that stop the run
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -95,7 +106,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
-    precision: Literal["bf16", "fp32"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
     micro_batch: PositiveInt = 1
     global_batch: PositiveInt = 8
     steps: PositiveInt = 100
@@ -115,9 +127,14 @@ class TrainConfig:
 
 # Values refused on purpose get the reason, not only the list of choices.
 REFUSED_CHOICES = {
-    "fp16": "fp16 is refused: DeepSpeed scales the loss only inside engine.backward, which the megatron-core "
-            "pipeline schedule does not call",
+    "bf16,fp16": "fp16 and bf16 cannot both be enabled (DeepSpeed asserts); choose one precision",
 }
+
+
+def _choice_key(value) -> str:
+    """A list or comma-separated value as its sorted items, so `fp16,bf16` and [bf16, fp16] meet."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return ",".join(sorted(str(item).strip() for item in items))
 
 
 def _coerce_number(value, kind: type):
@@ -153,7 +170,7 @@ def _coerce(value, hint):
     if origin is Literal:
         if value in args:
             return value
-        reason = REFUSED_CHOICES.get(str(value))
+        reason = REFUSED_CHOICES.get(_choice_key(value))
         raise ConfigError(reason or f"must be one of {', '.join(map(str, args))}, got {value!r}")
     if origin is typing.Union or origin is types.UnionType:
         if value in ("none", "None", "null"):

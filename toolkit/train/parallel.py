@@ -107,11 +107,12 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
     steps the scheduler in engine.step() and keeps its state, the schedule's too, in checkpoints."""
     import deepspeed
 
-    from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+    from toolkit.runtime.cpu_compat import allow_deepspeed_fp16, skip_deepspeed_shm_op
     from toolkit.train import experts
 
     if not torch.cuda.is_available():
         skip_deepspeed_shm_op()
+        allow_deepspeed_fp16()
     expert_group = experts.register_expert_groups(model, cfg.parallel.ep)
     with experts.moe_engine(expert_group):
         engine, _, _, _ = deepspeed.initialize(
