@@ -65,8 +65,9 @@ def launcher_command(nprocs: int, launcher: str) -> list[str]:
 
 
 def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
-           launcher: str = "torchrun", expect_failure: bool = False):
-    cmd = [*launcher_command(nprocs, launcher), str(RECIPE), "--config", str(recipe_path), *overrides]
+           launcher: str = "torchrun", expect_failure: bool = False, script: Path = RECIPE):
+    """Run the recipe (or `script`, a test's wrapper around it) on `nprocs` processes."""
+    cmd = [*launcher_command(nprocs, launcher), str(script), "--config", str(recipe_path), *overrides]
     # os.environ carries TOOLKIT_STRICT_DEVICES=1 from tests/conftest.py: device-strict collectives.
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.finetune_harness import launch, read_metrics, recipe
+from tests.finetune_harness import REPO, launch, read_metrics, recipe
 from tests.test_finetune_checkpoint import model_and_data  # noqa: F401  (the shared fixture)
-from toolkit.train.elastic import DROP_MOMENTS_ENV
 
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-6, 1e-5
 SAVED_STEP, STEPS = 5, 10
+# The recipe with Adam's moments left at zero on an elastic resume (patched in the worker).
+WITHOUT_MOMENTS = REPO / "tests" / "recipe_without_moments.py"
 
 
 def max_rel(resumed: list[dict], straight: list[dict], key: str) -> float:
@@ -30,14 +31,14 @@ def straight_run(tmp: Path, mc, data, nprocs: int, parallel: dict) -> tuple[Path
     return directory / "run" / "checkpoints" / f"step_{SAVED_STEP:07d}", read_metrics(directory / "run")
 
 
-def resume_at(tmp: Path, name: str, saved: Path, mc, data, nprocs: int, parallel: dict, env=None) -> list[dict]:
+def resume_at(tmp: Path, name: str, saved: Path, mc, data, nprocs: int, parallel: dict, **launch_args) -> list[dict]:
     """Steps 6-10 on another layout from a copy of the step-5 checkpoint."""
     directory = tmp / name
     checkpoints = directory / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
     shutil.copytree(saved, checkpoints / saved.name)
     (checkpoints / "latest").write_text(saved.name)
-    launch(nprocs, recipe(directory, mc, data, parallel=parallel, steps=STEPS), "resume=auto", env=env)
+    launch(nprocs, recipe(directory, mc, data, parallel=parallel, steps=STEPS), "resume=auto", **launch_args)
     return read_metrics(directory / "run")
 
 
@@ -59,7 +60,8 @@ def test_small_layouts_resume_each_other_and_moments_matter(model_and_data, tmp_
         loss, norm = report(name, resume_at(tmp_path, name, saved, mc, data, nprocs, parallel), straight)
         assert loss <= LOSS_RTOL and norm <= GRAD_NORM_RTOL, name
 
-    guard = resume_at(tmp_path, "no-moments", saved, mc, data, 2, layouts["dp2-zero3"][1], env={DROP_MOMENTS_ENV: "1"})
+    guard = resume_at(tmp_path, "no-moments", saved, mc, data, 2, layouts["dp2-zero3"][1],
+                      script=WITHOUT_MOMENTS)
     loss, _ = report("dp2-zero3 without Adam moments (guard)", guard, straight)
     assert loss > 100 * LOSS_RTOL, "dropping the optimizer moments must break the match"
 

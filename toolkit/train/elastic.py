@@ -31,7 +31,6 @@ schedule and the data position in samples, into train_state.json.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,9 +42,6 @@ from toolkit.errors import ToolkitError
 STATE_DIR = "train"
 # (name in the checkpoint, DeepSpeed's optimizer-state key; None = the fp32 master weight)
 STATES = (("fp32", None), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-MOMENTS = ("exp_avg", "exp_avg_sq")
-# Guard tests only: resume without Adam's moments (they start from zero), to show they matter.
-DROP_MOMENTS_ENV = "TOOLKIT_TEST_DROP_MOMENTS"
 
 
 class ElasticStateError(ToolkitError):
@@ -140,11 +136,8 @@ def load_state(directory: Path, engine, shards: ParamShards, step: int) -> None:
     fp32 copy of its TP/PP shard at a time."""
     from megatron.core import dist_checkpointing
 
-    _create_adam_state(engine)  # zeros: what a dropped moment (guard tests) stays
-    dropped = MOMENTS if os.environ.get(DROP_MOMENTS_ENV) else ()
+    _create_adam_state(engine)
     for name, key in STATES:
-        if name in dropped:
-            continue
         template = {
             str(index): shards.sharded(name, entry, torch.empty(shape, dtype=torch.float32))
             for index, (_, entry, shape) in enumerate(shards.entries)
