@@ -35,7 +35,7 @@ def run(root: Path, nprocs: int, tp: int, pp: int, zero: int, saves: int) -> lis
                  f"parallel.pp={pp}", f"parallel.zero_stage={zero}", "resume=none"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "SAVE_BENCH_OUT": str(out)}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-                    os.environ.get("SAVE_BENCH_WORKER", str(REPO / "benchmarks" / "save_worker.py")), *overrides], env=env, check=True)
+                    str(REPO / "benchmarks" / "save_worker.py"), *overrides], env=env, check=True)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
