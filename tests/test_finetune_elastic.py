@@ -82,11 +82,13 @@ def test_resharded_checkpoint_resumes_at_its_new_layout_and_exports_the_same_wei
 
     from toolkit.convert import megatron_to_hf
     from toolkit.errors import ToolkitError
+    from toolkit.train.checkpoint_info import describe, lines
     from toolkit.train.reshard import reshard
 
     hf, mc, data = model_and_data
     saved, straight = pp2_straight
     out = reshard(saved, tmp_path / "resharded", tp=2, pp=1)
+    assert lines(describe(out))[0].endswith("written at TP 2 x PP 1 x any DP and ZeRO stage (resharded)")
     for wrong, match in (({"tp": 3, "pp": 1}, "not divisible"), ({"tp": 2, "pp": 1}, "exists and is not empty")):
         with pytest.raises(ToolkitError, match=match) as caught:
             reshard(saved, tmp_path / ("resharded" if wrong["tp"] == 2 else "tp3"), **wrong)
