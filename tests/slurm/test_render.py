@@ -366,6 +366,7 @@ def test_min_nodes_renders_a_node_range_and_every_count_in_it_must_fit(recipe_fi
     text = render(job)
     assert "#SBATCH --nodes=1-2\n" in text and "--min-nodes=1" in text.splitlines()[2]
     assert "# Fine-tuning on 1 to 2 CPU node(s)" in text
+    assert "#SBATCH --ntasks-per-node" not in text, "Slurm would size the job for MIN nodes"
     with pytest.raises(SlurmError, match=r"on 1 nodes x 2 processes \(within --min-nodes 1 --max-nodes 2\): 2 is not "
                                          r"divisible by the recipe's TP x PP = 2 x 2; node counts up to 2 that fit: \[2\]$"):
         render(dataclasses.replace(job, overrides=()))

@@ -45,12 +45,12 @@ def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -
             verify_file(root, path, meta.checksums)  # before unpickling anything from it
         state = torch_format.load_trusted_types(path)["model"]
     else:
-        state = dict(stage_at_layout(root, Layout(tp, pp, meta.vocab_divisor, ep), *ranks))
+        state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor, ep), *ranks))
     load_state_by_name(model, state)
     return meta
 
 
-def stage_at_layout(root: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0):
+def _reshard(root: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int):
     """This rank's shard of a per-rank checkpoint written for another layout: merge the HF
     tensors this stage (and EP rank) needs from the stored shards, then split them for the new layout."""
     ckpt = MegatronCheckpoint.open(root)

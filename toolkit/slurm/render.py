@@ -397,8 +397,10 @@ def command_line(job: SlurmJob) -> str:
 
 def _sbatch_lines(job: SlurmJob) -> list[str]:
     r, p = job.resources, job.preemption
-    nodes = f"{r.min_nodes}-{r.nodes}" if r.min_nodes not in (None, r.nodes) else str(r.nodes)
-    lines = [f"--job-name={job.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if r.min_nodes in (None, r.nodes):
+        lines = [f"--job-name={job.job_name}", f"--nodes={r.nodes}", "--ntasks-per-node=1"]
+    else:  # with --ntasks-per-node, Slurm (22.05) sizes the job for MIN nodes and never grants more
+        lines = [f"--job-name={job.job_name}", f"--nodes={r.min_nodes}-{r.nodes}"]
     if not r.cpu:
         lines.append(f"--gpus-per-node={r.gpus_per_node}")
     lines.append(f"--cpus-per-task={r.cpus_per_task}")
