@@ -9,7 +9,7 @@ use, beside the optimizer's `optimizer.*` tensors, which an export leaves alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -75,6 +75,7 @@ class MegatronCheckpoint:
     config_bytes: bytes
     tokenizer_files: list[Path]
     meta: CheckpointMeta | None
+    verified: set = field(default_factory=set, repr=False, compare=False)  # files whose checksum was checked
 
     @classmethod
     def open(cls, root: str | Path, hf_config: str | Path | None = None) -> "MegatronCheckpoint":
@@ -142,8 +143,9 @@ class MegatronCheckpoint:
     def _verified(self, path: Path) -> None:
         """Checksums are checked as each file is first read (its one sequential read also warms the
         page cache the memory-mapped load then uses); Megatron-LM checkpoints have none to check."""
-        if self.meta is not None:
+        if self.meta is not None and path not in self.verified:
             verify_file(self.root, path, self.meta.checksums)
+            self.verified.add(path)
 
     def _rows(self):
         return self.family.rows_for(self.spec.tied_embeddings)

@@ -6,7 +6,8 @@ offline (one process, no process group), as a run directory that `resume=auto` c
       train/              the layout-independent fp32 master weights and Adam moments, copied file
                           by file (torch_dist global tensors: already readable at any layout)
       model/              the fp32 weights in our per-rank format at the new TP x PP, one rank file
-                          at a time (what `toolkit convert megatron-to-hf` and `ckpt inspect` read)
+                          at a time, read one row at a time (what `toolkit convert megatron-to-hf` and
+                          `ckpt inspect` read)
       train_state.json    the step, LR schedule, data position and global batch, with the new TP and PP
 
 DeepSpeed's files (ds/) and the per-rank RNG states (ranks/) belong to the old layout and are left
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import torch_format
-from toolkit.convert.load import stage_at_layout
+from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+from toolkit.convert.stages import stage_tensors
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args
@@ -73,13 +75,42 @@ def _copy_files(source: Path, target: Path) -> None:
             shutil.copyfile(path, destination)
 
 
+class RowSource:
+    """A Source (toolkit.splits) over a stored checkpoint holding one row's HF tensors at a time (a
+    fused QKV or [gate; up] merged over the old TP ranks), so memory holds the rank file being built
+    and one row, not a whole stage. What `read` returns is a copy: it must not keep the row alive."""
+
+    def __init__(self, checkpoint: MegatronCheckpoint):
+        self.checkpoint, self.row = checkpoint, {}
+
+    def _tensor(self, name: str):
+        if name not in self.row:
+            self.row = {}  # drop the previous row before reading the next
+            self.row = dict(self.checkpoint.hf_tensors({name}))
+        return self.row[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensor(name).shape)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None):
+        tensor = self._tensor(name)
+        tensor = tensor if rows is None else tensor[rows]
+        return (tensor if cols is None else tensor[:, cols]).clone()
+
+
 def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout) -> None:
     """Each rank file of the new layout from the stored shards, written as soon as it is complete."""
     spec = meta.model_spec
     args = megatron_args(spec, layout, "torch")
     layers = spec.num_layers // layout.pp
-    sums = torch_format.write_rank_files(target / RELEASE, layout, lambda t, p, e: stage_at_layout(source, layout, t, p, e),
-                                         layers, LAYER_SPEC, args, len(layout.local_experts(spec, 0)))
+    stored = MegatronCheckpoint.open(source)
+    rows = RowSource(stored)
+
+    def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
+        return stage_tensors(rows, stored.family, stored.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
+
+    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, layers, LAYER_SPEC, args,
+                                         len(layout.local_experts(spec, 0)))
     new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp,
                             "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})
     new.write(target)
