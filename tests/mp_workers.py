@@ -327,3 +327,46 @@ def _megatron_switch_loss(router_logits, config) -> float:
         counts = torch.zeros_like(probs).scatter(1, probs.topk(k, dim=-1).indices, 1.0).sum(0)
         total += float(probs.shape[1] * (counts * probs.sum(0)).sum() / (k * probs.shape[0] ** 2))
     return total
+
+
+def megatron_distributed_optimizer_checkpoint(checkpoint: str, out: str, steps: int) -> float:
+    """megatron-core's own training objects, not ours: the converted model wrapped in megatron-core's
+    DistributedDataParallel with its DistributedOptimizer (Adam, fp32, state sharded over DP), a few
+    steps on random tokens, then dist_checkpointing.save of the model's and the optimizer's
+    sharded_state_dict in the layout-independent (`fully_reshardable`) format. Returns the last loss."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from toolkit.convert.load import load_converted
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.model import build_gpt_model
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    meta = CheckpointMeta.read(Path(checkpoint))
+    model = build_gpt_model(meta.model_spec, meta.layout)
+    load_converted(model, checkpoint)
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True,
+                                                       params_dtype=torch.float32), [ddp])
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    tokens = torch.randint(0, meta.model_spec.vocab_size, (2, 16), generator=generator)
+    positions = torch.arange(16).expand(2, -1)
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+    model_state = model.sharded_state_dict()
+    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+        model_state, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
+    if torch.distributed.get_rank() == 0:
+        Path(out).mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, out)
+    return float(loss)

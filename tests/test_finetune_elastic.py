@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.finetune_harness import launch, read_metrics, recipe
+from tests.finetune_harness import REPO, launch, read_metrics, recipe
 from tests.test_finetune_checkpoint import model_and_data  # noqa: F401  (the shared fixture)
-from toolkit.train.elastic import DROP_MOMENTS_ENV
 
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-6, 1e-5
 SAVED_STEP, STEPS = 5, 10
+# The recipe with Adam's moments left at zero on an elastic resume (patched in the worker).
+WITHOUT_MOMENTS = REPO / "tests" / "recipe_without_moments.py"
 
 
 def max_rel(resumed: list[dict], straight: list[dict], key: str) -> float:
@@ -30,14 +31,14 @@ def straight_run(tmp: Path, mc, data, nprocs: int, parallel: dict) -> tuple[Path
     return directory / "run" / "checkpoints" / f"step_{SAVED_STEP:07d}", read_metrics(directory / "run")
 
 
-def resume_at(tmp: Path, name: str, saved: Path, mc, data, nprocs: int, parallel: dict, env=None) -> list[dict]:
+def resume_at(tmp: Path, name: str, saved: Path, mc, data, nprocs: int, parallel: dict, **launch_args) -> list[dict]:
     """Steps 6-10 on another layout from a copy of the step-5 checkpoint."""
     directory = tmp / name
     checkpoints = directory / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
     shutil.copytree(saved, checkpoints / saved.name)
     (checkpoints / "latest").write_text(saved.name)
-    launch(nprocs, recipe(directory, mc, data, parallel=parallel, steps=STEPS), "resume=auto", env=env)
+    launch(nprocs, recipe(directory, mc, data, parallel=parallel, steps=STEPS), "resume=auto", **launch_args)
     return read_metrics(directory / "run")
 
 
@@ -47,21 +48,63 @@ def report(name: str, resumed: list[dict], straight: list[dict]) -> tuple[float,
     return loss, norm
 
 
+@pytest.fixture(scope="module")
+def pp2_straight(model_and_data, tmp_path_factory):
+    """10 steps at PP2 ZeRO-1 on 2 processes, saved at step 5: shared by the quick elastic tests."""
+    hf, mc, data = model_and_data
+    return straight_run(tmp_path_factory.mktemp("pp2"), mc, data, 2, {"tp": 1, "pp": 2, "zero_stage": 1})
+
+
 @pytest.mark.multiprocess
-def test_small_layouts_resume_each_other_and_moments_matter(model_and_data, tmp_path):
+def test_small_layouts_resume_each_other_and_moments_matter(model_and_data, pp2_straight, tmp_path):
     """Quick: PP2 ZeRO-1 -> TP2 ZeRO-2, DP2 ZeRO-3, and TP4 (whose padded vocabulary is 512 rows,
     not 256: megatron-core's embedding sharding allows the mismatch); without Adam's moments it breaks."""
     hf, mc, data = model_and_data
-    saved, straight = straight_run(tmp_path, mc, data, 2, {"tp": 1, "pp": 2, "zero_stage": 1})
+    saved, straight = pp2_straight
     layouts = {"tp2-zero2": (2, {"tp": 2, "pp": 1, "zero_stage": 2}), "dp2-zero3": (2, {"tp": 1, "pp": 1, "zero_stage": 3}),
                "tp4-zero1": (4, {"tp": 4, "pp": 1, "zero_stage": 1})}
     for name, (nprocs, parallel) in layouts.items():
         loss, norm = report(name, resume_at(tmp_path, name, saved, mc, data, nprocs, parallel), straight)
         assert loss <= LOSS_RTOL and norm <= GRAD_NORM_RTOL, name
 
-    guard = resume_at(tmp_path, "no-moments", saved, mc, data, 2, layouts["dp2-zero3"][1], env={DROP_MOMENTS_ENV: "1"})
+    guard = resume_at(tmp_path, "no-moments", saved, mc, data, 2, layouts["dp2-zero3"][1],
+                      script=WITHOUT_MOMENTS)
     loss, _ = report("dp2-zero3 without Adam moments (guard)", guard, straight)
     assert loss > 100 * LOSS_RTOL, "dropping the optimizer moments must break the match"
+
+
+@pytest.mark.multiprocess
+def test_resharded_checkpoint_resumes_at_its_new_layout_and_exports_the_same_weights(model_and_data, pp2_straight,
+                                                                                     tmp_path):
+    """`toolkit ckpt reshard` PP2 -> TP2: the output resumes with resume=auto (steps 6-10 as the
+    straight run), its model/ exports the same HF weights; bad requests are one line, nothing written."""
+    from safetensors.torch import load_file
+
+    from toolkit.convert import megatron_to_hf
+    from toolkit.errors import ToolkitError
+    from toolkit.train.checkpoint_info import describe, lines
+    from toolkit.train.reshard import reshard
+
+    hf, mc, data = model_and_data
+    saved, straight = pp2_straight
+    out = reshard(saved, tmp_path / "resharded", tp=2, pp=1)
+    assert lines(describe(out))[0].endswith("written at TP 2 x PP 1 x any DP and ZeRO stage (resharded)")
+    for wrong, match in (({"tp": 3, "pp": 1}, "not divisible"), ({"tp": 2, "pp": 1}, "exists and is not empty")):
+        with pytest.raises(ToolkitError, match=match) as caught:
+            reshard(saved, tmp_path / ("resharded" if wrong["tp"] == 2 else "tp3"), **wrong)
+        assert "\n" not in str(caught.value)
+    assert not (tmp_path / "tp3").exists()
+
+    exports = [megatron_to_hf(step / "model", tmp_path / name, progress=False)
+               for name, step in (("hf-before", saved), ("hf-after", out / "checkpoints" / saved.name))]
+    before, after = (load_file(next(Path(d).glob("*.safetensors"))) for d in exports)
+    assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
+
+    (tmp_path / "resume").mkdir()
+    launch(2, recipe(tmp_path / "resume", mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=STEPS,
+                     run_dir=str(out)), "resume=auto")
+    loss, norm = report("resharded to tp2, resumed", read_metrics(out), straight)
+    assert loss <= LOSS_RTOL and norm <= GRAD_NORM_RTOL
 
 
 @pytest.mark.multiprocess

@@ -244,3 +244,41 @@ def test_hostile_values_reach_every_rank_verbatim_on_both_nodes_and_the_restart_
     assert "requeueing (restart 1 of 1)" in log and "the restart cap (1) is reached; resubmit to resume" in log
     assert not list(tmp_path.rglob("CANARY")), "a planted command ran"
     no_secret_in(tmp_path / "probe.sbatch", tmp_path / f"probe-{job_id}.out")
+
+
+def _idle_nodes() -> set[str]:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True).stdout
+    return {name for name, state in (line.split() for line in out.splitlines()) if state == "idle"}
+
+
+def test_requeued_job_comes_back_on_one_node_and_resumes_at_that_layout_into_one_wandb_run(slurm_cluster, tiny,
+                                                                                            tmp_path):
+    """--min-nodes 1 --max-nodes 2 at TP2: the job starts on n1 + n2 (DP2), n2 is drained and the job
+    preempted with `scontrol requeue`; it comes back on n1 alone (DP1), resumes the last checkpoint
+    through the layout-independent state with the global batch kept, and finishes: one W&B run."""
+    mc, train, valid = tiny
+    cfg = recipe(tmp_path, mc, train, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=STEPS, save_every=3)
+    run_dir = tmp_path / "run"
+    wait_until(lambda: _idle_nodes() == {"n1", "n2"}, 60, "both nodes idle")  # else Slurm may start it on one
+    job_id = submit(cfg, tmp_path, "shrink", "--min-nodes", "1", env={"WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL": "1"})
+    try:
+        wait_until(lambda: (run_dir / "checkpoints" / "latest").exists(), 600, "the first checkpoint", job_id)
+        assert job_field(job_id, "NumNodes") == "2"
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=toolkit-test"], check=True)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        assert_completed(job_id, tmp_path, "shrink")
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=False)
+    log = log_of(tmp_path, "shrink", job_id)
+    assert f"toolkit: job {job_id} start 0 on n[1-2] (2 x 2)" in log
+    assert f"toolkit: job {job_id} start 1 on n1 (1 x 2)" in log
+    resumed = int(re.findall(r"resuming at step (\d+)", log)[-1])  # the SIGTERM save, or the last periodic one
+    assert 3 <= resumed < STEPS
+    assert "'dp': 2" in log and "'tp': 2, 'pp': 1, 'dp': 1, 'zero_stage': 1, 'world_size': 2, 'num_microbatches': 8" in log
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), "every step logged exactly once"
+
+    run = assert_one_wandb_run(run_dir, f"slurm-{job_id}", metrics)
+    assert run.segments[-1].history[0]["_step"] == resumed + 1
+    assert run.segments[-1].config["layout"]["world_size"] == 2
+    print(f"\n2 nodes (DP2) -> scontrol requeue -> 1 node (DP1), resumed at step {resumed}")

@@ -356,3 +356,22 @@ def test_relative_log_path_that_cannot_sit_on_an_sbatch_line_is_refused(recipe_f
     with pytest.raises(SlurmError, match="give an absolute --output"):
         render(cpu_job(recipe_file))
     assert f"--output={tmp_path}/log-%j.out" in render(cpu_job(recipe_file, output=f"{tmp_path}/log-%j.out"))
+
+
+def test_min_nodes_renders_a_node_range_and_every_count_in_it_must_fit(recipe_file, tmp_path):
+    """--min-nodes 1 --max-nodes 2: `#SBATCH --nodes=1-2`, each count checked with the recipe's TP x PP
+    and global batch; a range holding a count that cannot run is one line naming the counts that can."""
+    job = cpu_job(recipe_file, overrides=("parallel.pp=1",),
+                  resources=Resources(nodes=2, min_nodes=1, procs_per_node=2, cpus_per_task=2, time="30"))
+    text = render(job)
+    assert "#SBATCH --nodes=1-2\n" in text and "--min-nodes=1" in text.splitlines()[2]
+    assert "# Fine-tuning on 1 to 2 CPU node(s)" in text
+    assert "#SBATCH --ntasks-per-node" not in text, "Slurm would size the job for MIN nodes"
+    with pytest.raises(SlurmError, match=r"on 1 nodes x 2 processes \(within --min-nodes 1 --max-nodes 2\): 2 is not "
+                                         r"divisible by the recipe's TP x PP = 2 x 2; node counts up to 2 that fit: \[2\]$"):
+        render(dataclasses.replace(job, overrides=()))
+    with pytest.raises(SlurmError, match="min_nodes must be a whole number from 1 to 2"):
+        render(replace_in(job, "resources.min_nodes", 3))
+    cli = toolkit("slurm", "render", str(recipe_file), "parallel.pp=1", "--cpu", "--min-nodes", "1", "--max-nodes", "2",
+                  "--procs-per-node", "2", "--cpus-per-task", "2", "-o", str(tmp_path / "job.sbatch"))
+    assert "#SBATCH --nodes=1-2\n" in (tmp_path / "job.sbatch").read_text(), cli.stdout

@@ -53,7 +53,12 @@ def job_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--model", help="check the layout against this model (HF directory, config.json or converted "
                                    "checkpoint; default: the recipe's model.checkpoint where it exists here)")
     r = p.add_argument_group("resources")
-    r.add_argument("--nodes", type=int, default=1)
+    r.add_argument("--nodes", "--max-nodes", dest="nodes", type=int, default=1,
+                   help="nodes (default 1); with --min-nodes the most the job asks for")
+    r.add_argument("--min-nodes", type=int, default=None,
+                   help="fewest nodes the job accepts (sbatch --nodes=MIN-MAX): each start takes what it is given, "
+                        "DP from SLURM_NNODES, TP and PP from the recipe, the global batch kept; a requeued job "
+                        "resumes its checkpoint at that layout")
     r.add_argument("--gpus-per-node", type=int, default=None)
     r.add_argument("--cpu", action="store_true", help="CPU nodes: no GPU request, --procs-per-node processes per node")
     r.add_argument("--procs-per-node", type=int, default=None, help="with --cpu (default 1)")
@@ -100,7 +105,7 @@ def job_from_args(args):
         env.append((name, value))
     resources = Resources(nodes=args.nodes, gpus_per_node=args.gpus_per_node or 0, procs_per_node=args.procs_per_node,
                           cpus_per_task=args.cpus_per_task, mem=args.mem, time=args.time, partition=args.partition,
-                          account=args.account, qos=args.qos)
+                          account=args.account, qos=args.qos, min_nodes=args.min_nodes)
     launch = Launch(python=args.python, script=args.script or DEFAULT_SCRIPT, container_image=args.container_image,
                     container_mounts=args.container_mounts, rendezvous_timeout=args.rendezvous_timeout)
     return SlurmJob(config=args.config, overrides=tuple(args.overrides), job_name=args.job_name, output=args.output,

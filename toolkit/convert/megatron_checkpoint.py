@@ -1,12 +1,15 @@
 """Open a megatron-core checkpoint on disk and stream its tensors back as HF tensors.
 
 Reads checkpoints written by this toolkit (with toolkit_checkpoint.json) in either format, and
-Megatron-LM's per-rank `torch` format given the HF config of the architecture.
+Megatron-LM's per-rank `torch` and `torch_dist` formats given the HF config of the architecture.
+A Megatron-LM torch_dist training checkpoint (dist_checkpointing.save of the model's and its
+optimizer's sharded_state_dict) holds the model under megatron-core's own keys, the ones ours
+use, beside the optimizer's `optimizer.*` tensors, which an export leaves alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +33,9 @@ from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
 from toolkit.splits import merge_shards
+
+OPTIMIZER_PREFIX = "optimizer."  # megatron-core's DistributedOptimizer / optimizer keys in torch_dist
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _training_model_dir(root: Path) -> Path:
@@ -69,6 +75,7 @@ class MegatronCheckpoint:
     config_bytes: bytes
     tokenizer_files: list[Path]
     meta: CheckpointMeta | None
+    verified: set = field(default_factory=set, repr=False, compare=False)  # files whose checksum was checked
 
     @classmethod
     def open(cls, root: str | Path, hf_config: str | Path | None = None) -> "MegatronCheckpoint":
@@ -115,13 +122,14 @@ class MegatronCheckpoint:
         config_path = config_dir / "config.json" if hf_config.is_dir() else hf_config
         cfg = read_json_object(config_path) if config_path.is_file() else read_config(config_dir)
         family, spec = checked_spec(cfg, config_path)
-        if (shards / "metadata.json").is_file():
-            raise ConversionError("torch_dist checkpoints not written by this toolkit are not supported yet")
+        tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
+        if (shards / "metadata.json").is_file():  # torch_dist: global tensors, written at any layout
+            layout = Layout(1, 1, _stored_vocab_rows(shards))  # the padded vocabulary as stored
+            return cls(root, shards, "torch_dist", family, spec, layout, config_path.read_bytes(), tokenizer, None)
         args = torch_format.stored_args(shards)
         tp, pp, ep = torch_format.discover_layout(shards, second_is_expert=_expert_parallel_at_pp1(args))
         # Megatron-LM pads the vocab to a multiple of make_vocab_size_divisible_by x TP (arguments.py)
         divisor = getattr(args, "make_vocab_size_divisible_by", None) or 1
-        tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
         return cls(root, shards, "torch", family, spec, Layout(tp, pp, divisor, ep), config_path.read_bytes(), tokenizer,
                    None)
 
@@ -135,8 +143,9 @@ class MegatronCheckpoint:
     def _verified(self, path: Path) -> None:
         """Checksums are checked as each file is first read (its one sequential read also warms the
         page cache the memory-mapped load then uses); Megatron-LM checkpoints have none to check."""
-        if self.meta is not None:
+        if self.meta is not None and path not in self.verified:
             verify_file(self.root, path, self.meta.checksums)
+            self.verified.add(path)
 
     def _rows(self):
         return self.family.rows_for(self.spec.tied_embeddings)
@@ -170,7 +179,7 @@ class MegatronCheckpoint:
         geo = self.layout.geometry(self.spec)
         for path in sorted(p for p in self.shards.rglob("*") if p.is_file()):
             self._verified(path)  # DCP reads pieces of every file: check them all first
-        stored = dist_format.tensor_shapes(self.shards)
+        stored = _model_tensors(dist_format.tensor_shapes(self.shards))
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
         for row in self._rows():
@@ -186,6 +195,18 @@ class MegatronCheckpoint:
                 box = dist_format.read_box(self.shards, key, (*index, *(0,) * (len(shape) - len(index))),
                                            (*(1,) * len(index), *shape[len(index):]), dtype)
                 yield from zip(names, merge_shards(row.split, [box.reshape(shape[len(index):])], geo))
+
+
+def _model_tensors(stored: dict) -> dict:
+    return {k: v for k, v in stored.items() if not k.startswith(OPTIMIZER_PREFIX)}
+
+
+def _stored_vocab_rows(shards: Path) -> int:
+    stored = dist_format.tensor_shapes(shards)
+    for key in VOCAB_KEYS:
+        if key in stored:
+            return stored[key][0][0]
+    raise ConversionError(f"{shards} holds neither {VOCAB_KEYS[0]!r} nor {VOCAB_KEYS[1]!r}: not a GPT model checkpoint")
 
 
 def _needed(row, layers, experts, wanted: set[str]) -> bool:

@@ -40,6 +40,12 @@ UPSTREAM_SPOTS = {
     "a torch.cuda.Stream(); :862-899 _maybe_dtoh_and_synchronize copies the split sizes to the host on it "
     "and turns them into numpy arrays (moe_utils.py:1093 skips CPU tensors, so they stay tensors, which "
     "ProcessGroup.all_to_all_single rejects via tensor_parallel/mappings.py:444)",
+    "distributed_optimizer": "optimizer/optimizer.py:473/481/485: MixedPrecisionOptimizer.__init__ makes its "
+    "found-inf, overflow and unit-scale tensors with device='cuda'; optimizer/distrib_optimizer.py:361/420: "
+    "DistributedOptimizer accepts parameters only by their CUDA type names (model_param.type() == "
+    "'torch.cuda.FloatTensor', else TypeError); optimizer/clip_grads.py:103 (get_grad_norm_fp32, from "
+    "ChainedOptimizer.step) makes its norm tensor with device='cuda'; distrib_optimizer.py:1089: get_parameter_state_dp_zero (saving the fully_reshardable format) calls .cuda(). Needed only to build and step "
+    "megatron-core's own DistributedOptimizer (the test that reads its checkpoints); our trainer uses DeepSpeed's",
     "uneven_gather": "tensor_parallel/mappings.py:150: _gather_along_first_dim with output_split_sizes is a list "
     "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
     "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
@@ -70,13 +76,24 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _run_on_cpu(fn):
+class _CudaFactoriesAndTypeNames(_CudaFactoriesOnCpu):
+    """Scoped, as _CudaFactoriesOnCpu, and Tensor.type() answers with the CUDA type name
+    ('torch.cuda.FloatTensor' for a CPU float tensor), which is what upstream checks for."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _run_on_cpu(fn, mode=_CudaFactoriesOnCpu):
     if getattr(fn, "_cpu_compat", False):
         return fn
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CudaFactoriesOnCpu():
+        with mode():
             return fn(*args, **kwargs)
 
     wrapper._cpu_compat = True
@@ -219,6 +236,16 @@ def _uneven_gather():
     mappings._gather_along_first_dim = gather
 
 
+def _distributed_optimizer():
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    for cls, names in ((optimizer.MixedPrecisionOptimizer, ("__init__",)),
+                       (distrib_optimizer.DistributedOptimizer, ("__init__", "get_parameter_state_dp_zero")),
+                       (optimizer.ChainedOptimizer, ("step",))):
+        for name in names:
+            setattr(cls, name, _run_on_cpu(vars(cls)[name], _CudaFactoriesAndTypeNames))
+
+
 def define_te_general_gemm() -> None:
     """See TE_GEMM_SPOT: without TE the router's gating linear falls back to torch once the name exists."""
     from megatron.core.transformer.moe import moe_utils
@@ -237,6 +264,7 @@ _PATCHES = {
     "tied_embeddings": _tied_embeddings,
     "moe_dispatcher_stream": _moe_dispatcher_stream,
     "uneven_gather": _uneven_gather,
+    "distributed_optimizer": _distributed_optimizer,
 }
 
 

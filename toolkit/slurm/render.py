@@ -83,7 +83,7 @@ DIST_TIMEOUT_MIN = "10"
 
 @dataclass(frozen=True)
 class Resources:
-    nodes: int = 1
+    nodes: int = 1  # with min_nodes: the most nodes the job asks for (sbatch --nodes=MIN-MAX)
     gpus_per_node: int = 0  # 0 renders for CPU nodes: no GPU request, procs_per_node processes
     procs_per_node: int | None = None  # CPU only (default 1); on GPUs it is gpus_per_node
     cpus_per_task: int = 8  # one task per node, so this is the CPUs of the node's torchrun
@@ -92,6 +92,13 @@ class Resources:
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
+    # Fewest nodes the job accepts (sbatch --nodes=MIN-MAX); the trainer takes DP from the world size
+    # it starts with (SLURM_NNODES x processes per node), TP and PP from the recipe. None: exactly `nodes`.
+    min_nodes: int | None = None
+
+    @property
+    def node_counts(self) -> range:
+        return range(self.min_nodes or self.nodes, self.nodes + 1)
 
     @property
     def cpu(self) -> bool:
@@ -194,6 +201,8 @@ def parse_time(value: str) -> int:
 
 def _check_resources(r: Resources) -> None:
     _int("nodes", r.nodes, 1, 100_000)
+    if r.min_nodes is not None:
+        _int("min_nodes", r.min_nodes, 1, r.nodes)
     _int("gpus_per_node", r.gpus_per_node, 0, 64)
     if r.procs_per_node is not None:
         _int("procs_per_node", r.procs_per_node, 1, 1024)
@@ -288,6 +297,36 @@ def _check_model(job: SlurmJob, cfg) -> None:
         raise SlurmError(f"{source} {path} at TP {cfg.parallel.tp} x PP {cfg.parallel.pp}: {e}") from None
 
 
+def _fits(cfg, world: int) -> str | None:
+    """Why the recipe cannot run on `world` processes (one line), or None."""
+    from toolkit.train.build import data_parallel_size
+
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world % (tp * pp):
+        return f"{world} is not divisible by the recipe's TP x PP = {tp} x {pp}"
+    try:
+        data_parallel_size(cfg, world)
+    except Exception as e:  # noqa: BLE001 - the trainer's own layout error, as one line
+        return str(e)
+    return None
+
+
+def _check_node_counts(job: SlurmJob, cfg) -> None:
+    """Every node count the allocation may have must run the recipe (TP x PP fixed, DP = the rest,
+    the global batch kept): otherwise one line naming the counts that can."""
+    r = job.resources
+    unit = "GPUs" if not r.cpu else "processes"
+    bad = {n: why for n in r.node_counts if (why := _fits(cfg, n * r.nproc_per_node))}
+    if not bad:
+        return
+    n, why = next(iter(bad.items()))
+    if r.min_nodes is None:
+        raise SlurmError(f"recipe {job.config} on {n} nodes x {r.nproc_per_node} {unit}: {why}")
+    good = [m for m in range(1, r.nodes + 1) if not _fits(cfg, m * r.nproc_per_node)]
+    raise SlurmError(f"recipe {job.config} on {n} nodes x {r.nproc_per_node} {unit} (within --min-nodes "
+                     f"{r.min_nodes} --max-nodes {r.nodes}): {why}; node counts up to {r.nodes} that fit: {good or 'none'}")
+
+
 def validate(job: SlurmJob) -> SlurmJob:
     """Every check, before anything is written: SlurmError names the first bad field. Returns the
     job anchored (every path absolute)."""
@@ -328,16 +367,7 @@ def validate(job: SlurmJob) -> SlurmJob:
     from toolkit.train.build import data_parallel_size
 
     cfg = _recipe(job.config, job.overrides)
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    world = r.nodes * r.nproc_per_node
-    unit = "GPUs" if not r.cpu else "processes"
-    if world % (tp * pp):
-        raise SlurmError(f"{r.nodes} nodes x {r.nproc_per_node} {unit} = {world} is not divisible by the recipe's "
-                         f"TP x PP = {tp} x {pp}")
-    try:
-        data_parallel_size(cfg, world)
-    except Exception as e:  # noqa: BLE001 - the trainer's own layout error, as one line
-        raise SlurmError(f"recipe {job.config} on {world} {unit}: {e}") from None
+    _check_node_counts(job, cfg)
     _check_model(job, cfg)
     return job
 
@@ -349,7 +379,7 @@ def command_line(job: SlurmJob) -> str:
     """The `toolkit slurm render` command that reproduces this script (kept in its header)."""
     r, launch, p, wb = job.resources, job.launch, job.preemption, job.wandb
     args = ["toolkit", "slurm", "render", job.config, *job.overrides]  # an override never starts with "-"
-    opts = [("--job-name", job.job_name), ("--nodes", r.nodes)]
+    opts = [("--job-name", job.job_name), ("--nodes", r.nodes), ("--min-nodes", r.min_nodes)]
     opts += [("--procs-per-node", r.nproc_per_node)] if r.cpu else [("--gpus-per-node", r.gpus_per_node)]
     opts += [("--cpus-per-task", r.cpus_per_task), ("--mem", r.mem), ("--time", r.time),
              ("--partition", r.partition), ("--account", r.account), ("--qos", r.qos), ("--output", job.output),
@@ -367,7 +397,10 @@ def command_line(job: SlurmJob) -> str:
 
 def _sbatch_lines(job: SlurmJob) -> list[str]:
     r, p = job.resources, job.preemption
-    lines = [f"--job-name={job.job_name}", f"--nodes={r.nodes}", "--ntasks-per-node=1"]
+    if r.min_nodes in (None, r.nodes):
+        lines = [f"--job-name={job.job_name}", f"--nodes={r.nodes}", "--ntasks-per-node=1"]
+    else:  # with --ntasks-per-node, Slurm (22.05) sizes the job for MIN nodes and never grants more
+        lines = [f"--job-name={job.job_name}", f"--nodes={r.min_nodes}-{r.nodes}"]
     if not r.cpu:
         lines.append(f"--gpus-per-node={r.gpus_per_node}")
     lines.append(f"--cpus-per-task={r.cpus_per_task}")
@@ -403,6 +436,10 @@ def _srun_prefix(job: SlurmJob) -> str:
     return " ".join(parts)
 
 
+def _nodes_text(r: Resources) -> str:
+    return f"{r.min_nodes} to {r.nodes}" if r.min_nodes not in (None, r.nodes) else str(r.nodes)
+
+
 def render(job: SlurmJob) -> str:
     """The sbatch script for `job`; raises SlurmError before producing anything if a field is bad."""
     job = validate(job)
@@ -419,7 +456,7 @@ def render(job: SlurmJob) -> str:
         ]
     head = [
         "#!/bin/bash",
-        f"# Fine-tuning on {r.nodes} {'CPU' if r.cpu else 'GPU'} node(s), rendered by toolkit. Re-render instead of editing:",
+        f"# Fine-tuning on {_nodes_text(r)} {'CPU' if r.cpu else 'GPU'} node(s), rendered by toolkit. Re-render instead of editing:",
         f"#   {command_line(job)}",
         *_sbatch_lines(job),
         *(f"#SBATCH {line}  # extra (raw)" for line in job.extra_sbatch),

@@ -81,24 +81,22 @@ def _restore_rank_states(state: dict, source) -> None:
     source.load_state_dict(state["data"])
 
 
-def _master_weights(module) -> dict[str, torch.Tensor]:
-    """fp32 master copy of every parameter (collective over DP under ZeRO), canonical names."""
-    from deepspeed.utils import safe_get_full_fp32_param
+def _master_weights(module) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """fp32 master copy of every parameter (collective over DP under ZeRO), whole on every rank."""
+    from toolkit.train import zero_gather
 
-    out = {}
-    for name, param in module.named_parameters():
-        full = safe_get_full_fp32_param(param)
-        out[naming.to_canonical(name)] = (param.detach() if full is None else full).float().cpu().clone()
-    return out
+    params = list(module.parameters())
+    return {params[index]: (params[index].detach() if full is None else full).float().cpu().clone()
+            for index, full in zero_gather.full_states(params, None)}
 
 
-def _write_model(step_dir: Path, module, source_meta: CheckpointMeta, source_dir: Path) -> None:
+def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointMeta, source_dir: Path) -> None:
     """Our per-rank torch format with the fp32 master weights, so export needs only this checkpoint.
     With expert parallelism each EP rank writes its own experts (expert-DP rank 0 of each): DeepSpeed's
     model-states file, from DP rank 0 alone, holds only that rank's."""
     from megatron.core import parallel_state as ps
 
-    weights = _master_weights(module)  # every rank takes part in the DP (expert-DP) collectives
+    weights = {naming.to_canonical(name): masters[param] for name, param in module.named_parameters()}
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
     meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep})
@@ -137,14 +135,15 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
     dist.barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=adapter is not None)
     if adapter is None:
-        _write_model(tmp, module, source_meta, Path(source_dir))
+        masters = _master_weights(module)  # every rank takes part in the DP collectives
+        _write_model(tmp, module, masters, source_meta, Path(source_dir))
     else:
         from toolkit.lora.adapter import save_adapter
 
         save_adapter(adapter, tmp / ADAPTER_EXPORT)
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
     if adapter is None:
-        elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
+        elastic.save_state(tmp / elastic.STATE_DIR, engine, shards, {id(p): t for p, t in masters.items()})
     resumable = {"consumed_samples": source.state_dict()["consumed"], "adam_step": elastic.adam_step(engine),
                  "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups]}
     if dist.get_rank() == 0:

@@ -74,7 +74,7 @@ def lines(info: dict) -> list[str]:
     layout, r = info["layout"], info["resumable"]
     out = [
         f"checkpoint {info['checkpoint']}: step {info['step']}, written at TP {layout['tp']} x PP {layout['pp']} x "
-        f"DP {layout['dp']}, ZeRO-{layout['zero_stage']}",
+        + (f"DP {layout['dp']}, ZeRO-{layout['zero_stage']}" if layout["dp"] else "any DP and ZeRO stage (resharded)"),
         f"global batch {info['global_batch']}; samples seen {info['samples_seen']}; "
         f"tokens seen (padded) {info['tokens_seen_padded']}",
         "model " + ", ".join(f"{k} {v}" for k, v in info["model"].items()),

@@ -31,7 +31,6 @@ schedule and the data position in samples, into train_state.json.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,9 +42,6 @@ from toolkit.errors import ToolkitError
 STATE_DIR = "train"
 # (name in the checkpoint, DeepSpeed's optimizer-state key; None = the fp32 master weight)
 STATES = (("fp32", None), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-MOMENTS = ("exp_avg", "exp_avg_sq")
-# Guard tests only: resume without Adam's moments (they start from zero), to show they matter.
-DROP_MOMENTS_ENV = "TOOLKIT_TEST_DROP_MOMENTS"
 
 
 class ElasticStateError(ToolkitError):
@@ -96,33 +92,31 @@ def _main_over_dp(replica_id):
     return (*replica_id[:-1], 0) if isinstance(replica_id, tuple) else 0
 
 
-def _full(param, key) -> torch.Tensor:
-    """This rank's TP/PP shard of `param`'s fp32 master (key None) or optimizer state, whole:
-    collective over the DP group, which holds it in ZeRO fragments."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    full = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
-    if full is None:
-        raise ElasticStateError("DeepSpeed holds no fp32 state for a parameter (ZeRO-1/2/3 are supported)")
-    return full.detach().float().cpu()
-
-
-def save_state(directory: Path, engine, shards: ParamShards) -> None:
-    """Collective: every rank calls it. Writes `directory` (which must not exist)."""
-    from megatron.core import dist_checkpointing
+def save_state(directory: Path, engine, shards: ParamShards, masters: dict | None = None) -> None:
+    """Collective: every rank calls it. Writes `directory` (which must not exist). `masters`: the
+    whole fp32 master weights by id(parameter), where the caller has them already (collected once)."""
+    from toolkit.train import torch_dist_save, zero_gather
 
     _link_fragments(engine)
+    params = [param for param, _, _ in shards.entries]
     sharded = {}
-    for index, (param, entry, _) in enumerate(shards.entries):
-        dp, dp_rank = _dp(param)  # each EP rank's experts are kept by one of their expert-DP ranks
-        for name, key in STATES:
-            full = _full(param, key)  # every DP rank takes part; one keeps it
+    for name, key in STATES:
+        if key is None and masters is not None:
+            states = ((index, masters[id(param)]) for index, param in enumerate(params))
+        else:
+            states = zero_gather.full_states(params, key)  # every DP rank takes part; one keeps each
+        for index, full in states:
+            if full is None:
+                raise ElasticStateError("DeepSpeed holds no fp32 state for a parameter (ZeRO-1/2/3 are supported)")
+            dp, dp_rank = _dp(params[index])  # each EP rank's experts are kept by one of their expert-DP ranks
             if index % dp == dp_rank:
-                sharded[f"{name}/{index}"] = shards.sharded(name, entry, full, _main_over_dp(entry.replica_id))
+                entry = shards.entries[index][1]
+                data = full.detach().float().cpu().clone()
+                sharded[f"{name}/{index}"] = shards.sharded(name, entry, data, _main_over_dp(entry.replica_id))
     if dist.get_rank() == 0:
         Path(directory).mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(sharded, str(directory))
+    torch_dist_save.save(sharded, str(directory))
 
 
 def adam_step(engine) -> int:
@@ -145,11 +139,8 @@ def load_state(directory: Path, engine, shards: ParamShards, step: int) -> None:
     fp32 copy of its TP/PP shard at a time."""
     from megatron.core import dist_checkpointing
 
-    _create_adam_state(engine)  # zeros: what a dropped moment (guard tests) stays
-    dropped = MOMENTS if os.environ.get(DROP_MOMENTS_ENV) else ()
+    _create_adam_state(engine)
     for name, key in STATES:
-        if name in dropped:
-            continue
         template = {
             str(index): shards.sharded(name, entry, torch.empty(shape, dtype=torch.float32))
             for index, (_, entry, shape) in enumerate(shards.entries)

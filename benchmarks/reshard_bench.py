@@ -1,0 +1,96 @@
+"""Peak memory of `toolkit ckpt reshard` (issue 13: bounded by the largest tensor shard).
+
+One short fine-tuning run (TP1 x PP2, 2 processes, one step) writes a checkpoint of a model larger
+than the tests' (default: hidden 512, 4 layers, vocabulary 8192, ~30 M parameters); it is then
+resharded to TP2 x PP1 in a fresh process, which reports its resident-memory high-water mark above
+what it held after its imports. Printed beside it: the largest tensor of the output's rank files,
+the largest output rank file, and the checkpoint's size.
+
+    python benchmarks/reshard_bench.py [--hidden 512] [--layers 4] [--vocab 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+def write_checkpoint(root: Path, hidden: int, layers: int, vocab: int) -> Path:
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("llama", root / "hf", dtype="float32", hidden_size=hidden, intermediate_size=3 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab,
+                         max_position_embeddings=256)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", vocab_divisor=1, progress=False)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": "0123456789" * 3}) + "\n" for _ in range(64)))
+    run = root / "run"
+    overrides = [f"model.checkpoint={mc}", f"data.train_file={data}", "data.seq_len=32", "micro_batch=2",
+                 "global_batch=2", "steps=1", "save_every=1", f"run_dir={run}", "precision=fp32", "export_hf=false",
+                 "parallel.pp=2", "resume=none"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(REPO / "recipes" / "finetune.py"), *overrides], env=env, check=True, capture_output=True)
+    return run
+
+
+def measure(source: str, out: str) -> None:
+    """In the child: reshard, print the peak resident memory above the post-import level (MiB)."""
+    import toolkit.train.reshard as reshard_module
+
+    before = _rss_mib()
+    reshard_module.reshard(source, out, tp=2, pp=1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"peak_above_imports_mib": peak - before}))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def largest(out: Path) -> tuple[float, float]:
+    import torch
+
+    tensor = rank_file = 0
+    for path in out.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False, mmap=True)["model"]
+        tensor = max(tensor, *(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)))
+        rank_file = max(rank_file, path.stat().st_size)
+    return tensor / MIB, rank_file / MIB
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        measure(sys.argv[2], sys.argv[3])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        run = write_checkpoint(root, args.hidden, args.layers, args.vocab)
+        child = subprocess.run([sys.executable, __file__, "--child", str(run), str(root / "out")], check=True,
+                               capture_output=True, text=True)
+        peak = json.loads(child.stdout.strip().splitlines()[-1])["peak_above_imports_mib"]
+        tensor, rank_file = largest(root / "out")
+        size = sum(p.stat().st_size for p in (run / "checkpoints").rglob("*") if p.is_file()) / MIB
+    print(f"reshard TP1 x PP2 -> TP2 x PP1 of a {size:.0f} MiB checkpoint: peak memory above imports {peak:.1f} MiB; "
+          f"largest output tensor {tensor:.1f} MiB, largest output rank file {rank_file:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

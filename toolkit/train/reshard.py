@@ -1,0 +1,118 @@
+"""`toolkit ckpt reshard DIR OUT --tp --pp`: a training checkpoint rewritten for another TP x PP,
+offline (one process, no process group), as a run directory that `resume=auto` continues.
+
+    OUT/checkpoints/latest
+    OUT/checkpoints/step_0000010/
+      train/              the layout-independent fp32 master weights and Adam moments, copied file
+                          by file (torch_dist global tensors: already readable at any layout)
+      model/              the fp32 weights in our per-rank format at the new TP x PP, one rank file
+                          at a time, read one row at a time (what `toolkit convert megatron-to-hf` and
+                          `ckpt inspect` read)
+      train_state.json    the step, LR schedule, data position and global batch, with the new TP and PP
+
+DeepSpeed's files (ds/) and the per-rank RNG states (ranks/) belong to the old layout and are left
+out: the resumed run loads train/ on whatever DP and ZeRO stage it gets (train_state.json names none,
+so no layout counts as the writer's), and re-seeds its RNG from the config as any elastic resume does.
+OUT is built under a temporary name and renamed into place only when complete (toolkit.atomic).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
+from toolkit.convert import torch_format
+from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+from toolkit.convert.stages import stage_tensors
+from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
+from toolkit.layouts import Layout
+from toolkit.megatron_settings import megatron_args
+from toolkit.train import checkpoint, elastic
+from toolkit.train.checkpoint import CheckpointError
+from toolkit.train.checkpoint_info import resolve
+
+LAYER_SPEC = "local"  # what a fine-tune's model/ holds (checkpoint._write_model)
+
+
+def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bool = False) -> Path:
+    """Write OUT (a run directory) from the checkpoint `source` (a step directory, or a run
+    directory's latest) for TP x PP. Everything is checked before anything is written."""
+    step_dir = resolve(Path(source))
+    state = checkpoint._train_state(step_dir)
+    meta = _checked_source(step_dir, state)
+    layout = Layout(tp, pp, meta.vocab_divisor, meta.ep)
+    layout.check(meta.model_spec)  # TP dividing the heads, PP the layers: one line otherwise
+    refuse_output_overlapping_inputs(out, step_dir)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        target = tmp / checkpoint.CHECKPOINTS / step_dir.name
+        _copy_files(step_dir / elastic.STATE_DIR, target / elastic.STATE_DIR)
+        _write_model(step_dir / "model", target / "model", meta, layout)
+        resharded = {**state, "tp": tp, "pp": pp, "dp": None, "zero_stage": None}
+        (target / "train_state.json").write_text(json.dumps(resharded, indent=2))
+        (tmp / checkpoint.CHECKPOINTS / checkpoint.LATEST).write_text(step_dir.name)
+    return Path(out)
+
+
+def _checked_source(step_dir: Path, state: dict) -> CheckpointMeta:
+    if (step_dir / checkpoint.ADAPTER_EXPORT).is_dir():
+        raise CheckpointError(f"{step_dir} is a LoRA checkpoint: an adapter resumes on its own layout only, "
+                              "there is nothing to reshard")
+    if "consumed_samples" not in state:
+        raise CheckpointError(f"{step_dir} was written by an earlier version without a layout-independent state "
+                              "(train/): it cannot be resharded")
+    elastic.check_files(step_dir / elastic.STATE_DIR)  # a missing or truncated shard: one line
+    return CheckpointMeta.read(step_dir / "model")
+
+
+def _copy_files(source: Path, target: Path) -> None:
+    """File by file; shutil.copyfile moves the bytes in the kernel (sendfile), never whole in memory."""
+    for path in sorted(source.rglob("*")):
+        if path.is_file():
+            destination = target / path.relative_to(source)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, destination)
+
+
+class RowSource:
+    """A Source (toolkit.splits) over a stored checkpoint holding one row's HF tensors at a time (a
+    fused QKV or [gate; up] merged over the old TP ranks), so memory holds the rank file being built
+    and one row, not a whole stage. What `read` returns is a copy: it must not keep the row alive."""
+
+    def __init__(self, checkpoint: MegatronCheckpoint):
+        self.checkpoint, self.row = checkpoint, {}
+
+    def _tensor(self, name: str):
+        if name not in self.row:
+            self.row = {}  # drop the previous row before reading the next
+            self.row = dict(self.checkpoint.hf_tensors({name}))
+        return self.row[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensor(name).shape)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None):
+        tensor = self._tensor(name)
+        tensor = tensor if rows is None else tensor[rows]
+        return (tensor if cols is None else tensor[:, cols]).clone()
+
+
+def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout) -> None:
+    """Each rank file of the new layout from the stored shards, written as soon as it is complete."""
+    spec = meta.model_spec
+    args = megatron_args(spec, layout, "torch")
+    layers = spec.num_layers // layout.pp
+    stored = MegatronCheckpoint.open(source)
+    rows = RowSource(stored)
+
+    def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
+        return stage_tensors(rows, stored.family, stored.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
+
+    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, layers, LAYER_SPEC, args,
+                                         len(layout.local_experts(spec, 0)))
+    new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp,
+                            "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})
+    new.write(target)
+    (target / TRACKER).write_text(RELEASE)
+    shutil.copytree(source / HF_DIR, target / HF_DIR)
