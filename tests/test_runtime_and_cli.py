@@ -86,3 +86,22 @@ def test_cli_vocab_divisor_default_is_the_library_default():
     convert.register(parser.add_subparsers())
     args = parser.parse_args(["convert", "hf-to-megatron", "a", "b"])
     assert args.vocab_divisor == DEFAULT_VOCAB_DIVISOR
+
+
+def test_every_help_text_reads_as_written():
+    """argparse formats argument help with %, not descriptions: a description's `%%` was printed as is."""
+    import argparse
+
+    from toolkit.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from parsers(child)
+
+    found = list(parsers(build_parser()))
+    assert len(found) > 10
+    for parser in found:
+        assert "%%" not in parser.format_help(), parser.prog

@@ -9,7 +9,7 @@ def register(sub) -> None:
         help="run the built-in example: tiny Llama -> TP2 x PP2 -> verify -> fine-tune -> HF -> generate",
         description="Create a tiny Llama and a digit-reversal task, convert the model to megatron-core TP=2 x PP=2, "
         "check its logits against HF on 4 processes, fine-tune it with recipes/finetune.py (megatron-core TP/PP + "
-        "DeepSpeed ZeRO-1), export it to HF and check that greedy generation answers >= 90%% of held-out "
+        "DeepSpeed ZeRO-1), export it to HF and check that greedy generation answers >= 90% of held-out "
         "prompts. Runs on CPU in a few minutes.",
     )
     p.add_argument("--workdir", default="quickstart_out", help="where to put the example files (default ./quickstart_out)")
