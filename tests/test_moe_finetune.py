@@ -111,8 +111,9 @@ def assert_hf_export_holds_every_ranks_trained_experts(original_hf, run_dir):
         shape, dtype = stored["fp32." + key]
         return dist_format.read_box(train, "fp32." + key, (0,) * len(shape), shape, dtype)
 
-    embedding, fc1 = master("embedding.word_embeddings.weight"), master("decoder.layers.mlp.experts.experts.linear_fc1.weight")
-    fc2, router = master("decoder.layers.mlp.experts.experts.linear_fc2.weight"), master("decoder.layers.mlp.router.weight")
+    experts_key = "decoder.layers.mlp.experts.experts."
+    embedding, router = master("embedding.word_embeddings.weight"), master("decoder.layers.mlp.router.weight")
+    fc1, fc2 = master(experts_key + "linear_fc1.weight"), master(experts_key + "linear_fc2.weight")
     assert torch.equal(exported["model.embed_tokens.weight"], embedding[:250])
     width = fc2.shape[-1]
     for layer in range(4):
