@@ -3,12 +3,14 @@
 The reference is the single-process HF model (tests/finetune_harness.py) with the router's
 load-balancing loss in megatron-core's per-layer form (tests/moe_reference.py), its coefficient
 raised to 0.1 so that a wrong aux gradient shows. Each layout is one launch of the real recipe;
-the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test.
+the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test, and the
+TP2 x PP2 x DP2 x EP2 one exports to HF. Qwen2-MoE and OLMoE have one DP2 x EP2 launch each.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, hf_reference, launch, read_metrics,
@@ -21,14 +23,12 @@ AUX_LOSS_COEF = 0.1
 SAVE_EVERY = 5
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """A tiny fp32 Mixtral (6 experts, top-2, a vocab of 250 padded to 256) in torch_dist, uneven
-    data, and the HF reference (computed once)."""
+def moe_setup(root, variant):
+    """A tiny fp32 MoE model of `variant` (a vocab of 250 padded to 256, the aux loss coefficient
+    raised) in torch_dist, uneven data, and the HF reference (computed once)."""
     from toolkit.tinymodels import make_tiny_model
 
-    root = tmp_path_factory.mktemp("moe-ft")
-    hf = make_tiny_model("mixtral", root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
+    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
     mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
     data = write_uneven_data(root / "data.jsonl", 300)
     tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -41,6 +41,12 @@ def moe(tmp_path_factory):
         return cache["ref"]
 
     return hf, mc, data, reference
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """Mixtral: 6 experts, top-2."""
+    return moe_setup(tmp_path_factory.mktemp("moe-ft"), "mixtral")
 
 
 def differences(metrics, reference) -> tuple[float, float]:
@@ -61,35 +67,127 @@ def run(moe, directory, nprocs, parallel, *overrides, env=None, **settings):
 
 
 # DP2 x EP2 (2 processes) is the uninterrupted run of the resume test below.
+# The 8-process run also exports to HF (export_hf=True) from its per-(TP, PP, EP) rank model/ files.
 LAYOUTS = {
-    "TP2xDP2xEP2": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}),
-    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}),
+    "TP2xDP2xEP2": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}, False),
+    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_path, layout):
-    nprocs, parallel = LAYOUTS[layout]
-    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel})
+    nprocs, parallel, export_hf = LAYOUTS[layout]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, export_hf=export_hf)
     assert len(metrics) == STEPS
     loss, norm = differences(metrics, moe[3](cfg))
     print(f"{layout}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (layout, loss, norm)
     assert_tokens_per_expert_cover_every_routed_token(moe, metrics)
+    if export_hf:
+        assert_hf_export_holds_every_ranks_trained_experts(moe[0], tmp_path / "run")
+
+
+def assert_hf_export_holds_every_ranks_trained_experts(original_hf, run_dir):
+    """The run's HF export loads with from_pretrained, every expert of every layer (each on one of the
+    EP ranks of one of the stages) trained, and its tensors are bit for bit the fp32 master weights
+    of the run's layout-independent state (train/: whole tensors written through megatron-core's
+    sharded keys, a path apart from the per-rank model/ files the export merged)."""
+    from safetensors.torch import load_file
+
+    from toolkit.convert import dist_format
+    from toolkit.train import checkpoint
+
+    before, after = hf_state(original_hf), hf_state(run_dir / "hf")
+    experts = [name for name in after if ".mlp.experts." in name]
+    assert len(experts) == 2 * 4, experts  # [experts, ...] stacked per layer: gate_up_proj, down_proj
+    assert all(trained(before[name], after[name], True) for name in experts)
+
+    exported = load_file(str(run_dir / "hf" / "model.safetensors"))
+    train = checkpoint.find_latest(run_dir) / "train"
+    stored = dist_format.tensor_shapes(train)
+
+    def master(key):
+        shape, dtype = stored["fp32." + key]
+        return dist_format.read_box(train, "fp32." + key, (0,) * len(shape), shape, dtype)
+
+    experts_key = "decoder.layers.mlp.experts.experts."
+    embedding, router = master("embedding.word_embeddings.weight"), master("decoder.layers.mlp.router.weight")
+    fc1, fc2 = master(experts_key + "linear_fc1.weight"), master(experts_key + "linear_fc2.weight")
+    assert torch.equal(exported["model.embed_tokens.weight"], embedding[:250])
+    width = fc2.shape[-1]
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.block_sparse_moe."
+        assert torch.equal(exported[prefix + "gate.weight"], router[layer])
+        for expert in range(6):
+            name = f"{prefix}experts.{expert}."
+            assert torch.equal(exported[name + "w1.weight"], fc1[layer, expert, :width]), name
+            assert torch.equal(exported[name + "w3.weight"], fc1[layer, expert, width:]), name
+            assert torch.equal(exported[name + "w2.weight"], fc2[layer, expert]), name
 
 
 def assert_tokens_per_expert_cover_every_routed_token(moe, metrics):
     """Logged load balance: per layer, the non-padding input tokens of the step's global batch x top-k
-    (summed over DP, the TP ranks' sequence shards and the stages), spread over the 6 experts."""
+    (summed over DP, the TP ranks' sequence shards and the stages), spread over every expert."""
+    from transformers import AutoConfig
+
     from tests.finetune_harness import reference_samples
 
     hf, _, data, _ = moe
+    config = AutoConfig.from_pretrained(hf)
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    topk = config.num_experts_per_tok
     lengths = [min(len(tokens), 24) for tokens, _ in reference_samples(AutoTokenizer.from_pretrained(hf), data, 25)]
     for m in metrics:
         table = m["tokens_per_expert"]
         real = sum(lengths[i % len(lengths)] for i in range((m["step"] - 1) * 16, m["step"] * 16))
-        assert len(table) == 4 and all(len(row) == 6 and sum(row) == 2 * real for row in table), (m["step"], table, real)
+        assert len(table) == config.num_hidden_layers and all(len(row) == experts and sum(row) == topk * real
+                                                               for row in table), (m["step"], table, real)
+
+
+# Per family, the HF tensors (a substring of their names) that must have trained: every one changed
+# in the run's HF export (run/hf, written from the per-(TP, PP, EP) rank model/ files).
+FAMILY_TRAINED = {
+    "qwen2-moe": ("mlp.shared_expert.", "mlp.shared_expert_gate.weight", "mlp.experts.", "mlp.gate.weight"),
+    "olmoe": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.experts.", "mlp.gate.weight"),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", list(FAMILY_TRAINED))
+def test_dp2_ep2_fine_tune_of_qwen2_moe_and_olmoe_matches_hf_reference_with_aux_loss(tmp_path, variant):
+    """Qwen2-MoE's shared expert and its sigmoid gate, OLMoE's q/k norms over the whole projection,
+    under EP 2: the HF reference's losses and gradient norms, and each of those tensors trained."""
+    (tmp_path / "model").mkdir()
+    setup = moe_setup(tmp_path / "model", variant)
+    cfg, metrics = run(setup, tmp_path, 2, {"zero_stage": 1, "ep": 2}, export_hf=True)
+    assert len(metrics) == STEPS
+    loss, norm = differences(metrics, setup[3](cfg))
+    print(f"{variant} DP2xEP2: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (variant, loss, norm)
+    assert_tokens_per_expert_cover_every_routed_token(setup, metrics)
+    before, after = hf_state(setup[0]), hf_state(tmp_path / "run" / "hf")
+    assert before.keys() == after.keys()
+    for part in FAMILY_TRAINED[variant]:
+        names = [name for name in before if part in name]
+        assert names and all(trained(before[n], after[n], ".experts." in n) for n in names), (variant, part)
+
+
+def trained(before: torch.Tensor, after: torch.Tensor, per_expert: bool) -> bool:
+    """Moved further than weight decay alone moves it (at most lr x weight_decay per step, recipe()'s
+    2e-3 x 0.1 over the 10 steps), each expert of a stacked [experts, ...] tensor on its own."""
+    if per_expert:
+        return all(trained(b, a, False) for b, a in zip(before, after))
+    return float((after - before).abs().max()) > 2e-3 * 0.1 * STEPS * float(before.abs().max())
+
+
+def hf_state(hf_dir) -> dict:
+    """The state dict of the model HF's own from_pretrained loads from `hf_dir`, nothing missing or unused."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    return model.state_dict()
 
 
 @pytest.mark.multiprocess
