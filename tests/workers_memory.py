@@ -164,8 +164,8 @@ def _engine(case: dict, spec, world: int):
     # under EP the recipe's expert groups: experts partitioned and reduced over expert-DP
     expert_group = experts.register_expert_groups(model, ep)
     with experts.moe_engine(expert_group):
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=experts.split_expert_group(parameters, expert_group),
-                                          config=config, mpu=MegatronCoreMPU())
+        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=MegatronCoreMPU(),
+                                          model_parameters=experts.split_expert_group(parameters, expert_group))
     engine.has_moe_layers = False
     return engine, setup
 

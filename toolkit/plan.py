@@ -134,7 +134,8 @@ def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None 
     does not partition experts there) or with LoRA."""
     if not spec.is_moe or setup.zero == 3 or lora is not None:
         return [1]
-    return [ep for ep in (1 << i for i in range(setup.dp.bit_length())) if not setup.dp % ep and not spec.num_experts % ep]
+    powers = (1 << i for i in range(setup.dp.bit_length()))
+    return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep]
 
 
 def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None):

@@ -86,7 +86,8 @@ def _suggest(spec, setup, args, limit) -> None:
 
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
-        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora, ep=args.ep)
+        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora,
+                       ep=args.ep)
         if est.fits(limit):
             print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return
