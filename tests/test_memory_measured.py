@@ -3,7 +3,8 @@
 One launch of 4 gloo processes (tests/workers_memory.py) builds real DeepSpeed engines from
 toolkit.dsconfig configs around small megatron-core GPTModels, for ZeRO 0/1/2/3 at TP 1 and 2,
 and ZeRO 0/1 at PP 2 (ZeRO-2/3 can't run with PP), in bf16 and fp32 and in both schedule modes
-(a tiny Llama; a tiny Qwen3 too at a few of those layouts, for its q/k norms and head_dim),
+(a tiny Llama; a tiny Qwen3 too at a few of those layouts, for its q/k norms and head_dim; a tiny
+Mixtral at DP4 x EP2, its experts partitioned over the expert-DP group),
 and counts what each rank holds: parameters after step(), gradients after each backward (before
 step()), optimizer states after the first step. The same launch counts the bytes saved for
 backward with torch.autograd.graph.saved_tensors_hooks on CPU forward passes, with and without
@@ -18,12 +19,13 @@ from __future__ import annotations
 import pytest
 
 from tests.workers_memory import SEQ, tiny_spec
-from toolkit.dsconfig import Setup
+from toolkit.dsconfig import Setup, build
 from toolkit.layouts import Layout
 from toolkit.memory import CPU_LOCAL, estimate
 from toolkit.memory import activations as act
 from toolkit.memory.lora import activation_change, adapter_numels
 from toolkit.memory.params import stage_param_numels
+from toolkit.memory.states import ZeroSettings, combined, model_states
 from toolkit.runtime.launch import run_on_processes
 
 STATES_TOLERANCE = 0.10
@@ -253,7 +255,8 @@ def test_moe_model_states_per_rank_match_what_each_rank_holds(measured):
     Adam moments ZeRO partitions over the expert-DP group (2 ranks), while the dense weights and
     the router are partitioned over DP 4: parameters + gradients + optimizer states within 5% per
     rank, parameters and optimizer states each within 5%. The same model estimated at EP1 (every
-    expert on every rank) is off by far more than that."""
+    expert on every rank), or with the experts' states partitioned over all of DP, is off by far
+    more than that (-23% for the latter at ZeRO-2 bf16)."""
     rows = []
     moe_rows = [r for r in measured["states"] if "ep" in r]
     assert len(moe_rows) == 3 * WORLD
@@ -274,6 +277,11 @@ def test_moe_model_states_per_rank_match_what_each_rank_holds(measured):
                       global_batch=2 * r["micro_batches"] * WORLD, schedule=r["schedule"])
         as_dense = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0).stages[0].states  # experts over DP 4, all 6
         assert abs(as_dense.params / m["params"] - 1) > 4 * MOE_TOLERANCE, (rows[-1], as_dense)
+        # and the experts' states partitioned over all of DP (4) instead of the expert-DP group (2)
+        zero = ZeroSettings.from_config(build(setup, spec))
+        numels = {part: stage_param_numels(spec, 1, 1, 0, r["ep"], part) for part in ("dense", "experts")}
+        over_dp = combined(*(model_states(numels[part], bytes_per, WORLD, zero, r["micro_batches"]) for part in numels))
+        assert abs((over_dp.params + over_dp.grads + over_dp.optimizer) / total_m - 1) > 2 * MOE_TOLERANCE, rows[-1]
     print("\n".join(rows))
 
 
