@@ -28,29 +28,32 @@ MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_at
 SEQ, MICRO = 128, 4
 
 
-def prepare(root: Path) -> tuple[Path, Path, Path]:
+def prepare(root: Path, variant: str = "llama", model: dict | None = None) -> tuple[Path, Path, Path]:
     from toolkit.convert import hf_to_megatron
     from toolkit.tinymodels import make_tiny_model
 
-    hf = make_tiny_model("llama", root / "hf", dtype="float32", **MODEL)
+    hf = make_tiny_model(variant, root / "hf", dtype="float32", **(MODEL if model is None else model))
     mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", vocab_divisor=1, progress=False)
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps({"text": "0123456789" * 13}) + "\n" for _ in range(512)))
     return hf, mc, data
 
 
-def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: int, global_batch: int) -> list[float]:
-    """Per-step seconds (after 3 warm-up steps) of recipes/finetune.py."""
+def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: int, global_batch: int,
+               extra: tuple[str, ...] = (), script: Path = REPO / "recipes" / "finetune.py",
+               warmup: int = 3) -> list[float]:
+    """Per-step seconds (after `warmup` steps) of recipes/finetune.py (or of `script`, which runs
+    it), with `extra` overrides."""
     run_dir = Path(tempfile.mkdtemp(dir=root))
     overrides = [f"model.checkpoint={mc}", f"data.train_file={data}", f"data.seq_len={SEQ}", f"micro_batch={MICRO}",
                  f"global_batch={global_batch}", f"steps={steps}", "log_every=1", f"run_dir={run_dir}", "precision=fp32",
-                 "export_hf=false", "save_every=0", f"parallel.pp={pp}", "optim.warmup_steps=0", "resume=none"]
+                 "export_hf=false", "save_every=0", f"parallel.pp={pp}", "optim.warmup_steps=0", "resume=none", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-                    str(REPO / "recipes" / "finetune.py"), *overrides],
+                    str(script), *overrides],
                    env=env, check=True, capture_output=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [global_batch * SEQ / r["padded_tokens_per_s"] for r in records[3:]]
+    return [global_batch * SEQ / r["padded_tokens_per_s"] for r in records[warmup:]]
 
 
 def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[float]:

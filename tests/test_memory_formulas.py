@@ -45,3 +45,79 @@ def test_memory_table_of_a_tiny_model_uses_fitting_units(tmp_path, capsys):
     assert rows["runtime reserve (assumed)"] == ["0", "B"]  # CPU kernels: no CUDA context
     assert "0.00 GiB" not in out and "0.0 GiB of" not in out
     assert "fits: " in out and " MiB of 1.00 GiB" in out
+
+
+def _tiny_moe_spec():
+    from toolkit.families import spec_from_config
+    from toolkit.tinymodels import make_config
+
+    return spec_from_config(make_config("mixtral").to_dict())[1]  # 6 experts, top-2
+
+
+def test_ep_splits_only_the_experts_and_keeps_their_optimizer_states_per_rank():
+    """At DP4: EP2 holds half the experts (3 of 6) and partitions their states over the expert-DP
+    group of 2, so the optimizer states per rank are those of EP1 (6 experts over 4 ranks) and only
+    the expert weights and gradients shrink; the router and the attention stay whole."""
+    from toolkit.memory import CPU_LOCAL, estimate
+    from toolkit.memory.params import stage_param_numels
+
+    spec = _tiny_moe_spec()
+    setup = Setup(gpus=4, zero=2, precision="bf16", micro_batch=2, global_batch=8, schedule="megatron")
+    ep1, ep2 = (estimate(spec, setup, 32, kernels=CPU_LOCAL, reserve=0, ep=ep).stages[0] for ep in (1, 2))
+    experts, dense = (sum(stage_param_numels(spec, 1, 1, 0, 1, part)) for part in ("experts", "dense"))
+    assert experts and dense and experts + dense == sum(stage_param_numels(spec, 1, 1, 0))
+    assert ep1.states.params - ep2.states.params == 2 * experts // 2
+    assert abs(ep1.states.optimizer - ep2.states.optimizer) <= 12 * 2  # partition rounding only
+    assert ep1.activations == ep2.activations  # every rank's experts see tokens x top-k rows on average
+
+
+@pytest.mark.parametrize("ep, zero, message", [(4, 1, "divide the number of experts"), (3, 1, "divide"),
+                                               (2, 3, "ZeRO-3")])
+def test_bad_expert_parallel_layouts_are_refused(ep, zero, message):
+    from toolkit.errors import ConfigError
+    from toolkit.memory import estimate
+
+    setup = Setup(gpus=4, zero=zero, precision="bf16", micro_batch=1, global_batch=4)
+    with pytest.raises(ConfigError, match=message):
+        estimate(_tiny_moe_spec(), setup, 32, ep=ep)
+
+
+def test_ep_on_a_dense_model_is_refused():
+    from toolkit.errors import ConfigError
+    from toolkit.families import spec_from_config
+    from toolkit.memory import estimate
+    from toolkit.tinymodels import make_config
+
+    spec = spec_from_config(make_config("llama").to_dict())[1]
+    with pytest.raises(ConfigError, match="no experts"):
+        estimate(spec, Setup(gpus=4, zero=1, micro_batch=1, global_batch=4), 32, ep=2)
+
+
+def test_plan_enumerates_ep_for_moe_models_only():
+    from toolkit.memory import GIB
+    from toolkit.plan import Cluster, plan
+
+    moe = plan(_tiny_moe_spec(), Cluster(4, 80 * GIB, 4), seq_len=32, global_batch=16, allow_offload=False)
+    layouts = {(c.setup.dp, c.setup.zero, c.memory.ep) for c in moe.ranked}
+    assert {ep for _, _, ep in layouts} == {1, 2}  # 6 experts: EP 4 does not divide them
+    assert all(ep == 1 for _, zero, ep in layouts if zero == 3) and all(dp % ep == 0 for dp, _, ep in layouts)
+    assert any("EP2" in c.explain(moe.cluster) for c in moe.ranked)
+    from toolkit.families import spec_from_config
+    from toolkit.tinymodels import make_config
+
+    dense = plan(spec_from_config(make_config("llama").to_dict())[1], Cluster(4, 80 * GIB, 4), seq_len=32,
+                 global_batch=16, allow_offload=False)
+    assert {c.memory.ep for c in dense.ranked} == {1}
+
+
+def test_memory_cli_takes_ep(tmp_path, capsys):
+    import json
+
+    from toolkit.cli import main
+    from toolkit.tinymodels import make_config
+
+    (tmp_path / "config.json").write_text(json.dumps(make_config("mixtral").to_dict()))
+    args = ["memory", str(tmp_path), "--gpus", "4", "--zero", "1", "--kernels", "cpu", "--seq-len", "32"]
+    assert main(args + ["--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x DP 4 (EP 2)" in out

@@ -143,7 +143,9 @@ def _engine(case: dict, spec, world: int):
     from toolkit.runtime.cpu_compat import allow_deepspeed_fp16
     from toolkit.train.parallel import MegatronCoreMPU, param_groups
 
-    tp, pp = case["tp"], case["pp"]
+    from toolkit.train import experts
+
+    tp, pp, ep = case["tp"], case["pp"], case.get("ep", 1)
     dp = world // (tp * pp)
     setup = Setup(gpus=world, tp=tp, pp=pp, zero=case["zero"], precision=case["precision"], micro_batch=2,
                   global_batch=2 * case["micro_batches"] * dp, schedule=case["schedule"], steps_per_print=10**9,
@@ -151,14 +153,20 @@ def _engine(case: dict, spec, world: int):
                   optimizer=OptimizerSettings(lr=1e-3, torch_adam=True))  # torch AdamW: no JIT build, even offloaded
     config = build(setup, spec)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case["precision"]]
+    reset_moe_globals(spec)
     torch.manual_seed(SEED)
-    model = build_gpt_model(spec, Layout(tp, pp), dtype)
+    model = build_gpt_model(spec, Layout(tp, pp, ep=ep), dtype)
     if "lora" in case:
         _apply_lora(model, spec, Layout(tp, pp), case["lora"])
     # under LoRA the recipe's parameter groups: only what requires a gradient (the adapter)
-    parameters = param_groups(model, 0.0) if "lora" in case else model.parameters()
+    parameters = param_groups(model, 0.0) if "lora" in case or ep > 1 else model.parameters()
     allow_deepspeed_fp16()  # CPU only (toolkit.runtime.cpu_compat), as the recipe's engine
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config, mpu=MegatronCoreMPU())
+    # under EP the recipe's expert groups: experts partitioned and reduced over expert-DP
+    expert_group = experts.register_expert_groups(model, ep)
+    with experts.moe_engine(expert_group):
+        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=MegatronCoreMPU(),
+                                          model_parameters=experts.split_expert_group(parameters, expert_group))
+    engine.has_moe_layers = False
     return engine, setup
 
 
@@ -188,7 +196,8 @@ def model_state_case(case: dict, spec, world: int) -> dict:
     after_step = census(engine)
     stage = ps.get_pipeline_model_parallel_rank()
     lora = LoraShape(case["lora"]["r"], tuple(case["lora"]["targets"])) if "lora" in case else None
-    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0, lora=lora).stages[stage].states
+    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0, lora=lora,
+                         ep=case.get("ep", 1)).stages[stage].states
     result = {
         **case,
         "stage": stage,
@@ -255,6 +264,7 @@ def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict |
 
     extra = {"none": {}, "selective": dict(recompute_granularity="selective"),
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
+    reset_moe_globals(spec)
     torch.manual_seed(SEED)
     layout = Layout(tp, pp)
     config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra)
@@ -262,6 +272,17 @@ def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict |
     if lora is not None:
         _apply_lora(model, spec, layout, lora)
     return model
+
+
+def reset_moe_globals(spec) -> None:
+    """megatron-core's MoE module globals, between models: the aux-loss tracker is sized by the
+    first MoE model's layers, and the aux-loss scale keeps the shape of whoever set it first (a
+    backward outside the schedule sets a 0-d one the schedule can't copy its [1] scale into)."""
+    if spec.is_moe:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequence_parallel: bool = False,
@@ -302,7 +323,7 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
 # the launch
 
 
-def switch_layout(tp: int, pp: int):
+def switch_layout(tp: int, pp: int, ep: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -310,7 +331,7 @@ def switch_layout(tp: int, pp: int):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    info = init_parallel(tp, pp)
+    info = init_parallel(tp, pp, ep=ep)
     model_parallel_cuda_manual_seed(SEED)
     return info
 
@@ -328,17 +349,18 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
     world = dist.get_world_size()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     out = {"states": [], "activations": [], "pipeline": []}
-    layouts = sorted({(c["tp"], c["pp"]) for c in state_cases + activation_cases + pipeline_cases})
-    for tp, pp in layouts:
-        switch_layout(tp, pp)
-        for case in [c for c in state_cases if (c["tp"], c["pp"]) == (tp, pp)]:
+    layouts = sorted({(c["tp"], c["pp"], c.get("ep", 1)) for c in state_cases + activation_cases + pipeline_cases})
+    for tp, pp, ep in layouts:
+        switch_layout(tp, pp, ep)
+        here = lambda c: (c["tp"], c["pp"], c.get("ep", 1)) == (tp, pp, ep)  # noqa: E731
+        for case in [c for c in state_cases if here(c)]:
             out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
-        for case in [c for c in activation_cases if (c["tp"], c["pp"]) == (tp, pp)]:
+        for case in [c for c in activation_cases if here(c)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
                                             case["micro"], case.get("sequence_parallel", False), case.get("lora"))
                      for n in (2, 4)}
             out["activations"].append({**case, "saved": saved})
-        for case in [c for c in pipeline_cases if (c["tp"], c["pp"]) == (tp, pp)]:
+        for case in [c for c in pipeline_cases if here(c)]:
             from megatron.core import parallel_state as ps
 
             peak = pipeline_peak_bytes(tiny_spec(variant=case["variant"]), dtypes[case["precision"]], case["micro"],

@@ -1,10 +1,12 @@
-"""`plan`: every valid (TP, PP, DP, ZeRO, offload, micro-batch, recompute) layout for a model on a
+"""`plan`: every valid (TP, PP, DP, EP, ZeRO, offload, micro-batch, recompute) layout for a model on a
 GPU budget, the ones that fit in memory, ranked by a simple throughput model.
 
 A layout is valid when `toolkit.dsconfig.build` accepts it (so `plan` can never propose a config
 the builder would refuse); it fits when `toolkit.memory.estimate` stays within the GPU memory
-(and the host memory, if given). TP stays inside a node. When nothing fits, the result says so
-and says what would: offload, more GPUs, or recompute.
+(and the host memory, if given). TP stays inside a node. For an MoE model every EP that divides
+DP and the number of experts is tried (the throughput model does not price EP's all-to-all yet,
+so equal-speed layouts keep the smaller EP first). When nothing fits, the result says so and
+says what would: offload, more GPUs, or recompute.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Candidate:
             f"TP{s.tp} {'in-node' if s.tp <= cluster.gpus_per_node else 'ACROSS nodes'}",
             f"PP{s.pp} bubble {t.bubble:.0%} (m={s.micro_batches})" if s.pp > 1 else "no PP",
             f"DP{s.dp} ZeRO-{s.zero}" + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
+            *([f"EP{self.memory.ep}"] if self.memory.ep > 1 else []),
             f"mb {s.micro_batch}, recompute {self.recompute}",
         ]
         if self.offloaded:
@@ -125,6 +128,16 @@ def _zero_stages(schedule: str) -> range:
     return range(1, 4) if schedule == "megatron" else range(4)
 
 
+def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None = None) -> list[int]:
+    """EP sizes the recipe can run for this layout (parallel.ep, carved out of DP): powers of two
+    dividing both DP and the number of experts; none but 1 for a dense model, under ZeRO-3 (DeepSpeed
+    does not partition experts there) or with LoRA."""
+    if not spec.is_moe or setup.zero == 3 or lora is not None:
+        return [1]
+    powers = (1 << i for i in range(setup.dp.bit_length()))
+    return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep]
+
+
 def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None):
     offloads = OFFLOADS if allow_offload else OFFLOADS[:1]
     for (tp, pp), zero, offload, micro in itertools.product(
@@ -136,8 +149,8 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
             build(setup, spec)
         except ConfigError:
             continue
-        for recompute in RECOMPUTE:
-            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora)
+        for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
+            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep)
             yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
                                                                  cluster.gpus_per_node, cluster.hardware, lora))
 

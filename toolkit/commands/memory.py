@@ -24,6 +24,8 @@ def register(sub) -> None:
                    help="sequence length (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (TP > 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism of an MoE model (the recipe's parallel.ep; divides DP and the experts)")
     p.add_argument("--kernels", choices=("gpu", "cpu"), default="gpu",
                    help="gpu: Transformer Engine kernels (default); cpu: megatron-core's local spec")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB: say whether the layout fits")
@@ -60,9 +62,10 @@ def _run(args) -> int:
     args.seq_len = sequence_length(args.seq_len, spec)
     args.lora = lora_shape(args, spec)
     est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
-                   args.sequence_parallel, lora=args.lora)
+                   args.sequence_parallel, lora=args.lora, ep=args.ep)
     lora = f", LoRA r={args.lora.r} on {' '.join(args.lora.target_modules)}" if args.lora else ""
-    print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}, ZeRO-{setup.zero}, {setup.precision}, micro-batch "
+    ep = f" (EP {args.ep})" if args.ep > 1 else ""
+    print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}{ep}, ZeRO-{setup.zero}, {setup.precision}, micro-batch "
           f"{setup.micro_batch} x {setup.micro_batches} per step, sequence {args.seq_len}, recompute {args.recompute}{lora}")
     print("\n".join(est.table(args.gpus_per_node)))
     if not args.gpu_memory:
@@ -83,7 +86,8 @@ def _suggest(spec, setup, args, limit) -> None:
 
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
-        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora)
+        est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora,
+                       ep=args.ep)
         if est.fits(limit):
             print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return

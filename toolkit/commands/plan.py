@@ -87,4 +87,5 @@ def _write(path: Path, spec, best, model: str) -> None:
     s = best.setup
     print(f"wrote {path}: TP {s.tp} x PP {s.pp} x DP {s.dp}, ZeRO-{s.zero}, micro-batch {s.micro_batch}, "
           f"{lr_summary(s)} (a default: plan knows no LR or step count); "
-          f"run the recipe with recompute={best.recompute}", file=sys.stderr)
+          f"run the recipe with recompute={best.recompute}"
+          + (f" parallel.ep={best.memory.ep}" if best.memory.ep > 1 else ""), file=sys.stderr)

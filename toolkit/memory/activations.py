@@ -78,7 +78,8 @@ def layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str 
         return shape.act_bytes * shape.hidden_tokens(spec)  # only the checkpointed layer input
     attention = _selective_attention(spec, shape, kernels) if recompute == "selective" else _attention(spec, shape, kernels)
     norms = 2 * _norm(spec, shape, kernels) + _qk_norms(spec, shape, kernels)
-    return norms + _linear_inputs(spec, shape) + attention + _swiglu(spec, shape, kernels)
+    mlp = _moe(spec, shape, kernels) if spec.is_moe else _swiglu(spec, shape, kernels)
+    return norms + _linear_inputs(spec, shape) + attention + mlp
 
 
 def recompute_working_set(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str) -> int:
@@ -108,7 +109,7 @@ def _qk_norms(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
 
 def _linear_inputs(spec: ModelSpec, shape: Shape) -> int:
     """Inputs kept by linear_qkv and linear_fc1 (the norm outputs), linear_proj and linear_fc2."""
-    q, f = spec.num_heads * spec.head_dim, spec.ffn_hidden_size
+    q, f = spec.num_heads * spec.head_dim, 0 if spec.is_moe else spec.ffn_hidden_size  # MoE: in _moe
     sharded = shape.tokens * (q + f) // shape.tp
     return shape.act_bytes * (2 * shape.hidden_tokens(spec) + sharded)
 
@@ -136,10 +137,36 @@ def _selective_attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int
     return kept + mask
 
 
-def _swiglu(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
-    f = spec.ffn_hidden_size // shape.tp
+def _swiglu(spec: ModelSpec, shape: Shape, kernels: Kernels, ffn: int | None = None) -> int:
+    f = (spec.ffn_hidden_size if ffn is None else ffn) // shape.tp
     widths = 2 * f if kernels.fused_swiglu else 4 * f  # fc1 output (+ silu(x), x_linear + offset)
     return shape.act_bytes * shape.tokens * widths
+
+
+def _moe(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    """An MoE layer's MLP under the alltoall dispatcher, for one micro-batch. The router keeps
+    its logits, fp32 probabilities and top-k, the routing map and the permutation indices; every
+    token goes to top-k experts, so the experts see tokens x k rows (on average over EP ranks,
+    whatever EP is): the dispatched hidden states (the experts' fc1 inputs, one sorted copy),
+    the SwiGLU terms, fc2's input and the probability-weighted intermediate. A shared expert is a
+    dense MLP of its width. Measured at EP 1 in tests/test_memory_measured.py."""
+    t, k, b, f = shape.tokens, spec.moe_topk, shape.act_bytes, spec.moe_ffn_hidden_size // shape.tp
+    routed_rows = t * k
+    router = 2 * FP32 * t * spec.num_experts + FP32 * routed_rows  # fp32 logits and probabilities, top-k
+    indices = BOOL * t * spec.num_experts + INT64 * routed_rows  # routing map, permutation
+    experts = b * routed_rows * (spec.hidden_size + 2 * f) + _swiglu(spec, shape, kernels, spec.moe_ffn_hidden_size) * k
+    shared = 0
+    if spec.moe_shared_ffn_hidden_size:
+        fs = spec.moe_shared_ffn_hidden_size // shape.tp
+        shared = b * t * fs + _swiglu(spec, shape, kernels, spec.moe_shared_ffn_hidden_size)
+    return shape.act_bytes * shape.hidden_tokens(spec) + router + indices + experts + shared
+
+
+def dispatcher_buffers(spec: ModelSpec, shape: Shape) -> int:
+    """The alltoall dispatcher's transient copies of the routed tokens, not kept for backward:
+    the permuted local tokens and the all-to-all's receive buffer (tokens x k hidden states each),
+    alive during the dispatch and again, as gradients, during its backward."""
+    return 2 * shape.act_bytes * shape.tokens * spec.moe_topk * spec.hidden_size if spec.is_moe else 0
 
 
 def first_stage_bytes(shape: Shape) -> int:

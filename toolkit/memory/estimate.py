@@ -19,7 +19,7 @@ from toolkit.memory import activations as act
 from toolkit.memory.activations import GPU, Kernels, Shape
 from toolkit.memory.lora import LoraShape, activation_change, adapter_numels
 from toolkit.memory.params import stage_param_numels
-from toolkit.memory.states import ModelStates, ZeroSettings, frozen_states, model_states
+from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_states, model_states
 from toolkit.units import size
 
 GIB = 1 << 30
@@ -59,6 +59,7 @@ class Estimate:
     kernels: Kernels
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
     lora: LoraShape | None = None
+    ep: int = 1
 
     @property
     def peak(self) -> StageMemory:
@@ -94,9 +95,12 @@ class Estimate:
 
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
-             sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None) -> Estimate:
+             sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None,
+             ep: int = 1) -> Estimate:
     """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`); with
-    `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora)."""
+    `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora); with
+    `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep)."""
+    check_ep(spec, setup, ep, lora)
     if recompute not in act.RECOMPUTE:
         raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
     if sequence_parallel and setup.tp == 1:
@@ -106,8 +110,23 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
     shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)
-    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora) for s in range(setup.pp))
-    return Estimate(setup, seq_len, recompute, kernels, stages, lora)
+    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep) for s in range(setup.pp))
+    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep)
+
+
+def check_ep(spec: ModelSpec, setup: Setup, ep: int, lora: LoraShape | None = None) -> None:
+    """The layouts the recipe builds with parallel.ep (toolkit.train.build, init_parallel)."""
+    if ep == 1:
+        return
+    if not spec.is_moe:
+        raise ConfigError(f"EP {ep} needs a Mixture-of-Experts model; {spec.family} has no experts")
+    if spec.num_experts % ep or setup.dp % ep:
+        raise ConfigError(f"EP {ep} must divide the number of experts ({spec.num_experts}) and DP ({setup.dp})")
+    if setup.zero == 3:
+        raise ConfigError(f"EP {ep} with ZeRO-3: DeepSpeed's ZeRO-3 does not partition expert parameters over "
+                          "the expert-data-parallel group; use ZeRO-1 or 2")
+    if lora is not None:
+        raise ConfigError(f"EP {ep} with LoRA is not estimated")
 
 
 def backward_calls(setup: Setup) -> int:
@@ -124,7 +143,7 @@ def in_flight(setup: Setup, stage: int) -> int:
     return min(setup.pp - stage, setup.micro_batches)
 
 
-def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora) -> StageMemory:
+def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, ep) -> StageMemory:
     layers = spec.num_layers // setup.pp
     padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
     first, last = stage == 0, stage == setup.pp - 1
@@ -138,13 +157,22 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora) -
         final -= shape.act_bytes * shape.hidden_tokens(spec)  # the frozen output layer keeps no input
     per_microbatch = layers * layer + first * act.first_stage_bytes(shape)
     activations = in_flight(setup, stage) * per_microbatch + last * final
-    temporaries = working_set + act.attention_buffer(spec, shape, kernels) + last * act.logits_temporary(shape, padded_vocab)
-    return StageMemory(stage, _states(spec, setup, zero, stage, lora), activations, temporaries, reserve)
+    temporaries = (working_set + act.attention_buffer(spec, shape, kernels) + act.dispatcher_buffers(spec, shape)
+                   + last * act.logits_temporary(shape, padded_vocab))
+    return StageMemory(stage, _states(spec, setup, zero, stage, lora, ep), activations, temporaries, reserve)
 
 
-def _states(spec, setup, zero, stage, lora) -> ModelStates:
-    numels = stage_param_numels(spec, setup.tp, setup.pp, stage)
+def _states(spec, setup, zero, stage, lora, ep: int = 1) -> ModelStates:
     weight_bytes = WEIGHT_BYTES[setup.precision]
+    if lora is None and ep > 1:
+        # The routed experts are partitioned over the expert-data-parallel group (DP / EP ranks
+        # holding the same experts, toolkit.train.experts), everything else over all of DP.
+        dense = model_states(stage_param_numels(spec, setup.tp, setup.pp, stage, ep, "dense"), weight_bytes,
+                             setup.dp, zero, backward_calls(setup))
+        experts = model_states(stage_param_numels(spec, setup.tp, setup.pp, stage, ep, "experts"), weight_bytes,
+                               setup.dp // ep, zero, backward_calls(setup))
+        return combined(dense, experts)
+    numels = stage_param_numels(spec, setup.tp, setup.pp, stage, ep)
     if lora is None:
         return model_states(numels, weight_bytes, setup.dp, zero, backward_calls(setup))
     adapter = model_states(adapter_numels(spec, lora, setup.tp, setup.pp), weight_bytes, setup.dp, zero,

@@ -13,17 +13,25 @@ from toolkit.splits import Split
 
 EMBEDDING_PREFIX = "embedding."
 LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
+PARTS = ("all", "dense", "experts")
 
 
 @functools.lru_cache(maxsize=4096)
-def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 1) -> tuple[int, ...]:
+def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 1,
+                       part: str = "all") -> tuple[int, ...]:
     """Element count of every parameter tensor on one TP (and EP) rank of pipeline stage `stage`;
-    an expert row gives one tensor per local expert (num_experts / ep of them)."""
+    an expert row gives one tensor per local expert (num_experts / ep of them). `part`: "all",
+    "experts" (the routed experts, which ZeRO partitions over the expert-data-parallel group) or
+    "dense" (everything else, the router included, partitioned over all of DP)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}")
     family = family_named(spec.family)
     padded_vocab = Layout(tp, pp).padded_vocab(spec.vocab_size)
     first, last = stage == 0, stage == pp - 1
     numels: list[int] = []
     for row in family.rows_for(spec.tied_embeddings):
+        if part != "all" and row.per_expert != (part == "experts"):
+            continue
         numel = sum(math.prod(padded_vocab if s == "vocab" else spec.size_of(s) for s in shape) for shape in row.shapes)
         if row.split is not Split.REPLICATED:
             numel //= tp

@@ -81,6 +81,15 @@ def model_states(numels, weight_bytes: int, dp: int, zero: ZeroSettings,
     return _zero3(numels, weight_bytes, dp, zero)
 
 
+def combined(dense: ModelStates, experts: ModelStates) -> ModelStates:
+    """Two parameter groups of one engine (the dense weights over DP, the experts over the
+    expert-DP group): their states add up; the buffers do not, as DeepSpeed reuses its reduce
+    buckets for both and builds each group's fp32 gradient partition in step() one group at a time."""
+    return ModelStates(params=dense.params + experts.params, grads=dense.grads + experts.grads,
+                       optimizer=dense.optimizer + experts.optimizer, buffers=max(dense.buffers, experts.buffers),
+                       host=dense.host + experts.host, nvme=dense.nvme + experts.nvme)
+
+
 def frozen_states(numels, weight_bytes: int, dp: int, zero: ZeroSettings, adapter: ModelStates) -> ModelStates:
     """`adapter`'s states plus a frozen base of tensors `numels`: weights only, in the training
     dtype (DeepSpeed's optimizers take only parameters that require a gradient). ZeRO-3 partitions
