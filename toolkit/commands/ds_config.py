@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from toolkit.atomic import write_file
 from toolkit.errors import ConfigError
