@@ -1,6 +1,8 @@
-"""The fine-tuning recipe with every checkpoint save timed twice in the same run: once without the
-layout-independent train/ state (elastic.save_state skipped) and once with it, the order
-alternating from save to save so neither pays all of the first-save costs. Rank 0 appends
+"""The fine-tuning recipe with every checkpoint save timed twice in the same run: once as the
+checkpoint was before the layout-independent train/ state (DeepSpeed's own files, its ZeRO optimizer
+files included, and model/; elastic.save_state skipped) and once as it is (train/ instead of
+DeepSpeed's optimizer files), the order alternating from save to save so neither pays all of the
+first-save costs. Rank 0 appends
 {"step", "with_s", "without_s", "elastic_s"} and the
 same in CPU seconds of rank 0 ("with_cpu_s", ...: less sensitive to other load on a shared machine) to $SAVE_BENCH_OUT. Used by save_bench.py."""
 
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from toolkit.train import checkpoint, elastic
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
-_save, _save_state = checkpoint.save, elastic.save_state
+_save, _save_state, _save_deepspeed = checkpoint.save, elastic.save_state, checkpoint._save_deepspeed
 _elastic_seconds = []
 
 
@@ -38,8 +40,14 @@ def _skip_save_state(*args, **kwargs):
     pass
 
 
+def _save_deepspeed_with_optimizer_files(engine, directory, optimizer_files, exclude_frozen):
+    _save_deepspeed(engine, directory, True, exclude_frozen)
+
+
 def _one(with_state: bool, *args, **kwargs):
+    os.sync()  # the previous save's dirty pages written back, as minutes between saves of a real run would
     elastic.save_state = _timed_save_state if with_state else _skip_save_state
+    checkpoint._save_deepspeed = _save_deepspeed if with_state else _save_deepspeed_with_optimizer_files
     dist.barrier()
     began = _clocks()
     result = _save(*args, **kwargs)

@@ -139,6 +139,8 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     launch(2, cfg)
     run = tmp_path / "run"
     shard = next((run / "checkpoints" / "step_0000001" / "train").glob("*.distcp"))
+    ds_files = {p.name for p in (run / "checkpoints" / "step_0000001" / "ds").glob("*.pt")}
+    assert ds_files == {"mp_rank_00_model_states.pt"}, "train/ holds the optimizer state: no ZeRO files beside it"
     before = tree_state(run)
     monkeypatch.setenv("WORLD_SIZE", "2")
 

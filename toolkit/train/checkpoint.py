@@ -3,7 +3,8 @@
     RUN_DIR/checkpoints/
       latest                      name of the newest complete checkpoint (replaced atomically)
       step_0000010/
-        ds/                       DeepSpeed's save_checkpoint (engine, ZeRO optimizer, LR scheduler)
+        ds/                       DeepSpeed's save_checkpoint: its model-states file (module, engine
+                                  counters, LR scheduler); its ZeRO optimizer files only with LoRA
         adapter/                  with LoRA instead of model/: the adapter as an HF PEFT directory,
                                   with the base checkpoint's path and checksum (toolkit_base.json)
         model/                    fp32 master weights in our per-rank `torch` format + conversion
@@ -11,13 +12,16 @@
         ranks/rank_00003.pt       each rank's RNG states and data position (DeepSpeed's client_state
                                   is written by DP rank 0 only)
         train/                    layout-independent fp32 master weights and Adam moments
-                                  (torch_dist, toolkit.train.elastic): a resume on another layout
-        train_state.json          step, layout, global batch, samples consumed, LR schedule, Adam step
+                                  (torch_dist, toolkit.train.elastic): what every full fine-tune resumes from
+        train_state.json          step, layout, global batch, samples consumed, LR schedule, Adam step,
+                                  DeepSpeed's step counters and fp16 loss scale
 
-A resume on the layout that wrote the checkpoint loads DeepSpeed's files (bit-exact, RNG included);
-on any other TP x PP x DP x ZeRO it loads `train/`, each rank reading only its own slice, and keeps
-the global batch (the micro-batches per step follow from the new DP). Per-rank RNG states cannot
-follow a changed layout: they are then re-seeded from the config's seed (exact without dropout).
+A full fine-tune resumes from `train/` on any TP x PP x DP x ZeRO, each rank reading only its own
+slice; DeepSpeed's ZeRO files would hold the same fp32 state a second time, so they are not written
+(the save costs about what DeepSpeed's own did). On the layout that wrote the checkpoint each rank's
+RNG states and data position follow too, and the resume is bit-exact; on another the global batch is
+kept (the micro-batches per step follow from the new DP) and the RNG states are re-seeded from the
+config's seed (exact without dropout). A LoRA run resumes from DeepSpeed's files, on its own layout.
 
 A checkpoint is written under .step_0000010.partial and renamed only after every rank finished
 (DeepSpeed's own `latest` file is written by rank 0 without a barrier, so save_latest=False).
@@ -40,6 +44,7 @@ from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
 from toolkit.megatron_settings import megatron_args
+from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
 from toolkit.train.schedule import LRSchedule
 
@@ -133,7 +138,8 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "ranks").mkdir(parents=True)
     dist.barrier()
-    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=adapter is not None)
+    lora = adapter is not None
+    _save_deepspeed(engine, tmp, optimizer_files=lora, exclude_frozen=lora)
     if adapter is None:
         masters = _master_weights(module)  # every rank takes part in the DP collectives
         _write_model(tmp, module, masters, source_meta, Path(source_dir))
@@ -143,9 +149,9 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
         save_adapter(adapter, tmp / ADAPTER_EXPORT)
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
     if adapter is None:
-        elastic.save_state(tmp / elastic.STATE_DIR, engine, shards, {id(p): t for p, t in masters.items()})
+        elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
     resumable = {"consumed_samples": source.state_dict()["consumed"], "adam_step": elastic.adam_step(engine),
-                 "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups]}
+                 "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups], **engine_state.read(engine)}
     if dist.get_rank() == 0:
         (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
     dist.barrier()  # every rank's files are on disk
@@ -159,6 +165,18 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
         _prune(root, keep_last, step)
     dist.barrier()
     return final
+
+
+def _save_deepspeed(engine, directory: Path, optimizer_files: bool, exclude_frozen: bool) -> None:
+    """DeepSpeed's model-states file (module, engine counters, LR scheduler) and, with
+    `optimizer_files`, its ZeRO optimizer files. A full fine-tune leaves those out: train/ holds the
+    same fp32 master weights and Adam moments, and every resume reads them from there."""
+    zero_files = engine.save_zero_checkpoint  # DeepSpeed's own choice of which ranks write them
+    engine.save_zero_checkpoint = zero_files and optimizer_files
+    try:
+        engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=exclude_frozen)
+    finally:
+        engine.save_zero_checkpoint = zero_files
 
 
 def _step_dirs(root: Path) -> dict[int, Path]:
@@ -248,7 +266,8 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         if "consumed_samples" not in state:
             raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
                                   f"state: resume it on that layout, not on {layout}")
-        elastic.check_files(path / elastic.STATE_DIR)
+    if (path / elastic.STATE_DIR).is_dir() or not same_layout:
+        elastic.check_files(path / elastic.STATE_DIR)  # every resume but a LoRA one reads it
     if state.get("global_batch", global_batch) != global_batch:
         raise CheckpointError(f"{path} was trained with global_batch {state['global_batch']}, this run asks for "
                               f"{global_batch}: a resumed run keeps its global batch (set global_batch={state['global_batch']})")
@@ -283,12 +302,14 @@ def _check_same_model(path: Path, meta: CheckpointMeta) -> None:
 def resume(path: Path, engine, source, schedule, requested_schedule, shards, same_layout: bool, lora: bool = False) -> int:
     """Load a checkpoint written by `save` (check_resumable has accepted it); returns its step.
     The LR schedule restored from it goes on as `requested_schedule` asks."""
+    from toolkit.train import elastic
+
     state = _train_state(path)
     step = int(state["step"])
-    if same_layout:
+    if (path / elastic.STATE_DIR).is_dir():
+        _resume_from_train_state(path, state, engine, source, schedule, shards, same_layout)
+    else:  # a LoRA checkpoint, or one of an earlier version: DeepSpeed's files, on their own layout
         _resume_deepspeed(path, engine, source, lora)
-    else:
-        _resume_elastic(path, state, engine, source, schedule, shards)
     schedule.continue_as(requested_schedule, step)
     return step
 
@@ -300,13 +321,18 @@ def _resume_deepspeed(path: Path, engine, source, lora: bool) -> None:
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {path / DS_TAG}")
     restore_experts_from_masters(engine.module)  # DeepSpeed's model file has DP rank 0's experts only
-    rank_file = path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
-    _restore_rank_states(torch.load(rank_file, weights_only=True), source)
+    _restore_rank_states(torch.load(_rank_file(path), weights_only=True), source)
 
 
-def _resume_elastic(path: Path, state: dict, engine, source, schedule, shards) -> None:
-    """Another layout: weights and moments from `train/`, the LR schedule and the data position
-    (in samples, global) from train_state.json."""
+def _rank_file(path: Path) -> Path:
+    return path / "ranks" / f"rank_{dist.get_rank():05d}.pt"
+
+
+def _resume_from_train_state(path: Path, state: dict, engine, source, schedule, shards, same_layout: bool) -> None:
+    """Weights and Adam's state from `train/` (each rank reading its own slice, on any layout), the
+    LR schedule, the engine's counters and loss scale from train_state.json; on the layout that wrote
+    the checkpoint each rank's RNG states and data position too (bit-exact), on another the data
+    position in samples (global) and RNG states re-seeded from the config."""
     from toolkit.train import elastic
 
     step = int(state["step"])
@@ -317,7 +343,11 @@ def _resume_elastic(path: Path, state: dict, engine, source, schedule, shards) -
     for group, lr in zip(engine.optimizer.param_groups, state["last_lr"], strict=True):
         group["lr"] = lr
     scheduler._last_lr = list(state["last_lr"])
-    source.load_state_dict({"consumed": state["consumed_samples"]})
+    engine_state.restore(engine, state)
+    if same_layout:
+        _restore_rank_states(torch.load(_rank_file(path), weights_only=True), source)
+    else:
+        source.load_state_dict({"consumed": state["consumed_samples"]})
 
 
 def export_adapter(run_dir: Path) -> Path:

@@ -19,10 +19,12 @@ without an offline step, from the same sharding metadata the model itself declar
 
 Why each parameter is written whole by one DP rank and not as ZeRO's flat fragments:
 megatron-core 0.16.1 refuses ShardedTensor.flattened_range and its torch_dist strategy assumes
-grid-aligned shards, while a ZeRO fragment may start in the middle of a row. So parameter i of a
-stage is collected (one all-reduce / all-gather of that one tensor over DP, DeepSpeed's
-safe_get_full_* API) and kept only by DP rank i % DP: no rank ever holds more than about 1/DP
-of its stage's tensors, the same share ZeRO gives it. Loading reads each rank's TP/PP box and
+grid-aligned shards, while a ZeRO fragment may start in the middle of a row. So each parameter is
+written whole by one rank of its DP group: at ZeRO-1/2 the one whose contiguous flat partition holds
+its first element, and so (but for the few parameters straddling a partition boundary, whose parts
+are summed over DP) the whole of it, read straight from the optimizer with no communication; at
+ZeRO-3 parameter i, collected with DeepSpeed's safe_get_full_* API, by DP rank i % DP. No rank
+writes more than about 1/DP of its stage's tensors, the same share ZeRO gives it. Loading reads each rank's TP/PP box and
 hands DeepSpeed only this rank's fragment (safe_set_full_* at ZeRO-1/2, safe_set_local_* at 3).
 
 Adam's step count is one number (every step updates every parameter) and goes, with the LR
@@ -75,44 +77,26 @@ class ParamShards:
         return replace(entry, **fields)
 
 
-def _dp(param=None):
-    """The ranks holding `param` in ZeRO fragments: DP, or the expert-DP group for an expert."""
-    from megatron.core import parallel_state as ps
-
-    from toolkit.train.experts import is_expert
-
-    if param is not None and is_expert(param):
-        return ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()
-    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-
-
 def _main_over_dp(replica_id):
     """The replica id with its DP part set to 0: megatron-core's ids end with the DP rank
     (make_sharded_tensor_for_checkpoint: (0, tp_rank or 0, dp_rank)), or are the DP rank."""
     return (*replica_id[:-1], 0) if isinstance(replica_id, tuple) else 0
 
 
-def save_state(directory: Path, engine, shards: ParamShards, masters: dict | None = None) -> None:
-    """Collective: every rank calls it. Writes `directory` (which must not exist). `masters`: the
-    whole fp32 master weights by id(parameter), where the caller has them already (collected once)."""
+def save_state(directory: Path, engine, shards: ParamShards) -> None:
+    """Collective: every rank calls it. Writes `directory` (which must not exist): each parameter's
+    states by the one DP rank keeping it (zero_gather.kept_states), straight from the optimizer."""
     from toolkit.train import torch_dist_save, zero_gather
 
     _link_fragments(engine)
     params = [param for param, _, _ in shards.entries]
     sharded = {}
     for name, key in STATES:
-        if key is None and masters is not None:
-            states = ((index, masters[id(param)]) for index, param in enumerate(params))
-        else:
-            states = zero_gather.full_states(params, key)  # every DP rank takes part; one keeps each
-        for index, full in states:
+        for index, full in zero_gather.kept_states(params, key):
             if full is None:
                 raise ElasticStateError("DeepSpeed holds no fp32 state for a parameter (ZeRO-1/2/3 are supported)")
-            dp, dp_rank = _dp(params[index])  # each EP rank's experts are kept by one of their expert-DP ranks
-            if index % dp == dp_rank:
-                entry = shards.entries[index][1]
-                data = full.detach().float().cpu().clone()
-                sharded[f"{name}/{index}"] = shards.sharded(name, entry, data, _main_over_dp(entry.replica_id))
+            entry = shards.entries[index][1]
+            sharded[f"{name}/{index}"] = shards.sharded(name, entry, full.detach(), _main_over_dp(entry.replica_id))
     if dist.get_rank() == 0:
         Path(directory).mkdir(parents=True)
     dist.barrier()

@@ -9,6 +9,12 @@ about 0.05 s of forking per save, against about 0.2 s for the whole rest of our 
 its write buckets are written by the same `write_preloaded_data` megatron-core runs in each forked
 process, in threads (file writes release the GIL), and its finalisation (the .metadata index, then
 metadata.json) runs as megatron-core's own `execute_sync` would run it.
+
+Every train/ save of a run has the same structure (the same parameters, shardings and ranks), so the
+strategy keeps megatron-core's cached save plans and global metadata from one save to the next
+(`cached_metadata`, what Megatron-LM's --ckpt-assume-constant-structure turns on: megatron-core
+still checks on every save that the local plans did not change), and the sharding is validated on
+the first save only.
 """
 
 from __future__ import annotations
@@ -18,15 +24,27 @@ import threading
 
 import torch.distributed as dist
 
+# No fsync, as for the rest of the checkpoint (DeepSpeed's torch.save, model/): a checkpoint becomes
+# `latest` only once every rank has written it (a crashed process cannot leave it half-written), and
+# forcing 1x the state to disk on every save made train/ the slowest part of it (benchmarks/save_bench.py).
+USE_FSYNC = False
+_strategy = None  # this process's TorchDistSaveShardedStrategy, made by the first save
+
 
 def save(sharded_state_dict: dict, directory: str) -> None:
     """Collective, like dist_checkpointing.save."""
+    global _strategy
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     if filesystem_async._results_queue is None:  # read by prepare_write_data; never a Manager's
         filesystem_async._results_queue = queue.Queue()
-    request = dist_checkpointing.save(sharded_state_dict, directory, async_sharded_save=True)
+    first = _strategy is None
+    if first:
+        _strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    request = dist_checkpointing.save(sharded_state_dict, directory, sharded_strategy=_strategy,
+                                      validate_access_integrity=first, async_sharded_save=True)
     if request.async_fn is not None:  # None where this rank has nothing to write
         _write_buckets(request)
     dist.barrier()  # as AsyncRequest.execute_sync: every rank's files are written
@@ -45,7 +63,7 @@ def _write_buckets(request) -> None:
     for index, bucket in enumerate(buckets):
         count.put(index)  # each writer takes one off when done (its protocol)
         threads.append(threading.Thread(target=FileSystemWriterAsync.write_preloaded_data,
-                                        args=(transforms, index, bucket, local, count, True)))
+                                        args=(transforms, index, bucket, local, count, USE_FSYNC)))
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -1,5 +1,7 @@
 """Whole (TP/PP-shard) fp32 tensors of parameters whose master weights and Adam moments ZeRO holds
-in fragments across the DP group: the fragments of many parameters summed in one all-reduce.
+in fragments across the DP group: the fragments of many parameters summed in one all-reduce
+(`full_states`, every parameter on every rank), or each parameter on one DP rank (`kept_states`,
+what a checkpoint writes, with almost no communication).
 
 DeepSpeed's safe_get_full_fp32_param / safe_get_full_optimizer_state do the same one parameter at a
 time (utils/tensor_fragment.py get_full_hp_param: zeros, this rank's fragment copied in, all-reduce
@@ -30,6 +32,50 @@ def full_states(params: list, key: str | None) -> Iterator[tuple[int, torch.Tens
         return
     for bucket in _buckets(params):
         yield from _reduce(params, bucket, key)
+
+
+def kept_states(params: list, key: str | None) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """(index, whole state) of the parameters this DP rank keeps in a checkpoint, so that each is
+    kept by exactly one rank of its DP group (about 1/DP of the states each). At ZeRO-1/2: the rank
+    whose flat partition holds the parameter's first element. The partitions are contiguous, so that
+    rank holds the whole parameter, except for the few that straddle a partition boundary (at most one
+    per boundary and group), whose parts are summed over DP. None, on every rank, for a parameter
+    without ZeRO's fragment mapping. At ZeRO-3: parameter i on DP rank i % DP, each collected whole.
+    A yielded tensor may view the optimizer's own state: write it, do not change it."""
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3
+        for index, full in _one_by_one(params, key):
+            group = params[index].ds_process_group
+            if index % dist.get_world_size(group=group) == dist.get_rank(group=group):
+                yield index, full
+        return
+    straddling = _straddling(params)
+    summed = {}
+    for bucket in _buckets([params[i] for i in straddling]):
+        for position, full in _reduce([params[i] for i in straddling], bucket, key):
+            summed[straddling[position]] = full
+    for index, param in enumerate(params):
+        mapping = getattr(param, "_hp_mapping", False)
+        if mapping is False:
+            yield index, None
+        elif mapping is not None and mapping.lp_fragment_address.start == 0:
+            yield index, summed[index] if index in summed else mapping.get_hp_fragment(key).view(param.shape)
+
+
+def _straddling(params: list) -> list[int]:
+    """Indices of the parameters split between two or more ranks' partitions: a rank knows only of
+    its own part, so every DP group (dense, expert) agrees on them in one small all-reduce."""
+    groups = {}
+    for param in params:
+        if hasattr(param, "_hp_mapping"):
+            groups.setdefault(param._dp_group, param.device)  # the same order on every rank of a group
+    split = [0] * len(params)
+    for group, device in groups.items():
+        mine = torch.tensor([int(getattr(p, "_dp_group", None) is group and p._hp_mapping is not None
+                                 and p._hp_mapping.lp_fragment_address.numel < p.numel()) for p in params],
+                            dtype=torch.int32, device=device)
+        dist.all_reduce(mine, group=group)
+        split = [a + b for a, b in zip(split, mine.tolist())]
+    return [index for index in range(len(params)) if split[index] > 0]
 
 
 def _one_by_one(params, key):
