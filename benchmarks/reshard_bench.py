@@ -4,7 +4,7 @@ One short fine-tuning run (TP1 x PP2, 2 processes, one step) writes a checkpoint
 than the tests' (default: hidden 512, 4 layers, vocabulary 8192, ~30 M parameters); it is then
 resharded to TP2 x PP1 in a fresh process, which reports the high-water mark of its anonymous
 memory (RssAnon, sampled every millisecond: the process's own memory, not the page cache of the
-files it maps) above what it held after its imports, and that of its whole resident set (which
+files it maps) above what it held after its imports (and the lazy ones opening a checkpoint makes), and that of its whole resident set (which
 counts the memory-mapped input and scratch pages the kernel may evict). Printed beside them: the
 largest tensor of the output's rank files, the largest output rank file, and the checkpoint's size.
 
@@ -51,7 +51,10 @@ def write_checkpoint(root: Path, hidden: int, layers: int, vocab: int) -> Path:
 def measure(source: str, out: str) -> None:
     """In the child: reshard, print the peak anonymous and resident memory above the post-import level (MiB)."""
     import toolkit.train.reshard as reshard_module
+    from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+    from toolkit.train.checkpoint_info import resolve
 
+    MegatronCheckpoint.open(resolve(Path(source)) / "model")  # its lazy imports (transformers' configs) first
     anon_before, rss_before = _status_mib("RssAnon"), _status_mib("VmRSS")
     peak, done = [anon_before], threading.Event()
 
