@@ -4,8 +4,9 @@ One short fine-tuning run (TP1 x PP2, 2 processes, one step) writes a checkpoint
 than the tests' (default: hidden 512, 4 layers, vocabulary 8192, ~30 M parameters); it is then
 resharded to TP2 x PP1 in a fresh process, which reports the high-water mark of its anonymous
 memory (RssAnon, sampled every millisecond: the process's own memory, not the page cache of the
-files it maps) above what it held after its imports (and the lazy ones opening a checkpoint makes), and that of its whole resident set (which
-counts the memory-mapped input and scratch pages the kernel may evict). Printed beside them: the
+files it maps) above what it held after its imports (and the lazy ones opening a checkpoint makes),
+and that of its whole resident set (which counts the memory-mapped input and scratch pages the
+kernel may evict). Printed beside them: the
 largest tensor of the output's rank files, the largest output rank file, and the checkpoint's size.
 
     python benchmarks/reshard_bench.py [--hidden 512] [--layers 4] [--vocab 8192]
