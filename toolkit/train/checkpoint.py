@@ -260,9 +260,6 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")
-        if max(saved.get("ep") or 1, layout.get("ep", 1)) > 1:
-            raise CheckpointError(f"{path} was written with {saved}: a resume with expert parallelism on another "
-                                  f"layout ({layout}) is not supported yet; resume on that layout")
         if "consumed_samples" not in state:
             raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
                                   f"state: resume it on that layout, not on {layout}")
@@ -340,14 +337,26 @@ def _resume_from_train_state(path: Path, state: dict, engine, source, schedule, 
     vars(schedule).update(state["lr_schedule"])  # the LambdaLR's own callable
     scheduler = engine.lr_scheduler
     scheduler.last_epoch = step
-    for group, lr in zip(engine.optimizer.param_groups, state["last_lr"], strict=True):
+    last_lr = _group_lrs(state["last_lr"], len(engine.optimizer.param_groups))
+    for group, lr in zip(engine.optimizer.param_groups, last_lr, strict=True):
         group["lr"] = lr
-    scheduler._last_lr = list(state["last_lr"])
+    scheduler._last_lr = last_lr
     engine_state.restore(engine, state)
     if same_layout:
         _restore_rank_states(torch.load(_rank_file(path), weights_only=True), source)
     else:
         source.load_state_dict({"consumed": state["consumed_samples"]})
+
+
+def _group_lrs(saved: list[float], groups: int) -> list[float]:
+    """Each parameter group's LR. Expert parallelism adds a group for the experts (their own DP
+    group), so a resume across EP sizes has another number of groups: one schedule drives them all."""
+    if len(saved) == groups:
+        return list(saved)
+    if len(set(saved)) != 1:
+        raise CheckpointError(f"the checkpoint's {len(saved)} parameter groups have different LRs {saved}: "
+                              f"they cannot be given to this layout's {groups}")
+    return saved[:1] * groups
 
 
 def export_adapter(run_dir: Path) -> Path:
