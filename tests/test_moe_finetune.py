@@ -3,11 +3,14 @@
 The reference is the single-process HF model (tests/finetune_harness.py) with the router's
 load-balancing loss in megatron-core's per-layer form (tests/moe_reference.py), its coefficient
 raised to 0.1 so that a wrong aux gradient shows. Each layout is one launch of the real recipe;
-the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test, and the
+the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test and of a resume
+at EP1 from its checkpoint resharded with `ckpt reshard --ep 1`, and the
 TP2 x PP2 x DP2 x EP2 one exports to HF. Qwen2-MoE and OLMoE have one DP2 x EP2 launch each.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,23 +236,32 @@ def test_dp2_ep2_matches_reference_and_resumes_after_sigkill_exactly_with_every_
 
 
 def assert_resumes_at_ep1_as_the_straight_run(moe, tmp_path, run_dir, straight):
-    """The step-5 checkpoint of DP2 x EP2 resumed at DP2 x EP1 (ZeRO-2): each rank reads all the
+    """The step-5 checkpoint of DP2 x EP2, resharded offline to EP1 (`toolkit ckpt reshard --ep 1`:
+    its model/ exports the same HF weights), resumed at DP2 x EP1 ZeRO-2: each rank reads all the
     experts, their master weights and Adam moments, from train/ and repeats steps 6-10 of the
     straight run up to reduction order."""
-    import shutil
+    from safetensors.torch import load_file
+
+    from toolkit.convert import megatron_to_hf
+    from toolkit.train.reshard import reshard
 
     hf, mc, data, _ = moe
-    elastic = tmp_path / "ep1"
-    checkpoints = elastic / "run" / "checkpoints"
-    checkpoints.mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step_0000005", checkpoints / "step_0000005")
-    (checkpoints / "latest").write_text("step_0000005")
-    launch(2, recipe(elastic, mc, data, parallel={"zero_stage": 2, "ep": 1}), "resume=auto")
-    resumed = {m["step"]: m for m in read_metrics(elastic / "run")}
+    saved = run_dir / "checkpoints" / "step_0000005"
+    out = reshard(saved, tmp_path / "ep1", tp=1, pp=1, ep=1)
+    exports = [megatron_to_hf(step / "model", tmp_path / name, progress=False)
+               for name, step in (("hf-ep2", saved), ("hf-ep1", out / "checkpoints" / saved.name))]
+    before, after = (load_file(next(Path(d).glob("*.safetensors"))) for d in exports)
+    assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
+
+    (tmp_path / "ep1-config").mkdir()
+    launch(2, recipe(tmp_path / "ep1-config", mc, data, parallel={"zero_stage": 2, "ep": 1}, run_dir=str(out)),
+           "resume=auto")
+    resumed = {m["step"]: m for m in read_metrics(out)}
     assert sorted(resumed) == list(range(SAVE_EVERY + 1, STEPS + 1))
     for key, tolerance in (("loss", 1e-6), ("grad_norm", 1e-5)):
         worst = max(abs(resumed[m["step"]][key] - m[key]) / abs(m[key]) for m in straight if m["step"] > SAVE_EVERY)
-        print(f"DP2xEP2 -> DP2xEP1 ZeRO-2: max relative {key} difference, steps 6-10: {worst:.1e}")
+        print(f"DP2xEP2 -> (ckpt reshard --ep 1) -> DP2xEP1 ZeRO-2: max relative {key} difference, steps 6-10: "
+              f"{worst:.1e}")
         assert worst <= tolerance, key
 
 

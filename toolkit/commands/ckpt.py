@@ -1,5 +1,5 @@
 """`toolkit ckpt inspect DIR` (a training checkpoint's layout, progress, tensors and the layouts it
-resumes on) and `toolkit ckpt reshard DIR OUT --tp --pp` (the checkpoint rewritten for another layout)."""
+resumes on) and `toolkit ckpt reshard DIR OUT --tp --pp [--ep]` (the checkpoint rewritten for another layout)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def register(sub) -> None:
     reshard.add_argument("out")
     reshard.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size of the output")
     reshard.add_argument("--pp", type=positive_int, required=True, help="pipeline-parallel size of the output")
+    reshard.add_argument("--ep", type=positive_int, help="expert-parallel size of the output (MoE models; "
+                         "default: the checkpoint's)")
     reshard.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     reshard.set_defaults(func=_reshard)
 
@@ -41,6 +43,7 @@ def _inspect(args) -> int:
 def _reshard(args) -> int:
     from toolkit.train.reshard import reshard
 
-    out = reshard(args.dir, args.out, args.tp, args.pp, overwrite=args.overwrite)
-    print(f"wrote {out} at TP {args.tp} x PP {args.pp}: continue it with run_dir={out} resume=auto")
+    out = reshard(args.dir, args.out, args.tp, args.pp, overwrite=args.overwrite, ep=args.ep)
+    ep = f" x EP {args.ep}" if args.ep else ""
+    print(f"wrote {out} at TP {args.tp} x PP {args.pp}{ep}: continue it with run_dir={out} resume=auto")
     return 0

@@ -1,4 +1,4 @@
-"""`toolkit ckpt reshard DIR OUT --tp --pp`: a training checkpoint rewritten for another TP x PP,
+"""`toolkit ckpt reshard DIR OUT --tp --pp [--ep]`: a training checkpoint rewritten for another TP x PP (x EP),
 offline (one process, no process group), as a run directory that `resume=auto` continues.
 
     OUT/checkpoints/latest
@@ -43,20 +43,22 @@ from toolkit.train.checkpoint_info import resolve
 LAYER_SPEC = "local"  # what a fine-tune's model/ holds (checkpoint._write_model)
 
 
-def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bool = False) -> Path:
+def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bool = False, ep: int | None = None) -> Path:
     """Write OUT (a run directory) from the checkpoint `source` (a step directory, or a run
-    directory's latest) for TP x PP. Everything is checked before anything is written."""
+    directory's latest) for TP x PP and, for a Mixture-of-Experts model, EP (default: the
+    checkpoint's). Everything is checked before anything is written."""
     step_dir = resolve(Path(source))
     state = checkpoint._train_state(step_dir)
     meta = _checked_source(step_dir, state)
-    layout = Layout(tp, pp, meta.vocab_divisor, meta.ep)
+    layout = Layout(tp, pp, meta.vocab_divisor, meta.ep if ep is None else ep)
     layout.check(meta.model_spec)  # TP dividing the heads, PP the layers: one line otherwise
     refuse_output_overlapping_inputs(out, step_dir)
     with atomic_directory(out, overwrite=overwrite) as tmp:
         target = tmp / checkpoint.CHECKPOINTS / step_dir.name
         _copy_files(step_dir / elastic.STATE_DIR, target / elastic.STATE_DIR)
         _write_model(step_dir / "model", target / "model", meta, layout, scratch=tmp)
-        resharded = {**state, "tp": tp, "pp": pp, "dp": None, "zero_stage": None}
+        resharded = {**state, "tp": tp, "pp": pp, "dp": None, "zero_stage": None,
+                     **({"ep": layout.ep} if meta.model_spec.is_moe else {})}
         (target / "train_state.json").write_text(json.dumps(resharded, indent=2))
         (tmp / checkpoint.CHECKPOINTS / checkpoint.LATEST).write_text(step_dir.name)
     return Path(out)
@@ -131,7 +133,7 @@ def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layou
 
     sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, layers, LAYER_SPEC, args,
                                          len(layout.local_experts(spec, 0)))
-    new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp,
+    new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
                             "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})
     new.write(target)
     (target / TRACKER).write_text(RELEASE)
