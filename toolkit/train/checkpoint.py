@@ -171,12 +171,14 @@ def _save_deepspeed(engine, directory: Path, optimizer_files: bool, exclude_froz
     """DeepSpeed's model-states file (module, engine counters, LR scheduler) and, with
     `optimizer_files`, its ZeRO optimizer files. A full fine-tune leaves those out: train/ holds the
     same fp32 master weights and Adam moments, and every resume reads them from there."""
-    zero_files = engine.save_zero_checkpoint  # DeepSpeed's own choice of which ranks write them
-    engine.save_zero_checkpoint = zero_files and optimizer_files
+    zero_files = getattr(engine, "save_zero_checkpoint", False)  # DeepSpeed's choice of the ranks writing them
+    if zero_files:
+        engine.save_zero_checkpoint = optimizer_files
     try:
         engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=exclude_frozen)
     finally:
-        engine.save_zero_checkpoint = zero_files
+        if zero_files:
+            engine.save_zero_checkpoint = zero_files
 
 
 def _step_dirs(root: Path) -> dict[int, Path]:

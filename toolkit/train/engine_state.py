@@ -14,7 +14,7 @@ LOSS_SCALE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 def read(engine) -> dict:
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     dynamic = scaler is not None and getattr(scaler, "dynamic", False)
-    return {"engine_counters": {name: int(getattr(engine, name)) for name in COUNTERS},
+    return {"engine_counters": {name: int(getattr(engine, name)) for name in COUNTERS if hasattr(engine, name)},
             "loss_scale": {name: getattr(scaler, name) for name in LOSS_SCALE} if dynamic else None}
 
 
