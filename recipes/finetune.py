@@ -113,7 +113,7 @@ def finetune(run: Run) -> int:
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.elastic import ParamShards
     from toolkit.train.expert_load import ExpertLoad
-    from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
+    from toolkit.train.step import StepContext, evaluate, train_step
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
     spec = meta.model_spec
@@ -160,10 +160,9 @@ def finetune(run: Run) -> int:
     peak, peak_source = peak_tflops(cfg.peak_tflops)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
 
-    def context(batches):
-        loss_tokens, real_tokens = count_global_tokens(batches, info.device)
-        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens,
-                           spec.is_moe, cfg.parallel.sequence_parallel)
+    def context(batches, counts):
+        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch,
+                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel)
 
     # Tokens per expert per layer (the load balance), logged with the other metrics.
     expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
@@ -173,8 +172,9 @@ def finetune(run: Run) -> int:
         batches = train_data.next_global_batch()
         lr = engine.get_lr()[0]
         began = time.perf_counter()
-        ctx = context(batches)
-        loss, grad_norm = train_step(engine, model, batches, ctx, spec.tied_embeddings)
+        ctx = context(batches, train_data.last_counts)
+        loss, grad_norm, stop = train_step(engine, model, batches, ctx, spec.tied_embeddings,
+                                           lambda: preemption.requested)
         seconds = time.perf_counter() - began
         # Throughput counts real (non-padding) tokens; the padded figure is labelled as such.
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": ctx.real_tokens / seconds,
@@ -191,7 +191,6 @@ def finetune(run: Run) -> int:
             metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
         if log_now:
             logger.log(step, metrics)
-        stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,
                            "lr_schedule": run.schedule.state()}
