@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import pickle
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch.utils.serialization
 
 from toolkit.convert import naming
 from toolkit.convert.metadata import CHECKPOINT_VERSION
+from toolkit.convert.torch_stream import save_streaming
 from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
@@ -83,39 +85,69 @@ def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank
     return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
 
 
-def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
-                   local_experts: int = 0) -> str:
-    """Write one rank's file from canonical names (stage-local layer numbers); returns its sha256."""
+def _rank_state(model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
+                local_experts: int) -> dict:
+    """One rank file's contents from canonical names (stage-local layer numbers)."""
     named = {naming.to_spec_name(name, layer_spec, moe=local_experts > 0): t for name, t in model.items()}
     shared = any(naming.split_layer(name)[1].startswith(naming.SHARED_EXPERT_PREFIX) for name in model)
     named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec, shared)))
+    return {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+
+
+def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
+                   local_experts: int = 0) -> str:
+    """Write one rank file from tensors in memory; returns its sha256."""
     path.parent.mkdir(parents=True)
-    state = {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
-    return save_with_sha256(state, path)
+    return save_with_sha256(_rank_state(model, args, layer_spec, num_stage_layers, local_experts), path)
+
+
+def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterator[tuple[str, torch.Tensor]],
+                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0) -> str:
+    """Write one rank file as `tensors` yields (canonical name, tensor) in the order of `shapes`,
+    holding a tensor or two at a time (toolkit.convert.torch_stream); returns its sha256. The
+    bytes are those save_rank_file would write."""
+    first_name, first = next(tensors)
+    placeholders = {name: torch.empty(shape, dtype=first.dtype) for name, shape in shapes.items()}
+
+    def in_order():
+        for (name, tensor), expected in zip(itertools.chain([(first_name, first)], tensors), placeholders, strict=True):
+            if name != expected:
+                raise RuntimeError(f"{path}: built {name!r} where {expected!r} was laid out")
+            yield tensor
+
+    path.parent.mkdir(parents=True)
+    state = _rank_state(placeholders, args, layer_spec, num_stage_layers, local_experts)
+    return save_streaming(state, list(placeholders.values()), in_order(), path)
+
+
+def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+    return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
 
 
 def write_rank_files(
     release: Path,
     layout: Layout,
-    build_stage: Callable[[int, int], Iterator[tuple[str, torch.Tensor]]],
+    build_stage: Callable[[int, int, int], Iterator[tuple[str, torch.Tensor]]],
+    stage_shapes: Callable[[int], dict[str, tuple[int, ...]]],
     num_stage_layers: int,
     layer_spec: str,
     args: argparse.Namespace,
     local_experts: int = 0,
 ) -> dict[Path, str]:
-    """One file per (TP, PP, EP) rank, written as soon as it is complete; returns {path: sha256}.
+    """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: sha256}.
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
-    rank-local expert numbers, tensor): memory holds one rank's experts, never all of them.
+    rank-local expert numbers, tensor) in the order of stage_shapes(pp_rank), the shapes of one
+    rank's tensors: memory holds a tensor or two, never a whole rank's experts.
     """
     checksums = {}
     for pp_rank in range(layout.pp):
+        shapes = stage_shapes(pp_rank)
         for tp_rank in range(layout.tp):
             for ep_rank in range(layout.ep):
                 path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
-                model = dict(build_stage(tp_rank, pp_rank, ep_rank))
-                checksums[path] = save_rank_file(path, model, args, layer_spec, num_stage_layers, local_experts)
-                del model
+                checksums[path] = stream_rank_file(path, shapes, iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
+                                                   layer_spec, num_stage_layers, local_experts)
     return checksums
 
 

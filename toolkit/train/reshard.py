@@ -25,7 +25,7 @@ from pathlib import Path
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import torch_format
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
-from toolkit.convert.stages import stage_tensors
+from toolkit.convert.stages import stage_megatron_shapes, stage_tensors
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args
@@ -109,7 +109,10 @@ def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layou
     def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
         return stage_tensors(rows, stored.family, stored.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
 
-    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, layers, LAYER_SPEC, args,
+    def stage_shapes(pp_rank: int):
+        return stage_megatron_shapes(stored.family, stored.spec, layout, pp_rank)
+
+    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, stage_shapes, layers, LAYER_SPEC, args,
                                          len(layout.local_experts(spec, 0)))
     new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp,
                             "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})
