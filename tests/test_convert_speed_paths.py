@@ -3,7 +3,7 @@
 The `torch` format's rank files are written tensor by tensor into a `torch.save` archive laid out
 in advance (toolkit/convert/torch_stream.py); each must be byte for byte the file `torch.save`
 writes from the same tensors in memory (torch_format.save_rank_file), and its recorded sha256 the
-file's own.
+file's own. The `torch_dist` data files are hashed as DCP writes them, not read back.
 """
 
 from __future__ import annotations
@@ -78,3 +78,15 @@ def test_a_tensor_that_does_not_fit_its_record_is_refused(tmp_path):
     assert digest == hashlib.sha256((tmp_path / "h.pt").read_bytes()).hexdigest()
     loaded = torch.load(tmp_path / "h.pt", weights_only=True)["model"]
     assert torch.equal(loaded["a"], torch.ones(4, 3)) and torch.equal(loaded["b"], torch.arange(5.0))
+
+
+def test_torch_dist_data_files_are_hashed_as_written(tiny_hf, tmp_path, monkeypatch):
+    from toolkit.convert import dist_format, metadata
+
+    read_back = []
+    sha256 = metadata.sha256
+    monkeypatch.setattr(metadata, "sha256", lambda path, *a: read_back.append(path.name) or sha256(path, *a))
+    converted = hf_to_megatron(tiny_hf["llama"], tmp_path / "out", tp=2, pp=2, fmt="torch_dist", progress=False)
+    assert read_back and not [n for n in read_back if n.endswith(dist_format.DATA_SUFFIX)], read_back
+    monkeypatch.setattr(metadata, "sha256", sha256)
+    assert CheckpointMeta.read(converted).checksums == metadata.checksum_tree(converted), "each recorded sha256 is the file's own"

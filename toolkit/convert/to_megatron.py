@@ -138,8 +138,8 @@ def hf_to_megatron(
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
                 objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts,
                                                           spec.moe_shared_ffn_hidden_size > 0)
-                dist_format.write(release, chunks, objects, common, bar.update)
-            checksums = checksum_tree(tmp)
+                hashed = dist_format.write(release, chunks, objects, common, bar.update)
+            checksums = checksum_tree(tmp, known=hashed)
         (tmp / TRACKER).write_text(RELEASE)
         copy_hf_files(src.config_bytes, src.tokenizer_files(), tmp / HF_DIR)
         CheckpointMeta(

@@ -15,7 +15,6 @@ allowing only the non-tensor types these files carry (SAFE_GLOBALS), and memory-
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import pickle
 import re
@@ -23,11 +22,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.utils.serialization
 
 from toolkit.convert import naming
 from toolkit.convert.metadata import CHECKPOINT_VERSION
-from toolkit.convert.torch_stream import save_streaming
+from toolkit.convert.torch_stream import HashingWriter, save_streaming, without_zip_crc32
 from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
@@ -52,32 +50,11 @@ def load_trusted_types(path: Path, mmap: bool = True) -> dict:
         raise ConversionError(f"{path} cannot be read as a torch checkpoint: {e}") from None
 
 
-class _HashingFile:
-    """File wrapper that hashes bytes as torch.save writes them (torch.save writes sequentially),
-    so the checksum costs no second read of the file."""
-
-    def __init__(self, f):
-        self.f, self.digest = f, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def save_with_sha256(obj, path: Path) -> str:
-    """torch.save without the zip CRC32 (about 40% of save time; sha256 covers integrity),
-    returning the file's sha256."""
-    config = torch.utils.serialization.config.save
-    saved_crc, config.compute_crc32 = config.compute_crc32, False
-    try:
-        with open(path, "wb") as f:
-            writer = _HashingFile(f)
-            torch.save(obj, writer)
-    finally:
-        config.compute_crc32 = saved_crc
+    """torch.save without the zip CRC32, returning the file's sha256."""
+    with open(path, "wb") as f, without_zip_crc32():
+        writer = HashingWriter(f)
+        torch.save(obj, writer)
     return writer.digest.hexdigest()
 
 
