@@ -2,9 +2,12 @@
 
 The reference is the single-process HF model (tests/finetune_harness.py) with the router's
 load-balancing loss in megatron-core's per-layer form (tests/moe_reference.py), its coefficient
-raised to 0.1 so that a wrong aux gradient shows. Each layout is one launch of the real recipe;
-the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test, and the
-TP2 x PP2 x DP2 x EP2 one exports to HF. Qwen2-MoE and OLMoE have one DP2 x EP2 launch each.
+raised to 0.1 so that a wrong aux gradient shows (HF's own output_router_logits loss where the run
+uses moe.aux_loss=hf). Each layout is one launch of the real recipe; the DP2 x EP2 launch doubles as
+the uninterrupted run of the SIGKILL/resume test, the TP2 x DP2 x EP2 one runs the allgather
+dispatcher, and the TP2 x PP2 x DP2 x EP2 one exports to HF, whose experts and router rows are then
+compared one by one with the reference's. Qwen2-MoE (moe.aux_loss=hf) and OLMoE (allgather) have one
+DP2 x EP2 launch each, compared expert by expert too.
 """
 
 from __future__ import annotations
