@@ -154,9 +154,9 @@ def _moe(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     probability-weighted intermediate. A shared expert is a dense MLP of its width. Measured at
     EP 1 and at TP 2 with SP (EP 1 and 2) in tests/test_memory_measured.py."""
     t, k, b, f = shape.tokens, spec.moe_topk, shape.act_bytes, spec.moe_ffn_hidden_size // shape.tp
-    routed_rows, routed_here = t * k, _routed_tokens(shape) * k
-    router = 2 * FP32 * _routed_tokens(shape) * spec.num_experts + FP32 * routed_here  # fp32 logits and probabilities, top-k
-    indices = BOOL * _routed_tokens(shape) * spec.num_experts + INT64 * routed_here  # routing map, permutation
+    routed_rows, here = t * k, _routed_tokens(shape)  # rows the experts see; tokens this rank's router sees
+    router = 2 * FP32 * here * spec.num_experts + FP32 * here * k  # fp32 logits and probabilities, top-k
+    indices = BOOL * here * spec.num_experts + INT64 * here * k  # routing map, permutation
     experts = b * routed_rows * (spec.hidden_size + 2 * f) + _swiglu(spec, shape, kernels, spec.moe_ffn_hidden_size) * k
     shared = 0
     if spec.moe_shared_ffn_hidden_size:
