@@ -160,7 +160,7 @@ def peft_model(model, adapter_dir: Path):
 
 
 def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu",
-                 adapter: Path | None = None, step_loss=None) -> tuple[list[float], list[float]]:
+                 adapter: Path | None = None, step_loss=None, on_step=None) -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
     same global batches: loss = sum of token losses over the global batch / its token count.
     With `adapter` (an HF PEFT directory) the model is HF PEFT's LoRA from that adapter, and
@@ -169,7 +169,8 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
     Independent of the product's data and schedule code: its own tokenisation and masking, its
     own packing, one forward per document (no padding, positions from 0), its own LR formula.
     `step_loss(model, rows, cfg, device)` -> (objective to back-propagate, reported loss) replaces
-    that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss)."""
+    that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss).
+    `on_step(step, model)` is called after each optimizer step (step from 1), e.g. to keep weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -201,6 +202,8 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
         opt.step()
         sched.step()
         losses.append(float(loss))
+        if on_step is not None:
+            on_step(step + 1, model)
     return losses, norms
 
 

@@ -258,7 +258,7 @@ class _Held:
         self.live.release(self.key)
 
 
-def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None):
+def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None, ep: int = 1):
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, transformer_config
 
@@ -266,7 +266,7 @@ def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict |
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
     reset_moe_globals(spec)
     torch.manual_seed(SEED)
-    layout = Layout(tp, pp)
+    layout = Layout(tp, pp, ep=ep)
     config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra)
     model = build_gpt_model(spec, layout, dtype, config=config)
     if lora is not None:
@@ -286,9 +286,9 @@ def reset_moe_globals(spec) -> None:
 
 
 def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequence_parallel: bool = False,
-                        lora: dict | None = None) -> int:
+                        lora: dict | None = None, ep: int = 1) -> int:
     """Bytes saved for backward by one forward of one micro-batch (PP = 1), parameters excluded."""
-    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel, lora)
+    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel, lora, ep)
     live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
     tokens = _batches(spec, 1, micro, seed=7)[0]
     pos = torch.arange(SEQ)[None].expand(micro, -1)
@@ -357,7 +357,8 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
             out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if here(c)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
-                                            case["micro"], case.get("sequence_parallel", False), case.get("lora"))
+                                            case["micro"], case.get("sequence_parallel", False), case.get("lora"),
+                                            case.get("ep", 1))
                      for n in (2, 4)}
             out["activations"].append({**case, "saved": saved})
         for case in [c for c in pipeline_cases if here(c)]:

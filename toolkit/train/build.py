@@ -68,6 +68,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     dp = data_parallel_size(cfg, world_size)
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
+        recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
 
 
@@ -86,6 +87,14 @@ def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
     if ep > 1 and cfg.parallel.zero_stage == 3:
         raise ConfigError(f"parallel.ep={ep} with zero_stage=3: DeepSpeed's ZeRO-3 does not partition expert "
                           "parameters over the expert-data-parallel group; use zero_stage=1 or 2")
+
+
+def recipe_aux_loss(cfg: TrainConfig, spec):
+    """The router's load-balancing loss the recipe trains with: moe.aux_loss's formula, with the HF
+    config's router_aux_loss_coef (toolkit/moe_aux.py)."""
+    from toolkit.moe_aux import AuxLoss
+
+    return AuxLoss(cfg.moe.aux_loss, spec.moe_aux_loss_coeff)
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
@@ -122,8 +131,13 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     elif cfg.parallel.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     dtype = DTYPES[cfg.precision]
-    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **recompute)
-    model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
+    spec, aux_loss, moe = meta.model_spec, None, {}
+    if spec.is_moe:
+        aux_loss = recipe_aux_loss(cfg, spec)
+        moe = dict(moe_token_dispatcher_type=cfg.moe.dispatcher)
+    config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel,
+                                **recompute, **moe)
+    model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
     load_converted(model, cfg.model.checkpoint)
     return model, layout
 

@@ -43,6 +43,18 @@ class ParallelConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-Experts settings (ignored for a dense model)."""
+
+    # megatron-core's moe_token_dispatcher_type: all-to-all over EP (the GPU default), or every
+    # rank all-gathers the TP x EP group's tokens and keeps those routed to its experts
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # the router's load-balancing loss (toolkit/moe_aux.py), with the HF config's router_aux_loss_coef:
+    # megatron-core's (per layer, summed) or HF's load_balancing_loss_func (layers pooled; PP 1 only)
+    aux_loss: Literal["megatron", "hf"] = "megatron"
+
+
+@dataclass
 class DataConfig:
     train_file: str = ""
     valid_file: str | None = None
@@ -102,6 +114,7 @@ class LossScaleConfig:
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
