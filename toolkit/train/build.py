@@ -13,6 +13,7 @@ from toolkit.layouts import Layout
 from toolkit.model import running_layer_spec
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
+from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
@@ -66,6 +67,8 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
     dp = data_parallel_size(cfg, world_size)
+    virtual.check_virtual_layout(meta.model_spec.num_layers, pp, cfg.parallel.vpp, cfg.global_batch // (cfg.micro_batch * dp),
+                                 meta.model_spec.is_moe)
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
     return dp
@@ -122,9 +125,15 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     elif cfg.parallel.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
     dtype = DTYPES[cfg.precision]
-    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **recompute)
-    model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
-    load_converted(model, cfg.model.checkpoint)
+    vpp = cfg.parallel.vpp
+    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel,
+                                **recompute, **virtual.schedule_settings(cfg.parallel.pp, vpp))
+    if vpp == 1:
+        model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
+    else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed
+        model = virtual.VirtualStages(build_gpt_model(meta.model_spec, layout, dtype, config=config, vp_stage=v)
+                                      for v in range(vpp))
+    load_converted(virtual.chunks(model), cfg.model.checkpoint)
     return model, layout
 
 
