@@ -80,7 +80,9 @@ def test_guard_batched_p2p_at_pp2_leaves_the_reference(setup, tmp_path):
     launch(2, cfg, script=REPO / "tests" / "batched_p2p_recipe.py")
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
     ref, _ = reference("tied", cfg)
-    assert max(abs(a - b) for a, b in zip(losses, ref)) > 100 * LOSS_TOLERANCE_FP32, (losses, ref[:2])
+    drift = max(abs(a - b) for a, b in zip(losses, ref))
+    print(f"batch_p2p_comm=True at PP2 x VPP2: max |loss - reference| {drift:.1e} over 2 steps")
+    assert drift > 100 * LOSS_TOLERANCE_FP32, (losses, ref[:2])
 
 
 @pytest.mark.parametrize(
