@@ -150,6 +150,7 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
+        vpp=cfg.parallel.vpp,
         zero=cfg.parallel.zero_stage,
         precision=cfg.precision,
         micro_batch=cfg.micro_batch,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.dsconfig import rules
 from toolkit.errors import ConfigError
 
 
@@ -33,21 +34,13 @@ def schedule_settings(pp: int, vpp: int) -> dict:
 
 def check_virtual_layout(num_layers: int, pp: int, vpp: int, num_microbatches: int | None = None,
                          is_moe: bool = False) -> None:
-    """megatron-core's rules for interleaving, as one line each (before any model is built)."""
-    if vpp == 1:
-        return
-    if pp == 1:
-        raise ConfigError(f"parallel.vpp={vpp} needs parallel.pp > 1: virtual stages interleave a pipeline")
-    if is_moe:  # a Mixture-of-Experts pipeline is not proven with virtual stages yet
+    """megatron-core's rules for interleaving (toolkit.dsconfig.rules, which ds-config and plan
+    apply too), one line each, before any model is built."""
+    problem = rules.virtual_pipeline(pp, vpp, num_microbatches, num_layers)
+    if problem:
+        raise ConfigError(f"parallel.vpp={vpp}: {problem}")
+    if vpp > 1 and is_moe:  # a Mixture-of-Experts pipeline is not proven with virtual stages yet
         raise ConfigError(f"parallel.vpp={vpp} with a Mixture-of-Experts model is not supported yet; use parallel.vpp=1")
-    if num_layers % (pp * vpp):
-        raise ConfigError(f"parallel.vpp={vpp}: the model's {num_layers} layers are not divisible by "
-                          f"PP x VPP = {pp} x {vpp} (each virtual stage holds layers / (PP x VPP))")
-    # schedules.py:995-1015: micro-batches go through each chunk in groups of PP; a last, smaller
-    # group is refused, and fewer than PP micro-batches too.
-    if num_microbatches is not None and (num_microbatches < pp or num_microbatches % pp):
-        raise ConfigError(f"parallel.vpp={vpp}: the interleaved schedule needs the micro-batches per step "
-                          f"(global_batch / (micro_batch x DP) = {num_microbatches}) to be a multiple of PP = {pp}")
 
 
 class VirtualStages(torch.nn.ModuleList):
