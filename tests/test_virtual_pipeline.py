@@ -88,9 +88,9 @@ def test_guard_batched_p2p_at_pp2_leaves_the_reference(setup, tmp_path):
 @pytest.mark.parametrize(
     "layers, pp, vpp, microbatches, message",
     [
-        (4, 1, 2, 8, "needs parallel.pp > 1"),
+        (4, 1, 2, 8, "parallel.vpp=2 needs PP > 1"),
         (6, 2, 2, 8, "6 layers are not divisible by PP x VPP = 2 x 2"),
-        (4, 2, 2, 3, "(global_batch / (micro_batch x DP) = 3) to be a multiple of PP = 2"),
+        (4, 2, 2, 3, "(global batch / (micro-batch x DP) = 3) to be a multiple of PP = 2"),
         (8, 4, 2, 2, "= 2) to be a multiple of PP = 4"),
     ],
 )
@@ -99,3 +99,53 @@ def test_virtual_layout_rules_are_one_line(layers, pp, vpp, microbatches, messag
         check_virtual_layout(layers, pp, vpp, microbatches)
     assert message in str(caught.value) and "\n" not in str(caught.value)
     check_virtual_layout(8, 2, 2, 4)  # fits
+
+
+def test_recipe_refuses_bad_virtual_layouts_before_any_process(setup, tmp_path):
+    """The recipe's checks (build.check_layout, config validation) run in `prepare`, before any
+    process group or model exists."""
+    from toolkit.errors import ToolkitError
+    from toolkit.train import build
+    from toolkit.train.config import load_config
+
+    _, data, models, _ = setup
+    path = recipe(tmp_path, models["tied"][1], data)  # 4 layers, global batch 16, micro-batch 2
+    meta = build.read_checkpoint_meta(load_config(path))
+    cases = [(["parallel.vpp=2"], 2, "needs PP > 1"),
+             (["parallel.pp=2", "parallel.vpp=4"], 2, "4 layers are not divisible by PP x VPP = 2 x 4"),
+             (["parallel.pp=2", "parallel.vpp=2", "global_batch=12"], 4, "= 3) to be a multiple of PP = 2")]
+    for overrides, world, message in cases:
+        with pytest.raises(ToolkitError) as caught:
+            build.check_layout(load_config(path, overrides), world, meta)
+        assert message in str(caught.value) and str(caught.value).startswith("parallel.vpp="), caught.value
+    for extra in ("precision=fp16", "peft.enabled=true"):
+        with pytest.raises(ToolkitError, match="is not supported yet"):
+            load_config(path, ["parallel.pp=2", "parallel.vpp=2", extra])
+    assert build.check_layout(load_config(path, ["parallel.pp=2", "parallel.vpp=2"]), 4, meta) == 2
+
+
+def test_ds_config_and_plan_know_the_same_rules():
+    import subprocess
+    import sys
+
+    from toolkit.dsconfig import Setup, build
+    from toolkit.modelspec import read
+    from toolkit.plan import Cluster, plan
+
+    model = REPO / "ds_configs" / "models" / "llama-3-8b"  # 32 layers
+    spec = read(model)
+    with pytest.raises(ConfigError, match="not divisible by PP x VPP = 4 x 16"):
+        build(Setup(gpus=8, pp=4, vpp=16, micro_batch=1, global_batch=16, schedule="megatron"), spec)
+    with pytest.raises(ConfigError, match="= 6\\) to be a multiple of PP = 4"):
+        build(Setup(gpus=8, pp=4, vpp=2, micro_batch=1, global_batch=12, schedule="megatron"), spec)
+    with pytest.raises(ConfigError, match="DeepSpeed's pipeline has none"):
+        build(Setup(gpus=8, pp=4, vpp=2, micro_batch=1, global_batch=16, schedule="deepspeed"), spec)
+    cli = subprocess.run([sys.executable, "-m", "toolkit", "ds-config", str(model), "--gpus", "8", "--vpp", "2",
+                          "--schedule", "megatron"], capture_output=True, text=True)
+    assert cli.returncode == 2 and cli.stderr == "error: VPP 2 needs PP > 1: virtual stages interleave a pipeline\n"
+
+    result = plan(spec, Cluster(16, 80 * 2**30, 8), 4096, 64, vpp=2)
+    piped = [c for c in result.ranked if c.setup.pp > 1]
+    assert piped and all(c.setup.vpp == 2 and spec.num_layers % (2 * c.setup.pp) == 0 for c in piped)
+    assert all(not c.setup.micro_batches % c.setup.pp for c in piped)
+    assert "x VPP2 bubble" in piped[0].explain(result.cluster)

@@ -38,7 +38,7 @@ def check_virtual_layout(num_layers: int, pp: int, vpp: int, num_microbatches: i
     apply too), one line each, before any model is built."""
     problem = rules.virtual_pipeline(pp, vpp, num_microbatches, num_layers)
     if problem:
-        raise ConfigError(f"parallel.vpp={vpp}: {problem}")
+        raise ConfigError(problem.replace(f"VPP {vpp}", f"parallel.vpp={vpp}", 1))  # in the recipe's terms
     if vpp > 1 and is_moe:  # a Mixture-of-Experts pipeline is not proven with virtual stages yet
         raise ConfigError(f"parallel.vpp={vpp} with a Mixture-of-Experts model is not supported yet; use parallel.vpp=1")
 
