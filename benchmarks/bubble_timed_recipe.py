@@ -11,13 +11,13 @@ and a normal run never loads it."""
 from __future__ import annotations
 
 import functools
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timed_recipe import run_timed  # noqa: E402
+
 TRACE = {"steps": [], "ops": []}  # steps: [start, end]; ops: [kind, stage, micro-batch, step, start, end]
 _outputs: dict[int, tuple[int, int]] = {}  # id(forward output) -> (stage, micro-batch), for its backward
 _count: dict[int, int] = {}  # stage -> forwards so far in this step
@@ -78,15 +78,7 @@ def install() -> None:
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO / "recipes"))
-    import finetune
-
-    install()
-    run_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("run_dir="))
-    rank = int(os.environ.get("RANK", 0))
-    code = finetune.main(argv)
-    (Path(run_dir) / f"pipeline_trace_rank{rank}.json").write_text(json.dumps(TRACE))
-    return code
+    return run_timed(argv, install, "pipeline_trace", TRACE)
 
 
 if __name__ == "__main__":
