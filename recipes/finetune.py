@@ -90,8 +90,7 @@ def prepare(config_path, overrides) -> Run:
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage,
-                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}),
-                  **({"vpp": cfg.parallel.vpp} if cfg.parallel.vpp > 1 else {})}
+                  "vpp": cfg.parallel.vpp, **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)

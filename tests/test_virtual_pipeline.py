@@ -36,8 +36,9 @@ def setup(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_pp2_vpp2_matches_reference_resumes_exactly_and_exports_the_trained_chunks(setup, tmp_path):
     """Tied embeddings: the embedding is on rank 0's first chunk, the output layer on rank 1's
-    second; 8 micro-batches per step. Then a resume from step 5 repeats steps 6-10 bit for bit, and
-    the export equals DeepSpeed's own module files, read chunk by chunk here."""
+    second; 8 micro-batches per step. Then a resume from step 5 repeats steps 6-10 bit for bit, its
+    layout-independent state resumes plain 1F1B, and the export equals DeepSpeed's own module files,
+    read chunk by chunk here."""
     from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
     from toolkit.convert.naming import to_canonical
     from toolkit.splits import merge_shards
@@ -52,6 +53,16 @@ def test_pp2_vpp2_matches_reference_resumes_exactly_and_exports_the_trained_chun
     again = read_metrics(resumed)
     assert [m["step"] for m in again] == list(range(6, STEPS + 1))
     assert [(m["loss"], m["grad_norm"]) for m in again] == [(m["loss"], m["grad_norm"]) for m in metrics[5:]]
+
+    # The layout-independent state (train/) written from the chunks resumes plain 1F1B at PP 2.
+    elastic = tmp_path / "elastic"
+    shutil.copytree(resumed / "checkpoints" / "step_0000005", elastic / "checkpoints" / "step_0000005")
+    (elastic / "checkpoints" / "latest").write_text("step_0000005")
+    launch(2, recipe(tmp_path, setup[2]["tied"][1], setup[1], parallel={**PP2_VPP2, "vpp": 1}, run_dir=str(elastic)),
+           "resume=auto")
+    plain = read_metrics(elastic)
+    assert [m["step"] for m in plain] == list(range(6, STEPS + 1))
+    assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(plain, metrics[5:])) < 1e-6
 
     # Layer l is virtual stage l (one layer each): chunk l // PP of pipeline rank l % PP.
     step_dir = run / "checkpoints" / "step_0000010"

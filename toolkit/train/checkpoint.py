@@ -44,6 +44,8 @@ from toolkit.train.experts import restore_experts_from_masters
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
+# Layout keys that checkpoints of earlier versions (or of runs without the feature) lack.
+LAYOUT_DEFAULTS = {"vpp": 1}
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
@@ -241,9 +243,9 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
     _check_same_kind(path, lora, base_checkpoint)
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
         _check_same_model(path, meta)
-    same_layout = {k: state.get(k) for k in layout} == layout
+    saved = {k: state.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
+    same_layout = saved == layout
     if not same_layout:
-        saved = {k: state.get(k) for k in layout}
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")
