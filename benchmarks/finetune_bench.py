@@ -4,8 +4,9 @@
    HF model wrapped by DeepSpeed ZeRO-1 (engine.backward/step per micro-batch), same model,
    data shape and batch: ratio of medians, with the spread over repeated runs.
    Goal (reported, not gated): <= 1.05.
-2. Pipeline bubble at PP=2 for m = 4 and 8 micro-batches, against (PP-1)/(m+PP-1):
-   measured bubble = 1 - m * t_stage / T_step, with t_stage = the PP=1 step time / (PP * m).
+The pipeline bubble is benchmarks/bubble_bench.py: it times every micro-batch on every rank and
+tells the bubble apart from p2p and stage imbalance (this file's earlier estimate, 1 - m x the PP=1
+stage time / the PP=2 step, counted all three as bubble).
 
     python benchmarks/finetune_bench.py [--repeats 3] [--steps 20]
 """
@@ -157,18 +158,6 @@ def main() -> None:
         if dp == 2:  # TP2 on the same two devices, against HF on one
             step_ratio(root, hf, mc, data, args.repeats, args.steps, 1, tp=2)
         print_profiles(root, hf, mc, data, dp)
-
-        if dp < 2:
-            print("pipeline bubble at PP=2: skipped (needs 2 devices)")
-            return
-        print("pipeline bubble at PP=2 (1 process per stage):")
-        for m in (4, 8):
-            t_pp1 = statistics.median(run_recipe(root, mc, data, 1, args.steps, 1, MICRO * m))
-            t_pp2 = statistics.median(run_recipe(root, mc, data, 2, args.steps, 2, MICRO * m))
-            t_stage = t_pp1 / (2 * m)
-            measured = 1 - m * t_stage / t_pp2
-            print(f"  m={m}: step {t_pp2 * 1e3:7.1f} ms, PP=1 step {t_pp1 * 1e3:7.1f} ms, "
-                  f"bubble measured {measured:.3f} vs (PP-1)/(m+PP-1) = {1 / (m + 1):.3f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     srun ... torchrun ... recipes/finetune.py ...             (see toolkit slurm)
 
 Who owns what:
-  megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule (1F1B)
+  megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule
+                 (1F1B, or interleaved over virtual stages with parallel.vpp)
   DeepSpeed      data parallelism (ZeRO; experts over megatron-core's expert-DP group), precision,
                  the optimizer step, checkpoint files
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients, the TP sum
@@ -89,7 +90,7 @@ def prepare(config_path, overrides) -> Run:
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage,
-                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
+                  "vpp": cfg.parallel.vpp, **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
@@ -120,7 +121,7 @@ def finetune(run: Run) -> int:
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
-    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep)
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)

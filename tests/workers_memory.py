@@ -258,16 +258,21 @@ class _Held:
         self.live.release(self.key)
 
 
-def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None, ep: int = 1):
+def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None, ep: int = 1,
+           vpp: int = 1):
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, transformer_config
+    from toolkit.train.virtual import schedule_settings
 
     extra = {"none": {}, "selective": dict(recompute_granularity="selective"),
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
     reset_moe_globals(spec)
     torch.manual_seed(SEED)
     layout = Layout(tp, pp, ep=ep)
-    config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra)
+    config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra,
+                                **schedule_settings(pp, vpp))
+    if vpp > 1:  # the recipe's chunks (toolkit.train.build), one per virtual stage
+        return [build_gpt_model(spec, layout, dtype, config=config, vp_stage=v) for v in range(vpp)]
     model = build_gpt_model(spec, layout, dtype, config=config)
     if lora is not None:
         _apply_lora(model, spec, layout, lora)
@@ -299,12 +304,13 @@ def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequen
     return total
 
 
-def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
-    """Peak saved-for-backward bytes on this rank's stage during one 1F1B step."""
+def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int, vpp: int = 1) -> int:
+    """Peak saved-for-backward bytes on this rank's stage during one 1F1B (or interleaved) step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model = _model(spec, 1, 2, dtype, "none")
-    live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
+    model = _model(spec, 1, 2, dtype, "none", vpp=vpp)
+    chunks = model if vpp > 1 else [model]
+    live = _Live({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
     batches = _batches(spec, micro_batches, micro, seed=9)
     pos = torch.arange(SEQ)[None].expand(micro, -1)
 
@@ -313,7 +319,8 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
         return m(tokens, pos, None, labels=tokens), lambda o: (o.float().mean(), {})
 
     with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+        data = [iter(batches) for _ in chunks] if vpp > 1 else iter(batches)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=model,
                                     num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=micro,
                                     forward_only=False)
     return live.peak
@@ -323,7 +330,7 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
 # the launch
 
 
-def switch_layout(tp: int, pp: int, ep: int = 1):
+def switch_layout(tp: int, pp: int, ep: int = 1, vpp: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -331,7 +338,7 @@ def switch_layout(tp: int, pp: int, ep: int = 1):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    info = init_parallel(tp, pp, ep=ep)
+    info = init_parallel(tp, pp, ep=ep, vpp=vpp)
     model_parallel_cuda_manual_seed(SEED)
     return info
 
@@ -349,10 +356,11 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
     world = dist.get_world_size()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     out = {"states": [], "activations": [], "pipeline": []}
-    layouts = sorted({(c["tp"], c["pp"], c.get("ep", 1)) for c in state_cases + activation_cases + pipeline_cases})
-    for tp, pp, ep in layouts:
-        switch_layout(tp, pp, ep)
-        here = lambda c: (c["tp"], c["pp"], c.get("ep", 1)) == (tp, pp, ep)  # noqa: E731
+    key = lambda c: (c["tp"], c["pp"], c.get("ep", 1), c.get("vpp", 1))  # noqa: E731
+    layouts = sorted({key(c) for c in state_cases + activation_cases + pipeline_cases})
+    for tp, pp, ep, vpp in layouts:
+        switch_layout(tp, pp, ep, vpp)
+        here = lambda c: key(c) == (tp, pp, ep, vpp)  # noqa: E731
         for case in [c for c in state_cases if here(c)]:
             out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if here(c)]:
@@ -365,6 +373,6 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
             from megatron.core import parallel_state as ps
 
             peak = pipeline_peak_bytes(tiny_spec(variant=case["variant"]), dtypes[case["precision"]], case["micro"],
-                                       case["micro_batches"])
+                                       case["micro_batches"], case.get("vpp", 1))
             out["pipeline"].append({**case, "stage": ps.get_pipeline_model_parallel_rank(), "peak": peak})
     return out

@@ -88,6 +88,8 @@ def add_cluster_args(p, layout: bool = True) -> None:
     if layout:
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+        p.add_argument("--vpp", type=int, default=1,
+                       help="virtual stages per pipeline rank, megatron-core's interleaved 1F1B (default 1)")
 
 
 def add_training_args(p) -> None:
@@ -171,7 +173,7 @@ def training_setup(args, **more):
     if gpus is None:
         raise ConfigError("give --gpus N, or --nodes N (with --gpus-per-node)")
     return Setup(
-        gpus=gpus, tp=args.tp, pp=args.pp, zero=args.zero, precision=precision_from_flags(args.precisions),
+        gpus=gpus, tp=args.tp, pp=args.pp, vpp=getattr(args, "vpp", 1), zero=args.zero, precision=precision_from_flags(args.precisions),
         micro_batch=args.micro_batch, global_batch=args.global_batch,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param, nvme_path=args.nvme_path,
         schedule=args.schedule, **more)

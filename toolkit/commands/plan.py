@@ -38,6 +38,8 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--schedule", choices=("megatron", "deepspeed"), default="megatron",
                    help="schedule mode of the written config (default megatron, the toolkit's recipe)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual stages per pipeline rank for layouts with PP > 1 (interleaved 1F1B; default 1)")
     p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("-o", "--output", help="write the best layout's DeepSpeed config here (default: write nothing)")
@@ -62,7 +64,7 @@ def _run(args) -> int:
                       parse_size(args.host_memory) if args.host_memory else None)
     lora = lora_shape(args, spec)
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
-                  allow_offload=not args.no_offload, lora=lora)
+                  allow_offload=not args.no_offload, lora=lora, vpp=args.vpp)
     batch = args.global_batch or default_global_batch(gpus)
     print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
           f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")

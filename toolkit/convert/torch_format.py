@@ -155,6 +155,18 @@ def stored_args(release: Path) -> argparse.Namespace | None:
     return None if first is None else load_trusted_types(first).get("args")
 
 
+def model_entry(state, path: Path) -> dict:
+    """The `model` state of a per-rank file. Megatron-LM's files of a virtual (interleaved) pipeline
+    hold `model0`, `model1`, ... instead, one per chunk, with non-contiguous layers per file: refused
+    (the toolkit's own interleaved runs write each chunk as a stage of a PP x VPP pipeline)."""
+    if isinstance(state, dict) and "model" not in state and "model0" in state:
+        raise ConversionError(f"{path} is a Megatron-LM virtual-pipeline file (model0, model1, ...), which is not read: "
+                              "convert it with Megatron-LM to torch_dist (layout-independent) first")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise ConversionError(f"{path} has no 'model' entry")
+    return state["model"]
+
+
 def read_stage(release: Path, layout: Layout, pp_rank: int,
                before_load: Callable[[Path], None] = lambda path: None, ep_rank: int = 0) -> list[dict[str, torch.Tensor]]:
     """Each TP rank's model state for one stage (and EP rank), memory-mapped, in canonical names.
@@ -163,13 +175,11 @@ def read_stage(release: Path, layout: Layout, pp_rank: int,
     for tp_rank in range(layout.tp):
         path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
         before_load(path)
-        state = load_trusted_types(path)
-        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise ConversionError(f"{path} has no 'model' entry")
+        model = model_entry(load_trusted_types(path), path)
         out.append(
             {
                 naming.to_canonical(k): v
-                for k, v in state["model"].items()
+                for k, v in model.items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
             }
         )

@@ -56,6 +56,7 @@ def validate(setup: Setup, spec: "ModelSpec | None" = None) -> None:
         lambda: rules.hf_trainer(setup.hf_trainer, setup.tp, setup.pp),
         lambda: rules.global_batch(setup.samples_per_step, setup.micro_batch, setup.dp),
         lambda: rules.pipeline_zero(setup.pp, setup.zero),
+        lambda: rules.virtual_pipeline(setup.pp, setup.vpp, setup.micro_batches, None, setup.schedule),
         lambda: rules.offload(setup.zero, setup.offload_optimizer, setup.offload_param, setup.nvme_path),
         lambda: rules.megatron_schedule(setup.schedule, bool(setup.monitoring.wandb_project),
                                         setup.activation_checkpointing, setup.hf_trainer),
@@ -100,6 +101,9 @@ def _check_model_layout(setup: Setup, spec: "ModelSpec") -> None:
         Layout(setup.tp, setup.pp).check(spec)
     except ConversionError as e:  # the same facts, but here they make a bad layout
         raise ConfigError(str(e)) from None
+    problem = rules.virtual_pipeline(setup.pp, setup.vpp, num_layers=spec.num_layers)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _scheduler_problem(setup: Setup) -> str | None:

@@ -123,6 +123,26 @@ def megatron_schedule(schedule: str, wandb: bool, activation_checkpointing: bool
     return None
 
 
+def virtual_pipeline(pp: int, vpp: int, micro_batches: int | None = None, num_layers: int | None = None,
+                     schedule: str = SCHEDULE_MEGATRON) -> str | None:
+    """megatron-core's interleaved 1F1B: V model chunks per pipeline rank."""
+    if vpp == 1:
+        return None
+    if pp == 1:
+        return f"VPP {vpp} needs PP > 1: virtual stages interleave a pipeline"
+    if schedule != SCHEDULE_MEGATRON:
+        return f"VPP {vpp} is megatron-core's interleaved schedule; DeepSpeed's pipeline has none: use the megatron schedule"
+    if num_layers is not None and num_layers % (pp * vpp):
+        return (f"VPP {vpp}: the model's {num_layers} layers are not divisible by PP x VPP = {pp} x {vpp} "
+                "(each virtual stage holds layers / (PP x VPP))")
+    # schedules.py:995-1015: each chunk takes the micro-batches in groups of PP; a last, smaller
+    # group is refused, and fewer than PP micro-batches too.
+    if micro_batches is not None and (micro_batches < pp or micro_batches % pp):
+        return (f"VPP {vpp}: the interleaved schedule needs the micro-batches per step (global batch / "
+                f"(micro-batch x DP) = {micro_batches}) to be a multiple of PP = {pp}")
+    return None
+
+
 def hf_trainer(enabled: bool, tp: int, pp: int) -> str | None:
     if enabled and tp * pp > 1:
         return f"the HF Trainer runs data parallelism only; TP={tp} x PP={pp} needs the toolkit's recipe"

@@ -60,6 +60,8 @@ class Setup:
     gpus: int = bounded(integer=True, ge=1)
     tp: int = bounded(1, integer=True, ge=1)
     pp: int = bounded(1, integer=True, ge=1)
+    # virtual pipeline stages per PP rank (megatron-core's interleaved 1F1B; toolkit.train.virtual)
+    vpp: int = bounded(1, integer=True, ge=1)
     zero: int = 1
     precision: str = "bf16"
     micro_batch: int = bounded(1, integer=True, ge=1)

@@ -1,4 +1,5 @@
-"""Per-GPU memory of a training layout: model states (ZeRO) and activations (1F1B), stage by stage.
+"""Per-GPU memory of a training layout: model states (ZeRO) and activations (1F1B or interleaved),
+stage by stage.
 
     est = estimate(spec, setup, seq_len=4096, recompute="full")
     print("\\n".join(est.table()))
@@ -143,10 +144,46 @@ def in_flight(setup: Setup, stage: int) -> int:
     return min(setup.pp - stage, setup.micro_batches)
 
 
+def chunks_in_flight(setup: Setup, stage: int) -> list[list[int]]:
+    """Interleaved 1F1B (VPP > 1): the micro-batches held per model chunk by pipeline rank `stage`
+    after each of its forwards, in megatron-core's order (schedules.py get_pp_rank_microbatches and
+    get_schedule_table, micro-batches in groups of PP): 2 (PP - stage - 1) + (VPP - 1) PP warm-up
+    forwards, then one forward and one backward, the backwards taking the chunks in reverse."""
+    pp, vpp, m = setup.pp, setup.vpp, setup.micro_batches
+    total = m * vpp
+    warmup = min(total, 2 * (pp - stage - 1) + (vpp - 1) * pp)
+    held, history = [0] * vpp, []
+
+    def forward(k):
+        held[(k // pp) % vpp] += 1
+        history.append(list(held))
+
+    def backward(k):
+        held[vpp - 1 - (k // pp) % vpp] -= 1
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(total - warmup):
+        forward(warmup + k)
+        backward(k)
+    return history
+
+
+def _stage_activations(setup: Setup, stage: int, layers: int, layer: int, first_bytes: int, final: int) -> int:
+    """Peak activation bytes of pipeline rank `stage`: its in-flight micro-batches times what each
+    keeps (a chunk's layers; the embedding's output on the first stage, the loss's on the last)."""
+    first, last = stage == 0, stage == setup.pp - 1
+    if setup.vpp == 1:
+        return in_flight(setup, stage) * (layers * layer + first * first_bytes) + last * final
+    per_chunk = [layers // setup.vpp * layer + (first and v == 0) * first_bytes + (last and v == setup.vpp - 1) * final
+                 for v in range(setup.vpp)]
+    return max(sum(n * b for n, b in zip(held, per_chunk)) for held in chunks_in_flight(setup, stage))
+
+
 def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, ep) -> StageMemory:
     layers = spec.num_layers // setup.pp
     padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
-    first, last = stage == 0, stage == setup.pp - 1
+    last = stage == setup.pp - 1
     layer = act.layer_bytes(spec, shape, kernels, recompute)
     working_set = act.recompute_working_set(spec, shape, kernels, recompute)
     final = act.last_stage_bytes(spec, shape, kernels, padded_vocab)
@@ -155,8 +192,7 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
         layer += change if recompute != "full" else 0
         working_set += change if recompute == "full" else 0
         final -= shape.act_bytes * shape.hidden_tokens(spec)  # the frozen output layer keeps no input
-    per_microbatch = layers * layer + first * act.first_stage_bytes(shape)
-    activations = in_flight(setup, stage) * per_microbatch + last * final
+    activations = _stage_activations(setup, stage, layers, layer, act.first_stage_bytes(shape), final)
     temporaries = (working_set + act.attention_buffer(spec, shape, kernels) + act.dispatcher_buffers(spec, shape)
                    + last * act.logits_temporary(shape, padded_vocab))
     return StageMemory(stage, _states(spec, setup, zero, stage, lora, ep), activations, temporaries, reserve)

@@ -13,6 +13,7 @@ from toolkit.layouts import Layout
 from toolkit.model import running_layer_spec
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
+from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
@@ -66,6 +67,8 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
     dp = data_parallel_size(cfg, world_size)
+    virtual.check_virtual_layout(meta.model_spec.num_layers, pp, cfg.parallel.vpp, cfg.global_batch // (cfg.micro_batch * dp),
+                                 meta.model_spec.is_moe)
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
         recipe_aux_loss(cfg, meta.model_spec).check(pp)
@@ -135,10 +138,15 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
         moe = dict(moe_token_dispatcher_type=cfg.moe.dispatcher)
+    vpp = cfg.parallel.vpp
     config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel,
-                                **recompute, **moe)
-    model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
-    load_converted(model, cfg.model.checkpoint)
+                                **recompute, **moe, **virtual.schedule_settings(cfg.parallel.pp, vpp))
+    if vpp == 1:
+        model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
+    else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
+        model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, vp_stage=v)
+                                      for v in range(vpp))
+    load_converted(virtual.chunks(model), cfg.model.checkpoint)
     return model, layout
 
 
@@ -155,6 +163,7 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
+        vpp=cfg.parallel.vpp,
         zero=cfg.parallel.zero_stage,
         precision=cfg.precision,
         micro_batch=cfg.micro_batch,

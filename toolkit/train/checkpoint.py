@@ -44,6 +44,8 @@ from toolkit.train.experts import restore_experts_from_masters
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
+# Layout keys that checkpoints of earlier versions (or of runs without the feature) lack.
+LAYOUT_DEFAULTS = {"vpp": 1}
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
@@ -93,26 +95,31 @@ def _master_weights(module) -> dict[torch.nn.Parameter, torch.Tensor]:
 def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointMeta, source_dir: Path) -> None:
     """Our per-rank torch format with the fp32 master weights, so export needs only this checkpoint.
     With expert parallelism each EP rank writes its own experts (expert-DP rank 0 of each): DeepSpeed's
-    model-states file, from DP rank 0 alone, holds only that rank's."""
+    model-states file, from DP rank 0 alone, holds only that rank's. With virtual stages each chunk
+    is written as its stage of a PP x VPP pipeline (toolkit.train.virtual)."""
     from megatron.core import parallel_state as ps
 
-    weights = {naming.to_canonical(name): masters[param] for name, param in module.named_parameters()}
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    ep = ps.get_expert_model_parallel_world_size()
+    from toolkit.train.virtual import stages
+
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    written = stages(module)
+    pp = written[0][0]
     meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep})
-    digest = None
+    digests = []
     if ps.get_expert_data_parallel_rank() == 0:  # one writer per (TP, PP, EP) rank
-        path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank())
         args = megatron_args(meta.model_spec, meta.layout, "torch")
         layers = meta.model_spec.num_layers // pp
         local_experts = meta.model_spec.num_experts // ep
-        digest = (str(path.relative_to(step_dir / "model")),
-                  torch_format.save_rank_file(path, weights, args, "local", layers, local_experts))
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+        for _, stage, chunk in written:
+            weights = {naming.to_canonical(name): masters[param] for name, param in chunk.named_parameters()}
+            path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
+                                          stage, ps.get_expert_model_parallel_rank())
+            digests.append((str(path.relative_to(step_dir / "model")),
+                            torch_format.save_rank_file(path, weights, args, "local", layers, local_experts)))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
     if dist.get_rank() == 0:
-        meta.checksums = dict(d for d in digests if d)
+        meta.checksums = dict(d for rank_digests in gathered for d in rank_digests)
         meta.write(step_dir / "model")
         (step_dir / "model" / TRACKER).write_text(RELEASE)
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
@@ -236,9 +243,9 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
     _check_same_kind(path, lora, base_checkpoint)
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
         _check_same_model(path, meta)
-    same_layout = {k: state.get(k) for k in layout} == layout
+    saved = {k: state.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
+    same_layout = saved == layout
     if not same_layout:
-        saved = {k: state.get(k) for k in layout}
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")

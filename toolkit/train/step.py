@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.train import loss as loss_lib
+from toolkit.train.virtual import VirtualStages
 
 
 @dataclass
@@ -43,13 +45,14 @@ def reduce_step_totals(loss_sum: torch.Tensor | None, stop_requested: bool, devi
 
 
 def _forward_step_func(model_call, ctx: StepContext, device):
+    """`model_call(chunk)`: what runs the forward of the model chunk the schedule hands over."""
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device)
         positions = torch.arange(tokens.shape[1], device=device)[None].expand(tokens.shape[0], -1)
         mask = batch.get("attention_mask")
         extra = {"padding_mask": routing_padding_mask(batch["padding"].to(device), ctx)} if ctx.moe else {}
-        logits = model_call(tokens, positions, None if mask is None else mask.to(device), **extra)
+        logits = model_call(model)(tokens, positions, None if mask is None else mask.to(device), **extra)
 
         def loss_func(output):
             losses = loss_lib.token_losses(output, batch["labels"].to(device), ctx.vocab_mask)
@@ -80,10 +83,15 @@ def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forw
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(module.parameters()).device
+    if isinstance(module, VirtualStages):  # interleaved: every chunk reads the micro-batches in order
+        model, data = list(module), [iter(batches) for _ in module]
+        call = lambda chunk: functools.partial(model_call, stage=module.index(chunk))  # noqa: E731
+    else:
+        model, data, call = module, iter(batches), lambda chunk: model_call
     outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step_func(model_call, ctx, device),
-        data_iterator=iter(batches),
-        model=module,
+        forward_step_func=_forward_step_func(call, ctx, device),
+        data_iterator=data,
+        model=model,
         num_microbatches=len(batches),
         seq_length=ctx.seq_len,
         micro_batch_size=ctx.micro_batch,
