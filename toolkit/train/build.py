@@ -66,9 +66,18 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
     dp = data_parallel_size(cfg, world_size)
+    if meta.model_spec.is_moe and cfg.parallel.dp_engine == "fsdp":
+        raise ConfigError(f"parallel.dp_engine=fsdp with a Mixture-of-Experts model ({meta.model_spec.family}) is not "
+                          "supported: the experts' expert-data-parallel group is wired for DeepSpeed only")
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
     return dp
+
+
+def master_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype the model is built in: under FSDP the fp32 masters (FSDP casts to bf16 for compute),
+    under DeepSpeed the compute dtype (DeepSpeed keeps its own fp32 masters)."""
+    return torch.float32 if cfg.parallel.dp_engine == "fsdp" else DTYPES[cfg.precision]
 
 
 def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
@@ -121,7 +130,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif cfg.parallel.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
-    dtype = DTYPES[cfg.precision]
+    dtype = master_dtype(cfg)
     config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **recompute)
     model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
     load_converted(model, cfg.model.checkpoint)

@@ -40,6 +40,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
     ep: PositiveInt = 1
+    # data parallelism: DeepSpeed ZeRO (zero_stage), or PyTorch FSDP2 (fully_shard; PP = 1, zero_stage unused)
+    dp_engine: Literal["deepspeed", "fsdp"] = "deepspeed"
 
 
 @dataclass
@@ -293,6 +295,7 @@ def validate(cfg: TrainConfig) -> None:
             "megatron-core's schedule (and reports no gradient norm); ZeRO-1 costs nothing extra at DP=1"
         )
     _validate_sequence_parallel(cfg)
+    _validate_fsdp(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above optim.lr {cfg.optim.lr:g}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
@@ -319,3 +322,17 @@ def _validate_sequence_parallel(cfg: TrainConfig) -> None:
     if cfg.peft.enabled:
         raise ConfigError("peft.enabled with parallel.sequence_parallel is not supported: the LoRA linears "
                           "do not gather the sequence-parallel input")
+
+
+def _validate_fsdp(cfg: TrainConfig) -> None:
+    if cfg.parallel.dp_engine != "fsdp":
+        return
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"parallel.dp_engine=fsdp with parallel.pp={cfg.parallel.pp}: FSDP is offered at PP = 1 only "
+                          "(it would gather every stage's layers per micro-batch); use the DeepSpeed engine with PP")
+    if cfg.precision == "fp16":
+        raise ConfigError("parallel.dp_engine=fsdp with precision=fp16 is not supported (no loss scaler is wired "
+                          "for FSDP); use bf16, or the DeepSpeed engine for fp16")
+    if cfg.peft.enabled:
+        raise ConfigError("parallel.dp_engine=fsdp with peft.enabled is not supported: the LoRA adapter is "
+                          "trained under DeepSpeed only")
