@@ -13,7 +13,8 @@ What FSDP does not know of, done here (as the DeepSpeed path does in toolkit.tra
     summed over TP after FSDP's reduce-scatter (linear: the order of the two sums is free);
   - the gradient norm counts every TP-sharded parameter on every TP rank but a TP-replicated
     one on TP rank 0 only (megatron's param_is_not_tensor_parallel_duplicate), summed over
-    TP x DP; clip_grad_norm_ on the DTensors would count the replicated ones TP times.
+    TP x DP. torch's clip_grad_norm_ on the DTensors reduces over their DP mesh only: each TP
+    rank would clip by the norm of its own shard (tests/test_fsdp.py, the guard).
 
 The optimizer is torch's AdamW over the sharded fp32 parameters, with the DeepSpeed path's
 hyper-parameters and parameter groups; the LR schedule is the same LambdaLR. Checkpoints go
