@@ -6,7 +6,9 @@ megatron-core's tensor-parallel layers hold plain tensors, a different TP shard 
 FSDP2 shards each of them further over the data-parallel group alone (a 1-D DeviceMesh built
 from megatron-core's DP group), so a parameter is a DTensor over DP whose local data is a 1/DP
 row-slice of this TP rank's shard. FSDP gathers the bf16 (or fp32) parameters for each layer's
-forward and backward and reduce-scatters the gradients in fp32, averaged over DP as ZeRO does.
+forward and backward and reduce-scatters the gradients in fp32, averaged over DP as ZeRO does,
+after every micro-batch's backward into the sharded gradient (as ZeRO-3: no rank ever holds
+the whole gradient; FSDP's no-sync accumulation would keep it whole, in fp32, until the last).
 
 What FSDP does not know of, done here (as the DeepSpeed path does in toolkit.train.parallel):
   - gradients megatron-core leaves partial over TP (sequence-parallel norms, q/k norms) are
@@ -24,7 +26,6 @@ through torch.distributed.checkpoint: each TP rank's DP group writes its own dir
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -107,18 +108,9 @@ class FsdpEngine:
         self.module, self.tp_grads = model, tp_grads
         self.optimizer, self.lr_scheduler, self.clip_grad = optimizer, lr_scheduler, clip_grad
         self._norm = None
-        model.config.no_sync_func = self.no_sync  # megatron-core's schedule: reduce-scatter on the last micro-batch only
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
 
     def step(self) -> None:
         self.tp_grads.sum_partial(self.module)
