@@ -88,3 +88,22 @@ def test_fsdp_bad_input_refused_in_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as refused:
         load_config(str(recipe(tmp_path, tmp_path / "ckpt", data)), overrides)
     assert "\n" not in str(refused.value)
+
+
+def test_memory_and_plan_know_the_fsdp_rules():
+    """`toolkit memory` / `plan` (the library calls under them) refuse what the recipe refuses,
+    and plan's FSDP layouts are PP 1 without offload."""
+    from tests.workers_memory import tiny_spec
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import GIB, estimate
+    from toolkit.plan import Cluster, plan
+
+    spec = tiny_spec()
+    for setup, message in ((Setup(gpus=4, pp=2, zero=1), "PP = 1 only"), (Setup(gpus=4, precision="fp16", zero=3), "bf16")):
+        with pytest.raises(ConfigError, match=message):
+            estimate(spec, setup, 32, dp_engine="fsdp")
+    with pytest.raises(ConfigError, match="MoE"):
+        estimate(tiny_spec(variant="mixtral"), Setup(gpus=4, zero=3), 32, dp_engine="fsdp")
+    result = plan(spec, Cluster(4, 4 * GIB), 32, dp_engine="fsdp")
+    assert result.ranked and all(c.setup.pp == 1 and not c.offloaded and c.memory.dp_engine == "fsdp" for c in result.ranked)
+    assert "FSDP" in result.best.explain(result.cluster)
