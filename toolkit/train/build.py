@@ -125,13 +125,15 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     from toolkit.model import build_gpt_model, transformer_config
 
     layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
-    recompute = {}
+    settings = {}  # TransformerConfig settings the recipe chooses
     if cfg.parallel.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif cfg.parallel.recompute == "selective":
-        recompute = dict(recompute_granularity="selective")
+        settings = dict(recompute_granularity="selective")
+    if cfg.parallel.overlap_p2p_comm:  # the interleaved schedule only (config refuses it otherwise)
+        settings.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     dtype = master_dtype(cfg)
-    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **recompute)
+    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **settings)
     model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
     load_converted(model, cfg.model.checkpoint)
     return model, layout
@@ -160,6 +162,8 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                     torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
         scheduler=None,
+        overlap_comm=cfg.parallel.overlap_comm,
+        reduce_bucket_size=cfg.parallel.reduce_bucket_size,
     )
     config = build(setup, meta.model_spec)
     if cfg.precision == "fp16":
