@@ -91,7 +91,8 @@ def prepare(config_path, overrides) -> Run:
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
     fsdp = cfg.parallel.dp_engine == "fsdp"
-    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": None if fsdp else cfg.parallel.zero_stage,
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
+                  "zero_stage": None if fsdp else cfg.parallel.zero_stage,
                   **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)

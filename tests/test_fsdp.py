@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.finetune_harness import (GRAD_NORM_TOLERANCE, STEPS, compare_with_reference, launch, parity_setup, read_metrics,
-                                    recipe, write_uneven_data)
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE, STEPS, assert_refused_in_one_line, compare_with_reference, launch,
+                                    parity_setup, read_metrics, recipe)
 from tests.test_finetune_parity import LOSS_TOLERANCE_BF16
 from toolkit.errors import ConfigError
-from toolkit.train.config import load_config
 
 MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3"}
 FSDP = {"pp": 1, "dp_engine": "fsdp"}
@@ -84,10 +83,7 @@ def test_grad_norm_without_the_tp_sum_misses_the_reference(setup, tmp_path):
     ],
 )
 def test_fsdp_bad_input_refused_in_one_line(tmp_path, overrides, message):
-    data = write_uneven_data(tmp_path / "data.jsonl", 4)
-    with pytest.raises(ConfigError, match=message) as refused:
-        load_config(str(recipe(tmp_path, tmp_path / "ckpt", data)), overrides)
-    assert "\n" not in str(refused.value)
+    assert_refused_in_one_line(tmp_path, overrides, message)
 
 
 def test_memory_and_plan_know_the_fsdp_rules():
