@@ -37,6 +37,16 @@ def test_fsdp_dp2_matches_reference_and_resumes_exactly(setup, tmp_path):
     assert [m["step"] for m in resumed] == list(range(6, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight[5:]]
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight[5:]]
+    # the engines' checkpoints do not cross: a DeepSpeed run (or another FSDP layout) is refused in one line
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.train.checkpoint import CheckpointError, check_resumable
+
+    meta = CheckpointMeta.read(models["untied"][1])
+    for layout in ({"tp": 1, "pp": 1, "dp": 2, "zero_stage": 1}, {"tp": 1, "pp": 1, "dp": 4, "zero_stage": None,
+                                                                  "dp_engine": "fsdp"}):
+        with pytest.raises(CheckpointError, match="across the DeepSpeed and FSDP engines") as refused:
+            check_resumable(step5, layout, None, meta, 16)
+        assert "\n" not in str(refused.value)
 
 
 @pytest.mark.multiprocess
@@ -55,8 +65,11 @@ def test_fsdp_tp2_dp2_sequence_parallel_qk_norms_match_reference_and_export(setu
 
 
 @pytest.mark.multiprocess
-def test_fsdp_bf16_mixed_precision_stays_close_to_reference(setup, tmp_path):
-    compare_with_reference(setup, tmp_path, 2, "untied", LOSS_TOLERANCE_BF16, precision="bf16", parallel={"tp": 1, **FSDP})
+def test_fsdp_bf16_mixed_precision_with_full_recompute_stays_close_to_reference(setup, tmp_path):
+    """bf16 parameters in compute, fp32 masters and reduction; megatron-core's full recompute runs
+    each layer's forward again inside FSDP's backward."""
+    compare_with_reference(setup, tmp_path, 2, "untied", LOSS_TOLERANCE_BF16, precision="bf16",
+                           parallel={"tp": 1, "recompute": "full", **FSDP})
 
 
 @pytest.mark.multiprocess

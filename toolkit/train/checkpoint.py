@@ -247,7 +247,7 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")
-        if "fsdp" in (saved.get("dp_engine"), layout.get("dp_engine")):
+        if "fsdp" in (state.get("dp_engine"), layout.get("dp_engine")):  # saved's keys are the requested layout's
             raise CheckpointError(f"{path} was written with {saved}: a checkpoint resumes across the DeepSpeed and "
                                   f"FSDP engines, or on another FSDP layout, not at all yet; resume on {saved}")
         if max(saved.get("ep") or 1, layout.get("ep", 1)) > 1:

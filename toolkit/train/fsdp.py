@@ -67,7 +67,7 @@ def shard(model, precision: str) -> None:
 
 class TensorParallelGrads:
     """Which parameters' gradients need a TP sum, and which count in the norm on this TP rank,
-    read before fully_shard replaces the parameters (their megatron-core attributes go with them)."""
+    read from megatron-core's parameter attributes before fully_shard swaps in DTensor parameters."""
 
     def __init__(self, model):
         from megatron.core import parallel_state as ps
