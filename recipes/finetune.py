@@ -9,6 +9,8 @@ Who owns what:
                  (1F1B, or interleaved over virtual stages with parallel.vpp)
   DeepSpeed      data parallelism (ZeRO; experts over megatron-core's expert-DP group), precision,
                  the optimizer step, checkpoint files
+  PyTorch FSDP2  instead of DeepSpeed with parallel.dp_engine=fsdp (PP = 1): sharding over DP,
+                 bf16 mixed precision, torch AdamW, torch.distributed.checkpoint (toolkit.train.fsdp)
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients, the TP sum
                  of gradients megatron-core leaves partial (sequence-parallel norms, q/k norms),
                  data order, checkpoint markers, metrics and the export to HF
@@ -89,8 +91,10 @@ def prepare(config_path, overrides) -> Run:
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
-    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage,
-                  "vpp": cfg.parallel.vpp, **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
+    fsdp = cfg.parallel.dp_engine == "fsdp"
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
+                  "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
+                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
@@ -113,6 +117,7 @@ def finetune(run: Run) -> int:
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.elastic import ParamShards
+    from toolkit.train.fsdp import build_engine as fsdp_engine
     from toolkit.train.expert_load import ExpertLoad
     from toolkit.train.step import StepContext, evaluate, train_step
 
@@ -128,8 +133,10 @@ def finetune(run: Run) -> int:
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
+    fsdp = cfg.parallel.dp_engine == "fsdp"
     mark_tied_output_replica(model, spec.tied_embeddings)
-    sum_partial_grads_over_tp(model)
+    if not fsdp:  # FSDP replaces the parameters; toolkit.train.fsdp sums these after its reduce-scatter
+        sum_partial_grads_over_tp(model)
 
     # 5. Data: this DP rank's share of every global batch, in a deterministic order.
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
@@ -137,9 +144,13 @@ def finetune(run: Run) -> int:
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule. Each parameter's global
     #    sharding is read first (ZeRO-3 empties the parameters): checkpoints use it for any layout.
-    shards = ParamShards(model) if adapter is None else None  # an adapter resumes on its own layout only
-    ds_config = build.ds_config(cfg, meta, dp)
-    engine = build_engine(model, cfg, ds_config, run.schedule)
+    #    parallel.dp_engine=fsdp: PyTorch FSDP2 over DP and torch's AdamW instead (toolkit.train.fsdp).
+    shards = ParamShards(model) if adapter is None and not fsdp else None  # an adapter resumes on its own layout only
+    if fsdp:
+        ds_config, engine = None, fsdp_engine(model, cfg, run.schedule)
+    else:
+        ds_config = build.ds_config(cfg, meta, dp)
+        engine = build_engine(model, cfg, ds_config, run.schedule)
     # fp16: megatron-core's backward scales the loss by DeepSpeed's dynamic loss scale (toolkit.train.loss_scale).
     fp16_watch = loss_scale.wire(engine, model, cfg) if cfg.precision == "fp16" else None
 

@@ -55,6 +55,25 @@ def recipe(tmp: Path, checkpoint: Path, data: Path, **overrides) -> Path:
     return path
 
 
+def recipe_config(tmp: Path, overrides: list[str]):
+    """The recipe's TrainConfig for the test recipe plus `overrides` (load_config's checks run)."""
+    from toolkit.train.config import load_config
+
+    data = write_uneven_data(tmp / "data.jsonl", 4)
+    return load_config(str(recipe(tmp, tmp / "ckpt", data)), overrides)
+
+
+def assert_refused_in_one_line(tmp: Path, overrides: list[str], message: str) -> None:
+    """The recipe's config refuses `overrides` before anything starts, with one line matching `message`."""
+    import pytest
+
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as refused:
+        recipe_config(tmp, overrides)
+    assert "\n" not in str(refused.value)
+
+
 def launcher_command(nprocs: int, launcher: str) -> list[str]:
     if launcher == "fork":  # the ranks forked from one pre-imported process (tests/forkrun.py)
         return [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nprocs)]

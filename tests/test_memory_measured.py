@@ -81,6 +81,9 @@ def _cases():
     # over an expert-DP group of 2 and the dense weights (router included) over DP 4
     states += [dict(tp=1, pp=1, ep=2, zero=zero, precision=p, schedule="megatron", micro_batches=2, variant="mixtral")
                for zero, p in ((1, "bf16"), (2, "bf16"), (2, "fp32"))]
+    # PyTorch FSDP2 (parallel.dp_engine=fsdp): fp32 masters sharded over DP, bf16 or fp32 compute
+    states += [dict(tp=tp, pp=1, precision=p, micro_batches=2, variant=v, dp_engine="fsdp")
+               for tp, p, v in ((1, "bf16", "llama"), (2, "bf16", "qwen3"), (2, "fp32", "llama"))]
     activations = [dict(tp=tp, pp=1, precision=p, recompute=r, micro=2, variant="llama")
                    for tp, p in ((1, "bf16"), (1, "fp32"), (2, "bf16")) for r in act.RECOMPUTE]
     # Qwen3: per-head q/k norms, head_dim 12 != hidden / heads, 12 heads over 2 KV heads
@@ -125,7 +128,8 @@ def _label(r: dict) -> str:
 
 def _on_device(measured: dict) -> list[dict]:
     """Full fine-tuning without offload, dense models."""
-    return [r for r in measured["states"] if "offload_optimizer" not in r and "lora" not in r and "ep" not in r]
+    return [r for r in measured["states"]
+            if "offload_optimizer" not in r and "lora" not in r and "ep" not in r and "dp_engine" not in r]
 
 
 def _lora(r: dict):
@@ -139,7 +143,7 @@ def test_engines_build_and_step_from_generated_configs_at_every_zero_stage(measu
     built = {(r["zero"], r["precision"], r["schedule"]) for r in _on_device(measured)}
     assert built == {(z, p, s) for z in range(4) for p in ("bf16", "fp32") for s in ("deepspeed", "megatron")} | {
         (z, "fp16", "deepspeed") for z in (1, 2, 3)}
-    for r in measured["states"]:
+    for r in [r for r in measured["states"] if "dp_engine" not in r]:
         assert r["global_steps"] == 1, _label(r)  # one optimizer step per global batch, in both modes
         assert r["lr_after_step"] > 0, _label(r)
 
@@ -296,6 +300,30 @@ def test_lora_model_states_per_rank_match_what_each_rank_holds(measured):
         full = [f for f in _on_device(measured) if all(f[k] == r[k] for k in ("tp", "pp", "zero", "precision", "rank"))]
         for f in full:
             assert m["optimizer"] < 0.2 * f["measured"]["optimizer"], (rows[-1], f["measured"])
+    print("\n".join(rows))
+
+
+@pytest.mark.multiprocess
+def test_fsdp_model_states_per_rank_match_what_each_rank_holds_and_compare_with_zero3(measured):
+    """FSDP2's sharded fp32 parameters, gradients and AdamW moments within 10% per rank (and in
+    total); against ZeRO-3 the same 16 bytes per parameter in bf16 and 4 fewer in fp32."""
+    rows = []
+    fsdp = [r for r in measured["states"] if r.get("dp_engine") == "fsdp"]
+    assert len(fsdp) == 3 * WORLD
+    for r in fsdp:
+        m, p, z = r["measured"], r["predicted"], r["zero3"]
+        total_m, total_p, total_z = (sum(d[k] for k in ("params", "grads", "optimizer")) for d in (m, p, z))
+        rows.append(f"FSDP {r['variant']} {r['precision']} TP{r['tp']} rank {r['rank']}: measured {total_m:>9,} "
+                    f"predicted {total_p:>9,} ({total_p / total_m - 1:+.1%}); ZeRO-3 estimate {total_z:>9,}")
+        assert r["lr_after_step"] > 0
+        assert abs(total_p / total_m - 1) <= STATES_TOLERANCE, rows[-1]
+        for key in ("params", "grads", "optimizer"):
+            assert abs(p[key] / m[key] - 1) <= STATES_TOLERANCE, (rows[-1], key, m, p)
+        # ZeRO-3 also keeps its small parameters (below the persistence threshold) whole on every rank
+        if r["precision"] == "bf16":
+            assert abs(total_p / total_z - 1) <= STATES_TOLERANCE, rows[-1]
+        else:
+            assert total_p < 0.9 * total_z, rows[-1]
     print("\n".join(rows))
 
 

@@ -216,6 +216,52 @@ def model_state_case(case: dict, spec, world: int) -> dict:
     return result
 
 
+def fsdp_state_case(case: dict, spec, world: int) -> dict:
+    """The recipe's FSDP2 engine (toolkit.train.fsdp.build_engine) around an fp32 model: the sharded
+    parameters after step(), the sharded gradients after the backward of every micro-batch (before
+    step()), AdamW's state after the first step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from toolkit.dsconfig import Setup
+    from toolkit.layouts import Layout
+    from toolkit.memory import CPU_LOCAL, estimate
+    from toolkit.model import build_gpt_model
+    from toolkit.train import fsdp
+    from toolkit.train.config import TrainConfig
+
+    tp = case["tp"]
+    dp = world // tp
+    setup = Setup(gpus=world, tp=tp, pp=1, zero=3, precision=case["precision"], micro_batch=2,
+                  global_batch=2 * case["micro_batches"] * dp)
+    torch.manual_seed(SEED)
+    model = build_gpt_model(spec, Layout(tp, 1), torch.float32)
+    cfg = TrainConfig(precision=case["precision"])
+    engine = fsdp.build_engine(model, cfg, lambda step: 1.0)
+    batches = _batches(spec, setup.micro_batches, setup.micro_batch, seed=5)
+    pos = torch.arange(SEQ)[None].expand(setup.micro_batch, -1)
+
+    def forward_step(data_iterator, m):
+        tokens = next(data_iterator)
+        return engine(tokens, pos, None, labels=tokens), lambda o: (o.float().mean() / len(batches), {})
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=engine.module,
+                                num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=setup.micro_batch,
+                                forward_only=False)
+    params = list(engine.module.parameters())
+    grads = _bytes(storages([p.grad.to_local() for p in params if p.grad is not None]))
+    engine.step()
+    param_keys = storages([p.to_local() for p in params])
+    moments = [t.to_local() if hasattr(t, "to_local") else t for state in engine.optimizer.state.values()
+               for t in state.values()]  # a DTensor's own storage is empty: its local shard holds the bytes
+    optimizer = {k: v for k, v in storages(moments).items() if k not in param_keys}
+    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0, dp_engine="fsdp").stages[0].states
+    zero3 = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0).stages[0].states
+    return {**case, "stage": 0, "lr_after_step": engine.get_lr()[0],
+            "measured": {"params": _bytes(param_keys), "grads": grads, "optimizer": _bytes(optimizer)},
+            "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer},
+            "zero3": {"params": zero3.params, "grads": zero3.grads, "optimizer": zero3.optimizer}}
+
+
 # ---------------------------------------------------------------------------------------------
 # activations
 
@@ -362,7 +408,8 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
         switch_layout(tp, pp, ep, vpp)
         here = lambda c: key(c) == (tp, pp, ep, vpp)  # noqa: E731
         for case in [c for c in state_cases if here(c)]:
-            out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
+            measure = fsdp_state_case if case.get("dp_engine") == "fsdp" else model_state_case
+            out["states"].append(measure(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if here(c)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
                                             case["micro"], case.get("sequence_parallel", False), case.get("lora"),

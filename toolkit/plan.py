@@ -18,6 +18,7 @@ from toolkit.dsconfig import OptimizerSettings, Setup, build
 from toolkit.errors import ConfigError
 from toolkit.families.spec import ModelSpec
 from toolkit.memory import GIB, GPU, Estimate, estimate
+from toolkit.memory.estimate import check_fsdp
 from toolkit.memory.lora import LoraShape
 from toolkit.throughput import Hardware, StepTime, step_time
 
@@ -56,7 +57,8 @@ class Candidate:
             f"TP{s.tp} {'in-node' if s.tp <= cluster.gpus_per_node else 'ACROSS nodes'}",
             f"PP{s.pp}{f' x VPP{s.vpp}' if s.vpp > 1 else ''} bubble {t.bubble:.0%} (m={s.micro_batches})"
             if s.pp > 1 else "no PP",
-            f"DP{s.dp} ZeRO-{s.zero}" + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
+            f"DP{s.dp} {'FSDP' if self.memory.dp_engine == 'fsdp' else f'ZeRO-{s.zero}'}"
+            + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
             *([f"EP{self.memory.ep}"] if self.memory.ep > 1 else []),
             f"mb {s.micro_batch}, recompute {self.recompute}",
         ]
@@ -85,12 +87,17 @@ class Plan:
 
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: int | None = None,
          precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True,
-         lora: LoraShape | None = None, vpp: int = 1) -> Plan:
+         lora: LoraShape | None = None, vpp: int = 1, dp_engine: str = "deepspeed") -> Plan:
     """With `lora`, the layouts of a LoRA fine-tune (toolkit.memory.lora), and advice that says
     whether full fine-tuning would fit too. `vpp`: virtual stages per pipeline rank of every layout
-    with PP > 1 (interleaved 1F1B); layouts that break its rules are left out."""
+    with PP > 1 (interleaved 1F1B); layouts that break its rules are left out. dp_engine="fsdp":
+    PyTorch FSDP2 layouts (the recipe's parallel.dp_engine=fsdp: PP = 1, no offload; its step time
+    taken as ZeRO-3's)."""
     global_batch = global_batch or default_global_batch(cluster.gpus)
-    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora, vpp))
+    if dp_engine == "fsdp":
+        check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
+    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora,
+                                  vpp, dp_engine))
     fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
     result = Plan(cluster, fitting, None if fitting else smallest, [])
@@ -140,10 +147,13 @@ def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None 
     return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep]
 
 
-def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None, vpp=1):
-    offloads = OFFLOADS if allow_offload else OFFLOADS[:1]
-    for (tp, pp), zero, offload, micro in itertools.product(
-            layouts(spec, cluster.gpus, cluster.gpus_per_node), _zero_stages(schedule), offloads, MICRO_BATCHES):
+def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None, vpp=1,
+                dp_engine="deepspeed"):
+    fsdp = dp_engine == "fsdp"
+    offloads = OFFLOADS if allow_offload and not fsdp else OFFLOADS[:1]
+    zero_stages = (3,) if fsdp else _zero_stages(schedule)  # FSDP: the ZeRO-3 Setup only sizes the batch
+    tp_pp = [(tp, pp) for tp, pp in layouts(spec, cluster.gpus, cluster.gpus_per_node) if pp == 1 or not fsdp]
+    for (tp, pp), zero, offload, micro in itertools.product(tp_pp, zero_stages, offloads, MICRO_BATCHES):
         setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1, zero=zero, precision=precision, micro_batch=micro,
                       global_batch=global_batch, offload_optimizer=offload[0], offload_param=offload[1],
                       schedule=schedule, optimizer=OptimizerSettings())
@@ -152,7 +162,7 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
         except ConfigError:
             continue
         for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
-            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep)
+            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine)
             yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
                                                                  cluster.gpus_per_node, cluster.hardware, lora))
 

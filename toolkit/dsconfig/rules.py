@@ -54,6 +54,19 @@ def pipeline_zero(pp: int, stage: int) -> str | None:
     return None
 
 
+def overlap(stage: int, schedule: str, overlap_comm: bool | None, reduce_bucket_size: int | None) -> str | None:
+    """Communication overlap and bucket size where the stage and schedule use them (None: the
+    generator's default, overlap on at ZeRO-2/3 and off at ZeRO-1)."""
+    if stage == 0 and (overlap_comm is not None or reduce_bucket_size is not None):
+        return ("overlap_comm and reduce_bucket_size are ZeRO settings: ZeRO-0 ignores them (no zero_optimization "
+                "block is written); use ZeRO-1, 2 or 3, or leave them unset")
+    if overlap_comm and stage == 1 and schedule == SCHEDULE_MEGATRON:
+        return ("overlap_comm=true with ZeRO-1 under megatron-core's schedule: DeepSpeed 0.19.8 asserts "
+                "'managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2' "
+                "(so also with PP > 1, which is ZeRO-1 only); use ZeRO-2/3 (where it is on by default) or leave it off")
+    return None
+
+
 def offload(stage: int, optimizer_device: str, param_device: str, nvme_path: str | None = None) -> str | None:
     for what, device in (("optimizer", optimizer_device), ("parameter", param_device)):
         if device not in OFFLOAD_DEVICES:

@@ -10,7 +10,7 @@ so bucket sizes and ZeRO-3 thresholds are the ones the job will run with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from toolkit.dsconfig import Setup, build
 from toolkit.errors import ConfigError
@@ -20,7 +20,7 @@ from toolkit.memory import activations as act
 from toolkit.memory.activations import GPU, Kernels, Shape
 from toolkit.memory.lora import LoraShape, activation_change, adapter_numels
 from toolkit.memory.params import stage_param_numels
-from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_states, model_states
+from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_states, fsdp_states, model_states
 from toolkit.units import size
 
 GIB = 1 << 30
@@ -61,6 +61,7 @@ class Estimate:
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
     lora: LoraShape | None = None
     ep: int = 1
+    dp_engine: str = "deepspeed"
 
     @property
     def peak(self) -> StageMemory:
@@ -97,11 +98,13 @@ class Estimate:
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
              sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None,
-             ep: int = 1) -> Estimate:
+             ep: int = 1, dp_engine: str = "deepspeed") -> Estimate:
     """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`); with
     `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora); with
-    `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep)."""
+    `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep); with
+    dp_engine="fsdp", PyTorch FSDP2 instead of DeepSpeed (setup.zero unused)."""
     check_ep(spec, setup, ep, lora)
+    check_fsdp(spec, setup, dp_engine, lora, ep)
     if recompute not in act.RECOMPUTE:
         raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
     if sequence_parallel and setup.tp == 1:
@@ -111,8 +114,34 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
     shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)
-    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep) for s in range(setup.pp))
-    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep)
+    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
+                   for s in range(setup.pp))
+    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep, dp_engine)
+
+
+DP_ENGINES = ("deepspeed", "fsdp")
+
+
+def check_fsdp(spec: ModelSpec, setup: Setup, dp_engine: str, lora: LoraShape | None, ep: int) -> None:
+    """The layouts the recipe trains with parallel.dp_engine=fsdp (toolkit.train.config, build)."""
+    if dp_engine not in DP_ENGINES:
+        raise ConfigError(f"dp_engine must be one of {', '.join(DP_ENGINES)}, got {dp_engine!r}")
+    if dp_engine != "fsdp":
+        return
+    if setup.pp > 1:
+        raise ConfigError(f"FSDP is offered at PP = 1 only, not PP {setup.pp}")
+    if setup.precision == "fp16":
+        raise ConfigError("FSDP with fp16 is not supported; use bf16")
+    if lora is not None or ep > 1 or spec.is_moe:
+        raise ConfigError("FSDP is offered for full fine-tuning of dense models only (no LoRA, no MoE)")
+
+
+def fsdp_layer_numels(spec: ModelSpec, tp: int) -> tuple[int, int]:
+    """(elements of one transformer layer, elements outside the layers) on one TP rank."""
+    layers = spec.num_layers
+    other = replace(spec, num_layers=layers + 1)
+    one_layer = sum(stage_param_numels(other, tp, 1, 0)) - sum(stage_param_numels(spec, tp, 1, 0))
+    return one_layer, sum(stage_param_numels(spec, tp, 1, 0)) - layers * one_layer
 
 
 def check_ep(spec: ModelSpec, setup: Setup, ep: int, lora: LoraShape | None = None) -> None:
@@ -180,7 +209,7 @@ def _stage_activations(setup: Setup, stage: int, layers: int, layer: int, first_
     return max(sum(n * b for n, b in zip(held, per_chunk)) for held in chunks_in_flight(setup, stage))
 
 
-def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, ep) -> StageMemory:
+def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, ep, dp_engine) -> StageMemory:
     layers = spec.num_layers // setup.pp
     padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
     last = stage == setup.pp - 1
@@ -195,7 +224,13 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
     activations = _stage_activations(setup, stage, layers, layer, act.first_stage_bytes(shape), final)
     temporaries = (working_set + act.attention_buffer(spec, shape, kernels) + act.dispatcher_buffers(spec, shape)
                    + last * act.logits_temporary(shape, padded_vocab))
-    return StageMemory(stage, _states(spec, setup, zero, stage, lora, ep), activations, temporaries, reserve)
+    if dp_engine == "fsdp":
+        layer_numel, root_numel = fsdp_layer_numels(spec, setup.tp)
+        states = fsdp_states(stage_param_numels(spec, setup.tp, 1, 0), (layer_numel,), root_numel,
+                             WEIGHT_BYTES[setup.precision], setup.dp)
+    else:
+        states = _states(spec, setup, zero, stage, lora, ep)
+    return StageMemory(stage, states, activations, temporaries, reserve)
 
 
 def _states(spec, setup, zero, stage, lora, ep: int = 1) -> ModelStates:

@@ -69,10 +69,19 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     dp = data_parallel_size(cfg, world_size)
     virtual.check_virtual_layout(meta.model_spec.num_layers, pp, cfg.parallel.vpp, cfg.global_batch // (cfg.micro_batch * dp),
                                  meta.model_spec.is_moe)
+    if meta.model_spec.is_moe and cfg.parallel.dp_engine == "fsdp":
+        raise ConfigError(f"parallel.dp_engine=fsdp with a Mixture-of-Experts model ({meta.model_spec.family}) is not "
+                          "supported: the experts' expert-data-parallel group is wired for DeepSpeed only")
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
         recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
+
+
+def master_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype the model is built in: under FSDP the fp32 masters (FSDP casts to bf16 for compute),
+    under DeepSpeed the compute dtype (DeepSpeed keeps its own fp32 masters)."""
+    return torch.float32 if cfg.parallel.dp_engine == "fsdp" else DTYPES[cfg.precision]
 
 
 def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
@@ -128,24 +137,25 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     from toolkit.model import build_gpt_model, transformer_config
 
     layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
-    recompute = {}
+    settings = {}  # TransformerConfig settings the recipe chooses
     if cfg.parallel.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif cfg.parallel.recompute == "selective":
-        recompute = dict(recompute_granularity="selective")
-    dtype = DTYPES[cfg.precision]
-    spec, aux_loss, moe = meta.model_spec, None, {}
+        settings = dict(recompute_granularity="selective")
+    settings.update(virtual.schedule_settings(cfg.parallel.pp, cfg.parallel.vpp))
+    if cfg.parallel.overlap_p2p_comm:  # the interleaved schedule only (config refuses it otherwise)
+        settings.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    dtype = master_dtype(cfg)
+    spec, aux_loss = meta.model_spec, None
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
-        moe = dict(moe_token_dispatcher_type=cfg.moe.dispatcher)
-    vpp = cfg.parallel.vpp
-    config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel,
-                                **recompute, **moe, **virtual.schedule_settings(cfg.parallel.pp, vpp))
-    if vpp == 1:
+        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
+    config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel, **settings)
+    if cfg.parallel.vpp == 1:
         model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
     else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
         model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, vp_stage=v)
-                                      for v in range(vpp))
+                                      for v in range(cfg.parallel.vpp))
     load_converted(virtual.chunks(model), cfg.model.checkpoint)
     return model, layout
 
@@ -174,6 +184,8 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                     torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
         scheduler=None,
+        overlap_comm=cfg.parallel.overlap_comm,
+        reduce_bucket_size=cfg.parallel.reduce_bucket_size,
     )
     config = build(setup, meta.model_spec)
     if cfg.precision == "fp16":

@@ -4,6 +4,8 @@
       latest                      name of the newest complete checkpoint (replaced atomically)
       step_0000010/
         ds/                       DeepSpeed's save_checkpoint (engine, ZeRO optimizer, LR scheduler)
+        fsdp/                     instead, under parallel.dp_engine=fsdp: torch.distributed.checkpoint of the
+                                  sharded model and AdamW (tp_XX/ per TP rank) and the LR scheduler
         adapter/                  with LoRA instead of model/: the adapter as an HF PEFT directory,
                                   with the base checkpoint's path and checksum (toolkit_base.json)
         model/                    fp32 master weights in our per-rank `torch` format + conversion
@@ -41,6 +43,7 @@ from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
 from toolkit.megatron_settings import megatron_args
 from toolkit.train.experts import restore_experts_from_masters
+from toolkit.train.fsdp import FsdpEngine
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
@@ -141,17 +144,19 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
         (tmp / "ranks").mkdir(parents=True)
     dist.barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=adapter is not None)
+    fsdp = isinstance(engine, FsdpEngine)
     if adapter is None:
-        masters = _master_weights(module)  # every rank takes part in the DP collectives
+        masters = engine.master_weights() if fsdp else _master_weights(module)  # every rank takes part in the DP collectives
         _write_model(tmp, module, masters, source_meta, Path(source_dir))
     else:
         from toolkit.lora.adapter import save_adapter
 
         save_adapter(adapter, tmp / ADAPTER_EXPORT)
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
-    if adapter is None:
+    if shards is not None:  # not for an adapter, nor under FSDP (which resumes on its own layout)
         elastic.save_state(tmp / elastic.STATE_DIR, engine, shards, {id(p): t for p, t in masters.items()})
-    resumable = {"consumed_samples": source.state_dict()["consumed"], "adam_step": elastic.adam_step(engine),
+    resumable = {"consumed_samples": source.state_dict()["consumed"],
+                 "adam_step": engine.adam_step() if fsdp else elastic.adam_step(engine),
                  "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups]}
     if dist.get_rank() == 0:
         (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
@@ -249,6 +254,9 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")
+        if "fsdp" in (state.get("dp_engine"), layout.get("dp_engine")):  # saved's keys are the requested layout's
+            raise CheckpointError(f"{path} was written with {saved}: a checkpoint resumes across the DeepSpeed and "
+                                  f"FSDP engines, or on another FSDP layout, not at all yet; resume on {saved}")
         if max(saved.get("ep") or 1, layout.get("ep", 1)) > 1:
             raise CheckpointError(f"{path} was written with {saved}: a resume with expert parallelism on another "
                                   f"layout ({layout}) is not supported yet; resume on that layout")
