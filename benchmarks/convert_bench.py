@@ -5,7 +5,8 @@
 For each size, a synthetic Llama (random bf16 weights, written straight to sharded safetensors,
 no model instantiated) is copied with `cp -r` (the baseline), then converted in a subprocess
 while /proc is sampled for its peak anonymous and total RSS. Both clocks run until the data
-is on disk (sync). Goals, reported and not gated:
+is on disk (sync). Each is run --repeats times, alternating, and the medians compared. The
+converter process's start-up (imports) is printed on its own. Goals, reported and not gated:
 time <= 1.3 x cp, peak anonymous memory <= largest output file + 1 GiB and flat in model size.
 """
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,26 +105,43 @@ def largest_file(path: Path) -> int:
     return max(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def bench(size: str, workdir: Path, tp: int, pp: int) -> list[str]:
+def startup_seconds() -> float:
+    """What the converter process spends before its first byte: interpreter and imports (torch,
+    transformers for the config check, torch.distributed.checkpoint), median of 3."""
+    code = "import transformers, toolkit.convert.to_megatron, toolkit.cli"
+    return statistics.median(run_sampled([sys.executable, "-c", code])[0] for _ in range(3))
+
+
+def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int) -> list[str]:
+    """cp -r and each format's conversion, alternated `repeats` times; medians."""
     src = workdir / f"llama-{size}"
     params = write_synthetic_llama(src, size)
+    times: dict[str, list[float]] = {"cp": [], "torch": [], "torch_dist": []}
+    anon: dict[str, int] = {}
+    biggest: dict[str, int] = {}
+    for _ in range(repeats):
+        times["cp"].append(run_sampled(["cp", "-r", str(src), str(workdir / "cp-baseline")])[0])
+        shutil.rmtree(workdir / "cp-baseline")
+        for fmt in ("torch", "torch_dist"):
+            out = workdir / f"out-{fmt}"
+            cmd = [sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(src), str(out),
+                   "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--no-progress"]
+            wall, peak_anon, _ = run_sampled(cmd)
+            times[fmt].append(wall)
+            anon[fmt] = max(anon.get(fmt, 0), peak_anon)
+            biggest[fmt] = largest_file(out / "release")
+            shutil.rmtree(out)
+    shutil.rmtree(src)
+    cp = statistics.median(times["cp"])
     rows = []
-    cp_time, _, _ = run_sampled(["cp", "-r", str(src), str(workdir / "cp-baseline")])
-    shutil.rmtree(workdir / "cp-baseline")
     for fmt in ("torch", "torch_dist"):
-        out = workdir / f"out-{fmt}"
-        cmd = [sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(src), str(out),
-               "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--no-progress"]
-        wall, anon, total = run_sampled(cmd)
-        biggest = largest_file(out / "release")
+        wall = statistics.median(times[fmt])
         rows.append(
-            f"{size:>3} {params / 1e9:5.2f}B {fmt:<10} TP{tp}xPP{pp}  {wall:7.1f} s  cp {cp_time:6.1f} s  "
-            f"ratio {wall / cp_time:4.2f}x  peak anon {anon / GIB:5.2f} GiB  peak RSS {total / GIB:5.2f} GiB  "
-            f"largest file {biggest / GIB:5.2f} GiB  anon - largest {(anon - biggest) / GIB:+5.2f} GiB"
+            f"{size:>3} {params / 1e9:5.2f}B {fmt:<10} TP{tp}xPP{pp}  {wall:7.1f} s  cp {cp:6.1f} s  "
+            f"ratio {wall / cp:4.2f}x  (runs {[round(t, 1) for t in times[fmt]]}, cp {[round(t, 1) for t in times['cp']]})  "
+            f"peak anon {anon[fmt] / GIB:5.2f} GiB  largest file {biggest[fmt] / GIB:5.2f} GiB"
         )
         print(rows[-1], flush=True)
-        shutil.rmtree(out)
-    shutil.rmtree(src)
     return rows
 
 
@@ -132,11 +151,15 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="scratch directory (needs ~3x the largest model on disk)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    startup = startup_seconds()
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="convert-bench-") as tmp:
-        rows = [r for size in args.sizes.split(",") for r in bench(size, Path(tmp), args.tp, args.pp)]
-    print("\nsummary (wall time vs cp -r of the same bytes; peak memory of the converter process)")
+        rows = [r for size in args.sizes.split(",") for r in bench(size, Path(tmp), args.tp, args.pp, args.repeats)]
+    print(f"\nsummary (median of {args.repeats}; wall time vs cp -r of the same bytes, sync included on both sides; "
+          "peak anonymous memory of the converter process)")
     print("\n".join(rows))
+    print(f"of each conversion, {startup:.1f} s is the process start-up (interpreter and imports), before any byte")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
    HF model wrapped by DeepSpeed ZeRO-1 (engine.backward/step per micro-batch), same model,
    data shape and batch: ratio of medians, with the spread over repeated runs.
    Goal (reported, not gated): <= 1.05.
-2. Pipeline bubble at PP=2 for m = 4 and 8 micro-batches, against (PP-1)/(m+PP-1):
-   measured bubble = 1 - m * t_stage / T_step, with t_stage = the PP=1 step time / (PP * m).
+The pipeline bubble is benchmarks/bubble_bench.py: it times every micro-batch on every rank and
+tells the bubble apart from p2p and stage imbalance (this file's earlier estimate, 1 - m x the PP=1
+stage time / the PP=2 step, counted all three as bubble).
 
     python benchmarks/finetune_bench.py [--repeats 3] [--steps 20]
 """
@@ -41,23 +42,24 @@ def prepare(root: Path, variant: str = "llama", model: dict | None = None) -> tu
 
 def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: int, global_batch: int,
                extra: tuple[str, ...] = (), script: Path = REPO / "recipes" / "finetune.py",
-               warmup: int = 3) -> list[float]:
+               warmup: int = 3, script_args: tuple[str, ...] = ()) -> list[float]:
     """Per-step seconds (after `warmup` steps) of recipes/finetune.py (or of `script`, which runs
-    it), with `extra` overrides."""
+    it, given `script_args` before the overrides), with `extra` overrides."""
     run_dir = Path(tempfile.mkdtemp(dir=root))
     overrides = [f"model.checkpoint={mc}", f"data.train_file={data}", f"data.seq_len={SEQ}", f"micro_batch={MICRO}",
                  f"global_batch={global_batch}", f"steps={steps}", "log_every=1", f"run_dir={run_dir}", "precision=fp32",
                  "export_hf=false", "save_every=0", f"parallel.pp={pp}", "optim.warmup_steps=0", "resume=none", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-                    str(script), *overrides],
+                    str(script), *script_args, *overrides],
                    env=env, check=True, capture_output=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [global_batch * SEQ / r["padded_tokens_per_s"] for r in records[warmup:]]
 
 
-def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[float]:
-    """Baseline: HF LlamaForCausalLM under DeepSpeed ZeRO-1, DeepSpeed's own accumulation."""
+def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int, profile_out: str | None = None) -> list[float]:
+    """Baseline: HF LlamaForCausalLM under DeepSpeed ZeRO-1, DeepSpeed's own accumulation
+    (optionally profiled: benchmarks/step_profile.py)."""
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM
@@ -78,22 +80,58 @@ def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int) -> list[floa
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ), device=device)
-    times = []
-    for _ in range(steps):
-        began = time.perf_counter()
+
+    def train_step():
         for _ in range(gas):
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()
+
+    if profile_out:
+        from step_profile import profiled
+
+        train_step = profiled(train_step, Path(profile_out))
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        train_step()
         times.append(time.perf_counter() - began)
     return times[3:]
 
 
-def run_baseline(hf: Path, nprocs: int, steps: int, global_batch: int) -> list[float]:
+def run_baseline(hf: Path, nprocs: int, steps: int, global_batch: int, profile_out: Path | None = None) -> list[float]:
     from toolkit.runtime.launch import run_on_processes
 
     sys.path.insert(0, str(Path(__file__).parent))
-    return run_on_processes("finetune_bench:hf_deepspeed_worker", nprocs, str(hf), steps, global_batch)[0]
+    return run_on_processes("finetune_bench:hf_deepspeed_worker", nprocs, str(hf), steps, global_batch,
+                            None if profile_out is None else str(profile_out))[0]
+
+
+def step_ratio(root: Path, hf: Path, mc: Path, data: Path, repeats: int, steps: int, dp: int, tp: int) -> None:
+    """Ours at TP tp x DP dp against HF + DeepSpeed at DP dp, same global batch, alternating runs."""
+    ours, base = [], []
+    for _ in range(repeats):
+        ours.append(statistics.median(run_recipe(root, mc, data, dp * tp, steps, 1, 16, (f"parallel.tp={tp}",))))
+        base.append(statistics.median(run_baseline(hf, dp, steps, 16)))
+    ratios = [o / b for o, b in zip(ours, base)]
+    print(f"step time, ours TP{tp} x PP1 x DP{dp} vs HF + DeepSpeed DP{dp} (ZeRO-1), global batch 16 x {SEQ} tokens, "
+          f"{repeats} runs x {steps} steps:")
+    print(f"  ours (megatron-core + DeepSpeed)  median {statistics.median(ours) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in ours]}")
+    print(f"  HF + DeepSpeed ZeRO-1             median {statistics.median(base) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in base]}")
+    print(f"  ratio ours/baseline               median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 1.05)")
+
+
+def print_profiles(root: Path, hf: Path, mc: Path, data: Path, dp: int) -> None:
+    """One profiled run each side (rank 0, steps FIRST.. of benchmarks/step_profile.py)."""
+    from step_profile import COUNT, FIRST
+
+    ours_out, base_out = root / "profile-ours.txt", root / "profile-hf.txt"
+    run_recipe(root, mc, data, dp, FIRST + COUNT, 1, 16, script=Path(__file__).parent / "step_profile.py",
+               script_args=(str(ours_out),), warmup=0)
+    run_baseline(hf, dp, FIRST + COUNT, 16, base_out)
+    for title, path in (("ours (megatron-core + DeepSpeed)", ours_out), ("HF + DeepSpeed", base_out)):
+        print(f"profile, rank 0, {COUNT} steps at DP{dp}: {title}")
+        print(path.read_text())
 
 
 def data_parallel_processes() -> int:
@@ -116,27 +154,10 @@ def main() -> None:
         root = Path(tmp)
         hf, mc, data = prepare(root)
         dp = data_parallel_processes()
-        ours, base = [], []
-        for _ in range(args.repeats):
-            ours.append(statistics.median(run_recipe(root, mc, data, dp, args.steps, 1, 16)))
-            base.append(statistics.median(run_baseline(hf, dp, args.steps, 16)))
-        ratios = [o / b for o, b in zip(ours, base)]
-        print(f"step time, DP{dp} ZeRO-1, global batch 16 x {SEQ} tokens, {args.repeats} runs x {args.steps} steps:")
-        print(f"  ours (megatron-core + DeepSpeed)  median {statistics.median(ours) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in ours]}")
-        print(f"  HF + DeepSpeed ZeRO-1             median {statistics.median(base) * 1e3:7.1f} ms  runs {[round(x * 1e3) for x in base]}")
-        print(f"  ratio ours/baseline               median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f}; goal <= 1.05)")
-
-        if dp < 2:
-            print("pipeline bubble at PP=2: skipped (needs 2 devices)")
-            return
-        print("pipeline bubble at PP=2 (1 process per stage):")
-        for m in (4, 8):
-            t_pp1 = statistics.median(run_recipe(root, mc, data, 1, args.steps, 1, MICRO * m))
-            t_pp2 = statistics.median(run_recipe(root, mc, data, 2, args.steps, 2, MICRO * m))
-            t_stage = t_pp1 / (2 * m)
-            measured = 1 - m * t_stage / t_pp2
-            print(f"  m={m}: step {t_pp2 * 1e3:7.1f} ms, PP=1 step {t_pp1 * 1e3:7.1f} ms, "
-                  f"bubble measured {measured:.3f} vs (PP-1)/(m+PP-1) = {1 / (m + 1):.3f}")
+        step_ratio(root, hf, mc, data, args.repeats, args.steps, dp, tp=1)
+        if dp == 2:  # TP2 on the same two devices, against HF on one
+            step_ratio(root, hf, mc, data, args.repeats, args.steps, 1, tp=2)
+        print_profiles(root, hf, mc, data, dp)
 
 
 if __name__ == "__main__":

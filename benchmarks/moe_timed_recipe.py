@@ -7,13 +7,13 @@ and the backward of its all-to-all; each rank writes its seconds to
 from __future__ import annotations
 
 import functools
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timed_recipe import run_timed  # noqa: E402
+
 METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
            "combine_preprocess", "token_combine", "combine_postprocess")
 SECONDS = {"forward": 0.0, "backward": 0.0, "calls": 0}
@@ -42,15 +42,7 @@ def install() -> None:
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO / "recipes"))
-    import finetune
-
-    install()
-    run_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("run_dir="))
-    rank = int(os.environ.get("RANK", 0))
-    code = finetune.main(argv)
-    (Path(run_dir) / f"dispatcher_rank{rank}.json").write_text(json.dumps(SECONDS))
-    return code
+    return run_timed(argv, install, "dispatcher", SECONDS)
 
 
 if __name__ == "__main__":

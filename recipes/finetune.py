@@ -5,9 +5,12 @@
     srun ... torchrun ... recipes/finetune.py ...             (see toolkit slurm)
 
 Who owns what:
-  megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule (1F1B)
+  megatron-core  tensor-parallel layers (GPTModel), sequence parallelism and the pipeline schedule
+                 (1F1B, or interleaved over virtual stages with parallel.vpp)
   DeepSpeed      data parallelism (ZeRO; experts over megatron-core's expert-DP group), precision,
                  the optimizer step, checkpoint files
+  PyTorch FSDP2  instead of DeepSpeed with parallel.dp_engine=fsdp (PP = 1): sharding over DP,
+                 bf16 mixed precision, torch AdamW, torch.distributed.checkpoint (toolkit.train.fsdp)
   this recipe    the loss normalisation, padded-vocab masking, tied-embedding gradients, the TP sum
                  of gradients megatron-core leaves partial (sequence-parallel norms, q/k norms),
                  data order, checkpoint markers, metrics and the export to HF
@@ -88,8 +91,10 @@ def prepare(config_path, overrides) -> Run:
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
-    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "zero_stage": cfg.parallel.zero_stage,
-                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {})}
+    fsdp = cfg.parallel.dp_engine == "fsdp"
+    layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
+                  "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
+                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
@@ -112,23 +117,26 @@ def finetune(run: Run) -> int:
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
     from toolkit.train.elastic import ParamShards
+    from toolkit.train.fsdp import build_engine as fsdp_engine
     from toolkit.train.expert_load import ExpertLoad
-    from toolkit.train.step import StepContext, count_global_tokens, evaluate, train_step
+    from toolkit.train.step import StepContext, evaluate, train_step
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
     spec = meta.model_spec
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
-    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep)
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
+    fsdp = cfg.parallel.dp_engine == "fsdp"
     mark_tied_output_replica(model, spec.tied_embeddings)
-    sum_partial_grads_over_tp(model)
+    if not fsdp:  # FSDP replaces the parameters; toolkit.train.fsdp sums these after its reduce-scatter
+        sum_partial_grads_over_tp(model)
 
     # 5. Data: this DP rank's share of every global batch, in a deterministic order.
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
@@ -136,9 +144,13 @@ def finetune(run: Run) -> int:
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule. Each parameter's global
     #    sharding is read first (ZeRO-3 empties the parameters): checkpoints use it for any layout.
-    shards = ParamShards(model) if adapter is None else None  # an adapter resumes on its own layout only
-    ds_config = build.ds_config(cfg, meta, dp)
-    engine = build_engine(model, cfg, ds_config, run.schedule)
+    #    parallel.dp_engine=fsdp: PyTorch FSDP2 over DP and torch's AdamW instead (toolkit.train.fsdp).
+    shards = ParamShards(model) if adapter is None and not fsdp else None  # an adapter resumes on its own layout only
+    if fsdp:
+        ds_config, engine = None, fsdp_engine(model, cfg, run.schedule)
+    else:
+        ds_config = build.ds_config(cfg, meta, dp)
+        engine = build_engine(model, cfg, ds_config, run.schedule)
     # fp16: megatron-core's backward scales the loss by DeepSpeed's dynamic loss scale (toolkit.train.loss_scale).
     fp16_watch = loss_scale.wire(engine, model, cfg) if cfg.precision == "fp16" else None
 
@@ -160,10 +172,9 @@ def finetune(run: Run) -> int:
     peak, peak_source = peak_tflops(cfg.peak_tflops)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
 
-    def context(batches):
-        loss_tokens, real_tokens = count_global_tokens(batches, info.device)
-        return StepContext(len(batches), dp, loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch, real_tokens,
-                           spec.is_moe, cfg.parallel.sequence_parallel)
+    def context(batches, counts):
+        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch,
+                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel)
 
     # Tokens per expert per layer (the load balance), logged with the other metrics.
     expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
@@ -173,8 +184,9 @@ def finetune(run: Run) -> int:
         batches = train_data.next_global_batch()
         lr = engine.get_lr()[0]
         began = time.perf_counter()
-        ctx = context(batches)
-        loss, grad_norm = train_step(engine, model, batches, ctx, spec.tied_embeddings)
+        ctx = context(batches, train_data.last_counts)
+        loss, grad_norm, stop = train_step(engine, model, batches, ctx, spec.tied_embeddings,
+                                           lambda: preemption.requested)
         seconds = time.perf_counter() - began
         # Throughput counts real (non-padding) tokens; the padded figure is labelled as such.
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": ctx.real_tokens / seconds,
@@ -191,7 +203,6 @@ def finetune(run: Run) -> int:
             metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
         if log_now:
             logger.log(step, metrics)
-        stop = preemption.agreed(info.device)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,
                            "lr_schedule": run.schedule.state()}

@@ -55,6 +55,25 @@ def recipe(tmp: Path, checkpoint: Path, data: Path, **overrides) -> Path:
     return path
 
 
+def recipe_config(tmp: Path, overrides: list[str]):
+    """The recipe's TrainConfig for the test recipe plus `overrides` (load_config's checks run)."""
+    from toolkit.train.config import load_config
+
+    data = write_uneven_data(tmp / "data.jsonl", 4)
+    return load_config(str(recipe(tmp, tmp / "ckpt", data)), overrides)
+
+
+def assert_refused_in_one_line(tmp: Path, overrides: list[str], message: str) -> None:
+    """The recipe's config refuses `overrides` before anything starts, with one line matching `message`."""
+    import pytest
+
+    from toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as refused:
+        recipe_config(tmp, overrides)
+    assert "\n" not in str(refused.value)
+
+
 def launcher_command(nprocs: int, launcher: str) -> list[str]:
     if launcher == "fork":  # the ranks forked from one pre-imported process (tests/forkrun.py)
         return [sys.executable, str(REPO / "tests" / "forkrun.py"), str(nprocs)]
@@ -160,7 +179,7 @@ def peft_model(model, adapter_dir: Path):
 
 
 def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu",
-                 adapter: Path | None = None, step_loss=None) -> tuple[list[float], list[float]]:
+                 adapter: Path | None = None, step_loss=None, on_step=None) -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
     same global batches: loss = sum of token losses over the global batch / its token count.
     With `adapter` (an HF PEFT directory) the model is HF PEFT's LoRA from that adapter, and
@@ -169,7 +188,8 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
     Independent of the product's data and schedule code: its own tokenisation and masking, its
     own packing, one forward per document (no padding, positions from 0), its own LR formula.
     `step_loss(model, rows, cfg, device)` -> (objective to back-propagate, reported loss) replaces
-    that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss)."""
+    that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss).
+    `on_step(step, model)` is called after each optimizer step (step from 1), e.g. to keep weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -201,6 +221,8 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
         opt.step()
         sched.step()
         losses.append(float(loss))
+        if on_step is not None:
+            on_step(step + 1, model)
     return losses, norms
 
 

@@ -8,8 +8,10 @@ megatron-core's code:
     the step's objective adds the mean over the global batch's micro-batches of sum_l aux(m, l)
     (megatron-core scales each micro-batch's aux gradient by 1 / micro-batches, DeepSpeed by 1 / DP).
 
-HF's own load_balancing_loss_func differs (all layers pooled, no 1/k; see the README): this is
-the loss the trainer optimises, not HF's.
+HF's own load_balancing_loss_func differs (all layers pooled, no 1/k; see the README): the
+trainer optimises it with moe.aux_loss=hf, and then the reference is HF's own: the micro-batch's
+forward with output_router_logits=True and its attention mask (padding left out), whose
+`aux_loss` the objective adds times router_aux_loss_coef, as HF's causal-LM loss does.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ def megatron_aux_loss(router_logits: torch.Tensor, valid: torch.Tensor, coeff: f
     return coeff * experts / (topk * tokens * tokens) * (scores.sum(0) * routed.sum(0)).sum()
 
 
-def moe_step_loss(pad_id: int):
+def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
     """tests.finetune_harness.hf_reference's `step_loss`: the global batch as the trainer's padded
-    micro-batches (rows of seq_len + 1 tokens, inputs the first seq_len), one forward each."""
+    micro-batches (rows of seq_len + 1 tokens, inputs the first seq_len), one forward each, with the
+    load-balancing loss of `aux_loss` ("megatron" or "hf", the recipe's moe.aux_loss)."""
 
     def step_loss(model, global_rows, cfg, device):
         seq_len, micro = cfg["data"]["seq_len"], cfg["micro_batch"]
@@ -40,12 +43,16 @@ def moe_step_loss(pad_id: int):
             (tokens, masks) = zip(*(row[0] for row in rows))  # unpacked: one document per row
             ids = torch.tensor([t + [pad_id] * (seq_len + 1 - len(t)) for t in tokens], device=device)
             mask = torch.tensor([m + [0] * (seq_len + 1 - len(m)) for m in masks], dtype=torch.float32, device=device)
-            out = model(input_ids=ids[:, :-1], output_router_logits=True)
+            valid = torch.tensor([[j < len(t) for j in range(seq_len)] for t in tokens], device=device)
+            out = model(input_ids=ids[:, :-1], attention_mask=valid.long() if aux_loss == "hf" else None,
+                        output_router_logits=True)
             token_loss = F.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
             total = total + (token_loss * mask[:, 1:].flatten()).sum()
             count += int(mask[:, 1:].sum())
-            valid = torch.tensor([[j < len(t) for j in range(seq_len)] for t in tokens], device=device).flatten()
-            aux = aux + sum(megatron_aux_loss(layer, valid, coeff, topk) for layer in out.router_logits)
+            if aux_loss == "hf":
+                aux = aux + coeff * out.aux_loss
+            else:
+                aux = aux + sum(megatron_aux_loss(layer, valid.flatten(), coeff, topk) for layer in out.router_logits)
         loss = total / count
         return loss + aux / len(micro_batches), loss
 

@@ -119,7 +119,7 @@ def die_on_rank_one() -> int:
 def strict_device_checks(nprocs_expected: int) -> dict:
     """Under TOOLKIT_STRICT_DEVICES=1: what the check refuses (host tensors from our code, also
     after arithmetic) and accepts (tensors made on or moved to the compute device), and the
-    trainer's own global token count, which runs a DP all-reduce."""
+    trainer's own per-step reduction (loss sum and stop flag over all ranks)."""
     import os
 
     import torch
@@ -127,7 +127,7 @@ def strict_device_checks(nprocs_expected: int) -> dict:
 
     from toolkit.runtime.distributed import init_parallel
     from toolkit.runtime.strict_devices import DeviceError
-    from toolkit.train.step import count_global_tokens
+    from toolkit.train.step import reduce_step_totals
 
     assert os.environ.get("TOOLKIT_STRICT_DEVICES") == "1"
     info = init_parallel(1, 1)
@@ -147,8 +147,8 @@ def strict_device_checks(nprocs_expected: int) -> dict:
         "made on the device": refused(lambda: torch.ones(1, device=info.device)),
         "moved to the device": refused(lambda: host.to(info.device)),
     }
-    batch = {"loss_mask": torch.tensor([[1.0, 1.0, 0.0]]), "real_tokens": torch.tensor(3)}
-    verdicts["token count"] = count_global_tokens([batch], info.device)
+    # Rank 1 alone asks to stop; both ranks hold a loss sum (PP1, TP1): 2.5 + 2.5, and both stop.
+    verdicts["step totals"] = reduce_step_totals(torch.tensor(2.5, device=info.device), info.rank == 1, info.device)
     return verdicts
 
 

@@ -278,11 +278,12 @@ def test_torch_writer_reads_only_the_experts_of_the_rank_it_writes(tiny_moe, tmp
     from toolkit.convert.hf_source import HFCheckpoint
 
     events: list[tuple[str, str]] = []
-    read, save = HFCheckpoint.read, torch_format.save_rank_file
+    read, save = HFCheckpoint.read, torch_format.stream_rank_file
     monkeypatch.setattr(HFCheckpoint, "read", lambda self, name, *a, **k: events.append(("read", name)) or read(
         self, name, *a, **k))
-    monkeypatch.setattr(torch_format, "save_rank_file", lambda path, *a, **k: events.append(("save", path.parent.name))
-                        or save(path, *a, **k))
+    # The file is written as its tensors are built: "save" is recorded once it is complete.
+    monkeypatch.setattr(torch_format, "stream_rank_file", lambda path, *a, **k: (save(path, *a, **k), events.append(
+        ("save", path.parent.name)))[0])
     hf_to_megatron(tiny_moe["mixtral-bf16"], tmp_path / "m", tp=2, ep=2, progress=False)
 
     experts_read: set[int] = set()

@@ -95,6 +95,22 @@ def test_each_dp_rank_reads_its_own_part_and_resume_continues(tokenizer, tmp_pat
                        torch.cat([b["tokens"] for b in sources[1].next_global_batch()]))
 
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_global_token_counts_equal_the_sum_of_every_dp_ranks_micro_batches(tokenizer, tmp_path, packed):
+    """The loss normaliser is counted from the whole global batch on every rank, without a
+    collective: it must equal what each DP rank's collated micro-batches hold, summed."""
+    path = write(tmp_path / "d.jsonl", [{"prompt": f"{i}" * (i % 4 + 1) + "=", "response": str(i)} for i in range(13)])
+    rows, _ = load_rows(path, tokenizer, 10, packed, "truncate", "error")
+    sources = [BatchSource(rows, 4, 1, 2, r, seed=1, shuffle=True, packed=packed) for r in range(2)]
+    for _ in range(5):  # past the end of an epoch too
+        parts = [s.next_global_batch() for s in sources]
+        loss_tokens = sum(int(b["loss_mask"].sum()) for part in parts for b in part)
+        real_tokens = sum(int(b["real_tokens"]) for part in parts for b in part)
+        assert loss_tokens > 0
+        for s in sources:
+            assert (s.last_counts.loss_tokens, s.last_counts.real_tokens) == (loss_tokens, real_tokens)
+
 def recipe_file(tmp_path, **extra):
     cfg = {"model": {"checkpoint": str(tmp_path)}, "data": {"train_file": "x.jsonl"}, **extra}
     path = tmp_path / "r.yaml"

@@ -29,14 +29,15 @@ def run_and_compare(setup, tmp_path, nprocs, model="untied", tolerance=LOSS_TOLE
 @pytest.mark.parametrize(
     "nprocs, parallel, pack",
     [
-        (8, {"tp": 2, "pp": 2, "zero_stage": 1}, False),
+        (8, {"tp": 2, "pp": 2, "vpp": 2, "zero_stage": 1}, False),  # interleaved 1F1B, 4 micro-batches
+
         (4, {"tp": 2, "pp": 1, "zero_stage": 1}, True),
         (4, {"tp": 1, "pp": 2, "zero_stage": 1}, False),
         (2, {"tp": 1, "pp": 1, "zero_stage": 1}, False),
         (2, {"tp": 1, "pp": 1, "zero_stage": 2, "recompute": "full"}, False),
         (2, {"tp": 1, "pp": 1, "zero_stage": 3, "recompute": "selective"}, False),
     ],
-    ids=["TP2xPP2xDP2-zero1", "TP2xDP2-zero1-packed", "PP2xDP2-zero1", "DP2-zero1", "DP2-zero2-recompute-full",
+    ids=["TP2xPP2xVPP2xDP2-zero1", "TP2xDP2-zero1-packed", "PP2xDP2-zero1", "DP2-zero1", "DP2-zero2-recompute-full",
          "DP2-zero3-recompute-selective"],
 )
 def test_losses_and_grad_norms_match_hf_reference(setup, tmp_path, nprocs, parallel, pack):

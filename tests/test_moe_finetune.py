@@ -2,10 +2,13 @@
 
 The reference is the single-process HF model (tests/finetune_harness.py) with the router's
 load-balancing loss in megatron-core's per-layer form (tests/moe_reference.py), its coefficient
-raised to 0.1 so that a wrong aux gradient shows. Each layout is one launch of the real recipe;
-the DP2 x EP2 launch doubles as the uninterrupted run of the SIGKILL/resume test and of a resume
-at EP1 from its checkpoint resharded with `ckpt reshard --ep 1`, and the
-TP2 x PP2 x DP2 x EP2 one exports to HF. Qwen2-MoE and OLMoE have one DP2 x EP2 launch each.
+raised to 0.1 so that a wrong aux gradient shows (HF's own output_router_logits loss where the run
+uses moe.aux_loss=hf). Each layout is one launch of the real recipe; the DP2 x EP2 launch doubles as
+the uninterrupted run of the SIGKILL/resume test and of a resume at EP1 from its checkpoint
+resharded with `ckpt reshard --ep 1`; the TP2 x DP2 x EP2 one runs the allgather
+dispatcher, and the TP2 x PP2 x DP2 x EP2 one exports to HF, whose experts and router rows are then
+compared one by one with the reference's. Qwen2-MoE (moe.aux_loss=hf) and OLMoE (allgather) have one
+DP2 x EP2 launch each, compared expert by expert too.
 """
 
 from __future__ import annotations
@@ -38,12 +41,26 @@ def moe_setup(root, variant):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     cache = {}
 
-    def reference(cfg_path):
-        if not cache:
-            cache["ref"] = hf_reference(hf, data, cfg_path, STEPS, step_loss=moe_step_loss(pad))
-        return cache["ref"]
+    def reference(cfg_path, aux_loss="megatron"):
+        """(losses, grad norms, {step: the routers' and experts' weights}) of the HF reference
+        trained with the load-balancing loss `aux_loss` (the recipe's moe.aux_loss)."""
+        if aux_loss not in cache:
+            states = {}
+
+            def keep(step, model):
+                states[step] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()
+                                if is_routed(name)}
+
+            losses, norms = hf_reference(hf, data, cfg_path, STEPS, step_loss=moe_step_loss(pad, aux_loss), on_step=keep)
+            cache[aux_loss] = losses, norms, states
+        return cache[aux_loss]
 
     return hf, mc, data, reference
+
+
+def is_routed(name: str) -> bool:
+    """An HF MoE layer's router ([experts, hidden]) or its routed experts (stacked [experts, ...])."""
+    return ".mlp.experts." in name or name.endswith(".mlp.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +71,7 @@ def moe(tmp_path_factory):
 
 def differences(metrics, reference) -> tuple[float, float]:
     """(max |loss - reference|, max relative grad-norm difference) over the steps."""
-    ref_losses, ref_norms = reference
+    ref_losses, ref_norms = reference[:2]
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
     loss = max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses))
     norm = max(abs(m["grad_norm"] - r) / max(1.0, r) for m, r in zip(metrics, ref_norms))
@@ -69,26 +86,73 @@ def run(moe, directory, nprocs, parallel, *overrides, env=None, **settings):
     return cfg, read_metrics(directory / "run")
 
 
-# DP2 x EP2 (2 processes) is the uninterrupted run of the resume test below.
-# The 8-process run also exports to HF (export_hf=True) from its per-(TP, PP, EP) rank model/ files.
+# DP2 x EP2 (2 processes, alltoall) is the uninterrupted run of the resume test below.
+# TP2 x DP2 x EP2 runs megatron-core's allgather token dispatcher (moe.dispatcher), the others alltoall.
+# The 8-process run also exports to HF (export_hf=True) from its per-(TP, PP, EP) rank model/ files,
+# and its experts and routers are compared with the reference's one by one.
 LAYOUTS = {
-    "TP2xDP2xEP2": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}, False),
-    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True),
+    "TP2xDP2xEP2-allgather": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}, False, ["moe.dispatcher=allgather"]),
+    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True, []),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_path, layout):
-    nprocs, parallel, export_hf = LAYOUTS[layout]
-    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, export_hf=export_hf)
+    nprocs, parallel, export_hf, overrides = LAYOUTS[layout]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, *overrides, export_hf=export_hf)
     assert len(metrics) == STEPS
-    loss, norm = differences(metrics, moe[3](cfg))
+    reference = moe[3](cfg)
+    loss, norm = differences(metrics, reference)
     print(f"{layout}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (layout, loss, norm)
     assert_tokens_per_expert_cover_every_routed_token(moe, metrics)
+    assert_ran_with(tmp_path / "run", overrides)
     if export_hf:
         assert_hf_export_holds_every_ranks_trained_experts(moe[0], tmp_path / "run")
+        assert_every_expert_trained_as_in_reference(moe[0], tmp_path / "run", reference[2][STEPS], layout)
+
+
+def assert_ran_with(run_dir, overrides):
+    """The run's resolved config holds the moe.* overrides it was given."""
+    import json
+
+    resolved = json.loads((run_dir / "resolved_config.json").read_text())["config"]["moe"]
+    for override in overrides:
+        key, value = override.removeprefix("moe.").split("=")
+        assert resolved[key] == value, (override, resolved)
+
+
+# Per expert (and per router row): |run's change - reference's change| / |reference's change| (L2) of
+# its weights over the run, the changes taken from the original HF weights. Measured up to 4.9e-6 in
+# fp32 over 10 steps at TP2 x PP2 x DP2 x EP2; the guard below (experts reduced over the wrong
+# group) gives 0.39 to 13 after 3 steps.
+EXPERT_TOLERANCE = 1e-4
+
+
+def expert_errors(original_hf, run_dir, reference_state) -> dict[str, float]:
+    """Every layer's every routed expert (a slice of the stacked gate_up_proj / down_proj) and every
+    row of its router (row e: expert e's logit), from the run's HF export against the reference's
+    weights after the same steps. Weight changes after several Adam steps follow each step's
+    gradient of that expert, so a gradient reduced over the wrong ranks, or an expert put on the
+    wrong EP rank, shows in that expert's entry."""
+    before, after = hf_state(original_hf), hf_state(run_dir / "hf")
+    errors = {}
+    for name, reference in reference_state.items():
+        for expert in range(reference.shape[0]):
+            change = reference[expert] - before[name][expert]
+            off = (after[name][expert] - before[name][expert]) - change
+            errors[f"{name}[{expert}]"] = float(off.norm() / change.norm())
+    return errors
+
+
+def assert_every_expert_trained_as_in_reference(original_hf, run_dir, reference_state, label):
+    errors = expert_errors(original_hf, run_dir, reference_state)
+    layers = {name.split(".mlp.")[0] for name in errors}
+    assert len(layers) == 4 and len(errors) == 4 * 3 * len(next(iter(reference_state.values()))), sorted(errors)
+    worst = max(errors, key=errors.get)
+    print(f"{label}: {len(errors)} experts and router rows, worst {worst} {errors[worst]:.1e}")
+    assert errors[worst] < EXPERT_TOLERANCE, (worst, errors[worst])
 
 
 def assert_hf_export_holds_every_ranks_trained_experts(original_hf, run_dir):
@@ -154,21 +218,32 @@ FAMILY_TRAINED = {
     "qwen2-moe": ("mlp.shared_expert.", "mlp.shared_expert_gate.weight", "mlp.experts.", "mlp.gate.weight"),
     "olmoe": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.experts.", "mlp.gate.weight"),
 }
+# Per family, the recipe's MoE options of its launch (moe.aux_loss, moe.dispatcher), so that each
+# runs at DP2 x EP2 with no launch of its own: HF's load-balancing loss (the reference then adds
+# HF's own output_router_logits aux_loss) and the allgather dispatcher.
+FAMILY_MOE_OPTIONS = {"qwen2-moe": {"aux_loss": "hf"}, "olmoe": {"dispatcher": "allgather"}}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", list(FAMILY_TRAINED))
 def test_dp2_ep2_fine_tune_of_qwen2_moe_and_olmoe_matches_hf_reference_with_aux_loss(tmp_path, variant):
-    """Qwen2-MoE's shared expert and its sigmoid gate, OLMoE's q/k norms over the whole projection,
-    under EP 2: the HF reference's losses and gradient norms, and each of those tensors trained."""
+    """Qwen2-MoE's shared expert and its sigmoid gate (trained with HF's load-balancing loss), OLMoE's
+    q/k norms over the whole projection (through the allgather dispatcher), under EP 2: the HF
+    reference's losses and gradient norms, each of those tensors trained, and every expert and
+    router row as the reference's."""
     (tmp_path / "model").mkdir()
     setup = moe_setup(tmp_path / "model", variant)
-    cfg, metrics = run(setup, tmp_path, 2, {"zero_stage": 1, "ep": 2}, export_hf=True)
+    options = FAMILY_MOE_OPTIONS[variant]
+    overrides = [f"moe.{key}={value}" for key, value in options.items()]
+    cfg, metrics = run(setup, tmp_path, 2, {"zero_stage": 1, "ep": 2}, *overrides, export_hf=True)
     assert len(metrics) == STEPS
-    loss, norm = differences(metrics, setup[3](cfg))
-    print(f"{variant} DP2xEP2: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    reference = setup[3](cfg, options.get("aux_loss", "megatron"))
+    loss, norm = differences(metrics, reference)
+    print(f"{variant} DP2xEP2 {overrides}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (variant, loss, norm)
     assert_tokens_per_expert_cover_every_routed_token(setup, metrics)
+    assert_ran_with(tmp_path / "run", overrides)
+    assert_every_expert_trained_as_in_reference(setup[0], tmp_path / "run", reference[2][STEPS], variant)
     before, after = hf_state(setup[0]), hf_state(tmp_path / "run" / "hf")
     assert before.keys() == after.keys()
     for part in FAMILY_TRAINED[variant]:
@@ -193,17 +268,27 @@ def hf_state(hf_dir) -> dict:
     return model.state_dict()
 
 
+GUARD_STEPS = 3  # within the warm-up: the reference's learning rates for these steps do not depend on `steps`
+
+
 @pytest.mark.multiprocess
 def test_expert_grads_reduced_over_all_of_dp_break_parity(moe, tmp_path):
     """Guard: the same DP2 x EP2 run with all of DP handed to DeepSpeed as the experts' data-parallel
     group: their gradients are then averaged with another EP rank's experts (and ZeRO partitions them
-    over ranks holding different experts)."""
+    over ranks holding different experts). Losses and gradient norms leave the reference, and so does
+    every expert in the expert-by-expert comparison."""
     from toolkit.train.experts import EXPERTS_OVER_DP_ENV
 
-    cfg, metrics = run(moe, tmp_path, 2, {"zero_stage": 1, "ep": 2}, "steps=3", env={EXPERTS_OVER_DP_ENV: "1"})
-    loss, norm = differences(metrics, moe[3](cfg))
+    cfg, metrics = run(moe, tmp_path, 2, {"zero_stage": 1, "ep": 2}, f"steps={GUARD_STEPS}", "export_hf=true",
+                       env={EXPERTS_OVER_DP_ENV: "1"})
+    reference = moe[3](cfg)
+    loss, norm = differences(metrics, reference)
     print(f"experts reduced over all of DP: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss > 100 * LOSS_TOLERANCE_FP32 and norm > 100 * GRAD_NORM_TOLERANCE, (loss, norm)
+    errors = expert_errors(moe[0], tmp_path / "run", reference[2][GUARD_STEPS])
+    experts = {name: error for name, error in errors.items() if ".mlp.experts." in name}
+    print(f"experts reduced over all of DP: expert errors from {min(experts.values()):.1e} to {max(experts.values()):.1e}")
+    assert all(error > 100 * EXPERT_TOLERANCE for error in experts.values()), experts
 
 
 @pytest.mark.multiprocess
@@ -272,6 +357,7 @@ def assert_resumes_at_ep1_as_the_straight_run(moe, tmp_path, run_dir, straight):
         (6, ["parallel.ep=2", "parallel.tp=2"], r"parallel.ep=2 x parallel.tp=2 does not fit the TP x DP = 2 x 3 ranks"),
         (4, ["parallel.ep=2", "parallel.tp=2"], "needs sequence parallelism, as in megatron-core"),
         (4, ["parallel.ep=2", "parallel.zero_stage=3"], "zero_stage=3"),
+        (4, ["parallel.pp=2", "moe.aux_loss=hf"], "moe.aux_loss=hf with PP=2: HF's loss pools router counts over all layers"),
     ],
 )
 def test_expert_layouts_that_do_not_fit_are_refused_in_one_line(moe, tmp_path, world, overrides, message):
@@ -298,3 +384,17 @@ def test_ep_on_a_dense_model_is_refused(tmp_path):
     cfg = load_config(str(recipe(tmp_path, mc, write_uneven_data(tmp_path / "d.jsonl", 4))), ["parallel.ep=2"])
     with pytest.raises(ToolkitError, match="needs a Mixture-of-Experts model"):
         build.check_layout(cfg, 2, build.read_checkpoint_meta(cfg))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("moe.dispatcher=flex", "moe.dispatcher='flex': must be one of alltoall, allgather, got 'flex'"),
+    ("moe.aux_loss=switch", "moe.aux_loss='switch': must be one of megatron, hf, got 'switch'"),
+])
+def test_unknown_moe_option_is_refused_in_one_line(moe, tmp_path, override, message):
+    from toolkit.errors import ToolkitError
+    from toolkit.train.config import load_config
+
+    hf, mc, data, _ = moe
+    with pytest.raises(ToolkitError) as refused:
+        load_config(str(recipe(tmp_path, mc, data)), [override])
+    assert str(refused.value) == message

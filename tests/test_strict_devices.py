@@ -13,10 +13,10 @@ from toolkit.runtime.launch import run_on_processes
 
 
 @pytest.mark.multiprocess
-def test_host_tensors_in_collectives_are_refused_and_the_token_count_passes(monkeypatch):
+def test_host_tensors_in_collectives_are_refused_and_the_step_reduction_passes(monkeypatch):
     monkeypatch.setenv("TOOLKIT_STRICT_DEVICES", "1")
     verdicts = run_on_processes("tests.mp_workers:strict_device_checks", 2, 2)
     for rank_verdicts in verdicts:
         assert rank_verdicts["host tensor"] and rank_verdicts["host tensor after arithmetic"]
         assert not rank_verdicts["made on the device"] and not rank_verdicts["moved to the device"]
-        assert rank_verdicts["token count"] == (4, 6), "2 loss tokens and 3 real tokens on each of 2 DP ranks"
+        assert rank_verdicts["step totals"] == (5.0, True), "loss sums 2.5 + 2.5; rank 1's stop reaches both"

@@ -216,6 +216,52 @@ def model_state_case(case: dict, spec, world: int) -> dict:
     return result
 
 
+def fsdp_state_case(case: dict, spec, world: int) -> dict:
+    """The recipe's FSDP2 engine (toolkit.train.fsdp.build_engine) around an fp32 model: the sharded
+    parameters after step(), the sharded gradients after the backward of every micro-batch (before
+    step()), AdamW's state after the first step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from toolkit.dsconfig import Setup
+    from toolkit.layouts import Layout
+    from toolkit.memory import CPU_LOCAL, estimate
+    from toolkit.model import build_gpt_model
+    from toolkit.train import fsdp
+    from toolkit.train.config import TrainConfig
+
+    tp = case["tp"]
+    dp = world // tp
+    setup = Setup(gpus=world, tp=tp, pp=1, zero=3, precision=case["precision"], micro_batch=2,
+                  global_batch=2 * case["micro_batches"] * dp)
+    torch.manual_seed(SEED)
+    model = build_gpt_model(spec, Layout(tp, 1), torch.float32)
+    cfg = TrainConfig(precision=case["precision"])
+    engine = fsdp.build_engine(model, cfg, lambda step: 1.0)
+    batches = _batches(spec, setup.micro_batches, setup.micro_batch, seed=5)
+    pos = torch.arange(SEQ)[None].expand(setup.micro_batch, -1)
+
+    def forward_step(data_iterator, m):
+        tokens = next(data_iterator)
+        return engine(tokens, pos, None, labels=tokens), lambda o: (o.float().mean() / len(batches), {})
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=engine.module,
+                                num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=setup.micro_batch,
+                                forward_only=False)
+    params = list(engine.module.parameters())
+    grads = _bytes(storages([p.grad.to_local() for p in params if p.grad is not None]))
+    engine.step()
+    param_keys = storages([p.to_local() for p in params])
+    moments = [t.to_local() if hasattr(t, "to_local") else t for state in engine.optimizer.state.values()
+               for t in state.values()]  # a DTensor's own storage is empty: its local shard holds the bytes
+    optimizer = {k: v for k, v in storages(moments).items() if k not in param_keys}
+    predicted = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0, dp_engine="fsdp").stages[0].states
+    zero3 = estimate(spec, setup, SEQ, kernels=CPU_LOCAL, reserve=0).stages[0].states
+    return {**case, "stage": 0, "lr_after_step": engine.get_lr()[0],
+            "measured": {"params": _bytes(param_keys), "grads": grads, "optimizer": _bytes(optimizer)},
+            "predicted": {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer},
+            "zero3": {"params": zero3.params, "grads": zero3.grads, "optimizer": zero3.optimizer}}
+
+
 # ---------------------------------------------------------------------------------------------
 # activations
 
@@ -258,16 +304,21 @@ class _Held:
         self.live.release(self.key)
 
 
-def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None):
+def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None, ep: int = 1,
+           vpp: int = 1):
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, transformer_config
+    from toolkit.train.virtual import schedule_settings
 
     extra = {"none": {}, "selective": dict(recompute_granularity="selective"),
              "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
     reset_moe_globals(spec)
     torch.manual_seed(SEED)
-    layout = Layout(tp, pp)
-    config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra)
+    layout = Layout(tp, pp, ep=ep)
+    config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra,
+                                **schedule_settings(pp, vpp))
+    if vpp > 1:  # the recipe's chunks (toolkit.train.build), one per virtual stage
+        return [build_gpt_model(spec, layout, dtype, config=config, vp_stage=v) for v in range(vpp)]
     model = build_gpt_model(spec, layout, dtype, config=config)
     if lora is not None:
         _apply_lora(model, spec, layout, lora)
@@ -286,9 +337,9 @@ def reset_moe_globals(spec) -> None:
 
 
 def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequence_parallel: bool = False,
-                        lora: dict | None = None) -> int:
+                        lora: dict | None = None, ep: int = 1) -> int:
     """Bytes saved for backward by one forward of one micro-batch (PP = 1), parameters excluded."""
-    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel, lora)
+    model = _model(spec, tp, 1, dtype, recompute, sequence_parallel, lora, ep)
     live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
     tokens = _batches(spec, 1, micro, seed=7)[0]
     pos = torch.arange(SEQ)[None].expand(micro, -1)
@@ -299,12 +350,13 @@ def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequen
     return total
 
 
-def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
-    """Peak saved-for-backward bytes on this rank's stage during one 1F1B step."""
+def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int, vpp: int = 1) -> int:
+    """Peak saved-for-backward bytes on this rank's stage during one 1F1B (or interleaved) step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model = _model(spec, 1, 2, dtype, "none")
-    live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
+    model = _model(spec, 1, 2, dtype, "none", vpp=vpp)
+    chunks = model if vpp > 1 else [model]
+    live = _Live({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
     batches = _batches(spec, micro_batches, micro, seed=9)
     pos = torch.arange(SEQ)[None].expand(micro, -1)
 
@@ -313,7 +365,8 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
         return m(tokens, pos, None, labels=tokens), lambda o: (o.float().mean(), {})
 
     with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=model,
+        data = [iter(batches) for _ in chunks] if vpp > 1 else iter(batches)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=model,
                                     num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=micro,
                                     forward_only=False)
     return live.peak
@@ -323,7 +376,7 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int) -> int:
 # the launch
 
 
-def switch_layout(tp: int, pp: int, ep: int = 1):
+def switch_layout(tp: int, pp: int, ep: int = 1, vpp: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -331,7 +384,7 @@ def switch_layout(tp: int, pp: int, ep: int = 1):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    info = init_parallel(tp, pp, ep=ep)
+    info = init_parallel(tp, pp, ep=ep, vpp=vpp)
     model_parallel_cuda_manual_seed(SEED)
     return info
 
@@ -349,21 +402,24 @@ def measure_all(state_cases: list[dict], activation_cases: list[dict], pipeline_
     world = dist.get_world_size()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     out = {"states": [], "activations": [], "pipeline": []}
-    layouts = sorted({(c["tp"], c["pp"], c.get("ep", 1)) for c in state_cases + activation_cases + pipeline_cases})
-    for tp, pp, ep in layouts:
-        switch_layout(tp, pp, ep)
-        here = lambda c: (c["tp"], c["pp"], c.get("ep", 1)) == (tp, pp, ep)  # noqa: E731
+    key = lambda c: (c["tp"], c["pp"], c.get("ep", 1), c.get("vpp", 1))  # noqa: E731
+    layouts = sorted({key(c) for c in state_cases + activation_cases + pipeline_cases})
+    for tp, pp, ep, vpp in layouts:
+        switch_layout(tp, pp, ep, vpp)
+        here = lambda c: key(c) == (tp, pp, ep, vpp)  # noqa: E731
         for case in [c for c in state_cases if here(c)]:
-            out["states"].append(model_state_case(case, tiny_spec(variant=case["variant"]), world))
+            measure = fsdp_state_case if case.get("dp_engine") == "fsdp" else model_state_case
+            out["states"].append(measure(case, tiny_spec(variant=case["variant"]), world))
         for case in [c for c in activation_cases if here(c)]:
             saved = {n: forward_saved_bytes(tiny_spec(n, case["variant"]), tp, dtypes[case["precision"]], case["recompute"],
-                                            case["micro"], case.get("sequence_parallel", False), case.get("lora"))
+                                            case["micro"], case.get("sequence_parallel", False), case.get("lora"),
+                                            case.get("ep", 1))
                      for n in (2, 4)}
             out["activations"].append({**case, "saved": saved})
         for case in [c for c in pipeline_cases if here(c)]:
             from megatron.core import parallel_state as ps
 
             peak = pipeline_peak_bytes(tiny_spec(variant=case["variant"]), dtypes[case["precision"]], case["micro"],
-                                       case["micro_batches"])
+                                       case["micro_batches"], case.get("vpp", 1))
             out["pipeline"].append({**case, "stage": ps.get_pipeline_model_parallel_rank(), "peak": peak})
     return out

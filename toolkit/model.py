@@ -87,9 +87,10 @@ def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
 
 
 def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None,
-                    aux_loss: AuxLoss | None = None):
+                    aux_loss: AuxLoss | None = None, vp_stage: int | None = None):
     """GPTModel for this process's pipeline stage (parallel_state must be initialised); `aux_loss`
-    as in transformer_config (toolkit/moe_aux.py), checked against the layout."""
+    as in transformer_config (toolkit/moe_aux.py), checked against the layout. `vp_stage`: which
+    of this rank's virtual stages (interleaved pipeline, toolkit.train.virtual), or None."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -100,10 +101,11 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         config=config,
         transformer_layer_spec=layer_spec or layer_spec_module(running_layer_spec(), config, spec),
         vocab_size=layout.padded_vocab(spec.vocab_size),
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         parallel_output=True,
         **settings_for(spec).gpt,
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     layer = family_named(spec.family).layer
     if layer:

@@ -18,6 +18,7 @@ from toolkit.dsconfig import OptimizerSettings, Setup, build
 from toolkit.errors import ConfigError
 from toolkit.families.spec import ModelSpec
 from toolkit.memory import GIB, GPU, Estimate, estimate
+from toolkit.memory.estimate import check_fsdp
 from toolkit.memory.lora import LoraShape
 from toolkit.throughput import Hardware, StepTime, step_time
 
@@ -54,8 +55,10 @@ class Candidate:
         s, t = self.setup, self.time
         parts = [
             f"TP{s.tp} {'in-node' if s.tp <= cluster.gpus_per_node else 'ACROSS nodes'}",
-            f"PP{s.pp} bubble {t.bubble:.0%} (m={s.micro_batches})" if s.pp > 1 else "no PP",
-            f"DP{s.dp} ZeRO-{s.zero}" + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
+            f"PP{s.pp}{f' x VPP{s.vpp}' if s.vpp > 1 else ''} bubble {t.bubble:.0%} (m={s.micro_batches})"
+            if s.pp > 1 else "no PP",
+            f"DP{s.dp} {'FSDP' if self.memory.dp_engine == 'fsdp' else f'ZeRO-{s.zero}'}"
+            + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
             *([f"EP{self.memory.ep}"] if self.memory.ep > 1 else []),
             f"mb {s.micro_batch}, recompute {self.recompute}",
         ]
@@ -84,17 +87,23 @@ class Plan:
 
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: int | None = None,
          precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True,
-         lora: LoraShape | None = None) -> Plan:
+         lora: LoraShape | None = None, vpp: int = 1, dp_engine: str = "deepspeed") -> Plan:
     """With `lora`, the layouts of a LoRA fine-tune (toolkit.memory.lora), and advice that says
-    whether full fine-tuning would fit too."""
+    whether full fine-tuning would fit too. `vpp`: virtual stages per pipeline rank of every layout
+    with PP > 1 (interleaved 1F1B); layouts that break its rules are left out. dp_engine="fsdp":
+    PyTorch FSDP2 layouts (the recipe's parallel.dp_engine=fsdp: PP = 1, no offload; its step time
+    taken as ZeRO-3's)."""
     global_batch = global_batch or default_global_batch(cluster.gpus)
-    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora))
+    if dp_engine == "fsdp":
+        check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
+    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora,
+                                  vpp, dp_engine))
     fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
     result = Plan(cluster, fitting, None if fitting else smallest, [])
-    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora)
+    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora, vpp)
     if lora is not None:
-        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload)
+        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, vpp=vpp)
         result.advice.append(_lora_versus_full(result, full, lora))
     return result
 
@@ -138,11 +147,14 @@ def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None 
     return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep]
 
 
-def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None):
-    offloads = OFFLOADS if allow_offload else OFFLOADS[:1]
-    for (tp, pp), zero, offload, micro in itertools.product(
-            layouts(spec, cluster.gpus, cluster.gpus_per_node), _zero_stages(schedule), offloads, MICRO_BATCHES):
-        setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, zero=zero, precision=precision, micro_batch=micro,
+def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None, vpp=1,
+                dp_engine="deepspeed"):
+    fsdp = dp_engine == "fsdp"
+    offloads = OFFLOADS if allow_offload and not fsdp else OFFLOADS[:1]
+    zero_stages = (3,) if fsdp else _zero_stages(schedule)  # FSDP: the ZeRO-3 Setup only sizes the batch
+    tp_pp = [(tp, pp) for tp, pp in layouts(spec, cluster.gpus, cluster.gpus_per_node) if pp == 1 or not fsdp]
+    for (tp, pp), zero, offload, micro in itertools.product(tp_pp, zero_stages, offloads, MICRO_BATCHES):
+        setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1, zero=zero, precision=precision, micro_batch=micro,
                       global_batch=global_batch, offload_optimizer=offload[0], offload_param=offload[1],
                       schedule=schedule, optimizer=OptimizerSettings())
         try:
@@ -150,7 +162,7 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
         except ConfigError:
             continue
         for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
-            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep)
+            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine)
             yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
                                                                  cluster.gpus_per_node, cluster.hardware, lora))
 
@@ -162,7 +174,7 @@ def _fits(c: Candidate, cluster: Cluster) -> bool:
     return cluster.host_memory_per_node is None or host <= cluster.host_memory_per_node
 
 
-def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan, lora=None) -> list[str]:
+def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan, lora=None, vpp=1) -> list[str]:
     budget = f"{cluster.gpus} x {cluster.gpu_memory / GIB:.0f} GiB"
     if result.fits_without_offload:
         return [f"{len(result.ranked)} layouts fit in {budget}"]
@@ -177,18 +189,18 @@ def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: P
         advice.append(f"offload fits: {len(offloaded)} layouts, best ZeRO-{offloaded[0].setup.zero} with "
                       f"{offloaded[0].setup.offload_optimizer}/{offloaded[0].setup.offload_param} offload "
                       f"(needs ~{host:.0f} GiB host memory per node)")
-    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora)
+    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora, vpp)
     if more:
         advice.append(f"more GPUs: {more} GPUs fit without offload")
     return advice
 
 
-def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None) -> int | None:
+def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None, vpp=1) -> int | None:
     """The smallest multiple of a node that fits without offload (recompute included)."""
     node = cluster.gpus_per_node
     for gpus in range(cluster.gpus + node, cluster.gpus * MAX_GPU_MULTIPLE + 1, node):
         bigger = Cluster(gpus, cluster.gpu_memory, node, cluster.host_memory_per_node, cluster.hardware)
-        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False, lora):
+        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False, lora, vpp):
             if c.setup.micro_batch == 1 and c.recompute == "full" and _fits(c, bigger):
                 return gpus
     return None

@@ -7,7 +7,7 @@ With LoRA (`lora=`) the base is frozen: its linears run no weight-gradient GEMM 
 passes, so ~2/3 of full fine-tuning's FLOPs), and only the adapter's gradients cross DP and PCIe.
 
 Each term is written so the ranking prefers less communication: TP inside a node (NVLink), PP
-across nodes, few pipeline bubbles ((PP-1)/(m+PP-1)), stages of equal work (the last one also
+across nodes, few pipeline bubbles ((PP-1)/(VPP m+PP-1)), stages of equal work (the last one also
 runs the output layer), ZeRO stages that move fewer bytes, and no offload unless needed. Ranks
 are placed the way megatron-core orders them (TP innermost, then DP, then PP). Hardware numbers are named below with their source; override them through
 `Hardware` for other machines.
@@ -76,7 +76,7 @@ def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_
     efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     compute = flops / (setup.gpus * hw.flops * efficiency)
     m = setup.micro_batches
-    bubble = (setup.pp - 1) / (m + setup.pp - 1)
+    bubble = (setup.pp - 1) / (setup.vpp * m + setup.pp - 1)  # interleaving divides the bubble by VPP
     n = total_params(spec)
     trained = n if lora is None else sum(adapter_numels(spec, lora, 1, 1))
     comm = (_tp_comm(spec, setup, seq_len, hw, gpus_per_node), _pp_comm(spec, setup, seq_len, hw, gpus_per_node),
@@ -118,12 +118,13 @@ def _tp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:
 
 
 def _pp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:
-    """Each micro-batch's activations go forward and their gradients back across a stage boundary."""
+    """Each micro-batch's activations go forward and their gradients back across a stage boundary,
+    once per virtual stage with interleaving (VPP x the transfers of 1F1B)."""
     if setup.pp == 1:
         return 0.0
     inside = setup.gpus <= gpus_per_node
     size = setup.micro_batch * seq_len * spec.hidden_size * _bytes(setup)
-    return 2 * setup.micro_batches * size / (hw.intra_node if inside else hw.inter_node)
+    return 2 * setup.vpp * setup.micro_batches * size / (hw.intra_node if inside else hw.inter_node)
 
 
 def _dp_comm(n, trained, setup, hw, gpus_per_node) -> float:

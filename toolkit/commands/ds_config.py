@@ -88,6 +88,8 @@ def add_cluster_args(p, layout: bool = True) -> None:
     if layout:
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+        p.add_argument("--vpp", type=int, default=1,
+                       help="virtual stages per pipeline rank, megatron-core's interleaved 1F1B (default 1)")
 
 
 def add_training_args(p) -> None:
@@ -103,6 +105,9 @@ def add_training_args(p) -> None:
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all GPUs (default micro x DP)")
     p.add_argument("--schedule", choices=("deepspeed", "megatron"), default="deepspeed",
                    help="who runs the micro-batches (default deepspeed; the toolkit recipe uses megatron)")
+    p.add_argument("--overlap-comm", choices=("on", "off"),
+                   help="ZeRO's overlap of gradient reduction with backward (default: on at ZeRO-2/3, off at ZeRO-1)")
+    p.add_argument("--reduce-bucket-size", type=int, help="elements per ZeRO reduce bucket (default: sized from the model)")
 
 
 def _add_optimizer_args(p) -> None:
@@ -171,10 +176,11 @@ def training_setup(args, **more):
     if gpus is None:
         raise ConfigError("give --gpus N, or --nodes N (with --gpus-per-node)")
     return Setup(
-        gpus=gpus, tp=args.tp, pp=args.pp, zero=args.zero, precision=precision_from_flags(args.precisions),
+        gpus=gpus, tp=args.tp, pp=args.pp, vpp=getattr(args, "vpp", 1), zero=args.zero, precision=precision_from_flags(args.precisions),
         micro_batch=args.micro_batch, global_batch=args.global_batch,
         offload_optimizer=args.offload_optimizer, offload_param=args.offload_param, nvme_path=args.nvme_path,
-        schedule=args.schedule, **more)
+        schedule=args.schedule, overlap_comm=None if args.overlap_comm is None else args.overlap_comm == "on",
+        reduce_bucket_size=args.reduce_bucket_size, **more)
 
 
 def _setup(args):

@@ -30,7 +30,14 @@ def register(sub) -> None:
                    help="gpu: Transformer Engine kernels (default); cpu: megatron-core's local spec")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB: say whether the layout fits")
     add_lora_args(p)
+    add_dp_engine_arg(p)
     p.set_defaults(func=_run)
+
+
+def add_dp_engine_arg(p) -> None:
+    p.add_argument("--dp-engine", choices=("deepspeed", "fsdp"), default="deepspeed",
+                   help="data parallelism: DeepSpeed ZeRO (--zero), or PyTorch FSDP2 (the recipe's "
+                        "parallel.dp_engine=fsdp: PP 1, bf16/fp32, fp32 masters sharded over DP)")
 
 
 def add_lora_args(p) -> None:
@@ -62,10 +69,11 @@ def _run(args) -> int:
     args.seq_len = sequence_length(args.seq_len, spec)
     args.lora = lora_shape(args, spec)
     est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
-                   args.sequence_parallel, lora=args.lora, ep=args.ep)
+                   args.sequence_parallel, lora=args.lora, ep=args.ep, dp_engine=args.dp_engine)
     lora = f", LoRA r={args.lora.r} on {' '.join(args.lora.target_modules)}" if args.lora else ""
     ep = f" (EP {args.ep})" if args.ep > 1 else ""
-    print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}{ep}, ZeRO-{setup.zero}, {setup.precision}, micro-batch "
+    engine = "FSDP" if args.dp_engine == "fsdp" else f"ZeRO-{setup.zero}"
+    print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}{ep}, {engine}, {setup.precision}, micro-batch "
           f"{setup.micro_batch} x {setup.micro_batches} per step, sequence {args.seq_len}, recompute {args.recompute}{lora}")
     print("\n".join(est.table(args.gpus_per_node)))
     if not args.gpu_memory:
@@ -87,12 +95,12 @@ def _suggest(spec, setup, args, limit) -> None:
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
         est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora,
-                       ep=args.ep)
+                       ep=args.ep, dp_engine=args.dp_engine)
         if est.fits(limit):
             print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return
     result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step,
-                  setup.precision, setup.schedule, lora=args.lora)
+                  setup.precision, setup.schedule, lora=args.lora, dp_engine=args.dp_engine)
     for line in result.advice:
         print(f"note: {line}")
     if result.best is not None:

@@ -24,7 +24,7 @@ recipe) is written there; without it nothing is written.
 
 def register(sub) -> None:
     from toolkit.commands.ds_config import add_cluster_args
-    from toolkit.commands.memory import add_lora_args
+    from toolkit.commands.memory import add_dp_engine_arg, add_lora_args
 
     p = sub.add_parser("plan", help="rank the 3D layouts that fit a model on a GPU budget",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,9 +38,12 @@ def register(sub) -> None:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--schedule", choices=("megatron", "deepspeed"), default="megatron",
                    help="schedule mode of the written config (default megatron, the toolkit's recipe)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual stages per pipeline rank for layouts with PP > 1 (interleaved 1F1B; default 1)")
     p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("-o", "--output", help="write the best layout's DeepSpeed config here (default: write nothing)")
+    add_dp_engine_arg(p)
     add_lora_args(p)
     p.set_defaults(func=_run)
 
@@ -61,8 +64,11 @@ def _run(args) -> int:
     cluster = Cluster(gpus, parse_size(args.gpu_memory), args.gpus_per_node,
                       parse_size(args.host_memory) if args.host_memory else None)
     lora = lora_shape(args, spec)
+    if args.dp_engine == "fsdp" and args.output:
+        raise ConfigError("--dp-engine fsdp with -o: FSDP runs without a DeepSpeed config; run the recipe "
+                          "with parallel.dp_engine=fsdp and the layout shown")
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
-                  allow_offload=not args.no_offload, lora=lora)
+                  allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine)
     batch = args.global_batch or default_global_batch(gpus)
     print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
           f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")

@@ -23,12 +23,14 @@ import dataclasses
 import io
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_global_save_plan
@@ -44,6 +46,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from toolkit.convert import naming
+from toolkit.convert.torch_stream import HashingWriter, without_zip_crc32
 
 MCORE_METADATA = {
     "sharded_backend": "torch_dist",
@@ -53,6 +56,7 @@ MCORE_METADATA = {
 }
 STACKED_PREFIX = "decoder.layers."
 DCP_METADATA = ".metadata"  # PyTorch DCP's index of every stored tensor
+DATA_SUFFIX = ".distcp"  # DCP's data files
 
 
 @dataclass(frozen=True)
@@ -156,13 +160,39 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     return objects
 
 
-def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict, on_item=lambda: None) -> None:
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing each data file as DCP writes it (in order, once), so the
+    checksums need no second read of the largest files."""
+
+    def __init__(self):
+        super().__init__()
+        self.digests: dict[Path, str] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
+                yield stream
+                return
+            hashing = HashingWriter(stream)
+            yield hashing
+        self.digests[Path(path).resolve()] = hashing.digest.hexdigest()
+
+
+def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
+          on_item=lambda: None) -> dict[Path, str]:
+    """Write the checkpoint; returns the sha256 of the data files, hashed as they were written."""
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1, sync_files=False)
-    dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    # The writer's file system is an attribute of DCP's FileSystemWriter (torch 2.13); if a release
+    # renames it, nothing is hashed here and the caller reads the files back (checksum_tree).
+    writer.fs = hashing = _HashingFileSystem()
+    with without_zip_crc32():  # DCP torch.saves each tensor into the data file
+        dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(MCORE_METADATA))
+    return hashing.digests
 
 
 def tensor_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

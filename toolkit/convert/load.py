@@ -22,32 +22,49 @@ from toolkit.layouts import Layout
 
 
 def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -> CheckpointMeta:
-    """Load the checkpoint at `checkpoint_dir` into `model` (parallel_state must be initialised).
+    """Load the checkpoint at `checkpoint_dir` into `model` (parallel_state must be initialised), or
+    into each of a list of model chunks (virtual pipeline stages, each with its `vp_stage`).
 
     `check_sums=False` is for `verify`, which reports mismatching files itself and still
     compares the logits (to name the first divergent layer).
     """
-    from megatron.core import parallel_state as ps
-
     root = Path(checkpoint_dir)
     meta = CheckpointMeta.read(root)
     shards = resolve_iteration_dir(root)
+    chunks = model if isinstance(model, list) else [model]
     if meta.format == "torch_dist":
-        load_dist(model, shards)
+        load_dist(chunks, shards)  # one collective read for every chunk: megatron-core checks the coverage
         return meta
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    ep = ps.get_expert_model_parallel_world_size()
-    ranks = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-             ps.get_expert_model_parallel_rank())
+    for chunk in chunks:
+        _load_rank_files(chunk, root, meta, shards, check_sums)
+    return meta
+
+
+def _load_rank_files(model, root: Path, meta: CheckpointMeta, shards: Path, check_sums: bool) -> None:
+    from megatron.core import parallel_state as ps
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    pp, pp_rank = pipeline_stage(model)
+    ranks = (ps.get_tensor_model_parallel_rank(), pp_rank, ps.get_expert_model_parallel_rank())
     if (tp, pp, ep) == (meta.tp, meta.pp, meta.ep):
         path = torch_format.rank_file(shards, meta.layout, *ranks)
         if check_sums and meta.checksums:  # Megatron-LM's own checkpoints carry none
             verify_file(root, path, meta.checksums)  # before unpickling anything from it
-        state = torch_format.load_trusted_types(path)["model"]
+        state = torch_format.model_entry(torch_format.load_trusted_types(path), path)
     else:
         state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor, ep), *ranks))
     load_state_by_name(model, state)
-    return meta
+
+
+def pipeline_stage(model) -> tuple[int, int]:
+    """(stages, this model's stage) of the plain pipeline whose stages hold the same layers: with
+    virtual stages (interleaved 1F1B), chunk v of pipeline rank r is stage v x PP + r of PP x VPP."""
+    from megatron.core import parallel_state as ps
+
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    vp_stage = getattr(model, "vp_stage", None)
+    if vp_stage is None:
+        return pp, rank
+    return pp * ps.get_virtual_pipeline_model_parallel_world_size(), vp_stage * pp + rank
 
 
 def _reshard(root: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int):
@@ -76,16 +93,18 @@ def load_state_by_name(model, state: dict) -> None:
         raise ConversionError(f"checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def load_dist(model, shards: Path) -> None:
-    """megatron-core's own loader. `args` in common.pt is an argparse.Namespace, so it is
-    allowed explicitly for weights_only unpickling."""
+def load_dist(chunks: list, shards: Path) -> None:
+    """megatron-core's own loader, for every model chunk at once (Megatron-LM's nesting: model0,
+    model1, ...). `args` in common.pt is an argparse.Namespace, so it is allowed explicitly for
+    weights_only unpickling."""
     from megatron.core import dist_checkpointing
 
+    wanted = {f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
     with torch.serialization.safe_globals(torch_format.SAFE_GLOBALS):
-        loaded = dist_checkpointing.load(model.sharded_state_dict(), str(shards))
-    for key in ("args", "checkpoint_version", "iteration"):
-        loaded.pop(key, None)
-    missing, unexpected = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ConversionError(f"torch_dist checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        loaded = dist_checkpointing.load(wanted, str(shards))
+    for chunk, key in zip(chunks, wanted):
+        missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ConversionError(f"torch_dist checkpoint does not match the model: missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}")

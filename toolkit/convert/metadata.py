@@ -106,9 +106,13 @@ def sha256(path: Path, chunk: int = 1 << 20) -> str:  # 1 MiB reads: as fast as 
     return digest.hexdigest()
 
 
-def checksum_tree(root: Path, under: str = RELEASE) -> dict[str, str]:
+def checksum_tree(root: Path, under: str = RELEASE, known: dict[Path, str] | None = None) -> dict[str, str]:
+    """sha256 of every file under root/under, by relative path; `known` digests (hashed as the
+    files were written, by resolved path) are taken as they are."""
+    known = known or {}
     return {
-        str(p.relative_to(root)): sha256(p) for p in sorted((root / under).rglob("*")) if p.is_file()
+        str(p.relative_to(root)): known.get(p.resolve()) or sha256(p)
+        for p in sorted((root / under).rglob("*")) if p.is_file()
     }
 
 

@@ -26,7 +26,7 @@ from toolkit.convert.metadata import (
     copy_hf_files,
 )
 from toolkit.convert.progress import progress_bar
-from toolkit.convert.stages import row_instances, stage_tensors
+from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_tensors
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
@@ -62,9 +62,12 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar
     def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
         return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, lambda: bar.update(1), ep_rank)
 
+    def stage_shapes(pp_rank: int):
+        return stage_megatron_shapes(family, spec, layout, pp_rank)
+
     local_experts = len(layout.local_experts(spec, 0))
-    return torch_format.write_rank_files(release, layout, build_stage, len(layout.stage_layers(spec, 0)), layer_spec,
-                                         args, local_experts)
+    return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, len(layout.stage_layers(spec, 0)),
+                                         layer_spec, args, local_experts)
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
@@ -135,8 +138,8 @@ def hf_to_megatron(
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
                 objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts,
                                                           spec.moe_shared_ffn_hidden_size > 0)
-                dist_format.write(release, chunks, objects, common, bar.update)
-            checksums = checksum_tree(tmp)
+                hashed = dist_format.write(release, chunks, objects, common, bar.update)
+            checksums = checksum_tree(tmp, known=hashed)
         (tmp / TRACKER).write_text(RELEASE)
         copy_hf_files(src.config_bytes, src.tokenizer_files(), tmp / HF_DIR)
         CheckpointMeta(

@@ -15,17 +15,17 @@ allowing only the non-tensor types these files carry (SAFE_GLOBALS), and memory-
 from __future__ import annotations
 
 import argparse
-import hashlib
+import itertools
 import pickle
 import re
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.utils.serialization
 
 from toolkit.convert import naming
 from toolkit.convert.metadata import CHECKPOINT_VERSION
+from toolkit.convert.torch_stream import HashingWriter, save_streaming, without_zip_crc32
 from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
@@ -50,32 +50,11 @@ def load_trusted_types(path: Path, mmap: bool = True) -> dict:
         raise ConversionError(f"{path} cannot be read as a torch checkpoint: {e}") from None
 
 
-class _HashingFile:
-    """File wrapper that hashes bytes as torch.save writes them (torch.save writes sequentially),
-    so the checksum costs no second read of the file."""
-
-    def __init__(self, f):
-        self.f, self.digest = f, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def save_with_sha256(obj, path: Path) -> str:
-    """torch.save without the zip CRC32 (about 40% of save time; sha256 covers integrity),
-    returning the file's sha256."""
-    config = torch.utils.serialization.config.save
-    saved_crc, config.compute_crc32 = config.compute_crc32, False
-    try:
-        with open(path, "wb") as f:
-            writer = _HashingFile(f)
-            torch.save(obj, writer)
-    finally:
-        config.compute_crc32 = saved_crc
+    """torch.save without the zip CRC32, returning the file's sha256."""
+    with open(path, "wb") as f, without_zip_crc32():
+        writer = HashingWriter(f)
+        torch.save(obj, writer)
     return writer.digest.hexdigest()
 
 
@@ -83,39 +62,69 @@ def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank
     return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
 
 
-def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
-                   local_experts: int = 0) -> str:
-    """Write one rank's file from canonical names (stage-local layer numbers); returns its sha256."""
+def _rank_state(model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
+                local_experts: int) -> dict:
+    """One rank file's contents from canonical names (stage-local layer numbers)."""
     named = {naming.to_spec_name(name, layer_spec, moe=local_experts > 0): t for name, t in model.items()}
     shared = any(naming.split_layer(name)[1].startswith(naming.SHARED_EXPERT_PREFIX) for name in model)
     named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec, shared)))
+    return {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+
+
+def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
+                   local_experts: int = 0) -> str:
+    """Write one rank file from tensors in memory; returns its sha256."""
     path.parent.mkdir(parents=True)
-    state = {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
-    return save_with_sha256(state, path)
+    return save_with_sha256(_rank_state(model, args, layer_spec, num_stage_layers, local_experts), path)
+
+
+def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterator[tuple[str, torch.Tensor]],
+                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0) -> str:
+    """Write one rank file as `tensors` yields (canonical name, tensor) in the order of `shapes`,
+    holding a tensor or two at a time (toolkit.convert.torch_stream); returns its sha256. The
+    bytes are those save_rank_file would write."""
+    first_name, first = next(tensors)
+    placeholders = {name: torch.empty(shape, dtype=first.dtype) for name, shape in shapes.items()}
+
+    def in_order():
+        for (name, tensor), expected in zip(itertools.chain([(first_name, first)], tensors), placeholders, strict=True):
+            if name != expected:
+                raise RuntimeError(f"{path}: built {name!r} where {expected!r} was laid out")
+            yield tensor
+
+    path.parent.mkdir(parents=True)
+    state = _rank_state(placeholders, args, layer_spec, num_stage_layers, local_experts)
+    return save_streaming(state, list(placeholders.values()), in_order(), path)
+
+
+def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+    return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
 
 
 def write_rank_files(
     release: Path,
     layout: Layout,
-    build_stage: Callable[[int, int], Iterator[tuple[str, torch.Tensor]]],
+    build_stage: Callable[[int, int, int], Iterator[tuple[str, torch.Tensor]]],
+    stage_shapes: Callable[[int], dict[str, tuple[int, ...]]],
     num_stage_layers: int,
     layer_spec: str,
     args: argparse.Namespace,
     local_experts: int = 0,
 ) -> dict[Path, str]:
-    """One file per (TP, PP, EP) rank, written as soon as it is complete; returns {path: sha256}.
+    """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: sha256}.
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
-    rank-local expert numbers, tensor): memory holds one rank's experts, never all of them.
+    rank-local expert numbers, tensor) in the order of stage_shapes(pp_rank), the shapes of one
+    rank's tensors: memory holds a tensor or two, never a whole rank's experts.
     """
     checksums = {}
     for pp_rank in range(layout.pp):
+        shapes = stage_shapes(pp_rank)
         for tp_rank in range(layout.tp):
             for ep_rank in range(layout.ep):
                 path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
-                model = dict(build_stage(tp_rank, pp_rank, ep_rank))
-                checksums[path] = save_rank_file(path, model, args, layer_spec, num_stage_layers, local_experts)
-                del model
+                checksums[path] = stream_rank_file(path, shapes, iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
+                                                   layer_spec, num_stage_layers, local_experts)
     return checksums
 
 
@@ -146,6 +155,18 @@ def stored_args(release: Path) -> argparse.Namespace | None:
     return None if first is None else load_trusted_types(first).get("args")
 
 
+def model_entry(state, path: Path) -> dict:
+    """The `model` state of a per-rank file. Megatron-LM's files of a virtual (interleaved) pipeline
+    hold `model0`, `model1`, ... instead, one per chunk, with non-contiguous layers per file: refused
+    (the toolkit's own interleaved runs write each chunk as a stage of a PP x VPP pipeline)."""
+    if isinstance(state, dict) and "model" not in state and "model0" in state:
+        raise ConversionError(f"{path} is a Megatron-LM virtual-pipeline file (model0, model1, ...), which is not read: "
+                              "convert it with Megatron-LM to torch_dist (layout-independent) first")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise ConversionError(f"{path} has no 'model' entry")
+    return state["model"]
+
+
 def read_stage(release: Path, layout: Layout, pp_rank: int,
                before_load: Callable[[Path], None] = lambda path: None, ep_rank: int = 0) -> list[dict[str, torch.Tensor]]:
     """Each TP rank's model state for one stage (and EP rank), memory-mapped, in canonical names.
@@ -154,13 +175,11 @@ def read_stage(release: Path, layout: Layout, pp_rank: int,
     for tp_rank in range(layout.tp):
         path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
         before_load(path)
-        state = load_trusted_types(path)
-        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-            raise ConversionError(f"{path} has no 'model' entry")
+        model = model_entry(load_trusted_types(path), path)
         out.append(
             {
                 naming.to_canonical(k): v
-                for k, v in state["model"].items()
+                for k, v in model.items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
             }
         )

@@ -56,6 +56,8 @@ def validate(setup: Setup, spec: "ModelSpec | None" = None) -> None:
         lambda: rules.hf_trainer(setup.hf_trainer, setup.tp, setup.pp),
         lambda: rules.global_batch(setup.samples_per_step, setup.micro_batch, setup.dp),
         lambda: rules.pipeline_zero(setup.pp, setup.zero),
+        lambda: rules.virtual_pipeline(setup.pp, setup.vpp, setup.micro_batches, None, setup.schedule),
+        lambda: rules.overlap(setup.zero, setup.schedule, setup.overlap_comm, setup.reduce_bucket_size),
         lambda: rules.offload(setup.zero, setup.offload_optimizer, setup.offload_param, setup.nvme_path),
         lambda: rules.megatron_schedule(setup.schedule, bool(setup.monitoring.wandb_project),
                                         setup.activation_checkpointing, setup.hf_trainer),
@@ -100,6 +102,9 @@ def _check_model_layout(setup: Setup, spec: "ModelSpec") -> None:
         Layout(setup.tp, setup.pp).check(spec)
     except ConversionError as e:  # the same facts, but here they make a bad layout
         raise ConfigError(str(e)) from None
+    problem = rules.virtual_pipeline(setup.pp, setup.vpp, num_layers=spec.num_layers)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _scheduler_problem(setup: Setup) -> str | None:
@@ -157,11 +162,13 @@ def _zero(setup: Setup, spec: "ModelSpec | None") -> dict:
         "stage": stage,
         # DeepSpeed's default is true for ZeRO-3 only; with managed_gradient_accumulation=false it
         # must be false below ZeRO-2 (engine assertion), so pin it for every stage.
-        "overlap_comm": stage >= 2,
+        "overlap_comm": stage >= 2 if setup.overlap_comm is None else setup.overlap_comm,
         "contiguous_gradients": True,
         "reduce_scatter": True,
         "reduce_bucket_size": AUTO if auto else int(REDUCE_BUCKET_PER_H2 * h2),
     }
+    if setup.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = setup.reduce_bucket_size
     if stage < 3:
         zero.update(allgather_partitions=True, allgather_bucket_size=AUTO if auto else int(REDUCE_BUCKET_PER_H2 * h2))
     else:

@@ -54,6 +54,19 @@ def pipeline_zero(pp: int, stage: int) -> str | None:
     return None
 
 
+def overlap(stage: int, schedule: str, overlap_comm: bool | None, reduce_bucket_size: int | None) -> str | None:
+    """Communication overlap and bucket size where the stage and schedule use them (None: the
+    generator's default, overlap on at ZeRO-2/3 and off at ZeRO-1)."""
+    if stage == 0 and (overlap_comm is not None or reduce_bucket_size is not None):
+        return ("overlap_comm and reduce_bucket_size are ZeRO settings: ZeRO-0 ignores them (no zero_optimization "
+                "block is written); use ZeRO-1, 2 or 3, or leave them unset")
+    if overlap_comm and stage == 1 and schedule == SCHEDULE_MEGATRON:
+        return ("overlap_comm=true with ZeRO-1 under megatron-core's schedule: DeepSpeed 0.19.8 asserts "
+                "'managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2' "
+                "(so also with PP > 1, which is ZeRO-1 only); use ZeRO-2/3 (where it is on by default) or leave it off")
+    return None
+
+
 def offload(stage: int, optimizer_device: str, param_device: str, nvme_path: str | None = None) -> str | None:
     for what, device in (("optimizer", optimizer_device), ("parameter", param_device)):
         if device not in OFFLOAD_DEVICES:
@@ -120,6 +133,26 @@ def megatron_schedule(schedule: str, wandb: bool, activation_checkpointing: bool
             "(TransformerConfig.recompute_granularity); DeepSpeed's activation_checkpointing block would be "
             "dead. Pass recompute to the recipe instead"
         )
+    return None
+
+
+def virtual_pipeline(pp: int, vpp: int, micro_batches: int | None = None, num_layers: int | None = None,
+                     schedule: str = SCHEDULE_MEGATRON) -> str | None:
+    """megatron-core's interleaved 1F1B: V model chunks per pipeline rank."""
+    if vpp == 1:
+        return None
+    if pp == 1:
+        return f"VPP {vpp} needs PP > 1: virtual stages interleave a pipeline"
+    if schedule != SCHEDULE_MEGATRON:
+        return f"VPP {vpp} is megatron-core's interleaved schedule; DeepSpeed's pipeline has none: use the megatron schedule"
+    if num_layers is not None and num_layers % (pp * vpp):
+        return (f"VPP {vpp}: the model's {num_layers} layers are not divisible by PP x VPP = {pp} x {vpp} "
+                "(each virtual stage holds layers / (PP x VPP))")
+    # schedules.py:995-1015: each chunk takes the micro-batches in groups of PP; a last, smaller
+    # group is refused, and fewer than PP micro-batches too.
+    if micro_batches is not None and (micro_batches < pp or micro_batches % pp):
+        return (f"VPP {vpp}: the interleaved schedule needs the micro-batches per step (global batch / "
+                f"(micro-batch x DP) = {micro_batches}) to be a multiple of PP = {pp}")
     return None
 
 

@@ -60,6 +60,8 @@ class Setup:
     gpus: int = bounded(integer=True, ge=1)
     tp: int = bounded(1, integer=True, ge=1)
     pp: int = bounded(1, integer=True, ge=1)
+    # virtual pipeline stages per PP rank (megatron-core's interleaved 1F1B; toolkit.train.virtual)
+    vpp: int = bounded(1, integer=True, ge=1)
     zero: int = 1
     precision: str = "bf16"
     micro_batch: int = bounded(1, integer=True, ge=1)
@@ -68,6 +70,10 @@ class Setup:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     nvme_path: str | None = None
+    # ZeRO's overlap of gradient reduction with backward; None: on at ZeRO-2/3, off at ZeRO-1
+    # (where megatron-core's schedule makes DeepSpeed assert). Buckets: None sizes them from the model.
+    overlap_comm: bool | None = None
+    reduce_bucket_size: int | None = bounded(None, integer=True, ge=1, optional=True)
     schedule: str = SCHEDULE_DEEPSPEED
     activation_checkpointing: bool = False
     # Pinned: DeepSpeed's default moved from 0.0 (off) to 1.0 in ~0.19.3 (PR #8068).

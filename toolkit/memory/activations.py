@@ -145,15 +145,18 @@ def _swiglu(spec: ModelSpec, shape: Shape, kernels: Kernels, ffn: int | None = N
 
 def _moe(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     """An MoE layer's MLP under the alltoall dispatcher, for one micro-batch. The router keeps
-    its logits, fp32 probabilities and top-k, the routing map and the permutation indices; every
-    token goes to top-k experts, so the experts see tokens x k rows (on average over EP ranks,
-    whatever EP is): the dispatched hidden states (the experts' fc1 inputs, one sorted copy),
-    the SwiGLU terms, fc2's input and the probability-weighted intermediate. A shared expert is a
-    dense MLP of its width. Measured at EP 1 in tests/test_memory_measured.py."""
+    its logits, fp32 probabilities and top-k, the routing map and the permutation indices, for the
+    tokens it routes: the rank's sequence shard under sequence parallelism. Every token goes to
+    top-k experts, so the experts see tokens x k rows (on average over EP ranks, whatever EP is;
+    under SP the dispatcher gathers the TP group's routed rows again, token_dispatcher.py:696, and
+    each rank runs its 1/TP share of every expert's width on all of them): the dispatched hidden
+    states (the experts' fc1 inputs, one sorted copy), the SwiGLU terms, fc2's input and the
+    probability-weighted intermediate. A shared expert is a dense MLP of its width. Measured at
+    EP 1 and at TP 2 with SP (EP 1 and 2) in tests/test_memory_measured.py."""
     t, k, b, f = shape.tokens, spec.moe_topk, shape.act_bytes, spec.moe_ffn_hidden_size // shape.tp
-    routed_rows = t * k
-    router = 2 * FP32 * t * spec.num_experts + FP32 * routed_rows  # fp32 logits and probabilities, top-k
-    indices = BOOL * t * spec.num_experts + INT64 * routed_rows  # routing map, permutation
+    routed_rows, here = t * k, _routed_tokens(shape)  # rows the experts see; tokens this rank's router sees
+    router = 2 * FP32 * here * spec.num_experts + FP32 * here * k  # fp32 logits and probabilities, top-k
+    indices = BOOL * here * spec.num_experts + INT64 * here * k  # routing map, permutation
     experts = b * routed_rows * (spec.hidden_size + 2 * f) + _swiglu(spec, shape, kernels, spec.moe_ffn_hidden_size) * k
     shared = 0
     if spec.moe_shared_ffn_hidden_size:
@@ -162,11 +165,17 @@ def _moe(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     return shape.act_bytes * shape.hidden_tokens(spec) + router + indices + experts + shared
 
 
+def _routed_tokens(shape: Shape) -> int:
+    """The tokens this rank's routers see: its sequence shard under sequence parallelism."""
+    return shape.tokens // (shape.tp if shape.sequence_parallel else 1)
+
+
 def dispatcher_buffers(spec: ModelSpec, shape: Shape) -> int:
     """The alltoall dispatcher's transient copies of the routed tokens, not kept for backward:
-    the permuted local tokens and the all-to-all's receive buffer (tokens x k hidden states each),
-    alive during the dispatch and again, as gradients, during its backward."""
-    return 2 * shape.act_bytes * shape.tokens * spec.moe_topk * spec.hidden_size if spec.is_moe else 0
+    the permuted local tokens and the all-to-all's receive buffer (the routed tokens x k hidden
+    states each, before the gather over TP under SP), alive during the dispatch and again, as
+    gradients, during its backward."""
+    return 2 * shape.act_bytes * _routed_tokens(shape) * spec.moe_topk * spec.hidden_size if spec.is_moe else 0
 
 
 def first_stage_bytes(shape: Shape) -> int:

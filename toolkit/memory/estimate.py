@@ -1,4 +1,5 @@
-"""Per-GPU memory of a training layout: model states (ZeRO) and activations (1F1B), stage by stage.
+"""Per-GPU memory of a training layout: model states (ZeRO) and activations (1F1B or interleaved),
+stage by stage.
 
     est = estimate(spec, setup, seq_len=4096, recompute="full")
     print("\\n".join(est.table()))
@@ -9,7 +10,7 @@ so bucket sizes and ZeRO-3 thresholds are the ones the job will run with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from toolkit.dsconfig import Setup, build
 from toolkit.errors import ConfigError
@@ -19,7 +20,7 @@ from toolkit.memory import activations as act
 from toolkit.memory.activations import GPU, Kernels, Shape
 from toolkit.memory.lora import LoraShape, activation_change, adapter_numels
 from toolkit.memory.params import stage_param_numels
-from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_states, model_states
+from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_states, fsdp_states, model_states
 from toolkit.units import size
 
 GIB = 1 << 30
@@ -60,6 +61,7 @@ class Estimate:
     stages: tuple[StageMemory, ...] = field(default_factory=tuple)
     lora: LoraShape | None = None
     ep: int = 1
+    dp_engine: str = "deepspeed"
 
     @property
     def peak(self) -> StageMemory:
@@ -96,11 +98,13 @@ class Estimate:
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
              sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None,
-             ep: int = 1) -> Estimate:
+             ep: int = 1, dp_engine: str = "deepspeed") -> Estimate:
     """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`); with
     `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora); with
-    `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep)."""
+    `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep); with
+    dp_engine="fsdp", PyTorch FSDP2 instead of DeepSpeed (setup.zero unused)."""
     check_ep(spec, setup, ep, lora)
+    check_fsdp(spec, setup, dp_engine, lora, ep)
     if recompute not in act.RECOMPUTE:
         raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
     if sequence_parallel and setup.tp == 1:
@@ -110,8 +114,34 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
     shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)
-    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep) for s in range(setup.pp))
-    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep)
+    stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
+                   for s in range(setup.pp))
+    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep, dp_engine)
+
+
+DP_ENGINES = ("deepspeed", "fsdp")
+
+
+def check_fsdp(spec: ModelSpec, setup: Setup, dp_engine: str, lora: LoraShape | None, ep: int) -> None:
+    """The layouts the recipe trains with parallel.dp_engine=fsdp (toolkit.train.config, build)."""
+    if dp_engine not in DP_ENGINES:
+        raise ConfigError(f"dp_engine must be one of {', '.join(DP_ENGINES)}, got {dp_engine!r}")
+    if dp_engine != "fsdp":
+        return
+    if setup.pp > 1:
+        raise ConfigError(f"FSDP is offered at PP = 1 only, not PP {setup.pp}")
+    if setup.precision == "fp16":
+        raise ConfigError("FSDP with fp16 is not supported; use bf16")
+    if lora is not None or ep > 1 or spec.is_moe:
+        raise ConfigError("FSDP is offered for full fine-tuning of dense models only (no LoRA, no MoE)")
+
+
+def fsdp_layer_numels(spec: ModelSpec, tp: int) -> tuple[int, int]:
+    """(elements of one transformer layer, elements outside the layers) on one TP rank."""
+    layers = spec.num_layers
+    other = replace(spec, num_layers=layers + 1)
+    one_layer = sum(stage_param_numels(other, tp, 1, 0)) - sum(stage_param_numels(spec, tp, 1, 0))
+    return one_layer, sum(stage_param_numels(spec, tp, 1, 0)) - layers * one_layer
 
 
 def check_ep(spec: ModelSpec, setup: Setup, ep: int, lora: LoraShape | None = None) -> None:
@@ -143,10 +173,46 @@ def in_flight(setup: Setup, stage: int) -> int:
     return min(setup.pp - stage, setup.micro_batches)
 
 
-def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, ep) -> StageMemory:
+def chunks_in_flight(setup: Setup, stage: int) -> list[list[int]]:
+    """Interleaved 1F1B (VPP > 1): the micro-batches held per model chunk by pipeline rank `stage`
+    after each of its forwards, in megatron-core's order (schedules.py get_pp_rank_microbatches and
+    get_schedule_table, micro-batches in groups of PP): 2 (PP - stage - 1) + (VPP - 1) PP warm-up
+    forwards, then one forward and one backward, the backwards taking the chunks in reverse."""
+    pp, vpp, m = setup.pp, setup.vpp, setup.micro_batches
+    total = m * vpp
+    warmup = min(total, 2 * (pp - stage - 1) + (vpp - 1) * pp)
+    held, history = [0] * vpp, []
+
+    def forward(k):
+        held[(k // pp) % vpp] += 1
+        history.append(list(held))
+
+    def backward(k):
+        held[vpp - 1 - (k // pp) % vpp] -= 1
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(total - warmup):
+        forward(warmup + k)
+        backward(k)
+    return history
+
+
+def _stage_activations(setup: Setup, stage: int, layers: int, layer: int, first_bytes: int, final: int) -> int:
+    """Peak activation bytes of pipeline rank `stage`: its in-flight micro-batches times what each
+    keeps (a chunk's layers; the embedding's output on the first stage, the loss's on the last)."""
+    first, last = stage == 0, stage == setup.pp - 1
+    if setup.vpp == 1:
+        return in_flight(setup, stage) * (layers * layer + first * first_bytes) + last * final
+    per_chunk = [layers // setup.vpp * layer + (first and v == 0) * first_bytes + (last and v == setup.vpp - 1) * final
+                 for v in range(setup.vpp)]
+    return max(sum(n * b for n, b in zip(held, per_chunk)) for held in chunks_in_flight(setup, stage))
+
+
+def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, ep, dp_engine) -> StageMemory:
     layers = spec.num_layers // setup.pp
     padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
-    first, last = stage == 0, stage == setup.pp - 1
+    last = stage == setup.pp - 1
     layer = act.layer_bytes(spec, shape, kernels, recompute)
     working_set = act.recompute_working_set(spec, shape, kernels, recompute)
     final = act.last_stage_bytes(spec, shape, kernels, padded_vocab)
@@ -155,11 +221,16 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
         layer += change if recompute != "full" else 0
         working_set += change if recompute == "full" else 0
         final -= shape.act_bytes * shape.hidden_tokens(spec)  # the frozen output layer keeps no input
-    per_microbatch = layers * layer + first * act.first_stage_bytes(shape)
-    activations = in_flight(setup, stage) * per_microbatch + last * final
+    activations = _stage_activations(setup, stage, layers, layer, act.first_stage_bytes(shape), final)
     temporaries = (working_set + act.attention_buffer(spec, shape, kernels) + act.dispatcher_buffers(spec, shape)
                    + last * act.logits_temporary(shape, padded_vocab))
-    return StageMemory(stage, _states(spec, setup, zero, stage, lora, ep), activations, temporaries, reserve)
+    if dp_engine == "fsdp":
+        layer_numel, root_numel = fsdp_layer_numels(spec, setup.tp)
+        states = fsdp_states(stage_param_numels(spec, setup.tp, 1, 0), (layer_numel,), root_numel,
+                             WEIGHT_BYTES[setup.precision], setup.dp)
+    else:
+        states = _states(spec, setup, zero, stage, lora, ep)
+    return StageMemory(stage, states, activations, temporaries, reserve)
 
 
 def _states(spec, setup, zero, stage, lora, ep: int = 1) -> ModelStates:

@@ -174,3 +174,18 @@ def _offloaded(states: ModelStates, device: str, size: int) -> ModelStates:
     if device == "nvme":
         return replace(states, nvme=states.nvme + size)
     return replace(states, host=states.host + size)
+
+
+def fsdp_states(numels, layer_numels, root_numels: int, weight_bytes: int, dp: int) -> ModelStates:
+    """Bytes one rank holds under PyTorch FSDP2 (parallel.dp_engine=fsdp, toolkit.train.fsdp): the
+    fp32 parameters are the master weights, sharded over DP (each tensor's rows padded to a
+    multiple of DP), with the fp32 gradient shard and Adam's two moments: 4 + 4 + 8 bytes per
+    parameter over DP, the 16 of ZeRO-3 in bf16 (2 + 2 + 12), 4 fewer in fp32 (no separate master).
+    Gathered while computing: the root module (embedding, final norm, output layer; kept from its
+    forward to its backward), the layer being computed and the one prefetched, in the compute
+    dtype `weight_bytes`, plus one layer's fp32 gradient for the reduce-scatter."""
+    part = sum(-(-n // dp) for n in numels)
+    layer = max(layer_numels, default=0)
+    gathered = weight_bytes * (root_numels + 2 * layer) + FP32_BYTES * layer
+    return ModelStates(params=FP32_BYTES * part, grads=FP32_BYTES * part, optimizer=ADAM_STATE_BYTES * part,
+                       buffers=gathered)

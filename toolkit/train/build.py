@@ -13,6 +13,7 @@ from toolkit.layouts import Layout
 from toolkit.model import running_layer_spec
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
+from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
@@ -66,9 +67,21 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
     dp = data_parallel_size(cfg, world_size)
+    virtual.check_virtual_layout(meta.model_spec.num_layers, pp, cfg.parallel.vpp, cfg.global_batch // (cfg.micro_batch * dp),
+                                 meta.model_spec.is_moe)
+    if meta.model_spec.is_moe and cfg.parallel.dp_engine == "fsdp":
+        raise ConfigError(f"parallel.dp_engine=fsdp with a Mixture-of-Experts model ({meta.model_spec.family}) is not "
+                          "supported: the experts' expert-data-parallel group is wired for DeepSpeed only")
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
+        recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
+
+
+def master_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype the model is built in: under FSDP the fp32 masters (FSDP casts to bf16 for compute),
+    under DeepSpeed the compute dtype (DeepSpeed keeps its own fp32 masters)."""
+    return torch.float32 if cfg.parallel.dp_engine == "fsdp" else DTYPES[cfg.precision]
 
 
 def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
@@ -86,6 +99,14 @@ def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
     if ep > 1 and cfg.parallel.zero_stage == 3:
         raise ConfigError(f"parallel.ep={ep} with zero_stage=3: DeepSpeed's ZeRO-3 does not partition expert "
                           "parameters over the expert-data-parallel group; use zero_stage=1 or 2")
+
+
+def recipe_aux_loss(cfg: TrainConfig, spec):
+    """The router's load-balancing loss the recipe trains with: moe.aux_loss's formula, with the HF
+    config's router_aux_loss_coef (toolkit/moe_aux.py)."""
+    from toolkit.moe_aux import AuxLoss
+
+    return AuxLoss(cfg.moe.aux_loss, spec.moe_aux_loss_coeff)
 
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
@@ -116,15 +137,26 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     from toolkit.model import build_gpt_model, transformer_config
 
     layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
-    recompute = {}
+    settings = {}  # TransformerConfig settings the recipe chooses
     if cfg.parallel.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif cfg.parallel.recompute == "selective":
-        recompute = dict(recompute_granularity="selective")
-    dtype = DTYPES[cfg.precision]
-    config = transformer_config(meta.model_spec, layout, dtype, sequence_parallel=cfg.parallel.sequence_parallel, **recompute)
-    model = build_gpt_model(meta.model_spec, layout, dtype, config=config)
-    load_converted(model, cfg.model.checkpoint)
+        settings = dict(recompute_granularity="selective")
+    settings.update(virtual.schedule_settings(cfg.parallel.pp, cfg.parallel.vpp))
+    if cfg.parallel.overlap_p2p_comm:  # the interleaved schedule only (config refuses it otherwise)
+        settings.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    dtype = master_dtype(cfg)
+    spec, aux_loss = meta.model_spec, None
+    if spec.is_moe:
+        aux_loss = recipe_aux_loss(cfg, spec)
+        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
+    config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel, **settings)
+    if cfg.parallel.vpp == 1:
+        model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
+    else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
+        model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, vp_stage=v)
+                                      for v in range(cfg.parallel.vpp))
+    load_converted(virtual.chunks(model), cfg.model.checkpoint)
     return model, layout
 
 
@@ -141,6 +173,7 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
+        vpp=cfg.parallel.vpp,
         zero=cfg.parallel.zero_stage,
         precision=cfg.precision,
         micro_batch=cfg.micro_batch,
@@ -151,6 +184,8 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                     torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
         scheduler=None,
+        overlap_comm=cfg.parallel.overlap_comm,
+        reduce_bucket_size=cfg.parallel.reduce_bucket_size,
     )
     config = build(setup, meta.model_spec)
     if cfg.precision == "fp16":

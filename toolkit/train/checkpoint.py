@@ -5,6 +5,8 @@
       step_0000010/
         ds/                       DeepSpeed's save_checkpoint: its model-states file (module, engine
                                   counters, LR scheduler); its ZeRO optimizer files only with LoRA
+        fsdp/                     instead, under parallel.dp_engine=fsdp: torch.distributed.checkpoint of the
+                                  sharded model and AdamW (tp_XX/ per TP rank) and the LR scheduler
         adapter/                  with LoRA instead of model/: the adapter as an HF PEFT directory,
                                   with the base checkpoint's path and checksum (toolkit_base.json)
         model/                    fp32 master weights in our per-rank `torch` format + conversion
@@ -46,9 +48,12 @@ from toolkit.errors import ToolkitError
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
+from toolkit.train.fsdp import FsdpEngine
 from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
+# Layout keys that checkpoints of earlier versions (or of runs without the feature) lack.
+LAYOUT_DEFAULTS = {"vpp": 1}
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
@@ -98,26 +103,31 @@ def _master_weights(module) -> dict[torch.nn.Parameter, torch.Tensor]:
 def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointMeta, source_dir: Path) -> None:
     """Our per-rank torch format with the fp32 master weights, so export needs only this checkpoint.
     With expert parallelism each EP rank writes its own experts (expert-DP rank 0 of each): DeepSpeed's
-    model-states file, from DP rank 0 alone, holds only that rank's."""
+    model-states file, from DP rank 0 alone, holds only that rank's. With virtual stages each chunk
+    is written as its stage of a PP x VPP pipeline (toolkit.train.virtual)."""
     from megatron.core import parallel_state as ps
 
-    weights = {naming.to_canonical(name): masters[param] for name, param in module.named_parameters()}
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    ep = ps.get_expert_model_parallel_world_size()
+    from toolkit.train.virtual import stages
+
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    written = stages(module)
+    pp = written[0][0]
     meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep})
-    digest = None
+    digests = []
     if ps.get_expert_data_parallel_rank() == 0:  # one writer per (TP, PP, EP) rank
-        path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
-                                      ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank())
         args = megatron_args(meta.model_spec, meta.layout, "torch")
         layers = meta.model_spec.num_layers // pp
         local_experts = meta.model_spec.num_experts // ep
-        digest = (str(path.relative_to(step_dir / "model")),
-                  torch_format.save_rank_file(path, weights, args, "local", layers, local_experts))
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+        for _, stage, chunk in written:
+            weights = {naming.to_canonical(name): masters[param] for name, param in chunk.named_parameters()}
+            path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
+                                          stage, ps.get_expert_model_parallel_rank())
+            digests.append((str(path.relative_to(step_dir / "model")),
+                            torch_format.save_rank_file(path, weights, args, "local", layers, local_experts)))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
     if dist.get_rank() == 0:
-        meta.checksums = dict(d for d in digests if d)
+        meta.checksums = dict(d for rank_digests in gathered for d in rank_digests)
         meta.write(step_dir / "model")
         (step_dir / "model" / TRACKER).write_text(RELEASE)
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
@@ -140,17 +150,19 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
     dist.barrier()
     lora = adapter is not None
     _save_deepspeed(engine, tmp, optimizer_files=lora, exclude_frozen=lora)
+    fsdp = isinstance(engine, FsdpEngine)
     if adapter is None:
-        masters = _master_weights(module)  # every rank takes part in the DP collectives
+        masters = engine.master_weights() if fsdp else _master_weights(module)  # every rank takes part in the DP collectives
         _write_model(tmp, module, masters, source_meta, Path(source_dir))
     else:
         from toolkit.lora.adapter import save_adapter
 
         save_adapter(adapter, tmp / ADAPTER_EXPORT)
     torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
-    if adapter is None:
+    if shards is not None:  # not for an adapter, nor under FSDP (which resumes on its own layout)
         elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
-    resumable = {"consumed_samples": source.state_dict()["consumed"], "adam_step": elastic.adam_step(engine),
+    resumable = {"consumed_samples": source.state_dict()["consumed"],
+                 "adam_step": engine.adam_step() if fsdp else elastic.adam_step(engine),
                  "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups], **engine_state.read(engine)}
     if dist.get_rank() == 0:
         (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
@@ -256,12 +268,15 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
     _check_same_kind(path, lora, base_checkpoint)
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
         _check_same_model(path, meta)
-    same_layout = {k: state.get(k) for k in layout} == layout
+    saved = {k: state.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
+    same_layout = saved == layout
     if not same_layout:
-        saved = {k: state.get(k) for k in layout}
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
                                   f"layout only, not on {layout}")
+        if "fsdp" in (state.get("dp_engine"), layout.get("dp_engine")):  # saved's keys are the requested layout's
+            raise CheckpointError(f"{path} was written with {saved}: a checkpoint resumes across the DeepSpeed and "
+                                  f"FSDP engines, or on another FSDP layout, not at all yet; resume on {saved}")
         if "consumed_samples" not in state:
             raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
                                   f"state: resume it on that layout, not on {layout}")

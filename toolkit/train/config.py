@@ -40,6 +40,30 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
     ep: PositiveInt = 1
+    # virtual pipeline stages (interleaved 1F1B): model chunks per pipeline rank (toolkit/train/virtual.py)
+    vpp: PositiveInt = 1
+    # data parallelism: DeepSpeed ZeRO (zero_stage), or PyTorch FSDP2 (fully_shard; PP = 1, zero_stage unused)
+    dp_engine: Literal["deepspeed", "fsdp"] = "deepspeed"
+    # Communication overlap. ZeRO's gradient reduction with backward: None = on at ZeRO-2/3, off at
+    # ZeRO-1 (DeepSpeed asserts there under megatron-core's schedule); its bucket (elements, None: from the model).
+    overlap_comm: bool | None = None
+    reduce_bucket_size: PositiveInt | None = None
+    # megatron-core's p2p overlap of the interleaved schedule (parallel.vpp > 1; batched p2p off)
+    overlap_p2p_comm: bool = False
+    # megatron-core's TP communication overlap: Transformer Engine only, refused (see _validate_overlap)
+    tp_comm_overlap: bool = False
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-Experts settings (ignored for a dense model)."""
+
+    # megatron-core's moe_token_dispatcher_type: all-to-all over EP (the GPU default), or every
+    # rank all-gathers the TP x EP group's tokens and keeps those routed to its experts
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # the router's load-balancing loss (toolkit/moe_aux.py), with the HF config's router_aux_loss_coef:
+    # megatron-core's (per layer, summed) or HF's load_balancing_loss_func (layers pooled; PP 1 only)
+    aux_loss: Literal["megatron", "hf"] = "megatron"
 
 
 @dataclass
@@ -102,6 +126,7 @@ class LossScaleConfig:
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -293,6 +318,9 @@ def validate(cfg: TrainConfig) -> None:
             "megatron-core's schedule (and reports no gradient norm); ZeRO-1 costs nothing extra at DP=1"
         )
     _validate_sequence_parallel(cfg)
+    _validate_virtual_pipeline(cfg)
+    _validate_fsdp(cfg)
+    _validate_overlap(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above optim.lr {cfg.optim.lr:g}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
@@ -307,6 +335,18 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("data.train_file is required")
 
 
+def _validate_virtual_pipeline(cfg: TrainConfig) -> None:
+    """Combinations not offered with interleaving (its layout rules: toolkit.train.virtual.check_virtual_layout)."""
+    vpp = cfg.parallel.vpp
+    if vpp == 1:
+        return
+    # not proven against the reference with virtual stages yet: refused rather than trusted
+    for enabled, what in ((cfg.peft.enabled, "peft.enabled (LoRA)"), (cfg.precision == "fp16", "precision=fp16"),
+                          (cfg.parallel.ep > 1, "parallel.ep > 1")):
+        if enabled:
+            raise ConfigError(f"parallel.vpp={vpp} with {what} is not supported yet; use parallel.vpp=1")
+
+
 def _validate_sequence_parallel(cfg: TrainConfig) -> None:
     if not cfg.parallel.sequence_parallel:
         return
@@ -319,3 +359,38 @@ def _validate_sequence_parallel(cfg: TrainConfig) -> None:
     if cfg.peft.enabled:
         raise ConfigError("peft.enabled with parallel.sequence_parallel is not supported: the LoRA linears "
                           "do not gather the sequence-parallel input")
+
+
+def _validate_fsdp(cfg: TrainConfig) -> None:
+    if cfg.parallel.dp_engine != "fsdp":
+        return
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"parallel.dp_engine=fsdp with parallel.pp={cfg.parallel.pp}: FSDP is offered at PP = 1 only "
+                          "(it would gather every stage's layers per micro-batch); use the DeepSpeed engine with PP")
+    if cfg.parallel.overlap_comm is not None or cfg.parallel.reduce_bucket_size is not None:
+        raise ConfigError("parallel.overlap_comm / reduce_bucket_size are DeepSpeed ZeRO settings, which "
+                          "parallel.dp_engine=fsdp ignores (FSDP2 overlaps its all-gathers and reduce-scatters itself)")
+    if cfg.precision == "fp16":
+        raise ConfigError("parallel.dp_engine=fsdp with precision=fp16 is not supported (no loss scaler is wired "
+                          "for FSDP); use bf16, or the DeepSpeed engine for fp16")
+    if cfg.peft.enabled:
+        raise ConfigError("parallel.dp_engine=fsdp with peft.enabled is not supported: the LoRA adapter is "
+                          "trained under DeepSpeed only")
+
+
+def _validate_overlap(cfg: TrainConfig) -> None:
+    from toolkit.dsconfig import rules
+    from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
+
+    p = cfg.parallel
+    if p.dp_engine == "deepspeed":
+        problem = rules.overlap(p.zero_stage, SCHEDULE_MEGATRON, p.overlap_comm, p.reduce_bucket_size)
+        if problem:
+            raise ConfigError(f"parallel.{problem}")
+    if p.overlap_p2p_comm and p.vpp <= 1:
+        raise ConfigError("parallel.overlap_p2p_comm=true needs the interleaved schedule (parallel.vpp > 1): "
+                          "plain 1F1B ignores it")
+    if p.tp_comm_overlap:
+        raise ConfigError("parallel.tp_comm_overlap=true is not supported: megatron-core overlaps TP communication "
+                          "only inside Transformer Engine's layers (userbuffers, te.initialize_ub, with sequence "
+                          "parallelism), which this trainer does not set up and the local (CPU) spec lacks")

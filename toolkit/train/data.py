@@ -167,6 +167,19 @@ def collate(rows: list[Row], packed: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Token counts of one whole global batch (all DP ranks' rows)."""
+
+    loss_tokens: int  # targets that count in the loss (the normaliser)
+    real_tokens: int  # non-padding input tokens (throughput)
+
+    @classmethod
+    def of(cls, rows: list[Row]) -> "GlobalCounts":
+        # As collate: inputs are tokens[:-1], targets tokens[1:].
+        return cls(sum(sum(r.loss_mask[1:]) for r in rows), sum(sum(d >= 0 for d in r.doc_ids[:-1]) for r in rows))
+
+
 class BatchSource:
     """Deterministic order over rows; each DP rank reads its own slice of every global batch.
 
@@ -180,6 +193,7 @@ class BatchSource:
         self.rows, self.global_batch, self.micro_batch = rows, global_batch, micro_batch
         self.dp, self.dp_rank, self.seed, self.shuffle, self.packed = dp, dp_rank, seed, shuffle, packed
         self.consumed = 0
+        self.last_counts = GlobalCounts(0, 0)
         self._orders: dict[int, list[int]] = {}
 
     @property
@@ -203,9 +217,11 @@ class BatchSource:
         return out
 
     def next_global_batch(self) -> list[dict[str, torch.Tensor]]:
-        """This DP rank's micro-batches of the next global batch."""
+        """This DP rank's micro-batches of the next global batch. Every rank knows the whole global
+        batch, so its token counts (`last_counts`, the loss normaliser) need no collective."""
         rows = self._global_rows(self.consumed)
         self.consumed += self.global_batch
+        self.last_counts = GlobalCounts.of(rows)
         per_rank = self.global_batch // self.dp
         mine = rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         return [collate(mine[i : i + self.micro_batch], self.packed) for i in range(0, per_rank, self.micro_batch)]

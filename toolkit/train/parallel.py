@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.train.config import TrainConfig
+from toolkit.train.virtual import chunks
 
 
 class MegatronCoreMPU:
@@ -49,26 +50,28 @@ def mark_tied_output_replica(model, tied: bool) -> None:
     how DeepSpeed's own PipelineModule marks tied copies)."""
     from megatron.core import parallel_state as ps
 
-    if tied and not ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage():
-        model.output_layer.weight.ds_pipe_replicated = True
+    if not tied or ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    for chunk in chunks(model):
+        if chunk.post_process and not chunk.pre_process:
+            chunk.output_layer.weight.ds_pipe_replicated = True
 
 
 def allreduce_tied_embedding_grads(model, tied: bool) -> None:
     """megatron's finalize_model_grads sums the grads of the two tied copies over the embedding
-    group; DeepSpeed never does, and without it the copies silently drift apart."""
+    group; DeepSpeed never does, and without it the copies silently drift apart. The copies are
+    on the chunk holding the embedding (first stage) and the one holding the output layer (last)."""
     from megatron.core import parallel_state as ps
 
-    if not tied or ps.get_pipeline_model_parallel_world_size() == 1 or not model.shared_embedding_or_output_weight().requires_grad:
+    if not tied or ps.get_pipeline_model_parallel_world_size() == 1:
         return
-    if ps.is_pipeline_first_stage():
-        weight = model.embedding.word_embeddings.weight
-    elif ps.is_pipeline_last_stage():
-        weight = model.output_layer.weight
-    else:
-        return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+    for chunk in chunks(model):
+        weight = chunk.shared_embedding_or_output_weight()  # the embedding, the output layer, or None
+        if weight is None or not weight.requires_grad:
+            continue
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
 def partial_over_tp(config, name: str, param) -> bool:

@@ -1,13 +1,11 @@
 """Stop cleanly when the cluster asks: a signal sets a flag, all ranks agree on it every step
-(the signal reaches ranks at different moments), then every rank saves and exits with
+(the signal reaches ranks at different moments; the flag rides on the step's loss all-reduce,
+toolkit.train.step.reduce_step_totals), then every rank saves and exits with
 PREEMPTED_EXIT_CODE after the same step, so the batch script knows to requeue."""
 
 from __future__ import annotations
 
 import signal
-
-import torch
-import torch.distributed as dist
 
 # Distinct from failures (1), usage errors (2) and signal deaths (128+N).
 PREEMPTED_EXIT_CODE = 99
@@ -24,9 +22,3 @@ class PreemptionFlag:
     def _handler(self, signum, frame) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-
-    def agreed(self, device) -> bool:
-        """Collective: True on every rank if any rank has been signalled."""
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())

@@ -7,10 +7,8 @@ offline (one process, no process group), as a run directory that `resume=auto` c
                           by file (torch_dist global tensors: already readable at any layout)
       model/              the fp32 weights in our per-rank format at the new TP x PP, one rank file
                           at a time, read one row at a time (what `toolkit convert megatron-to-hf` and
-                          `ckpt inspect` read); each tensor, once built, is moved into a memory-mapped
-                          scratch file, so the rank file being assembled lies in the page cache, which
-                          the kernel writes back and evicts, not in the process's own memory: that
-                          holds one row's tensors (a fused QKV or [gate; up] merged) at a time
+                          `ckpt inspect` read), each rank file written tensor by tensor: memory holds
+                          one row's tensors (a fused QKV or [gate; up] merged) at a time
       train_state.json    the step, LR schedule, data position and global batch, with the new TP and PP
 
 DeepSpeed's files (ds/) and the per-rank RNG states (ranks/) belong to the old layout and are left
@@ -22,17 +20,13 @@ OUT is built under a temporary name and renamed into place only when complete (t
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
-
-import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import torch_format
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
-from toolkit.convert.stages import stage_tensors
+from toolkit.convert.stages import stage_megatron_shapes, stage_tensors
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args
@@ -56,7 +50,7 @@ def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bo
     with atomic_directory(out, overwrite=overwrite) as tmp:
         target = tmp / checkpoint.CHECKPOINTS / step_dir.name
         _copy_files(step_dir / elastic.STATE_DIR, target / elastic.STATE_DIR)
-        _write_model(step_dir / "model", target / "model", meta, layout, scratch=tmp)
+        _write_model(step_dir / "model", target / "model", meta, layout)
         resharded = {**state, "tp": tp, "pp": pp, "dp": None, "zero_stage": None,
                      **({"ep": layout.ep} if meta.model_spec.is_moe else {})}
         (target / "train_state.json").write_text(json.dumps(resharded, indent=2))
@@ -107,19 +101,7 @@ class RowSource:
         return (tensor if cols is None else tensor[:, cols]).clone()
 
 
-def spill(tensor: torch.Tensor, scratch: Path) -> torch.Tensor:
-    """`tensor`'s copy in a memory-mapped file of its own (file-backed pages, not the process's
-    memory); the file is unlinked at once and lives as long as the mapping."""
-    handle, name = tempfile.mkstemp(dir=scratch, suffix=".spill")
-    os.close(handle)
-    try:
-        mapped = torch.from_file(name, shared=True, size=tensor.numel(), dtype=tensor.dtype)
-    finally:
-        os.unlink(name)
-    return mapped.view(tensor.shape).copy_(tensor)
-
-
-def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout, scratch: Path) -> None:
+def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout) -> None:
     """Each rank file of the new layout from the stored shards, written as soon as it is complete."""
     spec = meta.model_spec
     args = megatron_args(spec, layout, "torch")
@@ -128,10 +110,12 @@ def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layou
     rows = RowSource(stored)
 
     def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
-        for name, tensor in stage_tensors(rows, stored.family, stored.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank):
-            yield name, spill(tensor, scratch)
+        return stage_tensors(rows, stored.family, stored.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
 
-    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, layers, LAYER_SPEC, args,
+    def stage_shapes(pp_rank: int):
+        return stage_megatron_shapes(stored.family, stored.spec, layout, pp_rank)
+
+    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, stage_shapes, layers, LAYER_SPEC, args,
                                          len(layout.local_experts(spec, 0)))
     new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
                             "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from toolkit.train import loss as loss_lib
+from toolkit.train.virtual import VirtualStages
 
 
 @dataclass
@@ -25,26 +28,31 @@ class StepContext:
     sequence_parallel: bool = False
 
 
-def count_global_tokens(batches: list[dict], device) -> tuple[int, int]:
-    """(loss tokens, non-padding tokens) of the whole global batch: this rank's micro-batches,
-    summed over DP in one all-reduce, on the compute device (NCCL refuses host tensors)."""
+def reduce_step_totals(loss_sum: torch.Tensor | None, stop_requested: bool, device) -> tuple[float, bool]:
+    """The step's one collective of our own: (sum of the global batch's token losses, whether any
+    rank was asked to stop), summed over all ranks at once. Only the last pipeline stage's first TP
+    rank holds a loss sum (TP ranks hold the same one); the other ranks add zero. On the compute
+    device (NCCL refuses host tensors); one host sync, here, per step."""
     from megatron.core import parallel_state as ps
 
-    local = torch.tensor([sum(float(b["loss_mask"].sum()) for b in batches), sum(int(b["real_tokens"]) for b in batches)],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(local, group=ps.get_data_parallel_group())
-    loss_tokens, real_tokens = local.tolist()
-    return int(loss_tokens), int(real_tokens)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if loss_sum is not None and ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        totals[0] = loss_sum
+    totals[1] = float(stop_requested)
+    dist.all_reduce(totals)
+    loss_total, stops = totals.tolist()
+    return loss_total, stops > 0
 
 
 def _forward_step_func(model_call, ctx: StepContext, device):
+    """`model_call(chunk)`: what runs the forward of the model chunk the schedule hands over."""
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device)
         positions = torch.arange(tokens.shape[1], device=device)[None].expand(tokens.shape[0], -1)
         mask = batch.get("attention_mask")
         extra = {"padding_mask": routing_padding_mask(batch["padding"].to(device), ctx)} if ctx.moe else {}
-        logits = model_call(tokens, positions, None if mask is None else mask.to(device), **extra)
+        logits = model_call(model)(tokens, positions, None if mask is None else mask.to(device), **extra)
 
         def loss_func(output):
             losses = loss_lib.token_losses(output, batch["labels"].to(device), ctx.vocab_mask)
@@ -68,47 +76,53 @@ def routing_padding_mask(padding: torch.Tensor, ctx: StepContext) -> torch.Tenso
     return padding
 
 
-def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool) -> float:
-    """Run the micro-batches; returns the global-batch mean loss (valid on every rank)."""
-    from megatron.core import parallel_state as ps
+def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool,
+                 stop_requested: Callable[[], bool] = lambda: False) -> tuple[float, bool]:
+    """Run the micro-batches; returns (the global-batch mean loss, whether any rank was asked to
+    stop: `stop_requested()` is read after the last backward), the same on every rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(module.parameters()).device
+    if isinstance(module, VirtualStages):  # interleaved: every chunk reads the micro-batches in order
+        model, data = list(module), [iter(batches) for _ in module]
+        call = lambda chunk: functools.partial(model_call, stage=module.index(chunk))  # noqa: E731
+    else:
+        model, data, call = module, iter(batches), lambda chunk: model_call
     outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step_func(model_call, ctx, device),
-        data_iterator=iter(batches),
-        model=module,
+        forward_step_func=_forward_step_func(call, ctx, device),
+        data_iterator=data,
+        model=model,
         num_microbatches=len(batches),
         seq_length=ctx.seq_len,
         micro_batch_size=ctx.micro_batch,
         forward_only=forward_only,
     )
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    if ps.is_pipeline_last_stage():
-        total += sum(float(o["loss_sum"]) for o in outputs)
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-    dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())  # only the last stage is non-zero
-    return float(total) / max(ctx.global_tokens, 1)
+    # Tensors summed without a host sync per micro-batch; outputs is empty off the last stage.
+    loss_sum = torch.stack([o["loss_sum"].double() for o in outputs]).sum() if outputs else None
+    loss_total, stop = reduce_step_totals(loss_sum, stop_requested(), device)
+    return loss_total / max(ctx.global_tokens, 1), stop
 
 
-def train_step(engine, module, batches, ctx: StepContext, tied: bool) -> tuple[float, float | None]:
+def train_step(engine, module, batches, ctx: StepContext, tied: bool,
+               stop_requested: Callable[[], bool] = lambda: False) -> tuple[float, float | None, bool]:
     """Forward/backward every micro-batch, finish the gradients DeepSpeed doesn't know about, step.
 
-    Returns (loss, gradient norm before clipping)."""
+    Returns (loss, gradient norm before clipping, whether any rank was asked to stop: the
+    preemption flag rides on the loss's all-reduce)."""
     from toolkit.train.parallel import allreduce_tied_embedding_grads
 
     # engine(...) registers DeepSpeed's backward hooks; the schedule calls backward itself.
-    loss = run_schedule(engine, module, batches, ctx, forward_only=False)
+    loss, stop = run_schedule(engine, module, batches, ctx, forward_only=False, stop_requested=stop_requested)
     allreduce_tied_embedding_grads(module, tied)
     engine.step()
     norm = engine.get_global_grad_norm()
-    return loss, None if norm is None else float(norm)
+    return loss, None if norm is None else float(norm), stop
 
 
 def eval_loss(module, batches, ctx: StepContext) -> float:
     module.eval()
     with torch.no_grad():
-        loss = run_schedule(module, module, batches, ctx, forward_only=True)
+        loss, _ = run_schedule(module, module, batches, ctx, forward_only=True)
     module.train()
     return loss
 
@@ -119,7 +133,7 @@ def evaluate(module, source, make_context) -> float:
     total = tokens = 0.0
     for _ in range(max(1, len(source.rows) // source.global_batch)):
         batches = source.next_global_batch()
-        ctx = make_context(batches)
+        ctx = make_context(batches, source.last_counts)
         total += eval_loss(module, batches, ctx) * ctx.global_tokens
         tokens += ctx.global_tokens
     return total / max(tokens, 1.0)
