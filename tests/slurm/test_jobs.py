@@ -4,6 +4,7 @@ launch chain itself with hostile values."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -274,7 +275,10 @@ def test_requeued_job_comes_back_on_one_node_and_resumes_at_that_layout_into_one
     assert f"toolkit: job {job_id} start 1 on n1 (1 x 2)" in log
     resumed = int(re.findall(r"resuming at step (\d+)", log)[-1])  # the SIGTERM save, or the last periodic one
     assert 3 <= resumed < STEPS
-    assert "'dp': 2" in log and "'tp': 2, 'pp': 1, 'dp': 1, 'zero_stage': 1, 'world_size': 2, 'num_microbatches': 8" in log
+    layouts = [ast.literal_eval(found) for found in re.findall(r"resolved layout (\{.*?\});", log)]
+    assert layouts[0]["dp"] == 2 and layouts[0]["world_size"] == 4, layouts
+    last = {k: layouts[-1][k] for k in ("tp", "pp", "dp", "zero_stage", "world_size", "num_microbatches")}
+    assert last == {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1, "world_size": 2, "num_microbatches": 8}, layouts
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), "every step logged exactly once"
 
