@@ -277,10 +277,8 @@ def test_expert_grads_reduced_over_all_of_dp_break_parity(moe, tmp_path):
     group: their gradients are then averaged with another EP rank's experts (and ZeRO partitions them
     over ranks holding different experts). Losses and gradient norms leave the reference, and so does
     every expert in the expert-by-expert comparison."""
-    from toolkit.train.experts import EXPERTS_OVER_DP_ENV
-
     cfg, metrics = run(moe, tmp_path, 2, {"zero_stage": 1, "ep": 2}, f"steps={GUARD_STEPS}", "export_hf=true",
-                       env={EXPERTS_OVER_DP_ENV: "1"}, script=Path(__file__).parent / "recipe_without_train_state.py")
+                       script=Path(__file__).parent / "recipe_experts_over_all_dp.py")
     reference = moe[3](cfg)
     loss, norm = differences(metrics, reference)
     print(f"experts reduced over all of DP: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")

@@ -21,12 +21,8 @@ of every EP rank itself.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch.distributed as dist
-
-# Guard tests only: hand DeepSpeed all of DP as the experts' data-parallel group (the wrong group).
-EXPERTS_OVER_DP_ENV = "TOOLKIT_TEST_EXPERTS_OVER_DP"
 
 
 def is_expert(param) -> bool:
@@ -50,10 +46,9 @@ def register_expert_groups(model, ep: int) -> str | None:
     for param in model.parameters():
         if is_expert(param):
             param.group_name = name
-    expert_dp = ps.get_data_parallel_group() if os.environ.get(EXPERTS_OVER_DP_ENV) else ps.get_expert_data_parallel_group()
     for registry, ranks, group in (
             (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ps.get_expert_model_parallel_group()),
-            (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, expert_dp)):
+            (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, ps.get_expert_data_parallel_group())):
         registry[name] = group
         ranks[name] = dist.get_process_group_ranks(group)
     return name
