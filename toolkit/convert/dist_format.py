@@ -13,8 +13,12 @@ writes (checked against it in the tests):
   * `_extra_state` entries are byte objects keyed `<name>/shard_<layer>_<num_layers>`;
   * tied output layers are not stored (the last stage loads them from the embedding).
 
-Writing goes through DCP's own FileSystemWriter with a planner that produces each chunk only
-when the writer asks for it, so memory holds about one tensor at a time.
+Writing goes through DCP's own FileSystemWriter, under `torch.serialization.skip_data`: DCP lays
+out each `.distcp` file (every tensor's zip record, the metadata, the offsets) from placeholder
+tensors that are never touched, leaving each record's bytes reserved. The records are then filled
+in file order, each from its source byte ranges (copied in the kernel) or from the chunk built in
+memory, while a second thread hashes the file behind them (toolkit.convert.torch_stream), so
+memory holds about one tensor at a time.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from toolkit.convert import naming
-from toolkit.convert.torch_stream import HashingWriter, without_zip_crc32
+from toolkit.convert.torch_stream import fill_records, without_zip_crc32
 
 MCORE_METADATA = {
     "sharded_backend": "torch_dist",
@@ -69,6 +73,7 @@ class Chunk:
     shape: tuple[int, ...]
     dtype: torch.dtype
     load: Callable[[], torch.Tensor]
+    ranges: Callable[[], list | None] = lambda: None  # its bytes in the source files, where known
 
 
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
@@ -100,6 +105,7 @@ class _LazySavePlanner(SavePlanner):
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         self._objects = objects
         self._on_item = on_item
+        self.laid_out: list[Chunk] = []  # chunks in the order DCP wrote their records
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True) -> None:
         pass
@@ -133,12 +139,18 @@ class _LazySavePlanner(SavePlanner):
             buffer.seek(0)
             return buffer
         chunk = self._chunks[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
-        tensor = chunk.load().contiguous()
-        expected = chunk.shape
-        if tuple(tensor.shape) != expected:  # a stacked chunk is [1, ...]
-            tensor = tensor.reshape(expected)
+        self.laid_out.append(chunk)  # DCP torch.saves it next, leaving its record to fill
         self._on_item()
-        return tensor
+        return torch.empty(chunk.shape, dtype=chunk.dtype)  # never touched: takes no memory
+
+
+def _chunk_bytes(chunk: Chunk):
+    """The chunk's bytes to place: its source byte ranges, or the chunk built in memory."""
+    ranges = chunk.ranges()
+    if ranges is not None:
+        return ranges
+    tensor = chunk.load().contiguous()
+    return tensor.reshape(chunk.shape) if tuple(tensor.shape) != chunk.shape else tensor  # a stacked chunk is [1, ...]
 
 
 def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False) -> dict[str, object]:
@@ -160,39 +172,81 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     return objects
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, hashing each data file as DCP writes it (in order, once), so the
-    checksums need no second read of the largest files."""
+class _ReservedRecords:
+    """A DCP output stream that notes each record torch.save reserves under skip_data (a seek
+    over the record's bytes) as (offset, size). DCP closes the stream it hands torch.save after
+    each item, so close only flushes (the file system closes the file)."""
 
-    def __init__(self):
+    def __init__(self, stream):
+        self.stream, self.records = stream, []
+
+    def close(self) -> None:
+        self.stream.flush()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_CUR:
+            raise RuntimeError("DCP's stream moved other than over a reserved record")
+        self.records.append((self.stream.tell(), offset))
+        return self.stream.seek(offset, whence)
+
+    def __getattr__(self, name):  # write, tell, flush, ... of the wrapped stream
+        return getattr(self.stream, name)
+
+
+class _PlainTransforms:
+    """DCP's stream transforms without extensions, handing torch.save our stream itself: DCP's
+    default wraps it in an io.IOBase whose seek fails, which skip_data needs. No extension is
+    recorded, as with DCP's default (the metadata is the same)."""
+
+    def transform_save_stream(self, write_item, raw_stream):
+        return raw_stream, []
+
+
+class _FillingFileSystem(FileSystem):
+    """DCP's local file system that, as each data file is closed, fills its reserved records
+    with the chunks the planner laid out, in order, and hashes the file (RecordFiller)."""
+
+    def __init__(self, planner: _LazySavePlanner):
         super().__init__()
+        self.planner = planner
         self.digests: dict[Path, str] = {}
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as stream:
-            if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
+        if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
+            with super().create_stream(path, mode) as stream:
                 yield stream
-                return
-            hashing = HashingWriter(stream)
-            yield hashing
-        self.digests[Path(path).resolve()] = hashing.digest.hexdigest()
+            return
+        first = len(self.planner.laid_out)
+        with super().create_stream(path, mode) as stream:
+            recorder = _ReservedRecords(stream)
+            yield recorder
+        chunks = self.planner.laid_out[first:]
+        if len(chunks) != len(recorder.records):
+            raise RuntimeError(f"{path}: {len(recorder.records)} records reserved for {len(chunks)} chunks")
+        records = ((offset, size, _chunk_bytes(c)) for (offset, size), c in zip(recorder.records, chunks))
+        self.digests[Path(path).resolve()] = fill_records(Path(path), records)
 
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
           on_item=lambda: None) -> dict[Path, str]:
-    """Write the checkpoint; returns the sha256 of the data files, hashed as they were written."""
+    """Write the checkpoint; returns the sha256 of the data files, hashed as they were filled."""
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1, sync_files=False)
-    # The writer's file system is an attribute of DCP's FileSystemWriter (torch 2.13); if a release
-    # renames it, nothing is hashed here and the caller reads the files back (checksum_tree).
-    writer.fs = hashing = _HashingFileSystem()
-    with without_zip_crc32():  # DCP torch.saves each tensor into the data file
+    # The writer's file system and stream transforms are attributes of DCP's FileSystemWriter
+    # (torch 2.13); a release that renamed them would leave the records unfilled (or fail on the
+    # seek), which the check below refuses.
+    writer.fs = filling = _FillingFileSystem(planner)
+    writer.transforms = _PlainTransforms()
+    with without_zip_crc32(), torch.serialization.skip_data():  # DCP torch.saves each tensor into the data file
         dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    if len(planner.laid_out) != len(chunks) or not filling.digests:
+        raise RuntimeError(f"{directory}: {len(planner.laid_out)} of {len(chunks)} chunks laid out, "
+                           f"{len(filling.digests)} data files filled")
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(MCORE_METADATA))
-    return hashing.digests
+    return filling.digests
 
 
 def tensor_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
