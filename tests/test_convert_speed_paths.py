@@ -165,3 +165,20 @@ def metadata_checksums(converted):
     from toolkit.convert.metadata import checksum_tree
 
     return checksum_tree(converted)
+
+
+def test_a_failure_in_a_dcp_writer_thread_fails_the_conversion(tiny_hf, tmp_path, copy_everything, monkeypatch):
+    """DCP writes each data file on a thread and only prints what the thread raises: the
+    converter must raise it, and leave nothing behind."""
+    calls = []
+
+    def fail_third(ranges, *args):
+        calls.append(ranges)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "the disk went away")
+        return range_copy.copy_ranges(ranges, *args)
+
+    monkeypatch.setattr("toolkit.convert.torch_stream.copy_ranges", fail_third)
+    with pytest.raises(OSError, match="the disk went away"):
+        hf_to_megatron(tiny_hf["llama"], tmp_path / "out", fmt="torch_dist", progress=False)
+    assert not list(tmp_path.iterdir())

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,9 @@ MCORE_METADATA = {
 STACKED_PREFIX = "decoder.layers."
 DCP_METADATA = ".metadata"  # PyTorch DCP's index of every stored tensor
 DATA_SUFFIX = ".distcp"  # DCP's data files
+# Data files, written (filled and hashed) on a thread each, the chunks spread by size: two, as
+# megatron-core's own save writes per rank (TorchDistSaveShardedStrategy's thread_count=2).
+DATA_FILES = 2
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,16 @@ class _LazySavePlanner(SavePlanner):
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         self._objects = objects
         self._on_item = on_item
-        self.laid_out: list[Chunk] = []  # chunks in the order DCP wrote their records
+        # Per writing thread (DCP resolves and writes an item on the same thread): the chunks in
+        # the order their records were laid out in that thread's data file.
+        self._laid_out = threading.local()
+        self.count = itertools.count()
+
+    def laid_out(self) -> list[Chunk]:
+        """This thread's chunks, in the order their records were laid out."""
+        if not hasattr(self._laid_out, "chunks"):
+            self._laid_out.chunks = []
+        return self._laid_out.chunks
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True) -> None:
         pass
@@ -139,7 +153,8 @@ class _LazySavePlanner(SavePlanner):
             buffer.seek(0)
             return buffer
         chunk = self._chunks[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
-        self.laid_out.append(chunk)  # DCP torch.saves it next, leaving its record to fill
+        self.laid_out().append(chunk)  # DCP torch.saves it next, leaving its record to fill
+        next(self.count)
         self._on_item()
         return torch.empty(chunk.shape, dtype=chunk.dtype)  # never touched: takes no memory
 
@@ -204,12 +219,15 @@ class _PlainTransforms:
 
 class _FillingFileSystem(FileSystem):
     """DCP's local file system that, as each data file is closed, fills its reserved records
-    with the chunks the planner laid out, in order, and hashes the file (RecordFiller)."""
+    with the chunks the planner laid out, in order, and hashes the file (RecordFiller). DCP
+    writes each data file on a thread of its own, where torch.save runs under skip_data (a
+    per-thread setting), and only prints what such a thread raises: `errors` keeps it."""
 
     def __init__(self, planner: _LazySavePlanner):
         super().__init__()
         self.planner = planner
         self.digests: dict[Path, str] = {}
+        self.errors: list[BaseException] = []
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -217,15 +235,19 @@ class _FillingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        first = len(self.planner.laid_out)
-        with super().create_stream(path, mode) as stream:
-            recorder = _ReservedRecords(stream)
-            yield recorder
-        chunks = self.planner.laid_out[first:]
-        if len(chunks) != len(recorder.records):
-            raise RuntimeError(f"{path}: {len(recorder.records)} records reserved for {len(chunks)} chunks")
-        records = ((offset, size, _chunk_bytes(c)) for (offset, size), c in zip(recorder.records, chunks))
-        self.digests[Path(path).resolve()] = fill_records(Path(path), records)
+        try:
+            first = len(self.planner.laid_out())
+            with super().create_stream(path, mode) as stream, torch.serialization.skip_data():
+                recorder = _ReservedRecords(stream)
+                yield recorder
+            chunks = self.planner.laid_out()[first:]
+            if len(chunks) != len(recorder.records):
+                raise RuntimeError(f"{path}: {len(recorder.records)} records reserved for {len(chunks)} chunks")
+            records = ((offset, size, _chunk_bytes(c)) for (offset, size), c in zip(recorder.records, chunks))
+            self.digests[Path(path).resolve()] = fill_records(Path(path), records)
+        except BaseException as e:
+            self.errors.append(e)
+            raise
 
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
@@ -233,17 +255,24 @@ def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], comm
     """Write the checkpoint; returns the sha256 of the data files, hashed as they were filled."""
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
-    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1, sync_files=False)
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=DATA_FILES, sync_files=False)
     # The writer's file system and stream transforms are attributes of DCP's FileSystemWriter
     # (torch 2.13); a release that renamed them would leave the records unfilled (or fail on the
     # seek), which the check below refuses.
     writer.fs = filling = _FillingFileSystem(planner)
     writer.transforms = _PlainTransforms()
-    with without_zip_crc32(), torch.serialization.skip_data():  # DCP torch.saves each tensor into the data file
-        dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
-    if len(planner.laid_out) != len(chunks) or not filling.digests:
-        raise RuntimeError(f"{directory}: {len(planner.laid_out)} of {len(chunks)} chunks laid out, "
-                           f"{len(filling.digests)} data files filled")
+    try:
+        with without_zip_crc32():  # DCP torch.saves each tensor into the data file
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        if not filling.errors:
+            raise
+    if filling.errors:  # our own error, not DCP's wrapping of it
+        raise filling.errors[0]
+    laid_out, data_files = next(planner.count), {p.resolve() for p in directory.glob("*" + DATA_SUFFIX)}
+    if laid_out != len(chunks) or not data_files or set(filling.digests) != data_files:
+        raise RuntimeError(f"{directory}: {laid_out} of {len(chunks)} chunks laid out, "
+                           f"{len(filling.digests)} of {len(data_files)} data files filled")
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(MCORE_METADATA))
     return filling.digests

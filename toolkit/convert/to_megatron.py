@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
-from toolkit.convert import dist_format, naming, torch_format
+from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
@@ -34,6 +35,9 @@ from toolkit.families import Family, ModelSpec
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint costs ~0.7 s of start-up the torch format skips
+    from toolkit.convert import dist_format
 
 
 def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
@@ -74,6 +78,8 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
     """One chunk per global tensor, per layer of a stacked one, per (layer, expert) of an expert's."""
+    from toolkit.convert import dist_format
+
     geo = layout.geometry(spec)
     chunks = []
     for row in family.rows_for(spec.tied_embeddings):
@@ -136,6 +142,8 @@ def hf_to_megatron(
                 written = _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
             checksums = {str(p.relative_to(tmp)): digest for p, digest in written.items()}
         else:
+            from toolkit.convert import dist_format
+
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
