@@ -250,6 +250,23 @@ class _FillingFileSystem(FileSystem):
             raise
 
 
+@contextmanager
+def _quiet_about(errors: list[BaseException]):
+    """No traceback printed for a DCP writer thread that died of an error in `errors`, which
+    the caller raises as the conversion's one error; any other is printed as usual."""
+    printing = threading.excepthook
+
+    def hook(args):
+        if args.exc_value not in errors:
+            printing(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = printing
+
+
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
           on_item=lambda: None) -> dict[Path, str]:
     """Write the checkpoint; returns the sha256 of the data files, hashed as they were filled."""
@@ -262,7 +279,7 @@ def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], comm
     writer.fs = filling = _FillingFileSystem(planner)
     writer.transforms = _PlainTransforms()
     try:
-        with without_zip_crc32():  # DCP torch.saves each tensor into the data file
+        with without_zip_crc32(), _quiet_about(filling.errors):  # DCP torch.saves each tensor into the data file
             dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
     except BaseException:  # DCP's CheckpointException is a BaseException
         if not filling.errors:
