@@ -36,6 +36,10 @@ from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
 
+# Rank files written at once, each with its own hashing thread (HFCheckpoint reads are thread-safe:
+# each opens its file); two, as the machine has 2 cores.
+FILE_THREADS = 2
+
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint costs ~0.7 s of start-up the torch format skips
     from toolkit.convert import dist_format
 
@@ -72,8 +76,8 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar
 
     local_experts = len(layout.local_experts(spec, 0))
     dtype = next(iter(src.tensors.values())).torch_dtype  # one dtype (check_weight_dtypes), never cast
-    return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, dtype,
-                                         len(layout.stage_layers(spec, 0)), layer_spec, args, local_experts)
+    return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, len(layout.stage_layers(spec, 0)),
+                                         layer_spec, args, local_experts, dtype=dtype, file_threads=FILE_THREADS)
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:

@@ -15,6 +15,7 @@ allowing only the non-tensor types these files carry (SAFE_GLOBALS), and memory-
 from __future__ import annotations
 
 import argparse
+import itertools
 import pickle
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,6 @@ RANK_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
 # The only non-tensor, non-builtin type in the files we write (Megatron-LM's `args`).
 SAFE_GLOBALS = [argparse.Namespace]
-# Rank files written at once, each with its own hashing thread (the machine has 2 cores).
-FILE_THREADS = 2
 
 
 def load_trusted_types(path: Path, mmap: bool = True) -> dict:
@@ -81,11 +80,15 @@ def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec
 
 
 def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], items: Iterator[tuple[str, object]],
-                     dtype: torch.dtype, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
-                     local_experts: int = 0) -> str:
+                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0,
+                     dtype: torch.dtype | None = None) -> str:
     """Write one rank file as `items` yields (canonical name, tensor or its byte ranges) in the
     order of `shapes`, holding a tensor at a time (toolkit.convert.torch_stream); returns its
-    sha256. The bytes are those save_rank_file would write."""
+    sha256. The bytes are those save_rank_file would write. `dtype`: every tensor's (None: the
+    first item's, which must then be a tensor)."""
+    if dtype is None:
+        first = next(items)
+        dtype, items = first[1].dtype, itertools.chain([first], items)
     placeholders = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
 
     def in_order():
@@ -104,28 +107,31 @@ def write_rank_files(
     layout: Layout,
     build_stage: Callable[[int, int, int], Iterator[tuple[str, object]]],
     stage_shapes: Callable[[int], dict[str, tuple[int, ...]]],
-    dtype: torch.dtype,
     num_stage_layers: int,
     layer_spec: str,
     args: argparse.Namespace,
     local_experts: int = 0,
+    *,
+    dtype: torch.dtype | None = None,
+    file_threads: int = 1,
 ) -> dict[Path, str]:
     """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: sha256}.
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
     rank-local expert numbers, tensor or its byte ranges) in the order of stage_shapes(pp_rank),
     the shapes of one rank's tensors: memory holds a tensor per file being written, never a whole
-    rank's experts. FILE_THREADS files are written at once (copies, writes and hashing release the GIL).
+    rank's experts. `file_threads` files are written at once, where build_stage may be called from
+    several threads (copies, writes and hashing release the GIL).
     """
     jobs = {rank_file(release, layout, tp_rank, pp_rank, ep_rank): (tp_rank, pp_rank, ep_rank)
             for pp_rank in range(layout.pp) for tp_rank in range(layout.tp) for ep_rank in range(layout.ep)}
 
     def write(path: Path) -> str:
         tp_rank, pp_rank, ep_rank = jobs[path]
-        return stream_rank_file(path, stage_shapes(pp_rank), iter(build_stage(tp_rank, pp_rank, ep_rank)), dtype,
-                                args, layer_spec, num_stage_layers, local_experts)
+        return stream_rank_file(path, stage_shapes(pp_rank), iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
+                                layer_spec, num_stage_layers, local_experts, dtype)
 
-    with ThreadPoolExecutor(max_workers=FILE_THREADS, thread_name_prefix="rank-file") as pool:
+    with ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="rank-file") as pool:
         return dict(zip(jobs, pool.map(write, jobs)))
 
 
