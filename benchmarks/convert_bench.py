@@ -6,7 +6,10 @@ For each size, a synthetic Llama (random bf16 weights, written straight to shard
 no model instantiated) is copied with `cp -r` (the baseline), then converted in a subprocess
 while /proc is sampled for its peak anonymous and total RSS. Both clocks run until the data
 is on disk (sync). Each is run --repeats times, alternating, and the medians compared. The
-converter process's start-up (imports) is printed on its own. Goals, reported and not gated:
+converter process's start-up (imports) is printed on its own, and one more conversion per
+format, in-process, is split into phases (validation, records placed and hashed, the final
+sync) next to what its parts cost alone (sha256 of the output on one thread, a kernel copy of
+the source files), so the gap to cp can be apportioned. Goals, reported and not gated:
 time <= 1.3 x cp, peak anonymous memory <= largest output file + 1 GiB and flat in model size.
 """
 
@@ -28,6 +31,7 @@ SHARD_BYTES = 1 * GIB
 
 # Llama-3.2-1B and -3B shapes (tied embeddings, GQA with 8 KV heads).
 SIZES = {
+    "100m": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096),  # a quick check
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=8192),
     "3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, intermediate_size=8192),
 }
@@ -105,11 +109,60 @@ def largest_file(path: Path) -> int:
     return max(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def startup_seconds() -> float:
-    """What the converter process spends before its first byte: interpreter and imports (torch,
-    transformers for the config check, torch.distributed.checkpoint), median of 3."""
+def startup_seconds(fmt: str) -> float:
+    """What the converter process spends on start-up: interpreter and imports (torch, transformers
+    for the config check, torch.distributed.checkpoint for torch_dist only), median of 3."""
     code = "import transformers, toolkit.convert.to_megatron, toolkit.cli"
+    code += ", toolkit.convert.dist_format" if fmt == "torch_dist" else ""
     return statistics.median(run_sampled([sys.executable, "-c", code])[0] for _ in range(3))
+
+
+PHASES = """
+import os, sys, time, hashlib
+from pathlib import Path
+from toolkit.convert import hf_to_megatron
+from toolkit.convert.to_megatron import check_tensors
+from toolkit.convert.hf_config import checked_spec
+from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
+from toolkit.convert.metadata import sha256
+from toolkit.convert.range_copy import ByteRange, copy_ranges
+src, out, fmt, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+import transformers.utils.type_validators  # imports are start-up, timed on their own
+if fmt == "torch_dist":
+    import toolkit.convert.dist_format
+os.sync()
+t = time.perf_counter()
+hf = HFCheckpoint(src); family, spec = checked_spec(hf.config, hf.dir / "config.json", hf.tensors)
+check_tensors(hf, family, spec); check_weight_dtypes(hf.tensors, config_dtype(hf.config))
+validate = time.perf_counter() - t
+t = time.perf_counter()
+hf_to_megatron(src, out, tp=tp, pp=pp, fmt=fmt, progress=False)
+convert = time.perf_counter() - t
+t = time.perf_counter(); os.sync(); sync = time.perf_counter() - t
+files = [p for p in (out / "release").rglob("*") if p.is_file()]
+t = time.perf_counter(); [sha256(p) for p in files]; hashing = time.perf_counter() - t
+scratch = out.parent / "phase-copy"
+t = time.perf_counter()
+for f in sorted(src.glob("*.safetensors")):
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    copy_ranges([ByteRange(f, 0, f.stat().st_size)], fd, 0); os.close(fd)
+copying = time.perf_counter() - t
+os.unlink(scratch); os.sync()
+print(f"{validate:.2f} {convert:.2f} {sync:.2f} {hashing:.2f} {copying:.2f}")
+"""
+
+
+def phases(src: Path, workdir: Path, fmt: str, tp: int, pp: int) -> str:
+    """One in-process conversion split into phases, and what its parts cost alone."""
+    out = workdir / f"phases-{fmt}"
+    result = subprocess.run([sys.executable, "-c", PHASES, str(src), str(out), fmt, str(tp), str(pp)],
+                            check=True, capture_output=True, text=True)
+    shutil.rmtree(out)
+    validate, convert, sync, hashing, copying = map(float, result.stdout.split()[-5:])
+    return (f"    phases ({fmt}): start-up {startup_seconds(fmt):.2f} s, validation {validate:.2f} s, "
+            f"conversion {convert:.2f} s (validation again, records copied or written and hashed behind, "
+            f"metadata), final sync {sync:.2f} s; alone: sha256 of the output on one thread {hashing:.2f} s, "
+            f"copy_file_range of the source files {copying:.2f} s")
 
 
 def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int) -> list[str]:
@@ -131,6 +184,7 @@ def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int) -> list[str]
             anon[fmt] = max(anon.get(fmt, 0), peak_anon)
             biggest[fmt] = largest_file(out / "release")
             shutil.rmtree(out)
+    phase_rows = [phases(src, workdir, fmt, tp, pp) for fmt in ("torch", "torch_dist")]
     shutil.rmtree(src)
     cp = statistics.median(times["cp"])
     rows = []
@@ -142,7 +196,8 @@ def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int) -> list[str]
             f"peak anon {anon[fmt] / GIB:5.2f} GiB  largest file {biggest[fmt] / GIB:5.2f} GiB"
         )
         print(rows[-1], flush=True)
-    return rows
+    print("\n".join(phase_rows), flush=True)
+    return rows + phase_rows
 
 
 def main() -> None:
@@ -153,13 +208,13 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    startup = startup_seconds()
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="convert-bench-") as tmp:
         rows = [r for size in args.sizes.split(",") for r in bench(size, Path(tmp), args.tp, args.pp, args.repeats)]
     print(f"\nsummary (median of {args.repeats}; wall time vs cp -r of the same bytes, sync included on both sides; "
           "peak anonymous memory of the converter process)")
     print("\n".join(rows))
-    print(f"of each conversion, {startup:.1f} s is the process start-up (interpreter and imports), before any byte")
+    print(f"load average at end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

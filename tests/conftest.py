@@ -74,3 +74,17 @@ def moe_copy(tiny_moe, tmp_path):
         return dest
 
     return copy
+
+
+@pytest.fixture
+def copy_everything(monkeypatch):
+    """Every shard a split kind describes as byte ranges is copied, however small its ranges;
+    returns the byte ranges copied, to show the copy path ran."""
+    from toolkit.convert import range_copy
+
+    copied = []
+    copy_ranges = range_copy.copy_ranges
+    monkeypatch.setattr(range_copy, "MIN_RANGE_BYTES", 1)
+    monkeypatch.setattr("toolkit.convert.torch_stream.copy_ranges",
+                        lambda ranges, *a: copied.extend(ranges) or copy_ranges(ranges, *a))
+    return copied

@@ -61,13 +61,15 @@ def test_logits_match_hf_for_every_family_and_format(tiny_hf, tmp_path, tp, pp, 
 
 
 @pytest.mark.multiprocess
-def test_checkpoints_written_at_tp2_pp2_load_at_tp1_pp1(tiny_hf, tmp_path):
-    """torch_dist through megatron-core's own loader; per-rank torch files through our in-memory reshard."""
+def test_checkpoints_written_at_tp2_pp2_load_at_tp1_pp1(tiny_hf, tmp_path, copy_everything):
+    """torch_dist through megatron-core's own loader; per-rank torch files through our in-memory reshard.
+    Written with every shard's byte ranges copied file to file (q/k/v groups, row-parallel rows)."""
     pairs = [
         (tiny_hf[v], hf_to_megatron(tiny_hf[v], tmp_path / f"{v}-{fmt}", tp=2, pp=2, fmt=fmt, progress=False))
         for v in VARIANTS
         for fmt in ("torch_dist", "torch")
     ]
+    assert copy_everything
     assert_parity(verify_many(pairs, tp=1, pp=1))
 
 

@@ -3,17 +3,22 @@
 The `torch` format's rank files are written tensor by tensor into a `torch.save` archive laid out
 in advance (toolkit/convert/torch_stream.py); each must be byte for byte the file `torch.save`
 writes from the same tensors in memory (torch_format.save_rank_file), and its recorded sha256 the
-file's own. The `torch_dist` data files are hashed as DCP writes them, not read back.
+file's own. Shards whose bytes are ranges of the HF files are copied file to file
+(toolkit/convert/range_copy.py): the tiny models' ranges are below MIN_RANGE_BYTES, so the tests
+force them (`copy_everything`), row-parallel per-row ranges and q/k/v groups included, and force
+the fallback where copy_file_range is refused. The `torch_dist` data files are hashed as they are
+filled, with no second pass over them, and hold, tensor by tensor, what build_shard builds.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 
 import pytest
 import torch
 
-from toolkit.convert import hf_to_megatron, torch_format
+from toolkit.convert import dist_format, hf_to_megatron, range_copy, torch_format
 from toolkit.convert.hf_source import HFCheckpoint
 from toolkit.convert.metadata import RELEASE, CheckpointMeta
 from toolkit.convert.torch_stream import save_streaming
@@ -21,6 +26,20 @@ from toolkit.convert.stages import stage_tensors
 from toolkit.families import spec_from_config
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args
+from toolkit.splits import build_shard
+
+
+@pytest.fixture
+def refused_copy_file_range(monkeypatch):
+    """copy_file_range answers EXDEV (as between two file systems); returns the calls made."""
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(range_copy, "_copy_file_range", refuse)
+    return calls
 
 
 def _plain_rank_files(src_dir, tp: int, pp: int, ep: int, layer_spec: str, out):
@@ -47,6 +66,27 @@ def _plain_rank_files(src_dir, tp: int, pp: int, ep: int, layer_spec: str, out):
     ("qwen3-fp32", 1, 3, 1, "te"),
 ])
 def test_streamed_rank_files_are_byte_identical_to_torch_save(tiny_hf, tmp_path, variant, tp, pp, ep, layer_spec):
+    _check_rank_files_against_torch_save(tiny_hf, tmp_path, variant, tp, pp, ep, layer_spec)
+
+
+@pytest.mark.parametrize("variant, tp", [
+    ("llama-odd-vocab", 2),  # vocabulary padding (zero ranges), q/k/v groups split over 2 ranks, row-parallel rows
+    ("phi3-1kv", 2),         # fused HF qkv_proj and gate_up_proj; one KV group shared by both ranks
+    ("qwen3-fp32", 4),       # 4-byte elements
+])
+def test_copied_rank_files_are_byte_identical_to_torch_save(tiny_hf, tmp_path, copy_everything, variant, tp):
+    _check_rank_files_against_torch_save(tiny_hf, tmp_path, variant, tp, 1, 1, "te")
+    assert any(r.file is not None for r in copy_everything)
+    assert variant != "llama-odd-vocab" or any(r.file is None for r in copy_everything), "the padding rows"
+
+
+def test_copy_falls_back_where_copy_file_range_is_refused(tiny_hf, tmp_path, copy_everything, refused_copy_file_range):
+    _check_rank_files_against_torch_save(tiny_hf, tmp_path, "llama", 2, 2, 1, "te")
+    assert len(refused_copy_file_range) == 1, "refused once, then every copy goes through the buffer"
+    assert copy_everything
+
+
+def _check_rank_files_against_torch_save(tiny_hf, tmp_path, variant, tp, pp, ep, layer_spec):
     converted = hf_to_megatron(tiny_hf[variant], tmp_path / "out", tp=tp, pp=pp, layer_spec=layer_spec, progress=False)
     expected = _plain_rank_files(tiny_hf[variant], tp, pp, ep, layer_spec, tmp_path / "plain")
     release = converted / RELEASE
@@ -81,7 +121,7 @@ def test_a_tensor_that_does_not_fit_its_record_is_refused(tmp_path):
 
 
 def test_torch_dist_data_files_are_hashed_as_written(tiny_hf, tmp_path, monkeypatch):
-    from toolkit.convert import dist_format, metadata
+    from toolkit.convert import metadata
 
     read_back = []
     sha256 = metadata.sha256
@@ -90,3 +130,55 @@ def test_torch_dist_data_files_are_hashed_as_written(tiny_hf, tmp_path, monkeypa
     assert read_back and not [n for n in read_back if n.endswith(dist_format.DATA_SUFFIX)], read_back
     monkeypatch.setattr(metadata, "sha256", sha256)
     assert CheckpointMeta.read(converted).checksums == metadata.checksum_tree(converted), "each recorded sha256 is the file's own"
+
+
+def _stored_tensors_match_build_shard(converted, hf_dir) -> None:
+    """Every chunk of a torch_dist checkpoint, read back through DCP, equals the global (TP 1)
+    tensor build_shard builds from the HF files: what the converter wrote before byte copies."""
+    from toolkit.convert.to_megatron import dist_chunks
+
+    src = HFCheckpoint(hf_dir)
+    family, spec = spec_from_config(src.config)
+    chunks = dist_chunks(src, family, spec, Layout(1, 1, 128))
+    for chunk in chunks:
+        stored = dist_format.read_box(converted / RELEASE, chunk.key, chunk.offsets, chunk.shape, chunk.dtype)
+        assert torch.equal(stored.reshape(-1).view(torch.uint8), chunk.load().reshape(-1).view(torch.uint8)), chunk.key
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["copy_file_range", "refused"])
+def test_copied_torch_dist_holds_what_build_shard_builds(tiny_hf, tmp_path, copy_everything, monkeypatch, fallback):
+    """q/k/v groups, gate/up halves, row-parallel rows (whole rows at TP 1), norms, the embedding,
+    copied; and the data files byte for byte those the chunks built in memory give."""
+    if fallback:
+        monkeypatch.setattr(range_copy, "_copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSYS, "")))
+    copied = hf_to_megatron(tiny_hf["phi4-mini"], tmp_path / "copied", fmt="torch_dist", progress=False)
+    assert copy_everything
+    _stored_tensors_match_build_shard(copied, tiny_hf["phi4-mini"])
+    monkeypatch.setattr(range_copy, "MIN_RANGE_BYTES", 1 << 62)  # every chunk built in memory
+    built = hf_to_megatron(tiny_hf["phi4-mini"], tmp_path / "built", fmt="torch_dist", progress=False)
+    data = sorted(p.name for p in (built / RELEASE).glob("*" + dist_format.DATA_SUFFIX))
+    assert data and all((copied / RELEASE / n).read_bytes() == (built / RELEASE / n).read_bytes() for n in data)
+    assert CheckpointMeta.read(copied).checksums == metadata_checksums(copied)
+
+
+def metadata_checksums(converted):
+    from toolkit.convert.metadata import checksum_tree
+
+    return checksum_tree(converted)
+
+
+def test_a_failure_in_a_dcp_writer_thread_fails_the_conversion(tiny_hf, tmp_path, copy_everything, monkeypatch):
+    """DCP writes each data file on a thread and only prints what the thread raises: the
+    converter must raise it, and leave nothing behind."""
+    calls = []
+
+    def fail_third(ranges, *args):
+        calls.append(ranges)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "the disk went away")
+        return range_copy.copy_ranges(ranges, *args)
+
+    monkeypatch.setattr("toolkit.convert.torch_stream.copy_ranges", fail_third)
+    with pytest.raises(OSError, match="the disk went away"):
+        hf_to_megatron(tiny_hf["llama"], tmp_path / "out", fmt="torch_dist", progress=False)
+    assert not list(tmp_path.iterdir())

@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -273,31 +274,31 @@ def test_megatron_lm_moe_checkpoint_without_our_metadata_exports_with_hf_config(
 
 def test_torch_writer_reads_only_the_experts_of_the_rank_it_writes(tiny_moe, tmp_path, monkeypatch):
     """Streaming stays bounded: between two rank files the writer reads exactly that EP rank's
-    experts from the HF files (and each at most once per layer and TP rank), never all of them."""
+    experts from the HF files (and each at most once per layer and TP rank), never all of them.
+    Rank files are written on several threads at once: the reads are followed per thread."""
     from toolkit.convert import torch_format
     from toolkit.convert.hf_source import HFCheckpoint
 
-    events: list[tuple[str, str]] = []
+    events: list[tuple[int, str, str]] = []
     read, save = HFCheckpoint.read, torch_format.stream_rank_file
-    monkeypatch.setattr(HFCheckpoint, "read", lambda self, name, *a, **k: events.append(("read", name)) or read(
-        self, name, *a, **k))
+    monkeypatch.setattr(HFCheckpoint, "read", lambda self, name, *a, **k: events.append(
+        (threading.get_ident(), "read", name)) or read(self, name, *a, **k))
     # The file is written as its tensors are built: "save" is recorded once it is complete.
     monkeypatch.setattr(torch_format, "stream_rank_file", lambda path, *a, **k: (save(path, *a, **k), events.append(
-        ("save", path.parent.name)))[0])
+        (threading.get_ident(), "save", path.parent.name)))[0])
     hf_to_megatron(tiny_moe["mixtral-bf16"], tmp_path / "m", tp=2, ep=2, progress=False)
 
-    experts_read: set[int] = set()
+    experts_read: dict[int, set[int]] = {}
     saved = []
-    for kind, name in events:
+    for thread, kind, name in events:
         if kind == "read" and (m := re.search(r"\.experts\.(\d+)\.", name)):
-            experts_read.add(int(m.group(1)))
+            experts_read.setdefault(thread, set()).add(int(m.group(1)))
         elif kind == "save":
             ep_rank = int(name.rsplit("_", 1)[1])
-            assert experts_read == set(range(3 * ep_rank, 3 * ep_rank + 3)), (name, experts_read)
+            assert experts_read.pop(thread, set()) == set(range(3 * ep_rank, 3 * ep_rank + 3)), name
             saved.append(name)
-            experts_read = set()
     assert sorted(saved) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    reads = [n for k, n in events if k == "read" and ".experts." in n]
+    reads = [n for _, k, n in events if k == "read" and ".experts." in n]
     assert len(reads) == 4 * 3 * 3 * 4  # layers x (w1, w2, w3) x local experts x files: each once
 
 

@@ -18,6 +18,10 @@ back, the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_
 
 A source is anything with `shape(name)` and `read(name, rows=slice|None, cols=slice|None)`, so a
 rank's shard is read straight from the HF file without loading the whole tensor.
+
+Each kind that can also says where a shard's bytes lie in the HF tensors (`row_pieces`: row
+ranges, and a column range, of HF tensors stacked on dim 0), so the converter copies them file to
+file without building the tensor (toolkit/convert/range_copy.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class Geometry:
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class RowPiece:
+    """Rows [start, stop) of HF tensor `name` (all columns, or `cols` of each row); a shard is its
+    pieces stacked on dim 0. `name` None: rows of zeros (vocabulary padding)."""
+
+    name: str | None
+    start: int
+    stop: int
+    cols: slice | None = None
 
 
 class Source(Protocol):
@@ -72,6 +87,10 @@ class SplitKind:
         """Shape of one TP rank's megatron tensor (tp=1: the global tensor) from the HF shapes."""
         raise NotImplementedError
 
+    def row_pieces(self, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> list[RowPiece] | None:
+        """Where the bytes of `build`'s tensor lie in the HF tensors, or None where not described."""
+        return None
+
     def __repr__(self) -> str:
         return f"Split.{self.name}"
 
@@ -81,6 +100,9 @@ class Replicated(SplitKind):
 
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0])
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        return [RowPiece(names[0], 0, src.shape(names[0])[0])]
 
     def merge(self, shards, geo):
         return [shards[0]]
@@ -94,6 +116,10 @@ class ColumnSplit(SplitKind):
 
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0], rows=chunk_range(src.shape(names[0])[0], tp, rank))
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        rows = chunk_range(src.shape(names[0])[0], tp, rank)
+        return [RowPiece(names[0], rows.start, rows.stop)]
 
     def merge(self, shards, geo):
         import torch
@@ -112,6 +138,9 @@ class RowSplit(SplitKind):
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0], cols=chunk_range(src.shape(names[0])[1], tp, rank))
 
+    def row_pieces(self, src, names, tp, rank, geo):
+        return [RowPiece(names[0], 0, src.shape(names[0])[0], chunk_range(src.shape(names[0])[1], tp, rank))]
+
     def merge(self, shards, geo):
         import torch
 
@@ -125,16 +154,24 @@ class RowSplit(SplitKind):
 class VocabSplit(SplitKind):
     name = "VOCAB"
 
+    def _rows(self, tp: int, rank: int, geo: Geometry) -> tuple[slice, int]:
+        """(this rank's rows of the padded table, where its real rows stop)."""
+        rows = chunk_range(geo.padded_vocab_size, tp, rank)
+        return rows, max(rows.start, min(rows.stop, geo.vocab_size))
+
     def build(self, src, names, tp, rank, geo):
         import torch
 
-        rows = chunk_range(geo.padded_vocab_size, tp, rank)
-        real_stop = max(rows.start, min(rows.stop, geo.vocab_size))
+        rows, real_stop = self._rows(tp, rank, geo)
         real = src.read(names[0], rows=slice(rows.start, real_stop))  # may have no rows at all
         pad_rows = (rows.stop - rows.start) - real.shape[0]
         if pad_rows == 0:
             return real
         return torch.cat([real, torch.zeros(pad_rows, *real.shape[1:], dtype=real.dtype)])
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        rows, real_stop = self._rows(tp, rank, geo)
+        return [RowPiece(names[0], rows.start, real_stop), RowPiece(None, real_stop, rows.stop)]
 
     def merge(self, shards, geo):
         import torch
@@ -162,6 +199,11 @@ class FusedGateUp(ColumnSplit):
         ffn, parts = self._sources(src, names)
         rows = chunk_range(ffn, tp, rank)
         return torch.cat([src.read(n, rows=slice(first + rows.start, first + rows.stop)) for n, first in parts], dim=0)
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        ffn, parts = self._sources(src, names)
+        rows = chunk_range(ffn, tp, rank)
+        return [RowPiece(n, first + rows.start, first + rows.stop) for n, first in parts]
 
     def merge(self, shards, geo):
         import torch
@@ -210,6 +252,16 @@ class FusedQKV(ColumnSplit):
         offset = first * block
         return fused[rows.start - offset : rows.stop - offset]
 
+    def row_pieces(self, src, names, tp, rank, geo):
+        """Per query group: its q rows, k rows, v rows; then this rank's rows of that sequence."""
+        (q, q0), (k, k0), (v, v0) = self._sources(names, geo)
+        d, hpg = geo.head_dim, geo.heads_per_group
+        rows = chunk_range(geo.num_kv_heads * (hpg + 2) * d, tp, rank)
+        fused = [piece for g in range(geo.num_kv_heads)
+                 for piece in (RowPiece(q, q0 + g * hpg * d, q0 + (g + 1) * hpg * d),
+                               RowPiece(k, k0 + g * d, k0 + (g + 1) * d), RowPiece(v, v0 + g * d, v0 + (g + 1) * d))]
+        return _rows_of(fused, rows)
+
     def merge(self, shards, geo):
         import torch
 
@@ -233,6 +285,18 @@ class HFFusedQKV(FusedQKV):
         import torch
 
         return [torch.cat([q, k, v])]
+
+
+def _rows_of(pieces: list[RowPiece], rows: slice) -> list[RowPiece]:
+    """Rows [rows.start, rows.stop) of the tensor the pieces stack into, as pieces."""
+    out, at = [], 0
+    for p in pieces:
+        size = p.stop - p.start
+        lo, hi = max(rows.start - at, 0), min(rows.stop - at, size)
+        if lo < hi:
+            out.append(RowPiece(p.name, p.start + lo, p.start + hi, p.cols))
+        at += size
+    return out
 
 
 def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from toolkit.convert import dist_format
 from toolkit.convert.stages import row_instances, stage_megatron_shapes
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
@@ -40,6 +39,8 @@ def check_spec_matches_config(meta_spec: ModelSpec, config_spec: ModelSpec, meta
 
 def check_format_files(fmt: str, shards: Path) -> None:
     """The files are of the format the metadata names (a torch_dist checkpoint has DCP's .metadata)."""
+    from toolkit.convert import dist_format  # here: torch.distributed.checkpoint is ~0.7 s of start-up
+
     is_dist = (shards / dist_format.DCP_METADATA).is_file()
     if is_dist != (fmt == "torch_dist"):
         found = "torch_dist" if is_dist else "torch"
@@ -72,6 +73,8 @@ def check_stage(stage: list[dict], family: Family, spec: ModelSpec, layout: Layo
 
 def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dict[str, tuple[int, ...]]:
     """Global shape of every tensor a torch_dist checkpoint of this model holds."""
+    from toolkit.convert import dist_format
+
     geo, hf = layout.geometry(spec), expected_hf_tensors(family, spec)
     out = {}
     for row in family.rows_for(spec.tied_embeddings):

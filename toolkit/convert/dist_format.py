@@ -13,16 +13,22 @@ writes (checked against it in the tests):
   * `_extra_state` entries are byte objects keyed `<name>/shard_<layer>_<num_layers>`;
   * tied output layers are not stored (the last stage loads them from the embedding).
 
-Writing goes through DCP's own FileSystemWriter with a planner that produces each chunk only
-when the writer asks for it, so memory holds about one tensor at a time.
+Writing goes through DCP's own FileSystemWriter, under `torch.serialization.skip_data`: DCP lays
+out each `.distcp` file (every tensor's zip record, the metadata, the offsets) from placeholder
+tensors that are never touched, leaving each record's bytes reserved. The records are then filled
+in file order, each from its source byte ranges (copied in the kernel) or from the chunk built in
+memory, while a second thread hashes the file behind them (toolkit.convert.torch_stream), so
+memory holds about one tensor at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +52,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from toolkit.convert import naming
-from toolkit.convert.torch_stream import HashingWriter, without_zip_crc32
+from toolkit.convert.torch_stream import fill_records, without_zip_crc32
 
 MCORE_METADATA = {
     "sharded_backend": "torch_dist",
@@ -57,6 +63,9 @@ MCORE_METADATA = {
 STACKED_PREFIX = "decoder.layers."
 DCP_METADATA = ".metadata"  # PyTorch DCP's index of every stored tensor
 DATA_SUFFIX = ".distcp"  # DCP's data files
+# Data files, written (filled and hashed) on a thread each, the chunks spread by size: two, as
+# megatron-core's own save writes per rank (TorchDistSaveShardedStrategy's thread_count=2).
+DATA_FILES = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class Chunk:
     shape: tuple[int, ...]
     dtype: torch.dtype
     load: Callable[[], torch.Tensor]
+    ranges: Callable[[], list | None] = lambda: None  # its bytes in the source files, where known
 
 
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
@@ -100,6 +110,16 @@ class _LazySavePlanner(SavePlanner):
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         self._objects = objects
         self._on_item = on_item
+        # Per writing thread (DCP resolves and writes an item on the same thread): the chunks in
+        # the order their records were laid out in that thread's data file.
+        self._laid_out = threading.local()
+        self.count = itertools.count()
+
+    def laid_out(self) -> list[Chunk]:
+        """This thread's chunks, in the order their records were laid out."""
+        if not hasattr(self._laid_out, "chunks"):
+            self._laid_out.chunks = []
+        return self._laid_out.chunks
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True) -> None:
         pass
@@ -133,12 +153,19 @@ class _LazySavePlanner(SavePlanner):
             buffer.seek(0)
             return buffer
         chunk = self._chunks[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
-        tensor = chunk.load().contiguous()
-        expected = chunk.shape
-        if tuple(tensor.shape) != expected:  # a stacked chunk is [1, ...]
-            tensor = tensor.reshape(expected)
+        self.laid_out().append(chunk)  # DCP torch.saves it next, leaving its record to fill
+        next(self.count)
         self._on_item()
-        return tensor
+        return torch.empty(chunk.shape, dtype=chunk.dtype)  # never touched: takes no memory
+
+
+def _chunk_bytes(chunk: Chunk):
+    """The chunk's bytes to place: its source byte ranges, or the chunk built in memory."""
+    ranges = chunk.ranges()
+    if ranges is not None:
+        return ranges
+    tensor = chunk.load().contiguous()
+    return tensor.reshape(chunk.shape) if tuple(tensor.shape) != chunk.shape else tensor  # a stacked chunk is [1, ...]
 
 
 def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False) -> dict[str, object]:
@@ -160,39 +187,112 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     return objects
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, hashing each data file as DCP writes it (in order, once), so the
-    checksums need no second read of the largest files."""
+class _ReservedRecords:
+    """A DCP output stream that notes each record torch.save reserves under skip_data (a seek
+    over the record's bytes) as (offset, size). DCP closes the stream it hands torch.save after
+    each item, so close only flushes (the file system closes the file)."""
 
-    def __init__(self):
+    def __init__(self, stream):
+        self.stream, self.records = stream, []
+
+    def close(self) -> None:
+        self.stream.flush()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_CUR:
+            raise RuntimeError("DCP's stream moved other than over a reserved record")
+        self.records.append((self.stream.tell(), offset))
+        return self.stream.seek(offset, whence)
+
+    def __getattr__(self, name):  # write, tell, flush, ... of the wrapped stream
+        return getattr(self.stream, name)
+
+
+class _PlainTransforms:
+    """DCP's stream transforms without extensions, handing torch.save our stream itself: DCP's
+    default wraps it in an io.IOBase whose seek fails, which skip_data needs. No extension is
+    recorded, as with DCP's default (the metadata is the same)."""
+
+    def transform_save_stream(self, write_item, raw_stream):
+        return raw_stream, []
+
+
+class _FillingFileSystem(FileSystem):
+    """DCP's local file system that, as each data file is closed, fills its reserved records
+    with the chunks the planner laid out, in order, and hashes the file (RecordFiller). DCP
+    writes each data file on a thread of its own, where torch.save runs under skip_data (a
+    per-thread setting), and only prints what such a thread raises: `errors` keeps it."""
+
+    def __init__(self, planner: _LazySavePlanner):
         super().__init__()
+        self.planner = planner
         self.digests: dict[Path, str] = {}
+        self.errors: list[BaseException] = []
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as stream:
-            if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
+        if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
+            with super().create_stream(path, mode) as stream:
                 yield stream
-                return
-            hashing = HashingWriter(stream)
-            yield hashing
-        self.digests[Path(path).resolve()] = hashing.digest.hexdigest()
+            return
+        try:
+            first = len(self.planner.laid_out())
+            with super().create_stream(path, mode) as stream, torch.serialization.skip_data():
+                recorder = _ReservedRecords(stream)
+                yield recorder
+            chunks = self.planner.laid_out()[first:]
+            if len(chunks) != len(recorder.records):
+                raise RuntimeError(f"{path}: {len(recorder.records)} records reserved for {len(chunks)} chunks")
+            records = ((offset, size, _chunk_bytes(c)) for (offset, size), c in zip(recorder.records, chunks))
+            self.digests[Path(path).resolve()] = fill_records(Path(path), records)
+        except BaseException as e:
+            self.errors.append(e)
+            raise
+
+
+@contextmanager
+def _quiet_about(errors: list[BaseException]):
+    """No traceback printed for a DCP writer thread that died of an error in `errors`, which
+    the caller raises as the conversion's one error; any other is printed as usual."""
+    printing = threading.excepthook
+
+    def hook(args):
+        if args.exc_value not in errors:
+            printing(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = printing
 
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
           on_item=lambda: None) -> dict[Path, str]:
-    """Write the checkpoint; returns the sha256 of the data files, hashed as they were written."""
+    """Write the checkpoint; returns the sha256 of the data files, hashed as they were filled."""
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
-    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1, sync_files=False)
-    # The writer's file system is an attribute of DCP's FileSystemWriter (torch 2.13); if a release
-    # renames it, nothing is hashed here and the caller reads the files back (checksum_tree).
-    writer.fs = hashing = _HashingFileSystem()
-    with without_zip_crc32():  # DCP torch.saves each tensor into the data file
-        dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=DATA_FILES, sync_files=False)
+    # The writer's file system and stream transforms are attributes of DCP's FileSystemWriter
+    # (torch 2.13); a release that renamed them would leave the records unfilled (or fail on the
+    # seek), which the check below refuses.
+    writer.fs = filling = _FillingFileSystem(planner)
+    writer.transforms = _PlainTransforms()
+    try:
+        with without_zip_crc32(), _quiet_about(filling.errors):  # DCP torch.saves each tensor into the data file
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        if not filling.errors:
+            raise
+    if filling.errors:  # our own error, not DCP's wrapping of it
+        raise filling.errors[0]
+    laid_out, data_files = next(planner.count), {p.resolve() for p in directory.glob("*" + DATA_SUFFIX)}
+    if laid_out != len(chunks) or not data_files or set(filling.digests) != data_files:
+        raise RuntimeError(f"{directory}: {laid_out} of {len(chunks)} chunks laid out, "
+                           f"{len(filling.digests)} of {len(data_files)} data files filled")
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(MCORE_METADATA))
-    return hashing.digests
+    return filling.digests
 
 
 def tensor_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -51,6 +51,11 @@ class TensorEntry:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int  # of the tensor's first byte in the file
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype][1]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -58,7 +63,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[self.dtype][1]
+        return math.prod(self.shape) * self.itemsize
 
 
 def config_dtype(cfg: dict) -> str | None:
@@ -120,7 +125,7 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             raise ConversionError(f"{path}: tensor {name!r} offsets [{begin}, {end}) do not match its shape {list(shape)}")
         if end > data_size:
             raise ConversionError(f"{path} is truncated: tensor {name!r} ends at byte {end} of a {data_size}-byte data section")
-        entries[name] = TensorEntry(path, dtype, shape)
+        entries[name] = TensorEntry(path, dtype, shape, 8 + header_len + begin)
         spans.append((begin, end, name))
     spans.sort()
     for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):

@@ -77,9 +77,10 @@ def stage_megatron_shapes(family: Family, spec: ModelSpec, layout: Layout, pp_ra
 
 
 def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank: int, pp_rank: int,
-                  on_tensor=lambda: None, ep_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+                  on_tensor=lambda: None, ep_rank: int = 0, build=build_shard) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name with stage-local layer and rank-local expert numbers, this rank's shard) for
-    every tensor of the stage; experts split over TP as dense tensors are (expert TP = TP)."""
+    every tensor of the stage; experts split over TP as dense tensors are (expert TP = TP).
+    `build` has build_shard's signature (the converter's yields byte ranges where it can)."""
     geo = layout.geometry(spec)
     layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
     for row in family.rows_for(spec.tied_embeddings):
@@ -87,11 +88,11 @@ def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank:
             continue
         for layer, local, expert, local_expert in row_instances(row, layers, experts):
             yield (row.megatron_name(local, local_expert),
-                   build_shard(row.split, src, row.hf_names(layer, expert), layout.tp, tp_rank, geo))
+                   build(row.split, src, row.hf_names(layer, expert), layout.tp, tp_rank, geo))
             on_tensor()
     if _ties_output_here(spec, layout, pp_rank):
         emb = embedding_row(family)
-        yield "output_layer.weight", build_shard(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
+        yield "output_layer.weight", build(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
 
 
 class TensorSource:

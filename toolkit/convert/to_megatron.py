@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
-from toolkit.convert import dist_format, naming, torch_format
+from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
@@ -26,6 +27,7 @@ from toolkit.convert.metadata import (
     copy_hf_files,
 )
 from toolkit.convert.progress import progress_bar
+from toolkit.convert.range_copy import shard_or_ranges, shard_ranges
 from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_tensors
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
@@ -34,6 +36,12 @@ from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
 
+# Rank files written at once, each with its own hashing thread (HFCheckpoint reads are thread-safe:
+# each opens its file); two, as the machine has 2 cores.
+FILE_THREADS = 2
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint costs ~0.7 s of start-up the torch format skips
+    from toolkit.convert import dist_format
 
 
 def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
@@ -60,18 +68,22 @@ def output_bytes(src: HFCheckpoint) -> int:
 
 def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> dict[Path, str]:
     def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
-        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, lambda: bar.update(1), ep_rank)
+        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, lambda: bar.update(1), ep_rank,
+                             build=shard_or_ranges)
 
     def stage_shapes(pp_rank: int):
         return stage_megatron_shapes(family, spec, layout, pp_rank)
 
     local_experts = len(layout.local_experts(spec, 0))
+    dtype = next(iter(src.tensors.values())).torch_dtype  # one dtype (check_weight_dtypes), never cast
     return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, len(layout.stage_layers(spec, 0)),
-                                         layer_spec, args, local_experts)
+                                         layer_spec, args, local_experts, dtype=dtype, file_threads=FILE_THREADS)
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
     """One chunk per global tensor, per layer of a stacked one, per (layer, expert) of an expert's."""
+    from toolkit.convert import dist_format
+
     geo = layout.geometry(spec)
     chunks = []
     for row in family.rows_for(spec.tied_embeddings):
@@ -80,11 +92,12 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
             dtype = src.tensors[names[0]].torch_dtype
             load = lambda split=row.split, names=names: build_shard(split, src, names, 1, 0, geo)  # noqa: E731
+            ranges = lambda split=row.split, names=names: shard_ranges(split, src, names, 1, 0, geo)  # noqa: E731
             stack = [(spec.num_layers, layer)] * row.per_layer + [(spec.num_experts, expert)] * row.per_expert
             key = dist_format.stacked_key(row.megatron_name(layer, 0)) if row.per_layer else row.megatron
             chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
                                             (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
-                                            dtype, load))
+                                            dtype, load, ranges))
     return dist_format.with_te_moe_aliases(chunks) if spec.is_moe else chunks
 
 
@@ -133,6 +146,8 @@ def hf_to_megatron(
                 written = _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
             checksums = {str(p.relative_to(tmp)): digest for p, digest in written.items()}
         else:
+            from toolkit.convert import dist_format
+
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:

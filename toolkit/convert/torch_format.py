@@ -18,6 +18,7 @@ import argparse
 import itertools
 import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -78,54 +79,60 @@ def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec
     return save_with_sha256(_rank_state(model, args, layer_spec, num_stage_layers, local_experts), path)
 
 
-def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterator[tuple[str, torch.Tensor]],
-                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0) -> str:
-    """Write one rank file as `tensors` yields (canonical name, tensor) in the order of `shapes`,
-    holding a tensor or two at a time (toolkit.convert.torch_stream); returns its sha256. The
-    bytes are those save_rank_file would write."""
-    first_name, first = next(tensors)
-    placeholders = {name: torch.empty(shape, dtype=first.dtype) for name, shape in shapes.items()}
+def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], items: Iterator[tuple[str, object]],
+                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0,
+                     dtype: torch.dtype | None = None) -> str:
+    """Write one rank file as `items` yields (canonical name, tensor or its byte ranges) in the
+    order of `shapes`, holding a tensor at a time (toolkit.convert.torch_stream); returns its
+    sha256. The bytes are those save_rank_file would write. `dtype`: every tensor's (None: the
+    first item's, which must then be a tensor)."""
+    if dtype is None:
+        first = next(items)
+        dtype, items = first[1].dtype, itertools.chain([first], items)
+    placeholders = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
 
     def in_order():
-        for (name, tensor), expected in zip(itertools.chain([(first_name, first)], tensors), placeholders, strict=True):
+        for (name, item), expected in zip(items, placeholders, strict=True):
             if name != expected:
                 raise RuntimeError(f"{path}: built {name!r} where {expected!r} was laid out")
-            yield tensor
+            yield item
 
     path.parent.mkdir(parents=True)
     state = _rank_state(placeholders, args, layer_spec, num_stage_layers, local_experts)
     return save_streaming(state, list(placeholders.values()), in_order(), path)
 
 
-def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
-    return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
-
-
 def write_rank_files(
     release: Path,
     layout: Layout,
-    build_stage: Callable[[int, int, int], Iterator[tuple[str, torch.Tensor]]],
+    build_stage: Callable[[int, int, int], Iterator[tuple[str, object]]],
     stage_shapes: Callable[[int], dict[str, tuple[int, ...]]],
     num_stage_layers: int,
     layer_spec: str,
     args: argparse.Namespace,
     local_experts: int = 0,
+    *,
+    dtype: torch.dtype | None = None,
+    file_threads: int = 1,
 ) -> dict[Path, str]:
     """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: sha256}.
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
-    rank-local expert numbers, tensor) in the order of stage_shapes(pp_rank), the shapes of one
-    rank's tensors: memory holds a tensor or two, never a whole rank's experts.
+    rank-local expert numbers, tensor or its byte ranges) in the order of stage_shapes(pp_rank),
+    the shapes of one rank's tensors: memory holds a tensor per file being written, never a whole
+    rank's experts. `file_threads` files are written at once, where build_stage may be called from
+    several threads (copies, writes and hashing release the GIL).
     """
-    checksums = {}
-    for pp_rank in range(layout.pp):
-        shapes = stage_shapes(pp_rank)
-        for tp_rank in range(layout.tp):
-            for ep_rank in range(layout.ep):
-                path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
-                checksums[path] = stream_rank_file(path, shapes, iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
-                                                   layer_spec, num_stage_layers, local_experts)
-    return checksums
+    jobs = {rank_file(release, layout, tp_rank, pp_rank, ep_rank): (tp_rank, pp_rank, ep_rank)
+            for pp_rank in range(layout.pp) for tp_rank in range(layout.tp) for ep_rank in range(layout.ep)}
+
+    def write(path: Path) -> str:
+        tp_rank, pp_rank, ep_rank = jobs[path]
+        return stream_rank_file(path, stage_shapes(pp_rank), iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
+                                layer_spec, num_stage_layers, local_experts, dtype)
+
+    with ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="rank-file") as pool:
+        return dict(zip(jobs, pool.map(write, jobs)))
 
 
 def discover_layout(release: Path, second_is_expert: bool = False) -> tuple[int, int, int]:

@@ -4,9 +4,10 @@
 thread. Here the state is first saved with placeholder tensors (`torch.empty`: never touched, so
 never resident) under `torch.serialization.skip_data`, which writes the whole archive (pickle,
 records, directory) with each storage's bytes reserved. Each real tensor is then written into
-its record with `os.pwrite` as soon as it is built, by a writer thread that also hashes the file
-in order, while the caller builds the next tensor. The result is byte for byte what `torch.save`
-writes (tests/test_convert_speed_paths.py compares them).
+its record as soon as it is built (`os.pwrite`), or copied into it from the HF file without being
+built (`copy_file_range`, toolkit/convert/range_copy.py), while a second thread hashes the file in
+order behind the writes. The result is byte for byte what `torch.save` writes
+(tests/test_convert_speed_paths.py compares them).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Iterable
 import torch
 import torch.utils.serialization
 
-# Tensors built ahead of the writer: the builder may run this far in front (memory bound).
-MAX_PENDING = 2
+from toolkit.convert.range_copy import copy_ranges, ranges_bytes, write_all
+
+HASH_READ_BYTES = 4 << 20  # reads of the hashing pass: page-cache hits, a bounded buffer
 
 
 @contextmanager
@@ -77,71 +79,99 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:  # Linux writes at most ~2 GiB per call
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
-
-
-class _OrderedWriter:
-    """Writes each tensor into its record and hashes the file from start to end on the way."""
+class RecordFiller:
+    """Fills the reserved records of a file in file order, by copying byte ranges in the kernel
+    or writing a built tensor, while a second thread hashes the file from start to end behind it,
+    reading back what was placed (from the page cache: the bytes of a kernel copy never pass
+    through this process otherwise). The two overlap, so a file costs about the slower of them."""
 
     def __init__(self, fd: int, file_size: int):
-        self.fd, self.file_size, self.position, self.digest = fd, file_size, 0, hashlib.sha256()
+        self.fd, self.file_size, self.placed = fd, file_size, 0
+        self.digest, self._hashed = hashlib.sha256(), 0
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-hasher")
+        self._pending: list[Future] = []
 
-    def _hash_file_up_to(self, end: int) -> None:
-        while self.position < end:  # archive headers between records: small, written by torch.save
-            chunk = os.pread(self.fd, min(end - self.position, 1 << 20), self.position)
-            if not chunk:
-                raise RuntimeError("archive shorter than its records")
-            self.digest.update(chunk)
-            self.position += len(chunk)
+    def _hash_up_to(self, end: int) -> None:
+        buffer = memoryview(bytearray(HASH_READ_BYTES))
+        while self._hashed < end:
+            got = os.preadv(self.fd, [buffer[: min(end - self._hashed, len(buffer))]], self._hashed)
+            if not got:
+                raise RuntimeError("file shorter than its records")
+            self.digest.update(buffer[:got])
+            self._hashed += got
 
-    def write(self, tensor: torch.Tensor, offset: int) -> None:
-        self._hash_file_up_to(offset)
-        data = _bytes_of(tensor)
-        _pwrite_all(self.fd, data, offset)
-        self.digest.update(data)
-        self.position = offset + len(data)
+    def place(self, item, offset: int, size: int) -> None:
+        """`item`: a tensor of `size` bytes, or byte ranges (toolkit.convert.range_copy) adding up to it."""
+        if offset < self.placed:
+            raise RuntimeError(f"record at {offset} placed after one ending at {self.placed}")
+        if isinstance(item, torch.Tensor):
+            write_all(self.fd, _bytes_of(item), offset)
+        elif copy_ranges(item, self.fd, offset) != size:
+            raise RuntimeError(f"byte ranges of {ranges_bytes(item)} bytes for a record of {size}")
+        self.placed = offset + size
+        for finished in [f for f in self._pending if f.done()]:
+            finished.result()  # a failed read surfaces now, not at the end
+            self._pending.remove(finished)
+        self._pending.append(self._hasher.submit(self._hash_up_to, self.placed))
 
     def finish(self) -> str:
-        self._hash_file_up_to(self.file_size)
+        """The file's sha256, once every byte is hashed."""
+        try:
+            self._pending.append(self._hasher.submit(self._hash_up_to, self.file_size))
+            for f in self._pending:
+                f.result()
+        finally:
+            self._hasher.shutdown()
         return self.digest.hexdigest()
 
+    def abandon(self) -> None:
+        self._hasher.shutdown(cancel_futures=True)
 
-def _check_matches(tensor: torch.Tensor, placeholder: torch.Tensor, index: int) -> None:
-    if tensor.shape != placeholder.shape or tensor.dtype != placeholder.dtype or not tensor.is_contiguous():
-        raise RuntimeError(f"tensor {index}: built {tuple(tensor.shape)} {tensor.dtype}, but its record was laid out "
+
+def _check_matches(item, placeholder: torch.Tensor, size: int, index: int) -> None:
+    if not isinstance(item, torch.Tensor):
+        return  # byte ranges: their length is checked as they are placed
+    if item.shape != placeholder.shape or item.dtype != placeholder.dtype or not item.is_contiguous():
+        raise RuntimeError(f"tensor {index}: built {tuple(item.shape)} {item.dtype}, but its record was laid out "
                            f"for {tuple(placeholder.shape)} {placeholder.dtype} (contiguous)")
+    if item.nbytes != size:
+        raise RuntimeError(f"tensor {index}: {item.nbytes} bytes for a record of {size}")
 
 
-def save_streaming(state: dict, placeholders: list[torch.Tensor], tensors: Iterable[torch.Tensor], path: Path) -> str:
+def fill_records(path: Path, records: Iterable[tuple[int, int, object]]) -> str:
+    """Place each (offset, size, tensor or byte ranges) into the file at `path`, in file order;
+    returns the file's sha256."""
+    fd = os.open(path, os.O_RDWR)
+    filler = RecordFiller(fd, os.fstat(fd).st_size)
+    try:
+        for offset, size, item in records:
+            filler.place(item, offset, size)
+        return filler.finish()
+    except BaseException:
+        filler.abandon()
+        raise
+    finally:
+        os.close(fd)
+
+
+def save_streaming(state: dict, placeholders: list[torch.Tensor], items: Iterable, path: Path) -> str:
     """torch.save(state) to `path` where `state` holds `placeholders` (distinct `torch.empty` tensors,
-    in the order the pickler meets them) and `tensors` yields their real values in that order.
-    Returns the file's sha256. Without the zip CRC32, as toolkit.convert.torch_format saves."""
+    in the order the pickler meets them) and `items` yields their real values in that order, each
+    a tensor or the byte ranges holding it (toolkit.convert.range_copy). Returns the file's sha256.
+    Without the zip CRC32, as toolkit.convert.torch_format saves."""
     with open(path, "wb") as f, torch.serialization.skip_data(), without_zip_crc32():
         torch.save(state, f)
     spans = _record_spans(path, len(placeholders))
-    fd = os.open(path, os.O_RDWR)
-    try:
-        writer = _OrderedWriter(fd, os.fstat(fd).st_size)
-        pending: list[Future] = []
+
+    def records():
         count = 0
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-file-writer") as pool:
-            for index, tensor in enumerate(tensors):
-                if index >= len(placeholders):
-                    raise RuntimeError(f"more tensors than the {len(placeholders)} laid out")
-                _check_matches(tensor, placeholders[index], index)
-                if tensor.nbytes != spans[index][1]:
-                    raise RuntimeError(f"tensor {index}: {tensor.nbytes} bytes for a record of {spans[index][1]}")
-                pending.append(pool.submit(writer.write, tensor, spans[index][0]))
-                count += 1
-                while len(pending) >= MAX_PENDING:
-                    pending.pop(0).result()
-            for done in pending:
-                done.result()
+        for index, item in enumerate(items):
+            if index >= len(placeholders):
+                raise RuntimeError(f"more tensors than the {len(placeholders)} laid out")
+            _check_matches(item, placeholders[index], spans[index][1], index)
+            yield spans[index][0], spans[index][1], item
+            count += 1
         if count != len(placeholders):
             raise RuntimeError(f"{count} tensors built for {len(placeholders)} records")
-        return writer.finish()
-    finally:
-        os.close(fd)
+
+    return fill_records(path, records())
