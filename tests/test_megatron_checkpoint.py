@@ -116,7 +116,7 @@ def test_optimizer_step_reset_starts_adam_at_step_zero(megatron, tmp_path):
 def test_optimizer_state_bad_input_refused_in_one_line(megatron, tmp_path):
     """No optimizer state, megatron-core's dp_reshardable format, the legacy per-rank format, a
     non-Adam optimizer (common.pt edited: megatron-core's DistributedOptimizer writes Adam's state
-    only), LoRA: one line each, before anything is written."""
+    only), LoRA, FSDP, a missing directory: one line each, before anything is written."""
     not_adam = tmp_path / "not-adam"
     shutil.copytree(megatron["saved"], not_adam)
     common = torch.load(not_adam / "common.pt", weights_only=True)
@@ -133,6 +133,9 @@ def test_optimizer_state_bad_input_refused_in_one_line(megatron, tmp_path):
         with pytest.raises(ToolkitError, match=match) as refused:
             prepare(megatron, tmp_path, f"model.optimizer_state={path}")
         assert "\n" not in str(refused.value)
-    with pytest.raises(ToolkitError, match="with peft.enabled"):
-        prepare(megatron, tmp_path, f"model.optimizer_state={megatron['saved']}", "peft.enabled=true")
+    for override in ("peft.enabled=true", "parallel.dp_engine=fsdp"):
+        with pytest.raises(ToolkitError, match=f"with {override.partition('=')[0]}"):
+            prepare(megatron, tmp_path, f"model.optimizer_state={megatron['saved']}", override)
+    with pytest.raises(ToolkitError, match="not a directory"):
+        prepare(megatron, tmp_path, f"model.optimizer_state={tmp_path / 'missing'}")
     assert not (tmp_path / "run").exists(), "nothing written"
