@@ -78,12 +78,13 @@ class Run:
     resume_from: Path | None
     lora: object  # toolkit.train.build.LoraPlan, or None for a full fine-tune
     same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
+    optimizer_start: object  # toolkit.train.megatron_optimizer.MegatronOptimizerState (model.optimizer_state)
 
 
 def prepare(config_path, overrides) -> Run:
     """1. Config, checkpoint, tokenizer, layout, run directory and resume point: every check that
     needs no processes, so a mistake is one line before any rank starts working."""
-    from toolkit.train import build, checkpoint
+    from toolkit.train import build, checkpoint, megatron_optimizer
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
@@ -96,21 +97,27 @@ def prepare(config_path, overrides) -> Run:
                   "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
                   **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
     run_dir = Path(cfg.run_dir)
-    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file)
+    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file,
+                                          cfg.model.optimizer_state)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
     resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
     schedule = LRSchedule.from_config(cfg)
     lora = build.lora_plan(cfg, meta)
     same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch,
                                                                      lora is not None, cfg.model.checkpoint)
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout)
+    # A fresh run may start from a Megatron-LM run's Adam state; a resume has its own in train/.
+    optimizer_start = None
+    if cfg.model.optimizer_state is not None and resume_from is None:
+        optimizer_start = megatron_optimizer.check(cfg.model.optimizer_state, meta, cfg.parallel.tp,
+                                                   keep_step=cfg.model.optimizer_step == "keep")
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start)
 
 
 def finetune(run: Run) -> int:
     import torch.distributed as dist
 
     from toolkit.runtime.distributed import init_parallel, shutdown
-    from toolkit.train import build, checkpoint, loss_scale
+    from toolkit.train import build, checkpoint, loss_scale, megatron_optimizer
     from toolkit.train.loss import padded_vocab_mask
     from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
@@ -155,11 +162,15 @@ def finetune(run: Run) -> int:
     fp16_watch = loss_scale.wire(engine, model, cfg) if cfg.precision == "fp16" else None
 
     # 7. Resume (weights, optimizer, LR schedule, data position; RNG on the same layout) if asked,
-    #    from DeepSpeed's files on the same layout, else from the layout-independent state.
+    #    from DeepSpeed's files on the same layout, else from the layout-independent state. Or, with
+    #    model.optimizer_state, start from a Megatron-LM run's fp32 masters and Adam moments (LR
+    #    schedule and data from the start: it is a new fine-tune).
     start_step = 0
     if run.resume_from is not None:
         start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg),
                                        shards, run.same_layout, lora=adapter is not None)
+    elif run.optimizer_start is not None:
+        megatron_optimizer.load(run.optimizer_start, engine, shards)
 
     resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
                 "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}

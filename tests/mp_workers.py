@@ -329,11 +329,13 @@ def _megatron_switch_loss(router_logits, config) -> float:
     return total
 
 
-def megatron_distributed_optimizer_checkpoint(checkpoint: str, out: str, steps: int) -> float:
+def megatron_distributed_optimizer_checkpoint(checkpoint: str, out: str, steps: int, dp_reshardable_out: str = "") -> float:
     """megatron-core's own training objects, not ours: the converted model wrapped in megatron-core's
     DistributedDataParallel with its DistributedOptimizer (Adam, fp32, state sharded over DP), a few
     steps on random tokens, then dist_checkpointing.save of the model's and the optimizer's
-    sharded_state_dict in the layout-independent (`fully_reshardable`) format. Returns the last loss."""
+    sharded_state_dict in the layout-independent (`fully_reshardable`) format (and, given
+    `dp_reshardable_out`, the same state there in megatron-core's `dp_reshardable` format). Returns
+    the last loss."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -362,11 +364,13 @@ def megatron_distributed_optimizer_checkpoint(checkpoint: str, out: str, steps: 
         loss.backward()
         ddp.finish_grad_sync()
         optimizer.step()
-    model_state = model.sharded_state_dict()
-    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
-        model_state, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
-    if torch.distributed.get_rank() == 0:
-        Path(out).mkdir(parents=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(state, out)
+    saves = ((out, "fully_reshardable"), (dp_reshardable_out, "dp_reshardable"))
+    for directory, sharding in (s for s in saves if s[0]):
+        model_state = model.sharded_state_dict()
+        state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+            model_state, metadata={"distrib_optim_sharding_type": sharding})}
+        if torch.distributed.get_rank() == 0:
+            Path(directory).mkdir(parents=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, directory)
     return float(loss)

@@ -28,6 +28,13 @@ class ModelConfig:
     family: str | None = None
     num_layers: PositiveInt | None = None
     hidden_size: PositiveInt | None = None
+    # A Megatron-LM torch_dist training checkpoint (iteration or run directory) whose DistributedOptimizer
+    # state, saved fully_reshardable, a fresh run starts from: its fp32 master weights and Adam moments
+    # replace model.checkpoint's weights (that checkpoint's own export, converted). A resume ignores it.
+    optimizer_state: str | None = None
+    # Adam's step count with optimizer_state: "keep" Megatron's, so the bias correction of the carried
+    # moments stays what it was (at step 0 AdamW would scale them up as if they were one step old); or "reset"
+    optimizer_step: Literal["keep", "reset"] = "keep"
 
 
 @dataclass
@@ -333,6 +340,20 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"peft.init_from={cfg.peft.init_from}: not a directory")
     if not cfg.data.train_file:
         raise ConfigError("data.train_file is required")
+    _validate_optimizer_state(cfg)
+
+
+def _validate_optimizer_state(cfg: TrainConfig) -> None:
+    path = cfg.model.optimizer_state
+    if path is None:
+        return
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.optimizer_state={path}: not a directory")
+    for enabled, what in ((cfg.peft.enabled, "peft.enabled (LoRA trains an adapter Megatron's optimizer never saw)"),
+                          (cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp (the state is loaded into "
+                                                             "DeepSpeed's ZeRO optimizer)")):
+        if enabled:
+            raise ConfigError(f"model.optimizer_state with {what} is not supported")
 
 
 def _validate_virtual_pipeline(cfg: TrainConfig) -> None:

@@ -117,14 +117,15 @@ def _base_optimizer(engine):
     return getattr(zero, "optimizer", zero)
 
 
-def load_state(directory: Path, engine, shards: ParamShards, step: int) -> None:
+def load_state(directory: Path, engine, shards: ParamShards, step: int, states=STATES) -> None:
     """Collective: read this rank's box of every tensor, give DeepSpeed this rank's fragment.
     One read per kind of state (master weights, then each moment), so a rank holds at most one
-    fp32 copy of its TP/PP shard at a time."""
+    fp32 copy of its TP/PP shard at a time. `states`: (key prefix in `directory`, DeepSpeed's key)
+    pairs, ours by default (a Megatron-LM optimizer state: toolkit.train.megatron_optimizer)."""
     from megatron.core import dist_checkpointing
 
     _create_adam_state(engine)
-    for name, key in STATES:
+    for name, key in states:
         template = {
             str(index): shards.sharded(name, entry, torch.empty(shape, dtype=torch.float32))
             for index, (_, entry, shape) in enumerate(shards.entries)
