@@ -105,3 +105,17 @@ def test_every_help_text_reads_as_written():
     assert len(found) > 10
     for parser in found:
         assert "%%" not in parser.format_help(), parser.prog
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tiny_hf):
+    """`toolkit ckpt inspect DIR | head` (README walkthrough): the reader leaves early, the write
+    fails with EPIPE; the command ends with the shell's SIGPIPE status, not a traceback."""
+    import subprocess
+    import sys
+
+    command = ["memory", str(tiny_hf["llama"]), "--gpus", "8", "--tp", "2", "--pp", "2", "--zero", "1",
+               "--micro-batch", "1", "--global-batch", "16"]
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the command writes
+    stderr = proc.stderr.read().decode()
+    assert proc.wait() == 141 and stderr == "", stderr

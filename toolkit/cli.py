@@ -49,6 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader left (`toolkit ckpt inspect DIR | head`): end as a shell tool killed by
+    SIGPIPE does, without a traceback; stdout goes to /dev/null so the exit flush cannot fail again."""
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":
