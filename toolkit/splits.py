@@ -18,6 +18,9 @@ back, the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_
 
 A source is anything with `shape(name)` and `read(name, rows=slice|None, cols=slice|None)`, so a
 rank's shard is read straight from the HF file without loading the whole tensor.
+
+Each kind also says which ranges of the TP=1 megatron tensor a rank's shard holds (`segments`),
+so a shard for one TP size is copied straight from the shards of another (toolkit.convert.reslice).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class SplitKind:
     """One way a megatron tensor is made of HF tensors and spread over TP ranks."""
 
     name = ""
+    dim = 0  # the dimension TP splits
 
     def build(self, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
         """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
@@ -72,6 +76,20 @@ class SplitKind:
         """Shape of one TP rank's megatron tensor (tp=1: the global tensor) from the HF shapes."""
         raise NotImplementedError
 
+    def segments(self, size: int, tp: int, rank: int) -> list[slice]:
+        """The ranges along `dim` of the TP=1 megatron tensor (`size` long there) that rank `rank`
+        of `tp` holds, in the order its shard stacks them."""
+        return [chunk_range(size, tp, rank)]
+
+    def whole_size(self, shard_size: int, tp: int) -> int:
+        """Length along `dim` of the TP=1 tensor whose shards over `tp` ranks are `shard_size` long."""
+        return shard_size * tp
+
+    def resized(self, size: int, geo: Geometry) -> tuple[int, int]:
+        """(length along `dim` of the TP=1 tensor at geometry `geo`, how many of its first indices hold
+        data) for a TP=1 tensor stored `size` long: the rest is zero padding."""
+        return size, size
+
     def __repr__(self) -> str:
         return f"Split.{self.name}"
 
@@ -84,6 +102,12 @@ class Replicated(SplitKind):
 
     def merge(self, shards, geo):
         return [shards[0]]
+
+    def segments(self, size, tp, rank):
+        return [slice(0, size)]
+
+    def whole_size(self, shard_size, tp):
+        return shard_size
 
     def shape(self, hf_shapes, geo, tp):
         return hf_shapes[0]
@@ -108,6 +132,7 @@ class ColumnSplit(SplitKind):
 
 class RowSplit(SplitKind):
     name = "ROW"
+    dim = 1
 
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0], cols=chunk_range(src.shape(names[0])[1], tp, rank))
@@ -141,6 +166,10 @@ class VocabSplit(SplitKind):
 
         return [torch.cat(shards, dim=0)[: geo.vocab_size]]
 
+    def resized(self, size, geo):
+        """The padded vocabulary depends on the layout (Layout.padded_vocab); padding rows are zeros."""
+        return geo.padded_vocab_size, min(size, geo.vocab_size)
+
     def shape(self, hf_shapes, geo, tp):
         return (geo.padded_vocab_size // tp, *hf_shapes[0][1:])
 
@@ -168,6 +197,12 @@ class FusedGateUp(ColumnSplit):
 
         halves = [s.chunk(2, dim=0) for s in shards]
         return self._to_hf(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+
+    def segments(self, size, tp, rank):
+        """The TP=1 tensor is [gate; up]; rank r holds [gate_r; up_r]."""
+        ffn = size // 2
+        rows = chunk_range(ffn, tp, rank)
+        return [rows, slice(ffn + rows.start, ffn + rows.stop)]
 
 
 class HFFusedGateUp(FusedGateUp):

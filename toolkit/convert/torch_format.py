@@ -15,7 +15,6 @@ allowing only the non-tensor types these files carry (SAFE_GLOBALS), and memory-
 from __future__ import annotations
 
 import argparse
-import itertools
 import pickle
 import re
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from toolkit.convert import naming
 from toolkit.convert.metadata import CHECKPOINT_VERSION
-from toolkit.convert.torch_stream import HashingWriter, save_streaming, without_zip_crc32
+from toolkit.convert.torch_stream import MAX_PENDING, HashingWriter, save_streaming, without_zip_crc32
 from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
 
@@ -79,26 +78,31 @@ def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec
 
 
 def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], tensors: Iterator[tuple[str, torch.Tensor]],
-                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0) -> str:
+                     args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0,
+                     max_pending: int = MAX_PENDING) -> str:
     """Write one rank file as `tensors` yields (canonical name, tensor) in the order of `shapes`,
-    holding a tensor or two at a time (toolkit.convert.torch_stream); returns its sha256. The
-    bytes are those save_rank_file would write."""
-    first_name, first = next(tensors)
-    placeholders = {name: torch.empty(shape, dtype=first.dtype) for name, shape in shapes.items()}
+    holding a tensor or two at a time (one with max_pending=1; toolkit.convert.torch_stream);
+    returns its sha256. The bytes are those save_rank_file would write."""
+    first = [next(tensors)]  # its dtype lays the file out; handed on, not kept
+    placeholders = {name: torch.empty(shape, dtype=first[0][1].dtype) for name, shape in shapes.items()}
 
     def in_order():
-        for (name, tensor), expected in zip(itertools.chain([(first_name, first)], tensors), placeholders, strict=True):
-            if name != expected:
-                raise RuntimeError(f"{path}: built {name!r} where {expected!r} was laid out")
+        expected = iter(placeholders)
+        item = first.pop()
+        while item is not None:
+            name, tensor = item
+            laid_out = next(expected, None)
+            if name != laid_out:
+                raise RuntimeError(f"{path}: built {name!r} where {laid_out!r} was laid out")
             yield tensor
+            del item, tensor  # before the next is built
+            item = next(tensors, None)
+        if next(expected, None) is not None:
+            raise RuntimeError(f"{path}: fewer tensors built than laid out")
 
     path.parent.mkdir(parents=True)
     state = _rank_state(placeholders, args, layer_spec, num_stage_layers, local_experts)
-    return save_streaming(state, list(placeholders.values()), in_order(), path)
-
-
-def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
-    return release / layout.rank_dir(tp_rank, pp_rank, ep_rank) / RANK_FILE
+    return save_streaming(state, list(placeholders.values()), in_order(), path, max_pending)
 
 
 def write_rank_files(
@@ -110,12 +114,13 @@ def write_rank_files(
     layer_spec: str,
     args: argparse.Namespace,
     local_experts: int = 0,
+    max_pending: int = MAX_PENDING,
 ) -> dict[Path, str]:
     """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: sha256}.
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
     rank-local expert numbers, tensor) in the order of stage_shapes(pp_rank), the shapes of one
-    rank's tensors: memory holds a tensor or two, never a whole rank's experts.
+    rank's tensors: memory holds a tensor or two (one with max_pending=1), never a whole rank's experts.
     """
     checksums = {}
     for pp_rank in range(layout.pp):
@@ -124,7 +129,7 @@ def write_rank_files(
             for ep_rank in range(layout.ep):
                 path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
                 checksums[path] = stream_rank_file(path, shapes, iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
-                                                   layer_spec, num_stage_layers, local_experts)
+                                                   layer_spec, num_stage_layers, local_experts, max_pending)
     return checksums
 
 

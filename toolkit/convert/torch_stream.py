@@ -115,10 +115,14 @@ def _check_matches(tensor: torch.Tensor, placeholder: torch.Tensor, index: int) 
                            f"for {tuple(placeholder.shape)} {placeholder.dtype} (contiguous)")
 
 
-def save_streaming(state: dict, placeholders: list[torch.Tensor], tensors: Iterable[torch.Tensor], path: Path) -> str:
+def save_streaming(state: dict, placeholders: list[torch.Tensor], tensors: Iterable[torch.Tensor], path: Path,
+                   max_pending: int = MAX_PENDING) -> str:
     """torch.save(state) to `path` where `state` holds `placeholders` (distinct `torch.empty` tensors,
     in the order the pickler meets them) and `tensors` yields their real values in that order.
-    Returns the file's sha256. Without the zip CRC32, as toolkit.convert.torch_format saves."""
+    Returns the file's sha256. Without the zip CRC32, as toolkit.convert.torch_format saves.
+    `max_pending` 1: each tensor is written before the next is asked for, so memory holds one.
+    No reference to a tensor is kept past its write (an `enumerate` would hold the last one while
+    the next is built)."""
     with open(path, "wb") as f, torch.serialization.skip_data(), without_zip_crc32():
         torch.save(state, f)
     spans = _record_spans(path, len(placeholders))
@@ -128,15 +132,16 @@ def save_streaming(state: dict, placeholders: list[torch.Tensor], tensors: Itera
         pending: list[Future] = []
         count = 0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-file-writer") as pool:
-            for index, tensor in enumerate(tensors):
-                if index >= len(placeholders):
+            for tensor in tensors:
+                if count >= len(placeholders):
                     raise RuntimeError(f"more tensors than the {len(placeholders)} laid out")
-                _check_matches(tensor, placeholders[index], index)
-                if tensor.nbytes != spans[index][1]:
-                    raise RuntimeError(f"tensor {index}: {tensor.nbytes} bytes for a record of {spans[index][1]}")
-                pending.append(pool.submit(writer.write, tensor, spans[index][0]))
+                _check_matches(tensor, placeholders[count], count)
+                if tensor.nbytes != spans[count][1]:
+                    raise RuntimeError(f"tensor {count}: {tensor.nbytes} bytes for a record of {spans[count][1]}")
+                pending.append(pool.submit(writer.write, tensor, spans[count][0]))
+                del tensor  # the writer holds it until written
                 count += 1
-                while len(pending) >= MAX_PENDING:
+                while len(pending) >= max_pending:
                     pending.pop(0).result()
             for done in pending:
                 done.result()
