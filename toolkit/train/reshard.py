@@ -5,10 +5,10 @@ offline (one process, no process group), as a run directory that `resume=auto` c
     OUT/checkpoints/step_0000010/
       train/              the layout-independent fp32 master weights and Adam moments, copied file
                           by file (torch_dist global tensors: already readable at any layout)
-      model/              the fp32 weights in our per-rank format at the new TP x PP, one rank file
-                          at a time, read one row at a time (what `toolkit convert megatron-to-hf` and
-                          `ckpt inspect` read), each rank file written tensor by tensor: memory holds
-                          one row's tensors (a fused QKV or [gate; up] merged) at a time
+      model/              the fp32 weights in our per-rank format at the new TP x PP (what `toolkit
+                          convert megatron-to-hf` and `ckpt inspect` read), written tensor by tensor,
+                          each shard copied from the memory-mapped stored shards and written before
+                          the next is built: memory holds one tensor shard (toolkit.convert.reslice)
       train_state.json    the step, LR schedule, data position and global batch, with the new TP and PP
 
 DeepSpeed's files (ds/) and the per-rank RNG states (ranks/) belong to the old layout and are left
@@ -66,7 +66,11 @@ def _checked_source(step_dir: Path, state: dict) -> CheckpointMeta:
         raise CheckpointError(f"{step_dir} was written by an earlier version without a layout-independent state "
                               "(train/): it cannot be resharded")
     elastic.check_files(step_dir / elastic.STATE_DIR)  # a missing or truncated shard: one line
-    return CheckpointMeta.read(step_dir / "model")
+    meta = CheckpointMeta.read(step_dir / "model")
+    if meta.format != "torch":  # what checkpoint._write_model writes; resliced as per-rank files
+        raise CheckpointError(f"{step_dir / 'model'} is in the {meta.format} format, not the per-rank torch files "
+                              "a fine-tuning checkpoint holds: it cannot be resharded")
+    return meta
 
 
 def _copy_files(source: Path, target: Path) -> None:
