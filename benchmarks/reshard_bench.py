@@ -2,12 +2,18 @@
 
 One short fine-tuning run (TP1 x PP2, 2 processes, one step) writes a checkpoint of a model larger
 than the tests' (default: hidden 512, 4 layers, vocabulary 8192, ~30 M parameters); it is then
-resharded to TP2 x PP1 in a fresh process, which reports the high-water mark of its anonymous
-memory (RssAnon, sampled every millisecond: the process's own memory, not the page cache of the
-files it maps) above what it held after its imports (and the lazy ones opening a checkpoint makes),
+resharded to TP2 x PP1 in a fresh process, which reports the high-water mark of its own memory
+(RssAnon + RssShmem, sampled every millisecond: not the page cache of the files it maps or
+copies) above what it held after its imports (and the lazy ones opening a checkpoint makes),
 and that of its whole resident set (which counts the memory-mapped input and scratch pages the
-kernel may evict). Printed beside them: the
-largest tensor of the output's rank files, the largest output rank file, and the checkpoint's size.
+kernel may evict). Printed beside them: the largest tensor shard of the input's and of the
+output's rank files, the largest output rank file, the checkpoint's size, and the ratio of the
+peak to the largest output shard.
+
+The bound (toolkit.convert.reslice): one output shard is resident at a time, built from the
+memory-mapped input and written before the next is built, plus a small constant (a 1 MiB checksum
+buffer, the unpickled rank-file headers): peak <= largest output shard + about 2.5 MiB, whatever
+the model's size. train/ is copied file by file in the kernel (no process memory).
 
     python benchmarks/reshard_bench.py [--hidden 512] [--layers 4] [--vocab 8192]
 """
@@ -56,12 +62,12 @@ def measure(source: str, out: str) -> None:
     from toolkit.train.checkpoint_info import resolve
 
     MegatronCheckpoint.open(resolve(Path(source)) / "model")  # its lazy imports (transformers' configs) first
-    anon_before, rss_before = _status_mib("RssAnon"), _status_mib("VmRSS")
+    anon_before, rss_before = _own_mib(), _status_mib("VmRSS")
     peak, done = [anon_before], threading.Event()
 
     def sample():
         while not done.wait(SAMPLE_S):
-            peak[0] = max(peak[0], _status_mib("RssAnon"))
+            peak[0] = max(peak[0], _own_mib())
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -69,11 +75,17 @@ def measure(source: str, out: str) -> None:
     done.set()
     sampler.join()
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(json.dumps({"anon_peak_above_imports_mib": peak[0] - anon_before,
+    print(json.dumps({"own_peak_above_imports_mib": peak[0] - anon_before,
                       "rss_peak_above_imports_mib": rss_peak - rss_before}))
 
 
 SAMPLE_S = 0.001
+
+
+def _own_mib() -> float:
+    """The process's own memory: private anonymous pages and shared anonymous ones (an anonymous
+    mmap can be either)."""
+    return _status_mib("RssAnon") + _status_mib("RssShmem")
 
 
 def _status_mib(field: str) -> float:
@@ -84,11 +96,12 @@ def _status_mib(field: str) -> float:
     raise KeyError(field)
 
 
-def largest(out: Path) -> tuple[float, float]:
+def largest(release: Path) -> tuple[float, float]:
+    """(largest tensor shard, largest rank file) of a per-rank checkpoint, MiB."""
     import torch
 
     tensor = rank_file = 0
-    for path in out.rglob("model_optim_rng.pt"):
+    for path in release.rglob("model_optim_rng.pt"):
         state = torch.load(path, weights_only=False, mmap=True)["model"]
         tensor = max(tensor, *(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)))
         rank_file = max(rank_file, path.stat().st_size)
@@ -111,11 +124,14 @@ def main() -> int:
                                capture_output=True, text=True)
         peaks = json.loads(child.stdout.strip().splitlines()[-1])
         tensor, rank_file = largest(root / "out")
+        input_tensor, _ = largest(run / "checkpoints")
         size = sum(p.stat().st_size for p in (run / "checkpoints").rglob("*") if p.is_file()) / MIB
-    print(f"reshard TP1 x PP2 -> TP2 x PP1 of a {size:.0f} MiB checkpoint: peak anonymous memory above imports "
-          f"{peaks['anon_peak_above_imports_mib']:.1f} MiB (resident set, page cache of mapped files included: "
-          f"{peaks['rss_peak_above_imports_mib']:.1f} MiB); largest output tensor {tensor:.1f} MiB, largest output "
-          f"rank file {rank_file:.1f} MiB")
+    peak = peaks["own_peak_above_imports_mib"]
+    print(f"reshard TP1 x PP2 -> TP2 x PP1 of a {size:.0f} MiB checkpoint (hidden {args.hidden}, {args.layers} layers, "
+          f"vocabulary {args.vocab}): peak own memory above imports {peak:.1f} MiB (resident set, page cache of mapped "
+          f"files included: {peaks['rss_peak_above_imports_mib']:.1f} MiB); largest tensor shard: output "
+          f"{tensor:.1f} MiB, input {input_tensor:.1f} MiB; largest output rank file {rank_file:.1f} MiB")
+    print(f"peak / largest output shard = {peak / tensor:.2f} (bound: one shard + about 2.5 MiB)")
     return 0
 
 

@@ -22,6 +22,9 @@ rank's shard is read straight from the HF file without loading the whole tensor.
 Each kind that can also says where a shard's bytes lie in the HF tensors (`row_pieces`: row
 ranges, and a column range, of HF tensors stacked on dim 0), so the converter copies them file to
 file without building the tensor (toolkit/convert/range_copy.py).
+
+Each kind also says which ranges of the TP=1 megatron tensor a rank's shard holds (`segments`),
+so a shard for one TP size is copied straight from the shards of another (toolkit.convert.reslice).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class SplitKind:
     """One way a megatron tensor is made of HF tensors and spread over TP ranks."""
 
     name = ""
+    dim = 0  # the dimension TP splits
 
     def build(self, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
         """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
@@ -91,6 +95,20 @@ class SplitKind:
         """Where the bytes of `build`'s tensor lie in the HF tensors, or None where not described."""
         return None
 
+    def segments(self, size: int, tp: int, rank: int) -> list[slice]:
+        """The ranges along `dim` of the TP=1 megatron tensor (`size` long there) that rank `rank`
+        of `tp` holds, in the order its shard stacks them."""
+        return [chunk_range(size, tp, rank)]
+
+    def whole_size(self, shard_size: int, tp: int) -> int:
+        """Length along `dim` of the TP=1 tensor whose shards over `tp` ranks are `shard_size` long."""
+        return shard_size * tp
+
+    def resized(self, size: int, geo: Geometry) -> tuple[int, int]:
+        """(length along `dim` of the TP=1 tensor at geometry `geo`, how many of its first indices hold
+        data) for a TP=1 tensor stored `size` long: the rest is zero padding."""
+        return size, size
+
     def __repr__(self) -> str:
         return f"Split.{self.name}"
 
@@ -106,6 +124,12 @@ class Replicated(SplitKind):
 
     def merge(self, shards, geo):
         return [shards[0]]
+
+    def segments(self, size, tp, rank):
+        return [slice(0, size)]
+
+    def whole_size(self, shard_size, tp):
+        return shard_size
 
     def shape(self, hf_shapes, geo, tp):
         return hf_shapes[0]
@@ -134,6 +158,7 @@ class ColumnSplit(SplitKind):
 
 class RowSplit(SplitKind):
     name = "ROW"
+    dim = 1
 
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0], cols=chunk_range(src.shape(names[0])[1], tp, rank))
@@ -178,6 +203,10 @@ class VocabSplit(SplitKind):
 
         return [torch.cat(shards, dim=0)[: geo.vocab_size]]
 
+    def resized(self, size, geo):
+        """The padded vocabulary depends on the layout (Layout.padded_vocab); padding rows are zeros."""
+        return geo.padded_vocab_size, min(size, geo.vocab_size)
+
     def shape(self, hf_shapes, geo, tp):
         return (geo.padded_vocab_size // tp, *hf_shapes[0][1:])
 
@@ -210,6 +239,12 @@ class FusedGateUp(ColumnSplit):
 
         halves = [s.chunk(2, dim=0) for s in shards]
         return self._to_hf(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+
+    def segments(self, size, tp, rank):
+        """The TP=1 tensor is [gate; up]; rank r holds [gate_r; up_r]."""
+        ffn = size // 2
+        rows = chunk_range(ffn, tp, rank)
+        return [rows, slice(ffn + rows.start, ffn + rows.stop)]
 
 
 class HFFusedGateUp(FusedGateUp):

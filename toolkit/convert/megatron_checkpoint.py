@@ -157,14 +157,20 @@ class MegatronCheckpoint:
             for ep_rank in range(self.layout.ep):
                 yield from self._from_stage(pp_rank, ep_rank, wanted)
 
+    def stage(self, pp_rank: int, ep_rank: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Each TP rank's tensors of one stored stage (and EP rank) of a per-rank checkpoint, in
+        canonical names, memory-mapped; checksums and shapes checked."""
+        stage = torch_format.read_stage(self.shards, self.layout, pp_rank, self._verified, ep_rank)
+        consistency.check_stage(stage, self.family, self.spec, self.layout, pp_rank, self.shards)
+        return stage
+
     def _from_stage(self, pp_rank: int, ep_rank: int, wanted):
         geo = self.layout.geometry(self.spec)
         layers, experts = self.layout.stage_layers(self.spec, pp_rank), self.layout.local_experts(self.spec, ep_rank)
         rows = [r for r in self._rows() if r.per_expert or ep_rank == 0]
         if wanted is not None and not any(_needed(r, layers, experts, wanted) for r in rows):
             return
-        stage = torch_format.read_stage(self.shards, self.layout, pp_rank, self._verified, ep_rank)
-        consistency.check_stage(stage, self.family, self.spec, self.layout, pp_rank, self.shards)
+        stage = self.stage(pp_rank, ep_rank)
         for row in rows:
             for layer, local, expert, local_expert in row_instances(row, layers, experts):
                 names = row.hf_names(layer, expert)

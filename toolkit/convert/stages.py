@@ -12,7 +12,7 @@ import torch
 from toolkit.families import Family, ModelSpec
 from toolkit.families.table import Row
 from toolkit.layouts import Layout
-from toolkit.splits import Split, build_shard, megatron_shape
+from toolkit.splits import build_shard, megatron_shape
 
 
 def on_stage(row: Row, stage: int, pp: int) -> bool:
@@ -57,23 +57,27 @@ def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int
     return names
 
 
+def stage_rows(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int,
+               ep_rank: int = 0) -> Iterator[tuple[str, Row, int | None, int | None]]:
+    """(canonical name with stage-local layer and rank-local expert numbers, its row, global layer,
+    global expert) of every tensor one rank of the stage holds, in rank-file order; a tied output
+    layer (the last stage's copy of the embedding) is the embedding's row."""
+    layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
+    for row in family.rows_for(spec.tied_embeddings):
+        if on_stage(row, pp_rank, layout.pp):
+            for layer, local, expert, local_expert in row_instances(row, layers, experts):
+                yield row.megatron_name(local, local_expert), row, layer, expert
+    if _ties_output_here(spec, layout, pp_rank):
+        yield "output_layer.weight", embedding_row(family), None, None
+
+
 def stage_megatron_shapes(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, ...]]:
     """(canonical name with stage-local layer number) -> shape of one TP rank's shard, for the
     tensors stage_tensors yields: what a rank file of this stage must hold."""
     geo = layout.geometry(spec)
-    layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, 0)
-    shapes = {}
-    for row in family.rows_for(spec.tied_embeddings):
-        if not on_stage(row, pp_rank, layout.pp):
-            continue
-        hf_shapes = [tuple(spec.size_of(s) for s in symbols) for symbols in row.shapes]
-        for _, local, _, local_expert in row_instances(row, layers, experts):
-            shapes[row.megatron_name(local, local_expert)] = megatron_shape(row.split, hf_shapes, geo, layout.tp)
-    if _ties_output_here(spec, layout, pp_rank):
-        emb = embedding_row(family)
-        shapes["output_layer.weight"] = megatron_shape(Split.VOCAB, [tuple(spec.size_of(s) for s in emb.shapes[0])],
-                                                       geo, layout.tp)
-    return shapes
+    return {name: megatron_shape(row.split, [tuple(spec.size_of(s) for s in symbols) for symbols in row.shapes], geo,
+                                 layout.tp)
+            for name, row, _, _ in stage_rows(family, spec, layout, pp_rank)}
 
 
 def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank: int, pp_rank: int,
@@ -82,17 +86,9 @@ def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank:
     every tensor of the stage; experts split over TP as dense tensors are (expert TP = TP).
     `build` has build_shard's signature (the converter's yields byte ranges where it can)."""
     geo = layout.geometry(spec)
-    layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
-    for row in family.rows_for(spec.tied_embeddings):
-        if not on_stage(row, pp_rank, layout.pp):
-            continue
-        for layer, local, expert, local_expert in row_instances(row, layers, experts):
-            yield (row.megatron_name(local, local_expert),
-                   build(row.split, src, row.hf_names(layer, expert), layout.tp, tp_rank, geo))
-            on_tensor()
-    if _ties_output_here(spec, layout, pp_rank):
-        emb = embedding_row(family)
-        yield "output_layer.weight", build(Split.VOCAB, src, emb.hf_names(), layout.tp, tp_rank, geo)
+    for name, row, layer, expert in stage_rows(family, spec, layout, pp_rank, ep_rank):
+        yield name, build(row.split, src, row.hf_names(layer, expert), layout.tp, tp_rank, geo)
+        on_tensor()
 
 
 class TensorSource:

@@ -106,7 +106,8 @@ def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
     experts = len(layout.local_experts(spec, 0))
     per_rank = sum((spec.num_layers if r.per_layer else 1) * (experts if r.per_expert else 1)
                    for r in family.rows_for(spec.tied_embeddings))
-    return layout.tp * layout.ep * per_rank
+    tied_output_copy = spec.tied_embeddings and layout.pp > 1  # the last stage's output layer
+    return layout.tp * layout.ep * (per_rank + tied_output_copy)
 
 
 def hf_to_megatron(

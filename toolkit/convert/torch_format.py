@@ -15,7 +15,6 @@ allowing only the non-tensor types these files carry (SAFE_GLOBALS), and memory-
 from __future__ import annotations
 
 import argparse
-import itertools
 import pickle
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -83,19 +82,26 @@ def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], items: Iter
                      args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0,
                      dtype: torch.dtype | None = None) -> str:
     """Write one rank file as `items` yields (canonical name, tensor or its byte ranges) in the
-    order of `shapes`, holding a tensor at a time (toolkit.convert.torch_stream); returns its
-    sha256. The bytes are those save_rank_file would write. `dtype`: every tensor's (None: the
-    first item's, which must then be a tensor)."""
-    if dtype is None:
-        first = next(items)
-        dtype, items = first[1].dtype, itertools.chain([first], items)
+    order of `shapes`, holding one tensor at a time
+    (toolkit.convert.torch_stream); returns its sha256. The bytes are those save_rank_file would
+    write. `dtype`: every tensor's (None: the first item's, which must then be a tensor)."""
+    first = [next(items)]  # handed on, not kept
+    dtype = first[0][1].dtype if dtype is None else dtype
     placeholders = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
 
     def in_order():
-        for (name, item), expected in zip(items, placeholders, strict=True):
-            if name != expected:
-                raise RuntimeError(f"{path}: built {name!r} where {expected!r} was laid out")
-            yield item
+        expected = iter(placeholders)
+        item = first.pop()
+        while item is not None:
+            name, tensor = item
+            laid_out = next(expected, None)
+            if name != laid_out:
+                raise RuntimeError(f"{path}: built {name!r} where {laid_out!r} was laid out")
+            yield tensor
+            del item, tensor  # before the next is built
+            item = next(items, None)
+        if next(expected, None) is not None:
+            raise RuntimeError(f"{path}: fewer tensors built than laid out")
 
     path.parent.mkdir(parents=True)
     state = _rank_state(placeholders, args, layer_spec, num_stage_layers, local_experts)
@@ -119,9 +125,8 @@ def write_rank_files(
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
     rank-local expert numbers, tensor or its byte ranges) in the order of stage_shapes(pp_rank),
-    the shapes of one rank's tensors: memory holds a tensor per file being written, never a whole
-    rank's experts. `file_threads` files are written at once, where build_stage may be called from
-    several threads (copies, writes and hashing release the GIL).
+    the shapes of one rank's tensors: memory holds one tensor per file being written, never a whole rank's experts. `file_threads` files are written at once, where
+    build_stage may be called from several threads (copies, writes and hashing release the GIL).
     """
     jobs = {rank_file(release, layout, tp_rank, pp_rank, ep_rank): (tp_rank, pp_rank, ep_rank)
             for pp_rank in range(layout.pp) for tp_rank in range(layout.tp) for ep_rank in range(layout.ep)}

@@ -25,7 +25,7 @@ import torch.utils.serialization
 
 from toolkit.convert.range_copy import copy_ranges, ranges_bytes, write_all
 
-HASH_READ_BYTES = 4 << 20  # reads of the hashing pass: page-cache hits, a bounded buffer
+HASH_READ_BYTES = 1 << 20  # reads of the hashing pass: page-cache hits, a bounded buffer
 
 
 @contextmanager
@@ -88,11 +88,12 @@ class RecordFiller:
     def __init__(self, fd: int, file_size: int):
         self.fd, self.file_size, self.placed = fd, file_size, 0
         self.digest, self._hashed = hashlib.sha256(), 0
+        self._buffer = memoryview(bytearray(HASH_READ_BYTES))  # one per file: used by the hasher thread only
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-hasher")
         self._pending: list[Future] = []
 
     def _hash_up_to(self, end: int) -> None:
-        buffer = memoryview(bytearray(HASH_READ_BYTES))
+        buffer = self._buffer
         while self._hashed < end:
             got = os.preadv(self.fd, [buffer[: min(end - self._hashed, len(buffer))]], self._hashed)
             if not got:
@@ -146,6 +147,7 @@ def fill_records(path: Path, records: Iterable[tuple[int, int, object]]) -> str:
     try:
         for offset, size, item in records:
             filler.place(item, offset, size)
+            del item  # not held while the next is built
         return filler.finish()
     except BaseException:
         filler.abandon()
@@ -158,18 +160,21 @@ def save_streaming(state: dict, placeholders: list[torch.Tensor], items: Iterabl
     """torch.save(state) to `path` where `state` holds `placeholders` (distinct `torch.empty` tensors,
     in the order the pickler meets them) and `items` yields their real values in that order, each
     a tensor or the byte ranges holding it (toolkit.convert.range_copy). Returns the file's sha256.
-    Without the zip CRC32, as toolkit.convert.torch_format saves."""
+    Without the zip CRC32, as toolkit.convert.torch_format saves. Each item is placed before the
+    next is asked for, and no reference to it is kept past that, so memory holds one at a time
+    (an `enumerate` would hold the last one while the next is built)."""
     with open(path, "wb") as f, torch.serialization.skip_data(), without_zip_crc32():
         torch.save(state, f)
     spans = _record_spans(path, len(placeholders))
 
     def records():
         count = 0
-        for index, item in enumerate(items):
-            if index >= len(placeholders):
+        for item in items:
+            if count >= len(placeholders):
                 raise RuntimeError(f"more tensors than the {len(placeholders)} laid out")
-            _check_matches(item, placeholders[index], spans[index][1], index)
-            yield spans[index][0], spans[index][1], item
+            _check_matches(item, placeholders[count], spans[count][1], count)
+            yield spans[count][0], spans[count][1], item
+            del item  # before the next is built
             count += 1
         if count != len(placeholders):
             raise RuntimeError(f"{count} tensors built for {len(placeholders)} records")

@@ -5,10 +5,10 @@ offline (one process, no process group), as a run directory that `resume=auto` c
     OUT/checkpoints/step_0000010/
       train/              the layout-independent fp32 master weights and Adam moments, copied file
                           by file (torch_dist global tensors: already readable at any layout)
-      model/              the fp32 weights in our per-rank format at the new TP x PP, one rank file
-                          at a time, read one row at a time (what `toolkit convert megatron-to-hf` and
-                          `ckpt inspect` read), each rank file written tensor by tensor: memory holds
-                          one row's tensors (a fused QKV or [gate; up] merged) at a time
+      model/              the fp32 weights in our per-rank format at the new TP x PP (what `toolkit
+                          convert megatron-to-hf` and `ckpt inspect` read), written tensor by tensor,
+                          each shard copied from the memory-mapped stored shards and written before
+                          the next is built: memory holds one tensor shard (toolkit.convert.reslice)
       train_state.json    the step, LR schedule, data position and global batch, with the new TP and PP
 
 DeepSpeed's files (ds/) and the per-rank RNG states (ranks/) belong to the old layout and are left
@@ -26,8 +26,8 @@ from pathlib import Path
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import torch_format
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
-from toolkit.convert.stages import stage_megatron_shapes, stage_tensors
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
+from toolkit.convert.reslice import Resharder
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import checkpoint, elastic
@@ -50,7 +50,7 @@ def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bo
     with atomic_directory(out, overwrite=overwrite) as tmp:
         target = tmp / checkpoint.CHECKPOINTS / step_dir.name
         _copy_files(step_dir / elastic.STATE_DIR, target / elastic.STATE_DIR)
-        _write_model(step_dir / "model", target / "model", meta, layout)
+        reshard_model(step_dir / "model", target / "model", meta, layout)
         resharded = {**state, "tp": tp, "pp": pp, "dp": None, "zero_stage": None,
                      **({"ep": layout.ep} if meta.model_spec.is_moe else {})}
         (target / "train_state.json").write_text(json.dumps(resharded, indent=2))
@@ -66,7 +66,11 @@ def _checked_source(step_dir: Path, state: dict) -> CheckpointMeta:
         raise CheckpointError(f"{step_dir} was written by an earlier version without a layout-independent state "
                               "(train/): it cannot be resharded")
     elastic.check_files(step_dir / elastic.STATE_DIR)  # a missing or truncated shard: one line
-    return CheckpointMeta.read(step_dir / "model")
+    meta = CheckpointMeta.read(step_dir / "model")
+    if meta.format != "torch":  # what checkpoint._write_model writes; resliced as per-rank files
+        raise CheckpointError(f"{step_dir / 'model'} is in the {meta.format} format, not the per-rank torch files "
+                              "a fine-tuning checkpoint holds: it cannot be resharded")
+    return meta
 
 
 def _copy_files(source: Path, target: Path) -> None:
@@ -78,45 +82,15 @@ def _copy_files(source: Path, target: Path) -> None:
             shutil.copyfile(path, destination)
 
 
-class RowSource:
-    """A Source (toolkit.splits) over a stored checkpoint holding one row's HF tensors at a time (a
-    fused QKV or [gate; up] merged over the old TP ranks), so memory holds the rank file being built
-    and one row, not a whole stage. What `read` returns is a copy: it must not keep the row alive."""
-
-    def __init__(self, checkpoint: MegatronCheckpoint):
-        self.checkpoint, self.row = checkpoint, {}
-
-    def _tensor(self, name: str):
-        if name not in self.row:
-            self.row = {}  # drop the previous row before reading the next
-            self.row = dict(self.checkpoint.hf_tensors({name}))
-        return self.row[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensor(name).shape)
-
-    def read(self, name: str, rows: slice | None = None, cols: slice | None = None):
-        tensor = self._tensor(name)
-        tensor = tensor if rows is None else tensor[rows]
-        return (tensor if cols is None else tensor[:, cols]).clone()
-
-
-def _write_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout) -> None:
-    """Each rank file of the new layout from the stored shards, written as soon as it is complete."""
+def reshard_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout) -> None:
+    """Each rank file of the new layout, tensor by tensor, each copied from the stored shards as it
+    is written (toolkit.convert.reslice)."""
     spec = meta.model_spec
     args = megatron_args(spec, layout, "torch")
     layers = spec.num_layers // layout.pp
-    stored = MegatronCheckpoint.open(source)
-    rows = RowSource(stored)
-
-    def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
-        return stage_tensors(rows, stored.family, stored.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
-
-    def stage_shapes(pp_rank: int):
-        return stage_megatron_shapes(stored.family, stored.spec, layout, pp_rank)
-
-    sums = torch_format.write_rank_files(target / RELEASE, layout, build_stage, stage_shapes, layers, LAYER_SPEC, args,
-                                         len(layout.local_experts(spec, 0)))
+    resharder = Resharder(MegatronCheckpoint.open(source), layout)
+    sums = torch_format.write_rank_files(target / RELEASE, layout, resharder.rank_tensors, resharder.shapes, layers,
+                                         LAYER_SPEC, args, len(layout.local_experts(spec, 0)))
     new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
                             "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})
     new.write(target)
