@@ -11,9 +11,9 @@ output's rank files, the largest output rank file, the checkpoint's size, and th
 peak to the largest output shard.
 
 The bound (toolkit.convert.reslice): one output shard is resident at a time, built from the
-memory-mapped input and written before the next is built, plus a small constant (a 1 MiB checksum
-buffer, the unpickled rank-file headers): peak <= largest output shard + about 2.5 MiB, whatever
-the model's size. train/ is copied file by file in the kernel (no process memory).
+memory-mapped input and written before the next is built, plus a small constant (the 1 MiB
+buffer and thread that hash the file behind the writes, the unpickled rank-file headers): peak <=
+largest output shard + about 5 MiB, whatever the model's size. train/ is copied file by file in the kernel (no process memory).
 
     python benchmarks/reshard_bench.py [--hidden 512] [--layers 4] [--vocab 8192]
 """
@@ -131,7 +131,7 @@ def main() -> int:
           f"vocabulary {args.vocab}): peak own memory above imports {peak:.1f} MiB (resident set, page cache of mapped "
           f"files included: {peaks['rss_peak_above_imports_mib']:.1f} MiB); largest tensor shard: output "
           f"{tensor:.1f} MiB, input {input_tensor:.1f} MiB; largest output rank file {rank_file:.1f} MiB")
-    print(f"peak / largest output shard = {peak / tensor:.2f} (bound: one shard + about 2.5 MiB)")
+    print(f"peak / largest output shard = {peak / tensor:.2f} (bound: one shard + about 5 MiB)")
     return 0
 
 
