@@ -209,6 +209,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="convert-bench-") as tmp:
         rows = [r for size in args.sizes.split(",") for r in bench(size, Path(tmp), args.tp, args.pp, args.repeats)]
     print(f"\nsummary (median of {args.repeats}; wall time vs cp -r of the same bytes, sync included on both sides; "
