@@ -27,7 +27,6 @@ from megatron.core.transformer.attention import SelfAttention
 
 from toolkit.families.spec import ModelSpec
 from toolkit.families.table import CustomLayer
-from toolkit.fused_attention import SdpaAttention
 
 
 class RMSNorm(torch.nn.Module):
@@ -141,6 +140,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
     """One decoder layer of local (torch) megatron-core modules, with the family's choices."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -156,7 +156,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
         params={"attn_mask_type": AttnMaskType.causal, "rope_bases": rope_bases(spec)},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=SdpaAttention,
+            core_attention=DotProductAttention,
             linear_proj=out_linear,
             q_layernorm=_qk_norm(layer.qk_norm, spec.num_heads),
             k_layernorm=_qk_norm(layer.qk_norm, spec.num_kv_heads),

@@ -77,10 +77,8 @@ def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if layer_spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
-    from toolkit.fused_attention import with_fused_attention
-
-    local = with_fused_attention(gpt_layer_specs.get_gpt_layer_local_spec(
-        normalization=config.normalization, qk_layernorm=config.qk_layernorm, **experts))
+    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                                                     **experts)
     if config.sequence_parallel:  # the local spec's torch norms refuse SP (Transformer Engine's take it)
         from toolkit.layers import sequence_parallel_block_spec
 
