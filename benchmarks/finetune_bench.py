@@ -57,9 +57,13 @@ def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: in
     return [global_batch * SEQ / r["padded_tokens_per_s"] for r in records[warmup:]]
 
 
-def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int, profile_out: str | None = None) -> list[float]:
+def hf_deepspeed_worker(hf_dir: str, data: str, steps: int, global_batch: int, profile_out: str | None = None,
+                        phases_out: str | None = None) -> list[float]:
     """Baseline: HF LlamaForCausalLM under DeepSpeed ZeRO-1, DeepSpeed's own accumulation
-    (optionally profiled: benchmarks/step_profile.py)."""
+    (optionally profiled: benchmarks/step_profile.py, or timed by phase: benchmarks/step_phases.py). It trains on the recipe's own batches, the
+    same rows in the same order, with the same masked cross entropy: what the model learns changes
+    the step time on CPU (a memorised pattern drives unused vocabulary rows' Adam moments to
+    subnormal floats, and sqrt/div on subnormals is ~5x slower)."""
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM
@@ -75,18 +79,37 @@ def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int, profile_out:
     dp = torch.distributed.get_world_size()
     gas = global_batch // (MICRO * dp)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+    timer = None
+    if phases_out:
+        from step_phases import PhaseTimer, time_deepspeed
+
+        timer = PhaseTimer()
+        time_deepspeed(timer)
+        timer.hook_modules(model)
+        model.forward = timer.wrap("forward", model.forward)
     config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ), device=device)
+    batches = recipe_batches(hf_dir, data, global_batch, dp, torch.distributed.get_rank())
+
+    def masked_loss(logits, batch):
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].to(device).flatten(),
+                                                   reduction="none")
+        mask = batch["loss_mask"].to(device).flatten()
+        return (losses * mask).sum() / mask.sum()
+
+    backward = engine.backward
+    if timer:
+        masked_loss, backward = timer.wrap("loss", masked_loss), timer.wrap("backward", engine.backward)
 
     def train_step():
-        for _ in range(gas):
-            loss = engine(input_ids=tokens, labels=tokens).loss
-            engine.backward(loss)
+        for batch in batches.next_global_batch():
+            backward(masked_loss(engine(input_ids=batch["tokens"].to(device)).logits, batch))
             engine.step()
 
+    if timer:
+        train_step = timer.wrap_step(train_step)
     if profile_out:
         from step_profile import profiled
 
@@ -96,15 +119,30 @@ def hf_deepspeed_worker(hf_dir: str, steps: int, global_batch: int, profile_out:
         began = time.perf_counter()
         train_step()
         times.append(time.perf_counter() - began)
+    if timer and torch.distributed.get_rank() == 0:
+        Path(phases_out).write_text(json.dumps(timer.summary()))
     return times[3:]
 
 
-def run_baseline(hf: Path, nprocs: int, steps: int, global_batch: int, profile_out: Path | None = None) -> list[float]:
+def recipe_batches(hf_dir: str, data: str, global_batch: int, dp: int, dp_rank: int):
+    """The recipe's batch source at its defaults (toolkit/train/build.py)."""
+    from transformers import AutoTokenizer
+
+    from toolkit.train.config import DataConfig, TrainConfig
+    from toolkit.train.data import BatchSource, load_rows
+
+    d = DataConfig()
+    rows, _ = load_rows(data, AutoTokenizer.from_pretrained(hf_dir), SEQ, d.pack, d.overlong, d.malformed)
+    return BatchSource(rows, global_batch, MICRO, dp, dp_rank, TrainConfig.seed, d.shuffle, d.pack)
+
+
+def run_baseline(hf: Path, data: Path, nprocs: int, steps: int, global_batch: int,
+                 profile_out: Path | None = None, phases_out: Path | None = None) -> list[float]:
     from toolkit.runtime.launch import run_on_processes
 
     sys.path.insert(0, str(Path(__file__).parent))
-    return run_on_processes("finetune_bench:hf_deepspeed_worker", nprocs, str(hf), steps, global_batch,
-                            None if profile_out is None else str(profile_out))[0]
+    return run_on_processes("finetune_bench:hf_deepspeed_worker", nprocs, str(hf), str(data), steps, global_batch,
+                            *(None if out is None else str(out) for out in (profile_out, phases_out)))[0]
 
 
 def step_ratio(root: Path, hf: Path, mc: Path, data: Path, repeats: int, steps: int, dp: int, tp: int) -> None:
@@ -112,7 +150,7 @@ def step_ratio(root: Path, hf: Path, mc: Path, data: Path, repeats: int, steps: 
     ours, base = [], []
     for _ in range(repeats):
         ours.append(statistics.median(run_recipe(root, mc, data, dp * tp, steps, 1, 16, (f"parallel.tp={tp}",))))
-        base.append(statistics.median(run_baseline(hf, dp, steps, 16)))
+        base.append(statistics.median(run_baseline(hf, data, dp, steps, 16)))
     ratios = [o / b for o, b in zip(ours, base)]
     print(f"step time, ours TP{tp} x PP1 x DP{dp} vs HF + DeepSpeed DP{dp} (ZeRO-1), global batch 16 x {SEQ} tokens, "
           f"{repeats} runs x {steps} steps:")
@@ -128,10 +166,23 @@ def print_profiles(root: Path, hf: Path, mc: Path, data: Path, dp: int) -> None:
     ours_out, base_out = root / "profile-ours.txt", root / "profile-hf.txt"
     run_recipe(root, mc, data, dp, FIRST + COUNT, 1, 16, script=Path(__file__).parent / "step_profile.py",
                script_args=(str(ours_out),), warmup=0)
-    run_baseline(hf, dp, FIRST + COUNT, 16, base_out)
+    run_baseline(hf, data, dp, FIRST + COUNT, 16, base_out)
     for title, path in (("ours (megatron-core + DeepSpeed)", ours_out), ("HF + DeepSpeed", base_out)):
-        print(f"profile, rank 0, {COUNT} steps at DP{dp}: {title}")
+        print(f"op profile (torch.profiler self CPU time, which inflates some ops), rank 0, {COUNT} steps at DP{dp}: {title}")
         print(path.read_text())
+
+
+def print_phases(root: Path, hf: Path, mc: Path, data: Path, dp: int, steps: int) -> None:
+    """Where the step time goes, both sides, by wall clock (benchmarks/step_phases.py)."""
+    from step_phases import FIRST, phase_table
+
+    ours_out, base_out = root / "phases-ours.json", root / "phases-hf.json"
+    run_recipe(root, mc, data, dp, steps, 1, 16, script=Path(__file__).parent / "step_phases.py",
+               script_args=(str(ours_out),), warmup=0)
+    run_baseline(hf, data, dp, steps, 16, phases_out=base_out)
+    ours, base = (json.loads(p.read_text()) for p in (ours_out, base_out))
+    print(f"step phases by wall clock, rank 0, mean of steps {FIRST}..{steps} at TP1 x PP1 x DP{dp}:")
+    print(phase_table(ours, base))
 
 
 def data_parallel_processes() -> int:
@@ -157,6 +208,7 @@ def main() -> None:
         step_ratio(root, hf, mc, data, args.repeats, args.steps, dp, tp=1)
         if dp == 2:  # TP2 on the same two devices, against HF on one
             step_ratio(root, hf, mc, data, args.repeats, args.steps, 1, tp=2)
+        print_phases(root, hf, mc, data, dp, args.steps)
         print_profiles(root, hf, mc, data, dp)
 
 

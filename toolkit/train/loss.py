@@ -24,11 +24,16 @@ def padded_vocab_mask(vocab_size: int, padded_vocab_size: int, tp: int, tp_rank:
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_mask: torch.Tensor | None) -> torch.Tensor:
     """Per-token cross-entropy from vocab-parallel logits [b, s, V/tp]."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = logits.float()
     if vocab_mask is not None:
         logits = logits.masked_fill(vocab_mask, float("-inf"))
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        # The whole vocabulary is here: torch's fused kernel, as HF computes it, without the
+        # vocab-parallel version's three all-reduces over a group of one and its unfused passes.
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     return vocab_parallel_cross_entropy(logits, labels)
 
 
