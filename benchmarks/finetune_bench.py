@@ -145,11 +145,16 @@ def run_baseline(hf: Path, data: Path, nprocs: int, steps: int, global_batch: in
                             *(None if out is None else str(out) for out in (profile_out, phases_out)))[0]
 
 
+# DeepSpeed's default reduce bucket, which the baseline runs with; the recipe's generated config uses
+# hidden_size^2 elements (HF's "auto"), 65536 here, and so 19 reductions a step instead of 1.
+SAME_BUCKET = ("parallel.reduce_bucket_size=500000000",)
+
+
 def step_ratio(root: Path, hf: Path, mc: Path, data: Path, repeats: int, steps: int, dp: int, tp: int) -> None:
     """Ours at TP tp x DP dp against HF + DeepSpeed at DP dp, same global batch, alternating runs."""
     ours, base = [], []
     for _ in range(repeats):
-        ours.append(statistics.median(run_recipe(root, mc, data, dp * tp, steps, 1, 16, (f"parallel.tp={tp}",))))
+        ours.append(statistics.median(run_recipe(root, mc, data, dp * tp, steps, 1, 16, (f"parallel.tp={tp}", *SAME_BUCKET))))
         base.append(statistics.median(run_baseline(hf, data, dp, steps, 16)))
     ratios = [o / b for o, b in zip(ours, base)]
     print(f"step time, ours TP{tp} x PP1 x DP{dp} vs HF + DeepSpeed DP{dp} (ZeRO-1), global batch 16 x {SEQ} tokens, "
@@ -164,7 +169,7 @@ def print_profiles(root: Path, hf: Path, mc: Path, data: Path, dp: int) -> None:
     from step_profile import COUNT, FIRST
 
     ours_out, base_out = root / "profile-ours.txt", root / "profile-hf.txt"
-    run_recipe(root, mc, data, dp, FIRST + COUNT, 1, 16, script=Path(__file__).parent / "step_profile.py",
+    run_recipe(root, mc, data, dp, FIRST + COUNT, 1, 16, SAME_BUCKET, script=Path(__file__).parent / "step_profile.py",
                script_args=(str(ours_out),), warmup=0)
     run_baseline(hf, data, dp, FIRST + COUNT, 16, base_out)
     for title, path in (("ours (megatron-core + DeepSpeed)", ours_out), ("HF + DeepSpeed", base_out)):
@@ -177,7 +182,7 @@ def print_phases(root: Path, hf: Path, mc: Path, data: Path, dp: int, steps: int
     from step_phases import FIRST, phase_table
 
     ours_out, base_out = root / "phases-ours.json", root / "phases-hf.json"
-    run_recipe(root, mc, data, dp, steps, 1, 16, script=Path(__file__).parent / "step_phases.py",
+    run_recipe(root, mc, data, dp, steps, 1, 16, SAME_BUCKET, script=Path(__file__).parent / "step_phases.py",
                script_args=(str(ours_out),), warmup=0)
     run_baseline(hf, data, dp, steps, 16, phases_out=base_out)
     ours, base = (json.loads(p.read_text()) for p in (ours_out, base_out))

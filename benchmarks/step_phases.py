@@ -14,6 +14,10 @@ Phases, each exclusive of the phases nested in it:
   forward    the model's forward (megatron-core GPTModel / HF LlamaForCausalLM), logits included
   loss       cross entropy over the logits with the loss mask
   backward   autograd backward, DeepSpeed's per-parameter gradient hooks included
+  skew       rank 0 waiting for the other ranks to finish their backward. Both sides meet at
+             their step's first collective (ours: the (loss sum, stop flag) all-reduce; HF: DeepSpeed's
+             reduction at the accumulation boundary); the timer puts a barrier just before it, on
+             both sides, so that the wait is counted here and not in whichever collective comes first
   reduce     DeepSpeed's data-parallel gradient reduction (allreduce_gradients)
   optimizer  the rest of DeepSpeed's step: gradient norm, Adam, parameter all-gather
   totals     ours only: the step's one all-reduce of (loss sum, stop flag)
@@ -33,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = 4  # steps before this one are warm-up (first-step allocations, DeepSpeed's lazy set-up)
-PHASES = ("forward", "loss", "backward", "reduce", "optimizer", "totals", "loop")
+PHASES = ("forward", "loss", "backward", "skew", "reduce", "optimizer", "totals", "loop")
 
 
 class PhaseTimer:
@@ -72,6 +76,21 @@ class PhaseTimer:
                 self.phase_ms[name] += ms
 
         return timed
+
+    def aligned(self, fn, when=lambda *args: True):
+        """fn, preceded by a barrier timed as the skew phase when `when(*args)`."""
+        import torch.distributed as dist
+
+        @functools.wraps(fn)
+        def after_barrier(*args, **kwargs):
+            if self._on and when(*args):
+                self._enter("skew")
+                dist.barrier()
+                name, ms = self._leave()
+                self.phase_ms[name] += ms
+            return fn(*args, **kwargs)
+
+        return after_barrier
 
     def wrap_step(self, fn):
         """The step function: what no phase claims is the loop's."""
@@ -114,7 +133,8 @@ def time_deepspeed(timer: PhaseTimer) -> None:
     engine.backward at the accumulation boundary, ours inside engine.step)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    DeepSpeedEngine.allreduce_gradients = timer.wrap("reduce", DeepSpeedEngine.allreduce_gradients)
+    at_boundary = DeepSpeedEngine.is_gradient_accumulation_boundary
+    DeepSpeedEngine.allreduce_gradients = timer.wrap("reduce", timer.aligned(DeepSpeedEngine.allreduce_gradients, at_boundary))
     DeepSpeedEngine.step = timer.wrap("optimizer", DeepSpeedEngine.step)
 
 
@@ -149,7 +169,7 @@ def main(argv: list[str]) -> int:
     schedules.backward_step = timer.wrap("backward", schedules.backward_step)
     loss_lib.token_losses = timer.wrap("loss", loss_lib.token_losses)
     loss_lib.scaled_loss = timer.wrap("loss", loss_lib.scaled_loss)
-    step_module.reduce_step_totals = timer.wrap("totals", step_module.reduce_step_totals)
+    step_module.reduce_step_totals = timer.wrap("totals", timer.aligned(step_module.reduce_step_totals))
     hooked = []
 
     def train_step(engine, module, *args, **kwargs):
