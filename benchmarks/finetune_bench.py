@@ -1,9 +1,14 @@
 """Fine-tuning benchmark on CPU, all in one run:
 
 1. Step time of our recipe at TP1 x PP1 x DP2 (ZeRO-1, megatron-core schedule) against a plain
-   HF model wrapped by DeepSpeed ZeRO-1 (engine.backward/step per micro-batch), same model,
-   data shape and batch: ratio of medians, with the spread over repeated runs.
-   Goal (reported, not gated): <= 1.05.
+   HF model wrapped by DeepSpeed ZeRO-1 (engine.backward/step per micro-batch), same model, the
+   same batches (the recipe's own data order) and the same DeepSpeed reduce bucket: ratio of
+   medians, with the spread over repeated runs; and ours at TP2 on the same processes against HF
+   at DP1. Goal (reported, not gated): <= 1.05.
+2. Where the step's time goes on both sides, by wall clock (benchmarks/step_phases.py: forward,
+   loss, backward, waiting for the other rank, DeepSpeed's reduction and step, our own
+   collective and loop; the forward by module class), then torch.profiler's per-op tables
+   (benchmarks/step_profile.py), which tell which ops run but inflate some of their times.
 The pipeline bubble is benchmarks/bubble_bench.py: it times every micro-batch on every rank and
 tells the bubble apart from p2p and stage imbalance (this file's earlier estimate, 1 - m x the PP=1
 stage time / the PP=2 step, counted all three as bubble).

@@ -40,6 +40,14 @@ FIRST = 4  # steps before this one are warm-up (first-step allocations, DeepSpee
 PHASES = ("forward", "loss", "backward", "skew", "reduce", "optimizer", "totals", "loop")
 
 
+def _sync() -> None:
+    """On a GPU the clocks must wait for the kernels they time (which slows the timed run)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class PhaseTimer:
     """Exclusive wall time per phase and per module class, on steps FIRST.. only."""
 
@@ -54,9 +62,11 @@ class PhaseTimer:
         return self.steps >= FIRST
 
     def _enter(self, name: str) -> None:
+        _sync()
         self._stack.append([name, time.perf_counter(), 0.0])
 
     def _leave(self) -> tuple[str, float]:
+        _sync()
         name, start, nested = self._stack.pop()
         spent = time.perf_counter() - start
         if self._stack:
@@ -108,10 +118,12 @@ class PhaseTimer:
 
         def pre(module, args):
             if self._on:
+                _sync()
                 stack.append([time.perf_counter(), 0.0])
 
         def post(module, args, output):
             if self._on and stack:
+                _sync()
                 start, children = stack.pop()
                 spent = time.perf_counter() - start
                 if stack:
