@@ -275,12 +275,10 @@ def test_megatron_lm_moe_checkpoint_without_our_metadata_exports_with_hf_config(
 def test_torch_writer_reads_only_the_experts_of_the_rank_it_writes(tiny_moe, tmp_path, monkeypatch):
     """Streaming stays bounded: between two rank files the writer reads exactly that EP rank's
     experts from the HF files (and each at most once per layer and TP rank), never all of them.
-    Rank files are written on several threads at once: the reads are followed per thread. Every
-    shard is built in memory here, so that every read goes through HFCheckpoint.read."""
-    from toolkit.convert import range_copy, torch_format
+    Rank files are written on several threads at once: the reads are followed per thread."""
+    from toolkit.convert import torch_format
     from toolkit.convert.hf_source import HFCheckpoint
 
-    monkeypatch.setattr(range_copy, "MIN_RANGE_BYTES", 1 << 62)
     events: list[tuple[int, str, str]] = []
     read, save = HFCheckpoint.read, torch_format.stream_rank_file
     monkeypatch.setattr(HFCheckpoint, "read", lambda self, name, *a, **k: events.append(
