@@ -78,27 +78,13 @@ def moe_copy(tiny_moe, tmp_path):
 
 @pytest.fixture
 def copy_everything(monkeypatch):
-    """Every shard a split kind describes as byte ranges is copied, however small its ranges,
-    each range with copy_file_range; returns the byte ranges copied, to show the copy path ran."""
+    """Every shard a split kind describes as byte ranges is copied, however small its ranges;
+    returns the byte ranges copied, to show the copy path ran."""
     from toolkit.convert import range_copy
 
     copied = []
     copy_ranges = range_copy.copy_ranges
     monkeypatch.setattr(range_copy, "MIN_RANGE_BYTES", 1)
-    monkeypatch.setattr(range_copy, "GATHER_BELOW", 0)
     monkeypatch.setattr("toolkit.convert.torch_stream.copy_ranges",
                         lambda ranges, *a: copied.extend(ranges) or copy_ranges(ranges, *a))
     return copied
-
-
-@pytest.fixture
-def gather_everything(copy_everything, monkeypatch):
-    """As copy_everything, but every range is gathered from a mapping of its file with pwritev
-    (the path of a row-parallel split's short rows), in runs of a few ranges (small windows and
-    pwritev batches, so that runs and batches end inside a tensor); returns the ranges copied."""
-    from toolkit.convert import range_copy
-
-    monkeypatch.setattr(range_copy, "GATHER_BELOW", 1 << 62)
-    monkeypatch.setattr(range_copy, "_MAP_WINDOW", 1 << 13)
-    monkeypatch.setattr(range_copy, "_IOV_MAX", 3)
-    return copy_everything

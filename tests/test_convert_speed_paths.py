@@ -5,9 +5,8 @@ in advance (toolkit/convert/torch_stream.py); each must be byte for byte the fil
 writes from the same tensors in memory (torch_format.save_rank_file), and its recorded sha256 the
 file's own. Shards whose bytes are ranges of the HF files are copied file to file
 (toolkit/convert/range_copy.py): the tiny models' ranges are below MIN_RANGE_BYTES, so the tests
-force them (`copy_everything`: each range with copy_file_range; `gather_everything`: gathered from
-a mapping with pwritev), row-parallel per-row ranges and q/k/v groups included, and force the
-fallbacks where copy_file_range is refused or a file cannot be mapped. The `torch_dist` data files are hashed as they are
+force them (`copy_everything`), row-parallel per-row ranges and q/k/v groups included, and force
+the fallback where copy_file_range is refused. The `torch_dist` data files are hashed as they are
 filled, with no second pass over them, and hold, tensor by tensor, what build_shard builds.
 """
 
@@ -81,41 +80,6 @@ def test_copied_rank_files_are_byte_identical_to_torch_save(tiny_hf, tmp_path, c
     assert variant != "llama-odd-vocab" or any(r.file is None for r in copy_everything), "the padding rows"
 
 
-@pytest.mark.parametrize("variant, tp", [("llama-odd-vocab", 2), ("qwen3-fp32", 4)])
-def test_gathered_rank_files_are_byte_identical_to_torch_save(tiny_hf, tmp_path, gather_everything, variant, tp):
-    _check_rank_files_against_torch_save(tiny_hf, tmp_path, variant, tp, 1, 1, "te")
-    assert any(r.file is not None for r in gather_everything)
-
-
-def test_gather_falls_back_where_a_file_cannot_be_mapped(tiny_hf, tmp_path, gather_everything, monkeypatch):
-    refused = []
-
-    def refuse(*args, **kwargs):
-        refused.append(args)
-        raise OSError(errno.ENODEV, "No such device")
-
-    monkeypatch.setattr(range_copy.mmap, "mmap", refuse)
-    _check_rank_files_against_torch_save(tiny_hf, tmp_path, "llama", 2, 2, 1, "te")
-    assert refused and gather_everything
-
-
-def test_short_pwritev_writes_are_resumed(tmp_path, monkeypatch):
-    """pwritev may write less than asked, also stopping inside a buffer: the rest follows."""
-    source = tmp_path / "source"
-    source.write_bytes(bytes(range(256)) * 64)
-    ranges = [range_copy.ByteRange(source, offset, 100) for offset in range(0, 16000, 1000)]
-    pwritev = range_copy.os.pwritev
-    monkeypatch.setattr(range_copy.os, "pwritev", lambda fd, buffers, offset: pwritev(fd, [buffers[0][:37]], offset))
-    monkeypatch.setattr(range_copy, "GATHER_BELOW", 1 << 62)
-    fd = range_copy.os.open(tmp_path / "out", range_copy.os.O_RDWR | range_copy.os.O_CREAT)
-    try:
-        assert range_copy.copy_ranges(ranges, fd, 5) == 1600
-    finally:
-        range_copy.os.close(fd)
-    data = source.read_bytes()
-    assert (tmp_path / "out").read_bytes() == bytes(5) + b"".join(data[r.offset:r.offset + 100] for r in ranges)
-
-
 def test_copy_falls_back_where_copy_file_range_is_refused(tiny_hf, tmp_path, copy_everything, refused_copy_file_range):
     _check_rank_files_against_torch_save(tiny_hf, tmp_path, "llama", 2, 2, 1, "te")
     assert len(refused_copy_file_range) == 1, "refused once, then every copy goes through the buffer"
@@ -181,15 +145,12 @@ def _stored_tensors_match_build_shard(converted, hf_dir) -> None:
         assert torch.equal(stored.reshape(-1).view(torch.uint8), chunk.load().reshape(-1).view(torch.uint8)), chunk.key
 
 
-@pytest.mark.parametrize("path", ["copy_file_range", "refused", "gathered"])
-def test_copied_torch_dist_holds_what_build_shard_builds(tiny_hf, tmp_path, copy_everything, monkeypatch, path):
+@pytest.mark.parametrize("fallback", [False, True], ids=["copy_file_range", "refused"])
+def test_copied_torch_dist_holds_what_build_shard_builds(tiny_hf, tmp_path, copy_everything, monkeypatch, fallback):
     """q/k/v groups, gate/up halves, row-parallel rows (whole rows at TP 1), norms, the embedding,
     copied; and the data files byte for byte those the chunks built in memory give."""
-    if path == "refused":
+    if fallback:
         monkeypatch.setattr(range_copy, "_copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSYS, "")))
-    if path == "gathered":
-        monkeypatch.setattr(range_copy, "GATHER_BELOW", 1 << 62)
-        monkeypatch.setattr(range_copy, "_IOV_MAX", 3)
     copied = hf_to_megatron(tiny_hf["phi4-mini"], tmp_path / "copied", fmt="torch_dist", progress=False)
     assert copy_everything
     _stored_tensors_match_build_shard(copied, tiny_hf["phi4-mini"])
