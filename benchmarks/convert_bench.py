@@ -3,14 +3,20 @@
     python benchmarks/convert_bench.py [--sizes 1b,3b] [--workdir DIR] [--tp 2 --pp 2]
 
 For each size, a synthetic Llama (random bf16 weights, written straight to sharded safetensors,
-no model instantiated) is copied with `cp -r` (the baseline), then converted in a subprocess
-while /proc is sampled for its peak anonymous and total RSS. Both clocks run until the data
-is on disk (sync). Each is run --repeats times, alternating, and the medians compared. The
-converter process's start-up (imports) is printed on its own, and one more conversion per
-format, in-process, is split into phases (validation, records placed and hashed, the final
-sync) next to what its parts cost alone (sha256 of the output on one thread, a kernel copy of
-the source files), so the gap to cp can be apportioned. Goals, reported and not gated:
-time <= 1.3 x cp, peak anonymous memory <= largest output file + 1 GiB and flat in model size.
+no model instantiated) is copied with `cp -r` (the baseline), then converted by the CLI in a
+subprocess while /proc is sampled for its peak anonymous and total RSS. Both clocks run until
+the data is on disk (sync). Each is run --repeats times, alternating, and the medians compared.
+
+Each conversion's wall time is split into phases that add up to it, from marks the converter
+process takes (time.monotonic, one clock for both processes) around the CLI's own run: the
+interpreter's start, the imports (torch and the toolkit; transformers' config class for the
+config check; DCP for torch_dist), validation (up to the output's .partial directory), the records
+placed and hashed (up to the metadata file), metadata and rename, the interpreter's exit, and the
+final sync. cp's wall is split into its copy and its sync. What the main phase's parts cost
+alone is printed next to it (the source bytes copied by the converter's copy path into fresh
+files, and sha256 of the output on one thread), so the gap to cp is apportioned by the printout.
+Goals, reported and not gated: time <= 1.3 x cp, peak anonymous memory <= largest output file +
+1 GiB and flat in model size.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -25,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 GIB = 1 << 30
 SHARD_BYTES = 1 * GIB
@@ -77,13 +85,27 @@ def write_synthetic_llama(directory: Path, size: str) -> int:
     return params
 
 
-def run_sampled(cmd: list[str]) -> tuple[float, int, int]:
-    """Run `cmd`, sampling /proc every 20 ms: (wall seconds, peak RssAnon bytes, peak VmRSS bytes).
+class Run(NamedTuple):
+    spawned: float  # time.monotonic() of each moment
+    exited: float
+    synced: float
+    peak_anon: int
+    peak_total: int
+    cpu: float  # the process's user + system seconds (the kernel's write-back threads not included)
+
+    @property
+    def wall(self) -> float:
+        return self.synced - self.spawned
+
+
+def run_sampled(cmd: list[str]) -> Run:
+    """Run `cmd`, sampling /proc every 20 ms for its peak RssAnon and VmRSS.
 
     The clock runs until the data is on disk (`sync` before and after): otherwise whichever
     command runs second pays for the first one's dirty-page write-back."""
     os.sync()
-    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    spawned = time.monotonic()
     proc = subprocess.Popen(cmd)
     peak_anon = peak_total = 0
     while proc.poll() is None:
@@ -97,8 +119,11 @@ def run_sampled(cmd: list[str]) -> tuple[float, int, int]:
         time.sleep(0.02)
     if proc.wait():
         raise SystemExit(f"{cmd} failed with exit code {proc.returncode}")
+    exited = time.monotonic()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     os.sync()
-    return time.perf_counter() - start, peak_anon, peak_total
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return Run(spawned, exited, time.monotonic(), peak_anon, peak_total, cpu)
 
 
 def dir_bytes(path: Path) -> int:
@@ -109,93 +134,131 @@ def largest_file(path: Path) -> int:
     return max(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def startup_seconds(fmt: str) -> float:
-    """What the converter process spends on start-up: interpreter and imports (torch, transformers
-    for the config check, torch.distributed.checkpoint for torch_dist only), median of 3."""
-    code = "import transformers, toolkit.convert.to_megatron, toolkit.cli"
-    code += ", toolkit.convert.dist_format" if fmt == "torch_dist" else ""
-    return statistics.median(run_sampled([sys.executable, "-c", code])[0] for _ in range(3))
+# The CLI's run with marks taken in its process (argv: marks file, then the CLI's arguments). The
+# imports come first, in the order the CLI makes them, so each is timed on its own; an audit hook
+# (sys.addaudithook: Python's documented events, nothing of the converter patched) marks the
+# creation of the .partial output directory (everything validated) and the opening of the
+# metadata file (every record placed and hashed).
+TIMED_CLI = """
+import json, sys, time
+marks = [("started", time.monotonic())]
+import torch, toolkit.cli, toolkit.convert.to_megatron
+marks.append(("torch and toolkit imported", time.monotonic()))
+from transformers import CONFIG_MAPPING
+CONFIG_MAPPING["llama"]
+marks.append(("transformers config class imported", time.monotonic()))
+if "torch_dist" in sys.argv:
+    import toolkit.convert.dist_format
+marks.append(("DCP imported", time.monotonic()))
+def note(event, args):
+    if event == "os.mkdir" and ".partial-" in str(args[0]) and len(marks) == 4:
+        marks.append(("validated", time.monotonic()))
+    elif event == "open" and str(args[0]).endswith("toolkit_checkpoint.json") and len(marks) == 5:
+        marks.append(("records placed and hashed", time.monotonic()))
+sys.addaudithook(note)
+marks_file, sys.argv = sys.argv[1], ["toolkit", *sys.argv[2:]]
+code = toolkit.cli.main()
+marks.append(("published", time.monotonic()))
+with open(marks_file, "w") as f:
+    json.dump(marks, f)
+sys.exit(code)
+"""
+PHASE_NAMES = ("interpreter start", "torch + toolkit imports", "transformers config class import", "DCP import",
+               "validation", "records placed and hashed", "metadata + rename", "interpreter exit", "final sync")
 
 
-PHASES = """
-import os, sys, time, hashlib
+def convert_timed(src: Path, out: Path, fmt: str, tp: int, pp: int) -> tuple[Run, list[float]]:
+    """One conversion by the CLI; its run and the phases of its wall time (PHASE_NAMES, adding up to it)."""
+    marks_file = out.parent / f".marks-{fmt}.json"
+    cmd = [sys.executable, "-c", TIMED_CLI, str(marks_file), "convert", "hf-to-megatron", str(src), str(out),
+           "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--no-progress"]
+    run = run_sampled(cmd)
+    marks = [t for _, t in json.loads(marks_file.read_text())]
+    marks_file.unlink()
+    if len(marks) != 7:
+        raise SystemExit(f"expected 7 marks from the converter, got {len(marks)}: did the CLI change?")
+    points = [run.spawned, *marks, run.exited, run.synced]
+    return run, [b - a for a, b in zip(points, points[1:])]
+
+
+ALONE = """
+import os, shutil, sys, time
 from pathlib import Path
-from toolkit.convert import hf_to_megatron
-from toolkit.convert.to_megatron import check_tensors
-from toolkit.convert.hf_config import checked_spec
-from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
 from toolkit.convert.metadata import sha256
 from toolkit.convert.range_copy import ByteRange, copy_ranges
-src, out, fmt, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-import transformers.utils.type_validators  # imports are start-up, timed on their own
-if fmt == "torch_dist":
-    import toolkit.convert.dist_format
-os.sync()
-t = time.perf_counter()
-hf = HFCheckpoint(src); family, spec = checked_spec(hf.config, hf.dir / "config.json", hf.tensors)
-check_tensors(hf, family, spec); check_weight_dtypes(hf.tensors, config_dtype(hf.config))
-validate = time.perf_counter() - t
-t = time.perf_counter()
-hf_to_megatron(src, out, tp=tp, pp=pp, fmt=fmt, progress=False)
-convert = time.perf_counter() - t
-t = time.perf_counter(); os.sync(); sync = time.perf_counter() - t
+src, out, scratch = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 files = [p for p in (out / "release").rglob("*") if p.is_file()]
-t = time.perf_counter(); [sha256(p) for p in files]; hashing = time.perf_counter() - t
-scratch = out.parent / "phase-copy"
-t = time.perf_counter()
-for f in sorted(src.glob("*.safetensors")):
-    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+os.sync(); t = time.monotonic(); [sha256(p) for p in files]; hashing = time.monotonic() - t
+shutil.rmtree(out); os.sync()  # the copy below then has the page cache the converter had
+scratch.mkdir()
+t = time.monotonic()
+for f in sorted(src.glob("*.safetensors")):  # fresh files, as cp and the converter write
+    fd = os.open(scratch / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     copy_ranges([ByteRange(f, 0, f.stat().st_size)], fd, 0); os.close(fd)
-copying = time.perf_counter() - t
-os.unlink(scratch); os.sync()
-print(f"{validate:.2f} {convert:.2f} {sync:.2f} {hashing:.2f} {copying:.2f}")
+copying = time.monotonic() - t
+os.sync(); syncing = time.monotonic() - t - copying
+print(hashing, copying, syncing)
 """
 
 
-def phases(src: Path, workdir: Path, fmt: str, tp: int, pp: int) -> str:
-    """One in-process conversion split into phases, and what its parts cost alone."""
-    out = workdir / f"phases-{fmt}"
-    result = subprocess.run([sys.executable, "-c", PHASES, str(src), str(out), fmt, str(tp), str(pp)],
+def alone(src: Path, out: Path, workdir: Path) -> tuple[float, float, float]:
+    """sha256 of the converted output on one thread (the output is then removed); the source files
+    copied by the converter's copy path (toolkit.convert.range_copy) into fresh files, and that
+    copy's sync."""
+    scratch = workdir / "alone-copy"
+    result = subprocess.run([sys.executable, "-c", ALONE, str(src), str(out), str(scratch)],
                             check=True, capture_output=True, text=True)
-    shutil.rmtree(out)
-    validate, convert, sync, hashing, copying = map(float, result.stdout.split()[-5:])
-    return (f"    phases ({fmt}): start-up {startup_seconds(fmt):.2f} s, validation {validate:.2f} s, "
-            f"conversion {convert:.2f} s (validation again, records copied or written and hashed behind, "
-            f"metadata), final sync {sync:.2f} s; alone: sha256 of the output on one thread {hashing:.2f} s, "
-            f"copy_file_range of the source files {copying:.2f} s")
+    shutil.rmtree(scratch)
+    hashing, copying, syncing = map(float, result.stdout.split()[-3:])
+    return hashing, copying, syncing
+
+
+def phase_row(fmt: str, runs: list[Run], phases: list[list[float]], cp: list[Run]) -> str:
+    """The median run's phases, beside the median cp run's copy and sync."""
+    i = sorted(range(len(runs)), key=lambda k: runs[k].wall)[len(runs) // 2]
+    j = sorted(range(len(cp)), key=lambda k: cp[k].wall)[len(cp) // 2]
+    parts = ", ".join(f"{name} {t:.2f}" for name, t in zip(PHASE_NAMES, phases[i]) if name != "DCP import" or fmt == "torch_dist")
+    return (f"    {fmt} median run {runs[i].wall:.2f} s = {parts} s (CPU {runs[i].cpu:.1f} s) | cp -r median run "
+            f"{cp[j].wall:.2f} s = copy {cp[j].exited - cp[j].spawned:.2f}, final sync {cp[j].synced - cp[j].exited:.2f} s "
+            f"(CPU {cp[j].cpu:.1f} s)")
 
 
 def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int) -> list[str]:
     """cp -r and each format's conversion, alternated `repeats` times; medians."""
     src = workdir / f"llama-{size}"
     params = write_synthetic_llama(src, size)
-    times: dict[str, list[float]] = {"cp": [], "torch": [], "torch_dist": []}
-    anon: dict[str, int] = {}
+    cp: list[Run] = []
+    runs: dict[str, list[Run]] = {"torch": [], "torch_dist": []}
+    phases: dict[str, list[list[float]]] = {"torch": [], "torch_dist": []}
     biggest: dict[str, int] = {}
-    for _ in range(repeats):
-        times["cp"].append(run_sampled(["cp", "-r", str(src), str(workdir / "cp-baseline")])[0])
+    for repeat in range(repeats):
+        cp.append(run_sampled(["cp", "-r", str(src), str(workdir / "cp-baseline")]))
         shutil.rmtree(workdir / "cp-baseline")
         for fmt in ("torch", "torch_dist"):
             out = workdir / f"out-{fmt}"
-            cmd = [sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(src), str(out),
-                   "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--no-progress"]
-            wall, peak_anon, _ = run_sampled(cmd)
-            times[fmt].append(wall)
-            anon[fmt] = max(anon.get(fmt, 0), peak_anon)
+            run, split = convert_timed(src, out, fmt, tp, pp)
+            runs[fmt].append(run)
+            phases[fmt].append(split)
             biggest[fmt] = largest_file(out / "release")
-            shutil.rmtree(out)
-    phase_rows = [phases(src, workdir, fmt, tp, pp) for fmt in ("torch", "torch_dist")]
+            if fmt == "torch" and repeat == repeats - 1:
+                hashing, copying, syncing = alone(src, out, workdir)
+            else:
+                shutil.rmtree(out)
     shutil.rmtree(src)
-    cp = statistics.median(times["cp"])
+    cp_wall = statistics.median(r.wall for r in cp)
     rows = []
     for fmt in ("torch", "torch_dist"):
-        wall = statistics.median(times[fmt])
+        wall = statistics.median(r.wall for r in runs[fmt])
+        anon = max(r.peak_anon for r in runs[fmt])
         rows.append(
-            f"{size:>3} {params / 1e9:5.2f}B {fmt:<10} TP{tp}xPP{pp}  {wall:7.1f} s  cp {cp:6.1f} s  "
-            f"ratio {wall / cp:4.2f}x  (runs {[round(t, 1) for t in times[fmt]]}, cp {[round(t, 1) for t in times['cp']]})  "
-            f"peak anon {anon[fmt] / GIB:5.2f} GiB  largest file {biggest[fmt] / GIB:5.2f} GiB"
+            f"{size:>3} {params / 1e9:5.2f}B {fmt:<10} TP{tp}xPP{pp}  {wall:7.1f} s  cp {cp_wall:6.1f} s  "
+            f"ratio {wall / cp_wall:4.2f}x  (runs {[round(r.wall, 1) for r in runs[fmt]]}, cp {[round(r.wall, 1) for r in cp]})  "
+            f"peak anon {anon / GIB:5.2f} GiB  largest file {biggest[fmt] / GIB:5.2f} GiB"
         )
         print(rows[-1], flush=True)
+    phase_rows = [phase_row(fmt, runs[fmt], phases[fmt], cp) for fmt in ("torch", "torch_dist")]
+    phase_rows.append(f"    alone: the source files copied by range_copy into fresh files {copying:.2f} s + sync {syncing:.2f} s; "
+                      f"sha256 of the torch output on one thread {hashing:.2f} s")
     print("\n".join(phase_rows), flush=True)
     return rows + phase_rows
 
