@@ -86,11 +86,12 @@ def hf_deepspeed_worker(hf_dir: str, data: str, steps: int, global_batch: int, p
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
     timer = None
     if phases_out:
-        from step_phases import PhaseTimer, time_deepspeed
+        from step_phases import BACKWARD_CLASSES, PhaseTimer, time_deepspeed
 
         timer = PhaseTimer()
         time_deepspeed(timer)
         timer.hook_modules(model)
+        timer.hook_backward(model, BACKWARD_CLASSES["hf"])
         model.forward = timer.wrap("forward", model.forward)
     config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9,

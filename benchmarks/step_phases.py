@@ -22,7 +22,8 @@ Phases, each exclusive of the phases nested in it:
   optimizer  the rest of DeepSpeed's step: gradient norm, Adam, parameter all-gather
   totals     ours only: the step's one all-reduce of (loss sum, stop flag)
   loop       what is left of the step: the training loop's own work
-and the forward's self time (time in a module minus time in its children) by module class.
+and the forward's self time (time in a module minus time in its children) by module class, and
+the backward of the decoder layers' attention and MLP blocks (`hook_backward`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = 4  # steps before this one are warm-up (first-step allocations, DeepSpeed's lazy set-up)
+# The decoder layer's attention and MLP blocks on each side (their input is the norm's output).
+BACKWARD_CLASSES = {"ours": ("SelfAttention", "MLP"), "hf": ("LlamaAttention", "LlamaMLP")}
 PHASES = ("forward", "loss", "backward", "skew", "reduce", "optimizer", "totals", "loop")
 
 
@@ -48,12 +51,24 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _synced_now() -> float:
+    _sync()
+    return time.perf_counter()
+
+
+def torch_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
 class PhaseTimer:
     """Exclusive wall time per phase and per module class, on steps FIRST.. only."""
 
     def __init__(self):
         self.phase_ms: dict[str, float] = collections.defaultdict(float)
         self.module_ms: dict[str, float] = collections.defaultdict(float)
+        self.backward_ms: dict[str, float] = collections.defaultdict(float)
         self.steps = 0
         self._stack: list[list] = []  # [name, start, time in nested timed regions]
 
@@ -134,10 +149,38 @@ class PhaseTimer:
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post)
 
+    def hook_backward(self, model, classes: tuple[str, ...]) -> None:
+        """Backward time of the modules of these classes, each from the moment its output's
+        gradient is ready to the moment its input's is (tensor hooks; CPU autograd runs one node
+        at a time). Only for modules whose input feeds nothing else (a decoder layer's attention
+        and MLP take the norm's output), so that the input's gradient is theirs alone."""
+        started: dict[int, float] = {}
+
+        def pre(module, args, kwargs):
+            inp = next((t for t in (*args, kwargs.get("hidden_states")) if torch_tensor(t) and t.requires_grad), None)
+            if self._on and inp is not None:
+                name = type(module).__name__
+                inp.register_hook(lambda grad: self._backward_done(name, started.pop(id(module), None)))
+
+        def post(module, args, kwargs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if self._on and torch_tensor(out) and out.requires_grad:
+                out.register_hook(lambda grad: started.__setitem__(id(module), _synced_now()))
+
+        for module in model.modules():
+            if type(module).__name__ in classes:
+                module.register_forward_pre_hook(pre, with_kwargs=True)
+                module.register_forward_hook(post, with_kwargs=True)
+
+    def _backward_done(self, name: str, start: float | None) -> None:
+        if start is not None:
+            self.backward_ms[name] += (_synced_now() - start) * 1e3
+
     def summary(self) -> dict:
         n = max(self.steps - FIRST + 1, 1)
-        return {"steps": n, "phases": {k: v / n for k, v in self.phase_ms.items()},
-                "modules": {k: v / n for k, v in sorted(self.module_ms.items(), key=lambda kv: -kv[1])}}
+        per_step = lambda totals: {k: v / n for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}  # noqa: E731
+        return {"steps": n, "phases": per_step(self.phase_ms), "modules": per_step(self.module_ms),
+                "backward_modules": per_step(self.backward_ms)}
 
 
 def time_deepspeed(timer: PhaseTimer) -> None:
@@ -161,6 +204,8 @@ def phase_table(ours: dict, base: dict, top: int = 10) -> str:
     for title, side in (("ours", ours), ("HF + DeepSpeed", base)):
         lines.append(f"  forward self time by module class, {title} (ms per step):")
         lines += [f"    {name:<44} {ms:7.1f}" for name, ms in list(side["modules"].items())[:top]]
+        lines.append(f"  backward of the decoder layers' attention and MLP blocks, {title} (ms per step, inclusive):")
+        lines += [f"    {name:<44} {ms:7.1f}" for name, ms in side["backward_modules"].items()]
     return "\n".join(lines)
 
 
@@ -187,6 +232,7 @@ def main(argv: list[str]) -> int:
     def train_step(engine, module, *args, **kwargs):
         if not hooked:
             timer.hook_modules(module)
+            timer.hook_backward(module, BACKWARD_CLASSES["ours"])
             hooked.append(True)
         return step_module_train_step(engine, module, *args, **kwargs)
 
