@@ -29,6 +29,19 @@ def megatron_aux_loss(router_logits: torch.Tensor, valid: torch.Tensor, coeff: f
     return coeff * experts / (topk * tokens * tokens) * (scores.sum(0) * routed.sum(0)).sum()
 
 
+def topk_margin(router_logits: torch.Tensor, valid: torch.Tensor, topk: int) -> float:
+    """The smallest gap, over one layer's non-padding tokens, between a token's k-th and (k+1)-th
+    router logit: how close its top-k choice came to a tie."""
+    top = torch.topk(router_logits[valid].float(), topk + 1, dim=1).values
+    return float((top[:, topk - 1] - top[:, topk]).min())
+
+
+def routed_counts(router_logits: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per expert, the non-padding tokens whose top-k holds it."""
+    chosen = torch.topk(router_logits[valid].float(), topk, dim=1).indices
+    return torch.bincount(chosen.flatten(), minlength=router_logits.shape[1])
+
+
 def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
     """tests.finetune_harness.hf_reference's `step_loss`: the global batch as the trainer's padded
     micro-batches (rows of seq_len + 1 tokens, inputs the first seq_len), one forward each, with the
@@ -38,6 +51,7 @@ def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
         seq_len, micro = cfg["data"]["seq_len"], cfg["micro_batch"]
         coeff, topk = model.config.router_aux_loss_coef, model.config.num_experts_per_tok
         total, count, aux = 0.0, 0, 0.0
+        margin, routing = float("inf"), None
         micro_batches = [global_rows[i : i + micro] for i in range(0, len(global_rows), micro)]
         for rows in micro_batches:
             (tokens, masks) = zip(*(row[0] for row in rows))  # unpacked: one document per row
@@ -49,11 +63,18 @@ def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
             token_loss = F.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
             total = total + (token_loss * mask[:, 1:].flatten()).sum()
             count += int(mask[:, 1:].sum())
+            margin = min(margin, *(topk_margin(layer, valid.flatten(), topk) for layer in out.router_logits))
+            counts = torch.stack([routed_counts(layer, valid.flatten(), topk) for layer in out.router_logits])
+            routing = counts if routing is None else routing + counts
             if aux_loss == "hf":
                 aux = aux + coeff * out.aux_loss
             else:
                 aux = aux + sum(megatron_aux_loss(layer, valid.flatten(), coeff, topk) for layer in out.router_logits)
         loss = total / count
+        step_loss.margins.append(margin)
+        step_loss.routing.append(routing.tolist())
         return loss + aux / len(micro_batches), loss
 
+    step_loss.margins = []  # per step: the closest any token's top-k came to a tie (topk_margin)
+    step_loss.routing = []  # per step: [layer][expert] non-padding tokens routed there (the trainer's tokens_per_expert)
     return step_loss

@@ -42,8 +42,9 @@ def moe_setup(root, variant):
     cache = {}
 
     def reference(cfg_path, aux_loss="megatron"):
-        """(losses, grad norms, {step: the routers' and experts' weights}) of the HF reference
-        trained with the load-balancing loss `aux_loss` (the recipe's moe.aux_loss)."""
+        """(losses, grad norms, {step: the routers' and experts' weights}, per step the smallest
+        top-k margin of any token, per step the tokens routed to each expert of each layer) of the
+        HF reference trained with the load-balancing loss `aux_loss` (the recipe's moe.aux_loss)."""
         if aux_loss not in cache:
             states = {}
 
@@ -51,8 +52,9 @@ def moe_setup(root, variant):
                 states[step] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()
                                 if is_routed(name)}
 
-            losses, norms = hf_reference(hf, data, cfg_path, STEPS, step_loss=moe_step_loss(pad, aux_loss), on_step=keep)
-            cache[aux_loss] = losses, norms, states
+            step_loss = moe_step_loss(pad, aux_loss)
+            losses, norms = hf_reference(hf, data, cfg_path, STEPS, step_loss=step_loss, on_step=keep)
+            cache[aux_loss] = losses, norms, states, step_loss.margins, step_loss.routing
         return cache[aux_loss]
 
     return hf, mc, data, reference
@@ -103,7 +105,11 @@ def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_p
     cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, *overrides, export_hf=export_hf)
     assert len(metrics) == STEPS
     reference = moe[3](cfg)
-    loss, norm = differences(metrics, reference)
+    alike = routed_alike_steps(metrics, reference)
+    print(f"{layout}: routed as the reference for {alike} of {STEPS} steps; reference's closest top-k margin "
+          f"per step {[f'{m:.1e}' for m in reference[3]]}")
+    assert alike >= (STEPS if export_hf else MIN_ROUTED_ALIKE), (layout, alike)  # the export's experts: after every step
+    loss, norm = differences(metrics[:alike], reference)
     print(f"{layout}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (layout, loss, norm)
     assert_tokens_per_expert_cover_every_routed_token(moe, metrics)
@@ -111,6 +117,28 @@ def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_p
     if export_hf:
         assert_hf_export_holds_every_ranks_trained_experts(moe[0], tmp_path / "run")
         assert_every_expert_trained_as_in_reference(moe[0], tmp_path / "run", reference[2][STEPS], layout)
+
+
+# A token whose top-k choice is within fp32 rounding of a tie in the reference may be routed the
+# other way by the run (its sums are ordered otherwise: TP, sequence parallelism, the dispatcher),
+# and from there the two trajectories part legitimately. Measured on an AVX-512 machine: TP2 x DP2
+# x EP2 with the allgather dispatcher routed as the reference for 4 steps (loss within 2.6e-7);
+# its tokens_per_expert first differed at step 5, where the reference's closest top-k margin was
+# 7.9e-7 (3e-4 to 9e-4 at steps 1-4), and again near the tie of step 9 (7.6e-6), where the loss
+# jumped to 2.1e-5 off (the run passed on earlier machines). So only the steps routed alike are
+# compared, and a routing difference where the reference had no near tie is still a failure.
+NEAR_TIE = 1e-4
+MIN_ROUTED_ALIKE = 4
+
+
+def routed_alike_steps(metrics, reference) -> int:
+    """The leading steps whose logged tokens_per_expert equal the reference's routing."""
+    for i, (m, routing) in enumerate(zip(metrics, reference[4])):
+        if m["tokens_per_expert"] != routing:
+            assert reference[3][i] < NEAR_TIE, (f"step {i + 1} routed otherwise than the reference without a near tie",
+                                                reference[3][i], m["tokens_per_expert"], routing)
+            return i
+    return len(metrics)
 
 
 def assert_ran_with(run_dir, overrides):
