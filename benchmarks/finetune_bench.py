@@ -65,10 +65,9 @@ def run_recipe(root: Path, mc: Path, data: Path, nprocs: int, steps: int, pp: in
 def hf_deepspeed_worker(hf_dir: str, data: str, steps: int, global_batch: int, profile_out: str | None = None,
                         phases_out: str | None = None) -> list[float]:
     """Baseline: HF LlamaForCausalLM under DeepSpeed ZeRO-1, DeepSpeed's own accumulation
-    (optionally profiled: benchmarks/step_profile.py, or timed by phase: benchmarks/step_phases.py). It trains on the recipe's own batches, the
-    same rows in the same order, with the same masked cross entropy: what the model learns changes
-    the step time on CPU (a memorised pattern drives unused vocabulary rows' Adam moments to
-    subnormal floats, and sqrt/div on subnormals is ~5x slower)."""
+    (optionally profiled: benchmarks/step_profile.py, or timed by phase: benchmarks/step_phases.py).
+    It trains on the recipe's own batches, the same rows in the same order, with the same masked
+    cross entropy, so that both sides compute the same thing."""
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM
