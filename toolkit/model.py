@@ -112,6 +112,10 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         from toolkit.layers import adapt_model
 
         adapt_model(model, spec, layer)
+    if spec.longrope:
+        from toolkit.longrope import install_longrope
+
+        install_longrope(model, spec, config.use_cpu_initialization)
     if aux_loss and spec.is_moe:
         aux_loss.install(model)
     if torch.cuda.is_available():

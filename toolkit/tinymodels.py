@@ -56,10 +56,20 @@ PHI3 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, inter
             sliding_window=8)
 # Phi-4-mini (HF Phi3 classes) shrunk: RoPE on 12 of each head's 16 dimensions (partial_rotary_factor
 # 0.75, as Phi-4-mini's 96 of 128), GQA ratio 3 (24 over 8 there), tied embeddings, a window longer
-# than any sequence (262144 there), odd vocab and FFN. Its LongRoPE cannot be converted exactly,
-# so the tiny model has plain RoPE (toolkit/families/spec.py MCORE_ROPE_GAPS).
+# than any sequence (262144 there), odd vocab and FFN; plain RoPE (its LongRoPE: PHI4_MINI_LONGROPE).
 PHI4_MINI = dict(hidden_size=192, num_attention_heads=12, num_key_value_heads=4, intermediate_size=200, vocab_size=247,
                  partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)
+# LongRoPE (Phi-3.5-mini, Phi-4-mini: 4096 pretraining positions of 131072) with the switch point
+# inside the test sequences' reach: Phi-3 past it (16 of 128 positions: long factors on the
+# parity test's 32 tokens), Phi-4-mini before it (48: short factors), each with factors that
+# differ per frequency, the attention factor sqrt(1 + ln(128 / 16) / ln(16)) and
+# sqrt(1 + ln(128 / 48) / ln(48)) from the positions' ratio as published.
+PHI3_LONGROPE = dict(PHI3, original_max_position_embeddings=16, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+    "long_factor": [1.5, 4.0, 9.0, 20.0]})
+PHI4_MINI_LONGROPE = dict(PHI4_MINI, original_max_position_embeddings=48, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+    "short_factor": [1.0, 1.1, 1.4, 2.0, 3.1, 5.0], "long_factor": [1.2, 2.0, 4.5, 9.0, 16.0, 30.0]})
 # Gemma 3 with everything that differs from Llama in play: head_dim 24 where hidden / heads = 18,
 # one KV head (GQA 4, fewer KV heads than TP 2 and 4), sqrt(72) not exact in bf16, local layers
 # (window 8, shorter than the test sequences) with their own RoPE base between global ones with
@@ -103,6 +113,8 @@ VARIANTS = {
     "olmoe": ("OlmoeConfig", OLMOE),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
+    "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),
+    "phi4-mini-longrope": ("Phi3Config", PHI4_MINI_LONGROPE),
     # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
     "qwen3-1kv": ("Qwen3Config", {**QWEN3, "num_key_value_heads": 1}),
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
