@@ -111,6 +111,11 @@ VARIANTS = {
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_MOE),
     "qwen2-moe": ("Qwen2MoeConfig", QWEN2_MOE),
     "olmoe": ("OlmoeConfig", OLMOE),
+    # Dense MLP layers (width intermediate_size 96) among the MoE ones: the first two (DeepSeek-V3's
+    # first_k_dense_replace in Qwen3-MoE's terms: a pipeline stage of PP 2 without experts), and
+    # every other one (Qwen2-MoE's decoder_sparse_step 2)
+    "qwen3-moe-dense-layers": ("Qwen3MoeConfig", {**QWEN3_MOE, "mlp_only_layers": [0, 1]}),
+    "qwen2-moe-sparse-step": ("Qwen2MoeConfig", {**QWEN2_MOE, "decoder_sparse_step": 2}),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),

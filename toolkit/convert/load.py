@@ -80,10 +80,10 @@ def load_state_by_name(model, state: dict) -> None:
     """load_state_dict that accepts either TE or local names and ignores `_extra_state`."""
     names = model.state_dict().keys()
     target_spec = naming.detect_layer_spec(names)
-    moe = any(".mlp.router." in n for n in names)
+    moe = naming.router_layers(names)
     dtype = next(model.parameters()).dtype
     renamed = {
-        naming.to_spec_name(naming.to_canonical(k), target_spec, moe): v.to(dtype)
+        naming.to_spec_name(naming.to_canonical(k), target_spec, naming.split_layer(k)[0] in moe): v.to(dtype)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }

@@ -52,6 +52,9 @@ class ModelSpec:
     moe_shared_ffn_hidden_size: int = 0
     moe_shared_expert_gate: bool = False
     moe_aux_loss_coeff: float = 0.0  # the load-balancing loss coefficient (toolkit/megatron_settings.py)
+    # Per layer "1" for a MoE layer, "0" for a dense MLP of ffn_hidden_size (megatron-core's
+    # moe_layer_freq as a list); None: every layer alike
+    moe_layers: str | None = None
 
     @property
     def is_moe(self) -> bool:
