@@ -69,6 +69,9 @@ def register(sub) -> None:
                    help="with --adapter: the whole HF model with the adapter merged in (fp32, then the base's dtype)")
     p.add_argument("--hf-config", help="HF config.json (or model directory) for checkpoints not written by this toolkit")
     p.add_argument("--max-shard-gb", type=positive_float, default=4.0, help="split the safetensors output above this size")
+    p.add_argument("--into-wrapper", metavar="HF_DIR",
+                   help="write the language model back into the multimodal checkpoint it was converted from (Gemma 3 "
+                        "4B/12B/27B): its vision tower, projector and config copied unchanged")
     _add_output_flags(p)
     p.set_defaults(func=_to_hf)
 
@@ -130,6 +133,8 @@ def _to_hf(args) -> int:
 
     if args.merge and not args.adapter:
         raise ConversionError("--merge merges a LoRA adapter: give --adapter with a LoRA run's checkpoint")
+    if args.adapter and args.into_wrapper:
+        raise ConversionError("--into-wrapper writes a whole model: it does not combine with --adapter")
     if args.adapter:
         from toolkit.lora.export import export_adapter
 
@@ -139,7 +144,8 @@ def _to_hf(args) -> int:
         return 0
 
     out = megatron_to_hf(args.megatron_dir, args.out_dir, hf_config=args.hf_config, overwrite=args.overwrite,
-                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args))
+                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args),
+                         wrapper=args.into_wrapper)
     print(f"wrote HF checkpoint to {out}")
     return 0
 
