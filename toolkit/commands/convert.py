@@ -25,7 +25,7 @@ Run the megatron checkpoint in megatron-core on TP x PP local processes (gloo on
 GPUs) and the HF model on the same random tokens, then print max |dlogit| over the true vocab,
 top-1 agreement and the first decoder layer whose output diverges. Stage lines on stderr show
 where it is (the launch imports megatron-core: ~15 s on a small CPU machine). Exits 1 on a mismatch,
-including a file whose sha256 differs from the conversion metadata.
+including a file whose checksum differs from the conversion metadata.
 
 Tolerances (max |dlogit|): float32 1e-4, bfloat16 5e-2, float16 1e-2.
 Memory: the HF model in the chosen dtype in this process (4 bytes/parameter in float32) plus
