@@ -107,6 +107,8 @@ def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
            str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **({"CUDA_VISIBLE_DEVICES": ""} if on_cpu(nprocs) else {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if on_cpu(nprocs):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks see no GPU: gloo on CPU
     if subprocess.run(cmd, env=env).returncode != 0:
         raise ToolkitError(f"fine-tuning failed: {' '.join(cmd)}")
