@@ -88,6 +88,9 @@ def prepare(config_path, overrides) -> Run:
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
+    from toolkit.runtime.distributed import check_node_gpus
+
+    check_node_gpus()  # one GPU per local rank
     cfg = load_config(config_path, overrides)
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)

@@ -78,6 +78,21 @@ def test_more_local_ranks_than_gpus_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(refused.value)
 
 
+def test_recipe_refuses_more_ranks_per_node_than_gpus_in_one_line(monkeypatch, tmp_path, capsys):
+    """Before anything else (the config is not even read), rank 0 says it once."""
+    import runpy
+
+    from tests.finetune_harness import RECIPE
+
+    recipe = runpy.run_path(str(RECIPE), run_name="recipe")
+    cuda_present(monkeypatch, devices=1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert recipe["main"](["--config", str(tmp_path / "never-read.yaml"), "--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 4 processes on this node, 1 GPU(s)") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("devices, expected", [(0, "cpu"), (1, "cpu"), (3, "cpu"), (4, "cuda"), (8, "cuda")])
 def test_quickstart_runs_its_four_ranks_on_cpu_unless_there_is_a_gpu_each(devices, expected):
     from toolkit.quickstart import quickstart_device

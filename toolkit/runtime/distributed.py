@@ -61,6 +61,13 @@ def check_local_gpus(local_world_size: int, device_count: int) -> None:
             f"(torchrun --nproc_per_node={device_count}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on CPU")
 
 
+def check_node_gpus() -> None:
+    """With CUDA, check_local_gpus for the launcher's LOCAL_WORLD_SIZE (recipes/finetune.py runs it
+    before anything else, where rank 0 alone reports it)."""
+    if torch.cuda.is_available():
+        check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+
+
 def init_process_group() -> torch.device:
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, ...)."""
     cpu_compat.apply_upstream_fixes()  # every device: megatron-core bugs, not CPU gaps

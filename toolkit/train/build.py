@@ -18,6 +18,10 @@ from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# torch's AdamW (foreach kernels on a GPU) rather than DeepSpeed's FusedAdam, which deepspeed.initialize
+# JIT-builds and which needs nvcc and CUDA_HOME on the node (MissingCUDAException otherwise).
+# benchmarks/finetune_bench.py's HF + DeepSpeed baseline uses the same.
+TORCH_ADAM = True
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
@@ -183,11 +187,8 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         schedule=SCHEDULE_MEGATRON,
         gradient_clipping=o.clip_grad,
         steps_per_print=10**9,  # our trainer logs
-        # torch's AdamW (foreach kernels on a GPU), not FusedAdam: deepspeed.initialize JIT-builds
-        # FusedAdam, which needs nvcc and CUDA_HOME on the node (MissingCUDAException otherwise).
-        # benchmarks/finetune_bench.py's HF + DeepSpeed baseline uses the same optimizer.
         optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                    torch_adam=True),
+                                    torch_adam=TORCH_ADAM),
         scheduler=None,
         overlap_comm=cfg.parallel.overlap_comm,
         reduce_bucket_size=cfg.parallel.reduce_bucket_size,
