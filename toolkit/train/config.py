@@ -25,7 +25,7 @@ Beta = Annotated[float, Bound(ge=0.0, lt=1.0)]
 class ModelConfig:
     checkpoint: str = ""  # a directory written by `toolkit convert hf-to-megatron` (either format)
     # Optional expectations: a checkpoint of another architecture is refused before training.
-    family: str | None = None  # e.g. llama, qwen3 (the family `toolkit convert` recorded)
+    family: str | None = None  # the expected family, e.g. llama or qwen3, as `toolkit convert` recorded it
     num_layers: PositiveInt | None = None  # expected decoder layers
     hidden_size: PositiveInt | None = None  # expected hidden size
     # A Megatron-LM torch_dist training checkpoint (iteration or run directory) whose DistributedOptimizer
@@ -42,7 +42,8 @@ class ParallelConfig:
     tp: PositiveInt = 1  # tensor-parallel size (megatron-core); divides the attention heads
     pp: PositiveInt = 1  # pipeline-parallel size (megatron-core 1F1B); divides the layers
     zero_stage: int = 1  # 1, 2 or 3; only 1 with PP > 1
-    recompute: Literal["selective", "full"] | None = None  # megatron-core granularity
+    # activation recomputation at megatron-core's granularity: the attention core, or every layer
+    recompute: Literal["selective", "full"] | None = None
     # megatron-core sequence parallelism (TP > 1): norms and residuals hold seq_len / TP tokens per rank
     sequence_parallel: bool = False
     # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
