@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 
 TO_MEGATRON_HELP = """\
 Split an HF checkpoint (config.json + *.safetensors) into megatron-core GPTModel shards for a
@@ -16,8 +17,8 @@ Formats:
               (_EEE: the expert-parallel rank, when --ep > 1)
   torch_dist  megatron-core distributed checkpoint; loads into any TP/PP/EP layout
 
-Supported families: llama (2, 3, 3.1, 3.2; llama3 rope scaling), mistral (sliding window), qwen2,
-qwen3, phi3, and the Mixture-of-Experts families mixtral and qwen3_moe (--ep).
+Supported model_types (the families in toolkit/families/; Mixture-of-Experts ones take --ep):
+{families}
 """
 
 VERIFY_HELP = """\
@@ -38,8 +39,12 @@ def register(sub) -> None:
     convert = sub.add_parser("convert", help="convert checkpoints between HF and megatron-core")
     csub = convert.add_subparsers(dest="convert_command", metavar="SUBCOMMAND", required=True)
 
+    from toolkit.families import FAMILIES  # no torch: cheap at start-up
+
+    families = ", ".join(t for family in FAMILIES for t in family.model_types)
     p = csub.add_parser("hf-to-megatron", help="HF checkpoint -> megatron-core TP x PP shards",
-                        description=TO_MEGATRON_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description=TO_MEGATRON_HELP.format(families=textwrap.fill(families, 96, initial_indent="  ",
+                                                                                   subsequent_indent="  ")), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
