@@ -111,7 +111,7 @@ def megatron_to_hf(
     checkpoint the language model was converted from (toolkit/convert/wrapper.py), to write it back
     into: its config and every tensor outside the language model copied as they are.
 
-    Every shard is checked against the sha256 in the metadata as it is read, and the metadata
+    Every shard is checked against the checksum in the metadata as it is read, and the metadata
     against the HF config and the shards; the result appears at `out_dir` only when complete."""
     if not max_shard_bytes > 0:
         raise ConversionError(f"the maximum shard size must be > 0 bytes (got {max_shard_bytes})")
