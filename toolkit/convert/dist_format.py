@@ -118,6 +118,12 @@ def layer_key(canonical_layer_name: str, stacked: bool = True) -> str:
     return STACKED_PREFIX + suffix if stacked else naming.layer_name(layer, suffix)
 
 
+def stacks_layers(moe_layers: str | None) -> bool:
+    """Whether per-layer tensors are stacked over the layers: not where MoE and dense layers mix
+    (ModelSpec.moe_layers), which megatron-core keys each on its own (transformer_block.py:830-868)."""
+    return moe_layers is None
+
+
 def stacked_key(canonical_layer_name: str) -> str:
     return layer_key(canonical_layer_name)
 

@@ -86,7 +86,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     from toolkit.convert import dist_format
 
     geo = layout.geometry(spec)
-    stacked = spec.moe_layers is None  # megatron-core keys each layer on its own where kinds mix
+    stacked = dist_format.stacks_layers(spec.moe_layers)
     chunks = []
     for row in family.rows_for(spec.tied_embeddings):
         for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
