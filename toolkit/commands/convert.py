@@ -19,6 +19,8 @@ Formats:
 
 Supported model_types (the families in toolkit/families/; Mixture-of-Experts ones take --ep):
 {families}
+Multimodal checkpoints converted as their language model (export back with --into-wrapper):
+{wrappers}
 """
 
 VERIFY_HELP = """\
@@ -41,10 +43,13 @@ def register(sub) -> None:
 
     from toolkit.families import FAMILIES  # no torch: cheap at start-up
 
+    from toolkit.convert.wrapper import WRAPPERS  # no torch either
+
     families = ", ".join(t for family in FAMILIES for t in family.model_types)
+    wrappers = ", ".join(f"{w.model_type} ({w.architecture})" for w in WRAPPERS)
     p = csub.add_parser("hf-to-megatron", help="HF checkpoint -> megatron-core TP x PP shards",
                         description=TO_MEGATRON_HELP.format(families=textwrap.fill(families, 96, initial_indent="  ",
-                                                                                   subsequent_indent="  ")), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                                                                   subsequent_indent="  "), wrappers="  " + wrappers), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")

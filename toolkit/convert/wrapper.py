@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from toolkit.convert.hf_source import HFCheckpoint
 from toolkit.errors import ConversionError
+
+if TYPE_CHECKING:  # the CLI's help lists WRAPPERS without importing torch
+    import torch
+
+    from toolkit.convert.hf_source import HFCheckpoint
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,10 @@ class Wrapper:
     text_config: str  # the key of the language model's config
     prefix: str  # of the language model's tensors
     text_architecture: str  # the HF class of the language model alone
+    architecture: str  # the wrapper's HF class
 
 
-WRAPPERS = (Wrapper("gemma3", "text_config", "language_model.", "Gemma3ForCausalLM"),)
+WRAPPERS = (Wrapper("gemma3", "text_config", "language_model.", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),)
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
 INHERITED = ("dtype", "torch_dtype", "tie_word_embeddings")
@@ -78,6 +82,8 @@ class LanguageModelView:
 
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     """An HF checkpoint directory as the converter reads it: a wrapper as its language model."""
+    from toolkit.convert.hf_source import HFCheckpoint
+
     src = HFCheckpoint(directory)
     wrapper = wrapper_for(src.config)
     return LanguageModelView(src, wrapper) if wrapper else src
