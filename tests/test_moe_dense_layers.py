@@ -88,3 +88,23 @@ def test_torch_dist_is_megatron_cores_own_layout_and_memory_counts_each_kind(den
         spec = CheckpointMeta.read(Path(case["dist"])).model_spec
         assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"], variant
         assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}, variant
+
+
+def test_expert_parallel_fine_tune_with_a_stage_of_dense_layers_only_is_refused_in_one_line(dense_layer_moe, tmp_path):
+    """Qwen3-MoE with its first two layers dense at PP 2: stage 0 holds no expert, which DeepSpeed
+    refuses under EP (and which hung the step when let through); Qwen2-MoE's every other layer is fine."""
+    from tests.finetune_harness import recipe_config
+    from toolkit.errors import ConfigError
+    from toolkit.train.build import check_layout
+
+    for variant, refused in (("qwen3-moe-dense-layers", True), ("qwen2-moe-sparse-step", False)):
+        mc = hf_to_megatron(dense_layer_moe[variant], tmp_path / variant, fmt="torch_dist", progress=False)
+        (tmp_path / f"cfg-{variant}").mkdir()
+        cfg = recipe_config(tmp_path / f"cfg-{variant}", ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2",
+                                                          "parallel.sequence_parallel=true", "parallel.zero_stage=1"])
+        if refused:
+            with pytest.raises(ConfigError, match=r"^parallel.pp=2 parallel.ep=2: pipeline stage 0 \(layers 0-1\) holds "
+                                                  r"only dense layers[^\n]*$"):
+                check_layout(cfg, 8, CheckpointMeta.read(mc))
+        else:
+            assert check_layout(cfg, 8, CheckpointMeta.read(mc)) == 2
