@@ -105,7 +105,11 @@ def prepare(config_path, overrides) -> Run:
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, *cfg.data.train_file.split(","),
                                           cfg.data.valid_file, cfg.model.optimizer_state)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
-    resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    # A damaged latest checkpoint falls back to the newest intact one, said once (by rank 0).
+    resume_from = checkpoint.find_resumable(run_dir, say=print if os.environ.get("RANK", "0") == "0" else lambda _: None) \
+        if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    if resume_from is not None and cfg.resume != "auto":
+        checkpoint.refuse_damaged(resume_from)
     schedule = LRSchedule.from_config(cfg)
     lora = build.lora_plan(cfg, meta)
     same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch,
