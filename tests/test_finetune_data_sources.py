@@ -118,6 +118,8 @@ def test_a_hub_name_offline_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ToolkitError, match="no-such-org/no-such-set is not a local file or directory.*HF_HUB_OFFLINE") as e:
         build.read_data(_config(tmp_path, "data.train_file=no-such-org/no-such-set"), _tokenizer())
     assert "\n" not in str(e.value)
+    with pytest.raises(ToolkitError, match="data file .*typo.parquet does not exist"):
+        build.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'typo.parquet'}"), _tokenizer())
 
 
 def test_chat_templates_set_by_name_or_file_and_refused_with_the_reason(tmp_path):

@@ -134,6 +134,8 @@ def _load(source: Source, cache_dir: Path):
                                          cache_dir=str(cache_dir))
         if path.is_dir():
             return datasets.load_dataset(str(path), split=source.split, cache_dir=str(cache_dir))
+        if path.suffix in BUILDERS or path.is_absolute() or source.name.startswith("."):
+            raise DataError(f"data file {path} does not exist")
         return _load_hub(source, cache_dir)
     except DataError:
         raise
