@@ -5,13 +5,11 @@ and the loader it calls."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.finetune_harness import RECIPE, recipe
+from tests.finetune_harness import recipe, recipe_prepare
 from toolkit.errors import ToolkitError
 from toolkit.tinymodels import build_tokenizer
 from toolkit.train import build
@@ -179,14 +177,6 @@ def test_invalid_utf8_in_a_jsonl_line_is_named_by_file_and_line(tmp_path):
     assert len(read_jsonl(path, _tokenizer(), 64, "truncate", "skip", stats)) == 2 and stats.skipped_malformed == 1
 
 
-def _prepare():
-    spec = importlib.util.spec_from_file_location("finetune_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.prepare
-
-
 @pytest.fixture(scope="module")
 def converted(tiny_hf, tmp_path_factory):
     from toolkit.convert import hf_to_megatron
@@ -199,7 +189,7 @@ def test_prepare_refuses_data_that_cannot_train_before_the_model(converted, tmp_
     samples. Now `prepare` (every check before any process group or model) refuses it, and data
     the tokenizer cannot read."""
     monkeypatch.setenv("WORLD_SIZE", "1")
-    prepare = _prepare()
+    prepare = recipe_prepare()
     data = _jsonl(tmp_path / "d.jsonl", PAIRS[:5])
     path = recipe(tmp_path, converted, data, global_batch=8, micro_batch=1)
     with pytest.raises(ToolkitError, match=f"{data} gives 5 samples, fewer than one global batch of 8: every step would "

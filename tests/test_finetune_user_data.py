@@ -16,14 +16,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.finetune_harness import launch, read_metrics, recipe
-from tests.test_finetune_data_sources import _prepare
+from tests.finetune_harness import launch, read_metrics, recipe, recipe_prepare
 from toolkit.errors import ToolkitError
 from toolkit.tinymodels import build_tokenizer, make_tiny_model
 
@@ -63,7 +61,7 @@ def test_chat_parquet_lora_at_tp2_exports_an_adapter_peft_loads_and_damaged_chec
     hf, mc, data = chat_model
     cfg = chat_recipe(tmp_path, mc, data, parallel={"tp": 2}, steps=8, save_every=4, keep_last=2,
                       peft={"enabled": True, "r": 4, "alpha": 8.0, "base_model_name_or_path": str(hf)})
-    prepare = _prepare()
+    prepare = recipe_prepare()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     # The same data and template with the digits-only tokenizer: refused before any process group.

@@ -26,8 +26,6 @@ from toolkit.train import chat_templates
 from toolkit.train.chat_templates import ChatTemplateError
 from toolkit.train.data_sources import OUR_COLUMNS, DataError, Source, records
 
-__all__ = ["DataError"]  # raised here and by data_sources
-
 IDENTITY_COLUMNS = {c: c for c in OUR_COLUMNS}
 EXAMPLE_CHARS = 80  # of the record quoted in a refusal
 
