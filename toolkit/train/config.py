@@ -76,12 +76,13 @@ class MoeConfig:
 
 @dataclass
 class DataColumns:
-    """The data set's column for each of ours (data.columns.prompt=question)."""
+    """The data set's column for each of the toolkit's (data.columns.prompt=question): a record's
+    columns are renamed to these before it is read."""
 
-    prompt: str = "prompt"
-    response: str = "response"
-    messages: str = "messages"
-    text: str = "text"
+    prompt: str = "prompt"  # masked out of the loss
+    response: str = "response"  # trained, with the prompt
+    messages: str = "messages"  # a list of {"role", "content"}, rendered with the chat template
+    text: str = "text"  # every token trained
 
 
 @dataclass
@@ -95,7 +96,7 @@ class DataConfig:
     split: str = "train"  # of a saved DatasetDict or a Hub dataset; slices too ("train[:90%]")
     valid_file: str | None = None  # the same formats; its loss is the eval loss
     valid_split: str | None = None  # validate on this split of train_file when valid_file is not given
-    columns: DataColumns = field(default_factory=DataColumns)  # the data set's column names for ours
+    columns: DataColumns = field(default_factory=DataColumns)
     chat_template: str | None = None  # a Jinja file, or a name (chatml, llama3): sets or overrides the tokenizer's
     seq_len: PositiveInt = 128  # tokens per sample (longer ones: see overlong)
     pack: bool = False  # concatenate samples, with attention reset at document boundaries
