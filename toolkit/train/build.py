@@ -15,7 +15,7 @@ from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
-from toolkit.train.data import BatchSource, load_rows
+from toolkit.train.data import BatchSource, Row
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # torch's AdamW (foreach kernels on a GPU) rather than DeepSpeed's FusedAdam, which deepspeed.initialize
@@ -199,14 +199,56 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
     return config
 
 
-def build_data(cfg: TrainConfig, info: ParallelInfo, tokenizer):
-    rows, stats = load_rows(cfg.data.train_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
-    train = BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle, cfg.data.pack)
+@dataclass
+class DataRows:
+    """The training (and validation) rows, read and checked before the model is built."""
+
+    train: list[Row]
+    valid: list[Row] | None
+    stats: object  # toolkit.train.data.DataStats of the training data
+
+
+def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
+    """Every rank reads the same data (the library caches it under data.cache_dir) and reaches the same
+    verdict: data that cannot train is one DataError here, before any process group."""
+    from toolkit.train import chat_templates, data, data_sources
+
+    d = cfg.data
+    chat_templates.apply(tokenizer, d.chat_template)
+    if d.chat_template is not None:
+        chat_templates.check(tokenizer)
+    opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
+    cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
+
+    def read(source, stats):
+        samples = data.read_samples(data_sources.records(source, opts.columns, cache), tokenizer, opts, stats)
+        data.refuse_unreadable(source.name, stats, d.max_unk_share, tokenizer)
+        data.refuse_empty(source.name, samples, stats)
+        return samples
+
+    stats = data.DataStats()
+    train_sources = data_sources.sources(d.train_file, d.weights, d.split)
+    samples = data.mix([(s, read(s, stats)) for s in train_sources], cfg.seed, stats)
+    train = data.to_rows(samples, tokenizer, d.seq_len, d.pack, stats)
+    if len(train) < cfg.global_batch:
+        raise data.DataError(
+            f"{d.train_file} gives {len(train)} {'packed rows' if d.pack else 'samples'}, fewer than one global batch "
+            f"of {cfg.global_batch}: every step would repeat samples; add data or lower global_batch")
     valid = None
-    if cfg.data.valid_file:
-        vrows, _ = load_rows(cfg.data.valid_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
-        valid = BatchSource(vrows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
-    return train, valid, stats
+    if d.valid_file or d.valid_split:
+        source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
+        valid = data.to_rows(read(source, data.DataStats()), tokenizer, d.seq_len, d.pack, data.DataStats())
+    return DataRows(train, valid, stats)
+
+
+def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):
+    """This DP rank's view of the rows, in the deterministic order (toolkit.train.data.BatchSource)."""
+    train = BatchSource(rows.train, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle,
+                        cfg.data.pack)
+    valid = None
+    if rows.valid is not None:
+        valid = BatchSource(rows.valid, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
+    return train, valid, rows.stats
 
 
 @dataclass

@@ -75,13 +75,38 @@ class MoeConfig:
 
 
 @dataclass
+class DataColumns:
+    """The data set's column for each of the toolkit's (data.columns.prompt=question): a record's
+    columns are renamed to these before it is read."""
+
+    prompt: str = "prompt"  # masked out of the loss
+    response: str = "response"  # trained, with the prompt
+    messages: str = "messages"  # a list of {"role", "content"}, rendered with the chat template
+    text: str = "text"  # every token trained
+
+
+@dataclass
 class DataConfig:
-    train_file: str = ""  # JSONL: {"prompt", "response"}, {"messages": [...]} or {"text"} per line
-    valid_file: str | None = None  # the same format; its loss is the eval loss
+    # A file (.jsonl read line by line; .json, .parquet, .arrow, .csv read by `datasets`), a
+    # `save_to_disk` directory, a directory of data files, or a Hub dataset name; each record is
+    # {"prompt", "response"}, {"messages": [...]} or {"text"} (see data.columns). Several,
+    # comma-separated, form a mixture (data.weights).
+    train_file: str = ""
+    weights: str | None = None  # the mixture's shares, comma-separated, one per train_file entry
+    split: str = "train"  # of a saved DatasetDict or a Hub dataset; slices too ("train[:90%]")
+    valid_file: str | None = None  # the same formats; its loss is the eval loss
+    valid_split: str | None = None  # validate on this split of train_file when valid_file is not given
+    columns: DataColumns = field(default_factory=DataColumns)
+    chat_template: str | None = None  # a Jinja file, or a name (chatml, llama3): sets or overrides the tokenizer's
     seq_len: PositiveInt = 128  # tokens per sample (longer ones: see overlong)
     pack: bool = False  # concatenate samples, with attention reset at document boundaries
     overlong: Literal["truncate", "drop"] = "truncate"  # samples longer than seq_len + 1 tokens
+    truncation: Literal["right", "left"] = "right"  # which end an overlong sample loses
     malformed: Literal["error", "skip"] = "error"  # malformed JSONL lines (skips are counted)
+    # Refuse data of which more than this share of tokens is the tokenizer's unknown token (a
+    # tokenizer that cannot read it: training would learn <unk>).
+    max_unk_share: Annotated[float, Bound(ge=0.0, le=1.0)] = 0.05
+    cache_dir: str | None = None  # `datasets`' cache (default RUN_DIR/data_cache)
     shuffle: bool = True  # a seeded order, the same on every layout; its position is checkpointed
 
 
@@ -343,6 +368,16 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.data.train_file:
         raise ConfigError("data.train_file is required")
     _validate_optimizer_state(cfg)
+    _validate_run_dir(cfg.run_dir)
+
+
+def _validate_run_dir(run_dir: str) -> None:
+    """A run_dir (or a directory above it) that is a file would fail at the first write, after
+    the ranks started: refused here."""
+    for path in (Path(run_dir), *Path(run_dir).parents):
+        if path.exists() and not path.is_dir():
+            what = "is" if path == Path(run_dir) else f"lies inside {path}, which is"
+            raise ConfigError(f"run_dir={run_dir} {what} an existing file, not a directory: give a directory path")
 
 
 def _validate_optimizer_state(cfg: TrainConfig) -> None:
