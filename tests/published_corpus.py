@@ -34,6 +34,8 @@ def shrink(published: dict) -> tuple[dict, dict]:
     """(the shrunk config, the original values of the keys changed)."""
     cfg = dict(published)
     new = {k: v for k, v in SIZES.items() if k in cfg}
+    if isinstance(cfg.get("pad_token_id"), int) and cfg["pad_token_id"] >= SIZES["vocab_size"]:
+        del new["vocab_size"]  # the padding token's embedding row must exist (Phi-3.5, Phi-4-mini)
     new["num_hidden_layers"] = LAYERS.get(cfg["model_type"], 4)
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     new["num_attention_heads"] = HEADS
@@ -44,7 +46,24 @@ def shrink(published: dict) -> tuple[dict, dict]:
             new[key] = EXPERTS
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
+    _shrink_rope_factors(cfg, original)
     return cfg, original
+
+
+def _shrink_rope_factors(cfg: dict, original: dict) -> None:
+    """LongRoPE has one factor per rotated frequency, so a smaller head has fewer: keep evenly
+    spaced ones, the first and the last included."""
+    scaling = cfg.get("rope_scaling")
+    if not isinstance(scaling, dict) or "long_factor" not in scaling:
+        return
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    pairs = int(head_dim * cfg.get("partial_rotary_factor", 1.0)) // 2
+    original["rope_scaling"] = scaling
+    cfg["rope_scaling"] = dict(scaling)
+    for key in ("long_factor", "short_factor"):
+        factors = scaling.get(key)
+        if isinstance(factors, list):
+            cfg["rope_scaling"][key] = [factors[round(i * (len(factors) - 1) / (pairs - 1))] for i in range(pairs)]
 
 
 def index() -> dict[str, dict]:

