@@ -82,14 +82,14 @@ def refused() -> list[str]:
     return [name for name, entry in index().items() if entry["outcome"] != CONVERTS]
 
 
-def build_model(name: str, directory: Path) -> Path:
-    """A random model of the shrunk config, in the published dtype, with the published
-    config.json itself (not transformers' re-save of it) beside the weights."""
+def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """A random model of the shrunk config (less the keys in `leave_out`), in the published dtype,
+    with that config.json itself (not transformers' re-save of it) beside the weights."""
     from transformers import CONFIG_MAPPING
 
     from toolkit.tinymodels import save_random_model
 
-    cfg = config(name)
+    cfg = {k: v for k, v in config(name).items() if k not in leave_out}
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     model_config = CONFIG_MAPPING[cfg["model_type"]].from_dict(json.loads(json.dumps(cfg)))
     save_random_model(model_config, directory, dtype=dtype)

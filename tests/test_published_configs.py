@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import published_corpus as corpus
 from tests.test_convert_bad_input import convert_fails
@@ -78,8 +79,14 @@ def _difference(ours, theirs) -> str:
 
 # -- Gemma 3's defaults: each of these failed before config.json was read through Gemma3TextConfig --
 
+GEMMA3 = "gemma-3-1b-it"
+# What the multimodal checkpoints' text_config leaves to Gemma3TextConfig (the RoPE bases and the
+# softmax scalar; the head counts too, but those would change the shrunk weights' shapes)
+GEMMA3_TEXT_CONFIG_LEAVES_OUT = ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar")
+
+
 def gemma3_without(*keys: str) -> dict:
-    return {k: v for k, v in corpus.config("gemma-3-1b-it").items() if k not in keys}
+    return {k: v for k, v in corpus.config(GEMMA3).items() if k not in keys}
 
 
 def test_gemma3_without_rope_theta_uses_transformers_global_base_of_1e6():
@@ -104,15 +111,15 @@ def test_gemma3_head_counts_left_to_the_class_defaults():
 def test_gemma3_1b_it_without_tie_word_embeddings_converts_tied(tmp_path):
     """gemma-3-1b-it has no tie_word_embeddings key; the class default is True, so its files hold no
     lm_head.weight (the toolkit assumed False and refused it for the missing tensor)."""
-    assert "tie_word_embeddings" not in corpus.config("gemma-3-1b-it")
-    src = corpus.build_model("gemma-3-1b-it", tmp_path / "hf")
+    assert "tie_word_embeddings" not in corpus.config(GEMMA3)
+    src = corpus.build_model(GEMMA3, tmp_path / "hf")
     assert "lm_head.weight" not in HFCheckpoint(src).tensors
     out = hf_to_megatron(src, tmp_path / "m", progress=False)
     assert CheckpointMeta.read(out).model_spec.tied_embeddings is True
 
 
 def test_verbose_conversion_names_the_keys_read_and_the_defaults_applied(tmp_path):
-    src = corpus.build_model("gemma-3-1b-it", tmp_path / "hf")
+    src = corpus.build_model(GEMMA3, tmp_path / "hf")
     result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "hf-to-megatron", str(src),
                              str(tmp_path / "m"), "--verbose", "--no-progress"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -138,11 +145,39 @@ def test_published_configs_convert_at_tp2_pp2_ep2_and_match_hf_logits(tmp_path):
     converting config of the corpus on sequences longer than its windows."""
     from toolkit.convert.parity import verify_many
 
+    cases = [(name, corpus.build_model(name, tmp_path / name)) for name in corpus.converting()]
+    # and Gemma 3 without the keys a multimodal text_config leaves out: converted with 10,000 as
+    # the global RoPE base, this was silently wrong (transformers' default is 1e6)
+    cases.append((f"{GEMMA3} without {GEMMA3_TEXT_CONFIG_LEAVES_OUT}",
+                  corpus.build_model(GEMMA3, tmp_path / "gemma3-defaults", leave_out=GEMMA3_TEXT_CONFIG_LEAVES_OUT)))
     pairs = []
-    for name in corpus.converting():
-        src = corpus.build_model(name, tmp_path / name)
-        ep = 2 if spec_from_config(corpus.config(name))[1].is_moe else 1
-        pairs.append((src, hf_to_megatron(src, tmp_path / f"{name}-m", tp=2, pp=2, ep=ep, progress=False)))
+    for i, (_, src) in enumerate(cases):
+        ep = 2 if spec_from_config(json.loads((src / "config.json").read_text()))[1].is_moe else 1
+        pairs.append((src, hf_to_megatron(src, tmp_path / f"m{i}", tp=2, pp=2, ep=ep, progress=False)))
     reports = verify_many(pairs, tp=2, pp=2, ep=2, seq_len=SEQ_LEN, batch=1, progress=False)
-    for name, report in zip(corpus.converting(), reports):
+    for (name, _), report in zip(cases, reports):
         assert report.ok and report.max_logit_diff < FP32_TOLERANCE, name + "\n" + "\n".join(report.lines())
+
+
+def hf_logits(src: Path, **config_change):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import reference_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **config_change)
+    with torch.no_grad():
+        return model(reference_tokens(model.config.vocab_size, 1, SEQ_LEN), use_cache=False).logits
+
+
+def test_gemma3_window_and_global_rope_base_change_the_logits_so_the_corpus_parity_proves_them(tmp_path):
+    """Guards of the parity test above: on its 520 tokens, Gemma 3 1B's window (512) and the
+    global layers' RoPE base (1e6, where the toolkit used to take 10,000) each move the logits far
+    past the tolerance."""
+    src = corpus.build_model(GEMMA3, tmp_path / "hf")
+    logits = hf_logits(src)
+    no_window = 2 * SEQ_LEN  # longer than the sequence (Gemma 3's cache refuses None)
+    assert (hf_logits(src, sliding_window=no_window) - logits).abs().max() > 100 * FP32_TOLERANCE
+    base = json.loads((src / "config.json").read_text())
+    old_default = {"full_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": float(base["rope_local_base_freq"])}}
+    assert (hf_logits(src, rope_parameters=old_default) - logits).abs().max() > 100 * FP32_TOLERANCE
