@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.finetune_harness import STEPS, assert_refused_in_one_line, compare_with_reference, parity_setup
+from tests.finetune_harness import assert_refused_in_one_line, compare_with_reference, parity_setup
 from toolkit.errors import ConfigError
 from toolkit.runtime.launch import run_on_processes
 
@@ -19,7 +19,7 @@ MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return parity_setup(tmp_path_factory.mktemp("sp"), MODELS, STEPS)
+    return parity_setup(tmp_path_factory.mktemp("sp"), MODELS)
 
 
 @pytest.mark.multiprocess

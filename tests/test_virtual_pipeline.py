@@ -30,7 +30,7 @@ PP2_VPP2 = {"tp": 1, "pp": 2, "vpp": 2, "zero_stage": 1}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return parity_setup(tmp_path_factory.mktemp("vpp"), {"tied": PARITY_MODELS["tied"]}, STEPS)
+    return parity_setup(tmp_path_factory.mktemp("vpp"), {"tied": PARITY_MODELS["tied"]})
 
 
 @pytest.mark.multiprocess
