@@ -258,11 +258,12 @@ def document_loss(model, global_rows, cfg, device):
 STEPS = 10
 LOSS_TOLERANCE_FP32 = 1e-5
 GRAD_NORM_TOLERANCE = 1e-4  # relative
-# bf16 rounds weights and activations: a loss within 2% of the fp32 reference is the bar, and the
-# gradient norm within GRAD_NORM_TOLERANCE_BF16 relative (measured below it in every bf16 test;
-# tests/test_finetune_parity.py's guard shows a dropped TP sum of the norms' gradients exceeds it).
+# bf16 rounds weights and activations: a loss within 2e-2 of the fp32 reference over 10 steps, and
+# the gradient norm within 2e-2 relative (measured up to 6.1e-3: PP2 untied; 2.2e-3 Gemma 3 at TP2
+# with SP). A wrong loss scale (x2) stays within the loss bar and is 0.5 to 1 off on the gradient
+# norm (tests/test_finetune_parity.py's guard).
 LOSS_TOLERANCE_BF16 = 2e-2
-GRAD_NORM_TOLERANCE_BF16 = 5e-2
+GRAD_NORM_TOLERANCE_BF16 = 2e-2
 # name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
                  "phi4-mini": "phi4-mini", "gemma3": "gemma3", "olmo2": "olmo2"}

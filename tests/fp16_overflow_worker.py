@@ -5,9 +5,7 @@
 FP16_INF_RANK, FP16_INF_STEPS ("11,13-": step 11, and 13 onwards): on that rank the first
 micro-batch's loss of those steps is multiplied by inf before backward. Every rank appends
 {"step", "skipped", "loss_scale"} per step to FP16_RECORD_DIR/rank<R>.jsonl, read from its own engine.
-FP16_WITHOUT_STAGE_HOOK=1 (a guard): earlier pipeline stages do not mark their backward as scaled.
-FP16_LOSS_FACTOR=F (a guard): every micro-batch's loss is multiplied by F before backward, a wrong
-loss scale (2 at DP 2: DP counted twice); DeepSpeed unscales by its own scale, so the gradients are F x.
+FP16_WITHOUT_STAGE_HOOK=1 (the guard): earlier pipeline stages do not mark their backward as scaled.
 """
 
 from __future__ import annotations
@@ -42,13 +40,11 @@ def patch() -> None:
 
     rank, record = int(os.environ["RANK"]), Path(os.environ["FP16_RECORD_DIR"]) / f"rank{os.environ['RANK']}.jsonl"
     planted, inf_rank = _steps(os.environ["FP16_INF_STEPS"]), int(os.environ["FP16_INF_RANK"])
-    factor = float(os.environ.get("FP16_LOSS_FACTOR", "1"))
     state = {"step": 0, "microbatch": 0}
     scaled_loss, train_step = loss_lib.scaled_loss, step_lib.train_step
 
     def scaled_with_inf(*args, **kwargs):
         scaled, total = scaled_loss(*args, **kwargs)
-        scaled = scaled * factor if factor != 1 else scaled
         state["microbatch"] += 1
         if rank == inf_rank and planted(state["step"]) and state["microbatch"] == 1 and scaled.requires_grad:
             scaled = scaled * float("inf")

@@ -12,8 +12,9 @@ Two launches of 2 processes, each checking several things:
 * PP2: steps 1-10 within the same tolerance (the first stage's backward is marked as scaled, or
   DeepSpeed raises); an inf at step 11 on the last stage is skipped by both stages.
 * Guard, PP2: without the first stage's mark DeepSpeed refuses its backward (one short launch).
-* Guard, DP2: a wrong loss scale (the loss multiplied by 2 before backward) leaves the losses
-  within their bar (Adam and clipping hide a constant factor) and the gradient norms outside theirs.
+* Guard, DP2: a wrong loss scale (every loss multiplied by 2 before backward, tests/recipe_with_defect.py)
+  leaves the losses within their bar (Adam and clipping hide a constant factor) and the gradient
+  norms outside theirs.
 
 The overflow is planted by tests/fp16_overflow_worker.py around the real recipe, not by the product.
 """
@@ -123,9 +124,10 @@ def test_guard_fp16_pp2_first_stage_backward_is_refused_without_its_scaled_mark(
 
 
 @pytest.mark.multiprocess
-def test_guard_fp16_dp2_wrong_loss_scale_exceeds_the_grad_norm_bar(model, tmp_path):
-    _, cfg, _ = launch_worker(model, tmp_path, {"tp": 1, "pp": 1, "zero_stage": 1}, 3, inf_rank=1, inf_steps="99",
-                              FP16_LOSS_FACTOR="2")
+def test_guard_fp16_dp2_wrong_loss_scale_passes_the_loss_bar_and_fails_the_grad_norm_bar(model, tmp_path):
+    _, mc, data = model
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=3, **FP16)
+    launch(2, cfg, script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": "loss-factor:2"})
     loss, norm = differences(read_metrics(tmp_path / "run"), *reference(model, cfg, 3))
     print(f"fp16 DP2, loss scaled 2x: max |loss - fp32 reference| {loss:.2e}, grad norm relative {norm:.2e}")
-    assert norm > FP16_GRAD_NORM_TOLERANCE, (loss, norm)
+    assert loss < FP16_LOSS_TOLERANCE and norm > FP16_GRAD_NORM_TOLERANCE, (loss, norm)

@@ -305,12 +305,12 @@ def test_expert_grads_reduced_over_all_of_dp_break_parity(moe, tmp_path):
 @pytest.mark.multiprocess
 def test_router_left_out_of_the_tp_sum_breaks_parity(moe, tmp_path):
     """Guard: the TP2 x DP2 x EP2 allgather layout above with the routers' weights left out of the TP
-    sum of sequence-parallel gradients (tests/recipe_without_tp_sum.py): each TP rank's
+    sum of sequence-parallel gradients (tests/recipe_with_defect.py): each TP rank's
     router learns from its own half of the tokens, and nothing else is wrong. The fp64 routing keeps
     the comparison step for step, so this small router-gradient bug fails it."""
     nprocs, parallel, _, options = LAYOUTS["TP2xDP2xEP2-allgather"]
     cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, steps=GUARD_STEPS,
-                       script=Path(__file__).parent / "recipe_without_tp_sum.py", env={"LEFT_OUT_OF_TP_SUM": ".router."})
+                       script=Path(__file__).parent / "recipe_with_defect.py", env={"DEFECT": "no-tp-sum:.router."})
     loss, norm = differences(metrics, *moe[3](cfg)[:2])
     print(f"router left out of the TP sum: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss > 10 * LOSS_TOLERANCE_FP32 or norm > 10 * GRAD_NORM_TOLERANCE, (loss, norm)
