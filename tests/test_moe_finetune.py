@@ -414,6 +414,7 @@ def test_ep_on_a_dense_model_is_refused(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("moe.dispatcher=flex", "moe.dispatcher='flex': must be one of alltoall, allgather, got 'flex'"),
     ("moe.aux_loss=switch", "moe.aux_loss='switch': must be one of megatron, hf, got 'switch'"),
+    ("moe.router_dtype=fp16", "moe.router_dtype='fp16': must be one of fp32, fp64, got 'fp16'"),
 ])
 def test_unknown_moe_option_is_refused_in_one_line(moe, tmp_path, override, message):
     from toolkit.errors import ToolkitError
