@@ -153,7 +153,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     spec, aux_loss = meta.model_spec, None
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
-        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
+        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher, moe_router_dtype=cfg.moe.router_dtype)
     layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
     config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
                                 **settings)

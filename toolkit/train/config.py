@@ -72,6 +72,10 @@ class MoeConfig:
     # the router's load-balancing loss (toolkit/moe_aux.py), with the HF config's router_aux_loss_coef:
     # megatron-core's (per layer, summed) or HF's load_balancing_loss_func (layers pooled; PP 1 only)
     aux_loss: Literal["megatron", "hf"] = "megatron"
+    # megatron-core's moe_router_dtype: the router's logits, softmax and top-k in fp32 or fp64 (None:
+    # in the model's dtype). fp64 takes the router's own rounding out of its top-k choices (the tests
+    # compare with an HF reference whose router runs in fp64); fp32 keeps bf16 runs' routing in fp32.
+    router_dtype: Literal["fp32", "fp64"] | None = None
 
 
 @dataclass
