@@ -40,6 +40,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from toolkit.runtime.launcher_watch import exit_with_launcher, launcher_hint, under_launcher
+
+    if not under_launcher():
+        print(f"error: {launcher_hint(sys.argv)}", file=sys.stderr, flush=True)
+        return 2
+    exit_with_launcher()  # the ranks end with their launcher (kill -9 included), freeing MASTER_PORT
     from toolkit.runtime.distributed import choose_deepspeed_accelerator
     from toolkit.runtime.quiet import quiet_third_party
 
@@ -58,10 +64,17 @@ def main(argv=None) -> int:
         else:
             time.sleep(3)
         return 2
+    from torch.distributed import DistNetworkError
+
     try:
         return finetune(run)
     except ToolkitError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 2
+    except DistNetworkError as e:  # e.g. MASTER_PORT still held by an earlier run's processes
+        print(f"error (rank {rank}): the process group could not be set up at {os.environ.get('MASTER_ADDR')}:"
+              f"{os.environ.get('MASTER_PORT')}: {str(e).strip().splitlines()[-1]} (another run on this port? "
+              "wait for it to end, or give the launcher another --master_port)", file=sys.stderr, flush=True)
         return 2
 
 
@@ -156,7 +169,7 @@ def finetune(run: Run) -> int:
     if fsdp:
         ds_config, engine = None, fsdp_engine(model, cfg, run.schedule)
     else:
-        ds_config = build.ds_config(cfg, meta, dp)
+        ds_config = build.ds_config(cfg, spec, dp)
         engine = build_engine(model, cfg, ds_config, run.schedule)
     # fp16: megatron-core's backward scales the loss by DeepSpeed's dynamic loss scale (toolkit.train.loss_scale).
     fp16_watch = loss_scale.wire(engine, model, cfg) if cfg.precision == "fp16" else None

@@ -160,16 +160,15 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     return model, layout
 
 
-def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
-    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
-    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
-    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none."""
-    from toolkit.dsconfig import OptimizerSettings, Setup, build
+def ds_setup(cfg: TrainConfig, dp: int):
+    """The toolkit.dsconfig Setup of this recipe at data-parallel size `dp`: the one place the
+    recipe's keys become DeepSpeed's, used by the trainer and by `toolkit plan` to price the
+    bundle it writes (toolkit.plan_bundle), so the priced config is the run's."""
+    from toolkit.dsconfig import OptimizerSettings, Setup
     from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
-    from toolkit.train.loss_scale import fp16_ds_settings
 
     o = cfg.optim
-    setup = Setup(
+    return Setup(
         gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
@@ -187,7 +186,17 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         overlap_comm=cfg.parallel.overlap_comm,
         reduce_bucket_size=cfg.parallel.reduce_bucket_size,
     )
-    config = build(setup, meta.model_spec)
+
+
+def ds_config(cfg: TrainConfig, spec, dp: int) -> dict:
+    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
+    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
+    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none.
+    `spec`: the model's ModelSpec (it sizes the buckets)."""
+    from toolkit.dsconfig import build
+    from toolkit.train.loss_scale import fp16_ds_settings
+
+    config = build(ds_setup(cfg, dp), spec)
     if cfg.precision == "fp16":
         config["fp16"].update(fp16_ds_settings(cfg))
     return config

@@ -4,6 +4,7 @@ from the command line with dotted keys (`optim.lr=1e-4 parallel.tp=2`)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -245,7 +246,9 @@ def _apply(obj, key_path: list[str], value, full_key: str) -> None:
     name = key_path[0]
     if name not in hints:
         known = ", ".join(hints)
-        raise ConfigError(f"unknown config key {full_key!r} (known at this level: {known})")
+        close = difflib.get_close_matches(name, list(hints), n=1)
+        hint = f"did you mean {'.'.join([*full_key.split('.')[:-1], close[0]])!r}? " if close else ""
+        raise ConfigError(f"unknown config key {full_key!r} ({hint}known at this level: {known})")
     if len(key_path) > 1:
         child = getattr(obj, name)
         if not dataclasses.is_dataclass(child):
@@ -291,7 +294,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the recipe YAML, then `key.sub=value` overrides."""
     import yaml
 
-    cfg = TrainConfig()
+    data = {}
     if path:
         p = Path(path)
         if not p.is_file():
@@ -302,8 +305,14 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {path} must be a mapping of config keys")
-        for key, value in data.items():
-            _apply(cfg, [key], value, key)
+    return config_from_mapping(data, overrides)
+
+
+def config_from_mapping(data: dict, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults, then `data` (a recipe's mapping, as YAML gives it), then `key.sub=value` overrides."""
+    cfg = TrainConfig()
+    for key, value in data.items():
+        _apply(cfg, [key], value, key)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
