@@ -75,9 +75,10 @@ def runnable(result: Plan) -> Candidate:
     for candidate in result.ranked:
         if not candidate.offloaded:
             return candidate
-    more = next((line for line in result.advice if line.startswith("more GPUs")), None)
-    raise ConfigError("only layouts with CPU offload fit, and recipes/finetune.py does not offload: "
-                      + (f"{more}, " if more else "") + "or plan with --lora-r R, a shorter --seq-len or more GPUs")
+    more = next((line.removeprefix("more GPUs: ") for line in result.advice if line.startswith("more GPUs")), None)
+    raise ConfigError(f"only layouts with CPU offload fit {result.cluster.gpus} GPUs, and recipes/finetune.py does not "
+                      f"offload: plan for more GPUs ({more or 'more nodes'}), a LoRA fine-tune (--lora-r R) "
+                      "or a shorter --seq-len")
 
 
 def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp_engine: str = "deepspeed") -> dict:
