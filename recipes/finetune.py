@@ -72,9 +72,9 @@ def main(argv=None) -> int:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
     except DistNetworkError as e:  # e.g. MASTER_PORT still held by an earlier run's processes
-        print(f"error (rank {rank}): the process group could not be set up at {os.environ.get('MASTER_ADDR')}:"
-              f"{os.environ.get('MASTER_PORT')}: {str(e).strip().splitlines()[-1]} (another run on this port? "
-              "wait for it to end, or give the launcher another --master_port)", file=sys.stderr, flush=True)
+        from toolkit.runtime.distributed import network_error_line
+
+        print(f"error (rank {rank}): {network_error_line(e)}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -243,7 +243,9 @@ def finetune(run: Run) -> int:
     #    adapter as an HF PEFT directory; also after a requeue that found the last step already
     #    saved but not yet exported.
     if adapter is not None and info.rank == 0:
-        checkpoint.export_adapter(run_dir)
+        from toolkit.convert.metadata import HF_DIR
+
+        checkpoint.export_adapter(run_dir, Path(cfg.model.checkpoint) / HF_DIR)
         print(f"exported the LoRA adapter to {run_dir / checkpoint.ADAPTER_EXPORT}", flush=True)
     elif cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / checkpoint.HF_EXPORT).exists()):
         from toolkit.convert import megatron_to_hf

@@ -284,14 +284,14 @@ def _check_model(job: SlurmJob, cfg) -> None:
     """The model x layout check `convert` makes (Layout.check), against the model the job will load."""
     from toolkit import modelspec
     from toolkit.errors import ToolkitError
-    from toolkit.layouts import Layout
+    from toolkit.layouts import RECIPE_NAMES, Layout
 
     given = job.model is not None
     path = job.model if given else _under(job.workdir, cfg.model.checkpoint)
     if not given and not os.path.exists(path):
         return  # the checkpoint is only on the cluster: --model checks against a local copy
     try:
-        Layout(cfg.parallel.tp, cfg.parallel.pp).check(modelspec.read(path))
+        Layout(cfg.parallel.tp, cfg.parallel.pp).check(modelspec.read(path), RECIPE_NAMES)
     except ToolkitError as e:
         source = "--model" if given else "model.checkpoint"
         raise SlurmError(f"{source} {path} at TP {cfg.parallel.tp} x PP {cfg.parallel.pp}: {e}") from None

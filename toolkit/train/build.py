@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
-from toolkit.layouts import Layout
+from toolkit.layouts import RECIPE_NAMES, Layout
 from toolkit.model import running_layer_spec
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
@@ -21,6 +21,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
+    if not Path(cfg.model.checkpoint).exists():
+        raise ConfigError(f"model.checkpoint {cfg.model.checkpoint} does not exist: give the directory `toolkit convert "
+                          "hf-to-megatron HF_MODEL OUT` wrote (as model.checkpoint=OUT)")
     meta = CheckpointMeta.read(Path(cfg.model.checkpoint))
     spec = meta.model_spec
     expected = {"family": cfg.model.family, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size}
@@ -62,7 +65,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     experts); returns DP."""
     tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
     try:
-        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec)
+        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec, RECIPE_NAMES)
     except ConversionError as e:
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
@@ -246,6 +249,8 @@ def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
     base_name = p.base_model_name_or_path
     if base_name is None and p.init_from:
         base_name = json.loads((Path(p.init_from) / peft_dir.CONFIG).read_text()).get("base_model_name_or_path")
+    if base_name is None:  # the HF model the checkpoint was converted from, which PEFT can load
+        base_name = meta.hf_source
     return LoraPlan(settings, family, Path(p.init_from) if p.init_from else None, base, base_name)
 
 

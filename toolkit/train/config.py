@@ -247,7 +247,9 @@ def _apply(obj, key_path: list[str], value, full_key: str) -> None:
     if name not in hints:
         known = ", ".join(hints)
         close = difflib.get_close_matches(name, list(hints), n=1)
-        hint = f"did you mean {'.'.join([*full_key.split('.')[:-1], close[0]])!r}? " if close else ""
+        parts = full_key.split(".")
+        depth = len(parts) - len(key_path)  # the keys above this level, then this one, then its sub-keys
+        hint = f"did you mean {'.'.join([*parts[:depth], close[0], *parts[depth + 1:]])!r}? " if close else ""
         raise ConfigError(f"unknown config key {full_key!r} ({hint}known at this level: {known})")
     if len(key_path) > 1:
         child = getattr(obj, name)
