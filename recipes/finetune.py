@@ -132,7 +132,8 @@ def finetune(run: Run) -> int:
     from toolkit.runtime.distributed import init_parallel, shutdown
     from toolkit.train import build, checkpoint, loss_scale, megatron_optimizer
     from toolkit.train.loss import padded_vocab_mask
-    from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
+    from toolkit.train.metrics import CPU_SOURCE, MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
+    from toolkit.train.progress import Progress
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
@@ -147,6 +148,10 @@ def finetune(run: Run) -> int:
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
     info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
+    peak, peak_source = peak_tflops(cfg.peak_tflops)
+    progress = Progress(info.rank == 0, cfg.steps, show_mfu=peak_source != CPU_SOURCE)
+    progress.stage(f"building the model (TP {info.tp} x PP {info.pp} x DP {info.dp}) and loading its weights "
+                   f"from {cfg.model.checkpoint}")
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
@@ -159,6 +164,7 @@ def finetune(run: Run) -> int:
         sum_partial_grads_over_tp(model)
 
     # 5. Data: this DP rank's share of every global batch, in a deterministic order.
+    progress.stage(f"reading the data ({cfg.data.train_file})")
     train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
     num_microbatches = train_data.num_microbatches
 
@@ -166,6 +172,7 @@ def finetune(run: Run) -> int:
     #    sharding is read first (ZeRO-3 empties the parameters): checkpoints use it for any layout.
     #    parallel.dp_engine=fsdp: PyTorch FSDP2 over DP and torch's AdamW instead (toolkit.train.fsdp).
     shards = ParamShards(model) if adapter is None and not fsdp else None  # an adapter resumes on its own layout only
+    progress.stage("building the FSDP engine" if fsdp else f"building the DeepSpeed engine (ZeRO-{cfg.parallel.zero_stage})")
     if fsdp:
         ds_config, engine = None, fsdp_engine(model, cfg, run.schedule)
     else:
@@ -180,6 +187,7 @@ def finetune(run: Run) -> int:
     #    schedule and data from the start: it is a new fine-tune).
     start_step = 0
     if run.resume_from is not None:
+        progress.stage(f"resuming from {run.resume_from}")
         start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg),
                                        shards, run.same_layout, lora=adapter is not None)
     elif run.optimizer_start is not None:
@@ -193,7 +201,6 @@ def finetune(run: Run) -> int:
         print(f"resolved layout {resolved['layout']}; data {resolved['data']}; resuming at step {start_step}", flush=True)
 
     vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
-    peak, peak_source = peak_tflops(cfg.peak_tflops)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
 
     def context(batches, counts):
@@ -204,6 +211,7 @@ def finetune(run: Run) -> int:
     expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
 
     # 8. The loop.
+    progress.begin(start_step)
     for step in range(start_step + 1, cfg.steps + 1):
         batches = train_data.next_global_batch()
         lr = engine.get_lr()[0]
@@ -227,14 +235,18 @@ def finetune(run: Run) -> int:
             metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
         if log_now:
             logger.log(step, metrics)
+        progress.step(step, metrics, log_now)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,
                            "lr_schedule": run.schedule.state()}
-            checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta, cfg.model.checkpoint,
-                            cfg.keep_last, adapter)
+            saving = time.perf_counter()
+            saved = checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta,
+                                    cfg.model.checkpoint, cfg.keep_last, adapter)
+            progress.saved(step, saved, time.perf_counter() - saving)
         if stop:
             if info.rank == 0:
                 print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)
+            progress.close()
             logger.close()
             shutdown()
             return PREEMPTED_EXIT_CODE
@@ -252,6 +264,7 @@ def finetune(run: Run) -> int:
 
         megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / checkpoint.HF_EXPORT, overwrite=True, progress=False)
         print(f"exported HF model to {run_dir / 'hf'} (peak FLOP/s reference: {peak_source})", flush=True)
+    progress.close()
     logger.close()
     dist.barrier()
     shutdown()

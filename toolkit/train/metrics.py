@@ -1,4 +1,5 @@
-"""Per-step metrics: console (one rank), RUN_DIR/metrics.jsonl, and Weights & Biases when enabled.
+"""Per-step metrics: RUN_DIR/metrics.jsonl, and Weights & Biases when enabled (the console line is
+toolkit.train.progress's).
 
 Throughput uses the standard dense-transformer estimate of training FLOPs per token,
 6 * N (forward + backward of every weight) + 12 * layers * hidden * seq_len (attention scores),
@@ -16,8 +17,9 @@ import torch
 
 # Dense bf16 peak TFLOP/s per device, from vendor datasheets.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
-# Nothing meaningful exists for a CPU; MFU on CPU is reported against this nominal figure.
+# Nothing meaningful exists for a CPU; MFU on CPU is recorded against this nominal figure (and not printed).
 CPU_NOMINAL_TFLOPS = 1.0
+CPU_SOURCE = "CPU, nominal"
 
 
 def peak_tflops(override: float | None) -> tuple[float, str]:
@@ -29,7 +31,7 @@ def peak_tflops(override: float | None) -> tuple[float, str]:
             if key in name:
                 return value, name
         return 0.0, f"unknown GPU {name} (pass peak_tflops)"
-    return CPU_NOMINAL_TFLOPS, "CPU, nominal"
+    return CPU_NOMINAL_TFLOPS, CPU_SOURCE
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -76,9 +78,6 @@ class MetricsLogger:
         record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-                         if not isinstance(v, list))
-        print(shown, flush=True)
         if self.wandb is not None:
             # commit=True: with an explicit step wandb holds the row open until a later step or
             # finish(), so a rank 0 killed after logging would lose that step; ours are complete.
