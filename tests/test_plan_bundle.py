@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.finetune_harness import RECIPE, read_metrics
+from tests.finetune_harness import RECIPE, launch, read_metrics
 from toolkit.memory import GIB
 
 PLAN_ARGS = ["--gpus", "4", "--gpu-memory", "4GiB", "--seq-len", "16", "--global-batch", "16", "--precision", "fp32",
@@ -115,6 +115,22 @@ def test_bundle_of_an_hf_model_says_to_convert_and_points_at_the_converted_path(
     assert "#SBATCH --gpus-per-node=8" in (out / "job.sbatch").read_text()
 
 
+def test_moe_bundle_carries_expert_parallelism_and_the_recipes_expert_rules_accept_it(tmp_path, capsys):
+    from toolkit.cli import main
+    from toolkit.train.build import check_expert_layout, data_parallel_size
+    from toolkit.train.config import load_config
+
+    models = Path(__file__).resolve().parents[1] / "ds_configs" / "models"
+    out = tmp_path / "plan-moe"
+    assert main(["plan", "--model", str(models / "qwen3-30b-a3b"), "--nodes", "2", "--gpu-memory", "80GiB",
+                 "--seq-len", "8192", "--global-batch", "16", "--top", "3", "-o", str(out)]) == 0
+    capsys.readouterr()
+    cfg = load_config(str(out / "recipe.yaml"))
+    check_expert_layout(cfg, data_parallel_size(cfg, 16), "qwen3_moe")
+    assert cfg.parallel.sequence_parallel == (cfg.parallel.tp > 1)  # megatron-core's rule for MoE at TP > 1
+    assert "#SBATCH --nodes=2" in (out / "job.sbatch").read_text()
+
+
 def descendants(pid: int) -> list:
     import psutil
 
@@ -175,13 +191,13 @@ def test_planned_bundle_runs_under_deepspeed_and_its_ranks_die_with_the_launcher
         "tp": recipe["parallel"]["tp"], "pp": recipe["parallel"]["pp"], "zero_stage": recipe["parallel"]["zero_stage"]}
     assert resolved["layout"]["world_size"] == 4, output[-3000:]
 
-    # The same launcher on the same port right away: no EADDRINUSE, and it goes on from step 2 with
-    # the losses the killed run had logged for steps 3 and 4 before it was killed.
+    # The same port right away (no EADDRINUSE: nothing holds it any more), from the last complete
+    # checkpoint (step 2), repeating the losses the killed run logged for steps 3 and 4. Forked ranks
+    # (tests/forkrun.py) save the second launch's imports; the launcher under test is the first one.
     before_kill = {m["step"]: m["loss"] for m in read_metrics(run)}
     assert sorted(before_kill) == [1, 2, 3, 4]
-    resumed = subprocess.run([*deepspeed, "resume=auto"], env={**env, "TOOLKIT_FAULT_PAUSE": ""}, capture_output=True,
-                             text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = launch(4, config, *given, "resume=auto", env={"FORKRUN_MASTER_PORT": port})
+    assert "resuming from" in resumed.stdout and "step 3/6 loss" in resumed.stdout
     after = read_metrics(run)
     assert [m["step"] for m in after] == list(range(1, 7))
     assert [m["loss"] for m in after[:4]] == [before_kill[s] for s in range(1, 5)], "fp32 resume must be exact"
