@@ -92,15 +92,20 @@ class Run:
     lora: object  # toolkit.train.build.LoraPlan, or None for a full fine-tune
     same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
     optimizer_start: object  # toolkit.train.megatron_optimizer.MegatronOptimizerState (model.optimizer_state)
+    data: object  # toolkit.train.build.DataRows: read and checked before the model is built
 
 
 def prepare(config_path, overrides) -> Run:
-    """1. Config, checkpoint, tokenizer, layout, run directory and resume point: every check that
-    needs no processes, so a mistake is one line before any rank starts working."""
+    """1. Config, checkpoint, tokenizer, layout, run directory, resume point and data (read, tokenized
+    and checked): every check that needs no processes, so a mistake is one line before any rank
+    starts working and before the model is built."""
     from toolkit.train import build, checkpoint, megatron_optimizer
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
+    from toolkit.runtime.distributed import check_node_gpus
+
+    check_node_gpus()  # one GPU per local rank
     cfg = load_config(config_path, overrides)
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
@@ -110,10 +115,14 @@ def prepare(config_path, overrides) -> Run:
                   "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
                   **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
     run_dir = Path(cfg.run_dir)
-    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file,
-                                          cfg.model.optimizer_state)
+    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, *cfg.data.train_file.split(","),
+                                          cfg.data.valid_file, cfg.model.optimizer_state)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
-    resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    # A damaged latest checkpoint falls back to the newest intact one, said once (by rank 0).
+    resume_from = checkpoint.find_resumable(run_dir, say=print if os.environ.get("RANK", "0") == "0" else lambda _: None) \
+        if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    if resume_from is not None and cfg.resume != "auto":
+        checkpoint.refuse_damaged(resume_from)
     schedule = LRSchedule.from_config(cfg)
     lora = build.lora_plan(cfg, meta)
     same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch,
@@ -123,12 +132,14 @@ def prepare(config_path, overrides) -> Run:
     if cfg.model.optimizer_state is not None and resume_from is None:
         optimizer_start = megatron_optimizer.check(cfg.model.optimizer_state, meta, cfg.parallel.tp,
                                                    keep_step=cfg.model.optimizer_step == "keep")
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start)
+    data = build.read_data(cfg, tokenizer)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start, data)
 
 
 def finetune(run: Run) -> int:
     import torch.distributed as dist
 
+    from toolkit.model import layer_spec_choice
     from toolkit.runtime.distributed import init_parallel, shutdown
     from toolkit.train import build, checkpoint, loss_scale, megatron_optimizer
     from toolkit.train.loss import padded_vocab_mask
@@ -148,13 +159,15 @@ def finetune(run: Run) -> int:
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
     info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
-    peak, peak_source = peak_tflops(cfg.peak_tflops)
+    peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
     progress = Progress(info.rank == 0, cfg.steps, show_mfu=peak_source != CPU_SOURCE)
     progress.stage(f"building the model (TP {info.tp} x PP {info.pp} x DP {info.dp}) and loading its weights "
                    f"from {cfg.model.checkpoint}")
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
+    if info.rank == 0:
+        print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled)), flush=True)
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
@@ -163,9 +176,9 @@ def finetune(run: Run) -> int:
     if not fsdp:  # FSDP replaces the parameters; toolkit.train.fsdp sums these after its reduce-scatter
         sum_partial_grads_over_tp(model)
 
-    # 5. Data: this DP rank's share of every global batch, in a deterministic order.
-    progress.stage(f"reading the data ({cfg.data.train_file})")
-    train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
+    # 5. Data (read in step 1): this DP rank's share of every global batch, in a deterministic order.
+    progress.stage("dealing out the data to the data-parallel ranks")
+    train_data, valid_data, data_stats = build.build_data(cfg, info, run.data)
     num_microbatches = train_data.num_microbatches
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule. Each parameter's global
@@ -194,7 +207,7 @@ def finetune(run: Run) -> int:
         megatron_optimizer.load(run.optimizer_start, engine, shards)
 
     resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
-                "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
+                "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.summary()}
     logger = MetricsLogger(run_dir, info.rank == 0, cfg.wandb, resolved, start_step)
     if info.rank == 0:
         (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2, default=str))

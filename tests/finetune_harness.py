@@ -63,6 +63,17 @@ def recipe_config(tmp: Path, overrides: list[str]):
     return load_config(str(recipe(tmp, tmp / "ckpt", data)), overrides)
 
 
+def recipe_prepare():
+    """recipes/finetune.py's `prepare` (every check before any process group), to call in process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.prepare
+
+
 def assert_refused_in_one_line(tmp: Path, overrides: list[str], message: str) -> None:
     """The recipe's config refuses `overrides` before anything starts, with one line matching `message`."""
     import pytest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 
 TO_MEGATRON_HELP = """\
 Split an HF checkpoint (config.json + *.safetensors) into megatron-core GPTModel shards for a
@@ -16,8 +17,8 @@ Formats:
               (_EEE: the expert-parallel rank, when --ep > 1)
   torch_dist  megatron-core distributed checkpoint; loads into any TP/PP/EP layout
 
-Supported families: llama (2, 3, 3.1, 3.2; llama3 rope scaling), mistral (sliding window), qwen2,
-qwen3, phi3, and the Mixture-of-Experts families mixtral and qwen3_moe (--ep).
+Supported model_types (the families in toolkit/families/; Mixture-of-Experts ones take --ep):
+{families}
 """
 
 VERIFY_HELP = """\
@@ -25,7 +26,7 @@ Run the megatron checkpoint in megatron-core on TP x PP local processes (gloo on
 GPUs) and the HF model on the same random tokens, then print max |dlogit| over the true vocab,
 top-1 agreement and the first decoder layer whose output diverges. Stage lines on stderr show
 where it is (the launch imports megatron-core: ~15 s on a small CPU machine). Exits 1 on a mismatch,
-including a file whose sha256 differs from the conversion metadata.
+including a file whose checksum differs from the conversion metadata.
 
 Tolerances (max |dlogit|): float32 1e-4, bfloat16 5e-2, float16 1e-2.
 Memory: the HF model in the chosen dtype in this process (4 bytes/parameter in float32) plus
@@ -38,8 +39,12 @@ def register(sub) -> None:
     convert = sub.add_parser("convert", help="convert checkpoints between HF and megatron-core")
     csub = convert.add_subparsers(dest="convert_command", metavar="SUBCOMMAND", required=True)
 
+    from toolkit.families import FAMILIES  # no torch: cheap at start-up
+
+    families = ", ".join(t for family in FAMILIES for t in family.model_types)
     p = csub.add_parser("hf-to-megatron", help="HF checkpoint -> megatron-core TP x PP shards",
-                        description=TO_MEGATRON_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description=TO_MEGATRON_HELP.format(families=textwrap.fill(families, 96, initial_indent="  ",
+                                                                                   subsequent_indent="  ")), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")

@@ -269,7 +269,7 @@ def _quiet_about(errors: list[BaseException]):
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
           on_item=lambda: None) -> dict[Path, str]:
-    """Write the checkpoint; returns the sha256 of the data files, hashed as they were filled."""
+    """Write the checkpoint; returns the checksums of the data files, hashed as they were filled."""
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=DATA_FILES, sync_files=False)

@@ -90,7 +90,7 @@ class MegatronCheckpoint:
     @classmethod
     def _ours(cls, root: Path, shards: Path) -> "MegatronCheckpoint":
         """Metadata checked against the HF config and the file set before any shard is read; each
-        shard's sha256 is checked when it is read (see _verified)."""
+        shard's checksum is checked when it is read (see _verified)."""
         meta = CheckpointMeta.read(root)
         spec = meta.model_spec
         config_path = root / HF_DIR / "config.json"

@@ -83,7 +83,7 @@ def megatron_to_hf(
     `transform(hf_name, tensor)`, if given, changes each tensor before the cast to the source
     dtype (toolkit.lora.export merges an adapter in this way).
 
-    Every shard is checked against the sha256 in the metadata as it is read, and the metadata
+    Every shard is checked against the checksum in the metadata as it is read, and the metadata
     against the HF config and the shards; the result appears at `out_dir` only when complete."""
     if not max_shard_bytes > 0:
         raise ConversionError(f"the maximum shard size must be > 0 bytes (got {max_shard_bytes})")

@@ -108,6 +108,15 @@ def _require(cfg: dict, key: str):
     return cfg[key]
 
 
+def _count(cfg: dict, key: str) -> int:
+    """A size the model is built from (layers, heads, widths): a whole number of at least 1, else
+    one line here rather than a ZeroDivisionError or an empty model later."""
+    value = int(_require(cfg, key))
+    if value < 1:
+        raise ConversionError(f"config.json has {key}={cfg[key]!r}: it must be at least 1")
+    return value
+
+
 def _rope(cfg: dict, family: Family) -> dict:
     """rope_theta, the llama3 factor and the linear factor, as ModelSpec fields. transformers 5
     writes `rope_parameters` (theta inside, one dict per layer type for some families);
@@ -168,20 +177,20 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     act = cfg.get(act_key, act_expected)
     if act != act_expected:
         raise ConversionError(f"{act_key}={act!r} is not supported for {family.name} (only a gated MLP with {act_expected})")
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
+    hidden = _count(cfg, "hidden_size")
+    heads = _count(cfg, "num_attention_heads")
     window = cfg.get(family.window_key) if family.window_key else None
     moe = read_moe(cfg, family.name, family.router) if family.router else None
     fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
     return ModelSpec(
         family=family.name,
-        num_layers=int(_require(cfg, "num_hidden_layers")),
+        num_layers=_count(cfg, "num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=int(_require(cfg, "intermediate_size")),
+        ffn_hidden_size=_count(cfg, "intermediate_size"),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_kv_heads=_count(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(_require(cfg, "vocab_size")),
+        vocab_size=_count(cfg, "vocab_size"),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(_require(cfg, "max_position_embeddings")),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),

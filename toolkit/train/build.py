@@ -10,14 +10,18 @@ import torch
 
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import RECIPE_NAMES, Layout
-from toolkit.model import running_layer_spec
+from toolkit import model as model_builder
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
-from toolkit.train.data import BatchSource, load_rows
+from toolkit.train.data import BatchSource, Row
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# torch's AdamW (foreach kernels on a GPU) rather than DeepSpeed's FusedAdam, which deepspeed.initialize
+# JIT-builds and which needs nvcc and CUDA_HOME on the node (MissingCUDAException otherwise).
+# benchmarks/finetune_bench.py's HF + DeepSpeed baseline uses the same.
+TORCH_ADAM = True
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
@@ -34,7 +38,7 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {spec.max_position_embeddings}")
     if cfg.data.pack and spec.window_size:
         raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
-    if cfg.data.pack and running_layer_spec() == "te":
+    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled)[0] == "te":
         raise ConfigError("packing is not supported on the Transformer Engine path: it needs per-document cu_seqlens, "
                           "which this trainer does not build, and TE would silently ignore the document mask; set data.pack=false")
     return meta
@@ -153,11 +157,13 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
         settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
-    config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel, **settings)
+    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
+    config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
+                                **settings)
     if cfg.parallel.vpp == 1:
-        model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
+        model = build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, aux_loss=aux_loss)
     else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
-        model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, vp_stage=v)
+        model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, vp_stage=v)
                                       for v in range(cfg.parallel.vpp))
     load_converted(virtual.chunks(model), cfg.model.checkpoint)
     return model, layout
@@ -184,7 +190,7 @@ def ds_setup(cfg: TrainConfig, dp: int):
         gradient_clipping=o.clip_grad,
         steps_per_print=10**9,  # our trainer logs
         optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                    torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
+                                    torch_adam=TORCH_ADAM),
         scheduler=None,
         overlap_comm=cfg.parallel.overlap_comm,
         reduce_bucket_size=cfg.parallel.reduce_bucket_size,
@@ -205,14 +211,56 @@ def ds_config(cfg: TrainConfig, spec, dp: int) -> dict:
     return config
 
 
-def build_data(cfg: TrainConfig, info: ParallelInfo, tokenizer):
-    rows, stats = load_rows(cfg.data.train_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
-    train = BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle, cfg.data.pack)
+@dataclass
+class DataRows:
+    """The training (and validation) rows, read and checked before the model is built."""
+
+    train: list[Row]
+    valid: list[Row] | None
+    stats: object  # toolkit.train.data.DataStats of the training data
+
+
+def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
+    """Every rank reads the same data (the library caches it under data.cache_dir) and reaches the same
+    verdict: data that cannot train is one DataError here, before any process group."""
+    from toolkit.train import chat_templates, data, data_sources
+
+    d = cfg.data
+    chat_templates.apply(tokenizer, d.chat_template)
+    if d.chat_template is not None:
+        chat_templates.check(tokenizer)
+    opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
+    cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
+
+    def read(source, stats):
+        samples = data.read_samples(data_sources.records(source, opts.columns, cache), tokenizer, opts, stats)
+        data.refuse_unreadable(source.name, stats, d.max_unk_share, tokenizer)
+        data.refuse_empty(source.name, samples, stats)
+        return samples
+
+    stats = data.DataStats()
+    train_sources = data_sources.sources(d.train_file, d.weights, d.split)
+    samples = data.mix([(s, read(s, stats)) for s in train_sources], cfg.seed, stats)
+    train = data.to_rows(samples, tokenizer, d.seq_len, d.pack, stats)
+    if len(train) < cfg.global_batch:
+        raise data.DataError(
+            f"{d.train_file} gives {len(train)} {'packed rows' if d.pack else 'samples'}, fewer than one global batch "
+            f"of {cfg.global_batch}: every step would repeat samples; add data or lower global_batch")
     valid = None
-    if cfg.data.valid_file:
-        vrows, _ = load_rows(cfg.data.valid_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
-        valid = BatchSource(vrows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
-    return train, valid, stats
+    if d.valid_file or d.valid_split:
+        source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
+        valid = data.to_rows(read(source, data.DataStats()), tokenizer, d.seq_len, d.pack, data.DataStats())
+    return DataRows(train, valid, stats)
+
+
+def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):
+    """This DP rank's view of the rows, in the deterministic order (toolkit.train.data.BatchSource)."""
+    train = BatchSource(rows.train, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle,
+                        cfg.data.pack)
+    valid = None
+    if rows.valid is not None:
+        valid = BatchSource(rows.valid, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
+    return train, valid, rows.stats
 
 
 @dataclass

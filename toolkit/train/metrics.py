@@ -15,23 +15,21 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device, from vendor datasheets.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 # Nothing meaningful exists for a CPU; MFU on CPU is recorded against this nominal figure (and not printed).
 CPU_NOMINAL_TFLOPS = 1.0
 CPU_SOURCE = "CPU, nominal"
 
 
-def peak_tflops(override: float | None) -> tuple[float, str]:
+def peak_tflops(override: float | None, precision: str = "bf16") -> tuple[float, str]:
+    """This device's dense peak for matmuls at `precision` (toolkit.peak_flops), and where it comes
+    from; 0.0 where none is known (MFU is then not reported)."""
+    from toolkit.peak_flops import gpu_peak, matmul_tflops, tf32_enabled
+
     if override:
         return override, "given"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value, name
-        return 0.0, f"unknown GPU {name} (pass peak_tflops)"
-    return CPU_NOMINAL_TFLOPS, CPU_SOURCE
+# Nothing meaningful exists for a CPU; MFU on CPU is recorded against this nominal figure (and not printed).
 
 
 def peak_memory_bytes(device: torch.device) -> int:
