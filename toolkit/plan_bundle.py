@@ -191,8 +191,8 @@ def plan_text(bundle: Bundle, out: Path, command: str, top: int = 10) -> str:
         lines += ["## The DeepSpeed config the recipe builds for it", "",
                   f"megatron-core's schedule runs the {s.micro_batches} micro-batches of {s.micro_batch} (recipe key "
                   "`micro_batch`), so DeepSpeed sees one step per global batch: its `train_micro_batch_size_per_gpu` "
-                  f"is the {s.global_batch // s.dp} sequences of each DP rank. Built from `{RECIPE}` on the machine "
-                  "that ran plan; on GPUs the optimizer is DeepSpeed's fused AdamW instead of torch's.", "",
+                  f"is the {s.global_batch // s.dp} sequences of each DP rank. Built from `{RECIPE}` by the function "
+                  "the trainer uses (toolkit.train.build.ds_config).", "",
                   "```json", json.dumps(bundle.deepspeed, indent=2), "```", ""]
     return "\n".join(lines)
 

@@ -25,7 +25,8 @@ DEEPSPEED_LAUNCH = "deepspeed.launcher.launch"
 
 
 def under_launcher() -> bool:
-    return all(name in os.environ for name in LAUNCHER_ENV)
+    """Any of the launcher's variables: a plain `python recipes/finetune.py` has none of them."""
+    return any(name in os.environ for name in LAUNCHER_ENV)
 
 
 def launcher_hint(argv: list[str]) -> str:

@@ -29,7 +29,15 @@ def peak_tflops(override: float | None, precision: str = "bf16") -> tuple[float,
         return override, "given"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-# Nothing meaningful exists for a CPU; MFU on CPU is recorded against this nominal figure (and not printed).
+        peak = gpu_peak(name)
+        if peak is None:
+            return 0.0, f"unknown GPU {name} (pass peak_tflops)"
+        tf32 = precision == "fp32" and tf32_enabled()
+        value = matmul_tflops(peak, precision, tf32)
+        if value is None:
+            return 0.0, f"{name} has no {precision} tensor cores (pass peak_tflops)"
+        return value, f"{name}, {'tf32' if tf32 else precision} dense"
+    return CPU_NOMINAL_TFLOPS, CPU_SOURCE
 
 
 def peak_memory_bytes(device: torch.device) -> int:
