@@ -147,10 +147,15 @@ def make_config(variant: str, **overrides):
 
 def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
     """Create and save a tiny random model of `variant`; returns its directory."""
+    return save_random_model(make_config(variant, **overrides), directory, dtype, seed)
+
+
+def save_random_model(config, directory: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """Save a random model of a transformers config (norms, routers and biases randomised too)
+    with the digit tokenizer; returns its directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = make_config(variant, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     low, high = NORM_WEIGHTS.get(config.model_type, DEFAULT_NORM_WEIGHTS)
