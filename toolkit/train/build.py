@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
-from toolkit.layouts import Layout
+from toolkit.layouts import RECIPE_NAMES, Layout
 from toolkit import model as model_builder
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
@@ -25,6 +25,9 @@ TORCH_ADAM = True
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
+    if not Path(cfg.model.checkpoint).exists():
+        raise ConfigError(f"model.checkpoint {cfg.model.checkpoint} does not exist: give the directory `toolkit convert "
+                          "hf-to-megatron HF_MODEL OUT` wrote (as model.checkpoint=OUT)")
     meta = CheckpointMeta.read(Path(cfg.model.checkpoint))
     spec = meta.model_spec
     expected = {"family": cfg.model.family, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size}
@@ -66,7 +69,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     experts); returns DP."""
     tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
     try:
-        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec)
+        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec, RECIPE_NAMES)
     except ConversionError as e:
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
@@ -166,16 +169,15 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     return model, layout
 
 
-def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
-    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
-    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
-    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none."""
-    from toolkit.dsconfig import OptimizerSettings, Setup, build
+def ds_setup(cfg: TrainConfig, dp: int):
+    """The toolkit.dsconfig Setup of this recipe at data-parallel size `dp`: the one place the
+    recipe's keys become DeepSpeed's, used by the trainer and by `toolkit plan` to price the
+    bundle it writes (toolkit.plan_bundle), so the priced config is the run's."""
+    from toolkit.dsconfig import OptimizerSettings, Setup
     from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
-    from toolkit.train.loss_scale import fp16_ds_settings
 
     o = cfg.optim
-    setup = Setup(
+    return Setup(
         gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
@@ -193,7 +195,17 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         overlap_comm=cfg.parallel.overlap_comm,
         reduce_bucket_size=cfg.parallel.reduce_bucket_size,
     )
-    config = build(setup, meta.model_spec)
+
+
+def ds_config(cfg: TrainConfig, spec, dp: int) -> dict:
+    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
+    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
+    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none.
+    `spec`: the model's ModelSpec (it sizes the buckets)."""
+    from toolkit.dsconfig import build
+    from toolkit.train.loss_scale import fp16_ds_settings
+
+    config = build(ds_setup(cfg, dp), spec)
     if cfg.precision == "fp16":
         config["fp16"].update(fp16_ds_settings(cfg))
     return config
@@ -285,6 +297,8 @@ def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
     base_name = p.base_model_name_or_path
     if base_name is None and p.init_from:
         base_name = json.loads((Path(p.init_from) / peft_dir.CONFIG).read_text()).get("base_model_name_or_path")
+    if base_name is None:  # the HF model the checkpoint was converted from, which PEFT can load
+        base_name = meta.hf_source
     return LoraPlan(settings, family, Path(p.init_from) if p.init_from else None, base, base_name)
 
 

@@ -455,12 +455,22 @@ def _group_lrs(saved: list[float], groups: int) -> list[float]:
     return saved[:1] * groups
 
 
-def export_adapter(run_dir: Path) -> Path:
-    """The latest checkpoint's adapter copied to RUN_DIR/adapter (replacing an older export whole)."""
+# Files of the checkpoint's hf/ directory that are not the tokenizer's: an adapter directory holds
+# the tokenizer (AutoTokenizer.from_pretrained(adapter)), never a model config of its own.
+NOT_TOKENIZER_FILES = ("config.json", "generation_config.json")
+
+
+def export_adapter(run_dir: Path, tokenizer_from: Path | None = None) -> Path:
+    """The latest checkpoint's adapter copied to RUN_DIR/adapter (replacing an older export whole),
+    with the tokenizer files of `tokenizer_from` (the base checkpoint's hf/ directory)."""
     out = Path(run_dir) / ADAPTER_EXPORT
     tmp = Path(run_dir) / f".{ADAPTER_EXPORT}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(find_latest(run_dir) / ADAPTER_EXPORT, tmp)
+    if tokenizer_from is not None and Path(tokenizer_from).is_dir():
+        for path in sorted(Path(tokenizer_from).iterdir()):
+            if path.is_file() and path.name not in NOT_TOKENIZER_FILES:
+                shutil.copy2(path, tmp / path.name)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return out

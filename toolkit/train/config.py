@@ -4,6 +4,7 @@ from the command line with dotted keys (`optim.lr=1e-4 parallel.tp=2`)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -276,7 +277,11 @@ def _apply(obj, key_path: list[str], value, full_key: str) -> None:
     name = key_path[0]
     if name not in hints:
         known = ", ".join(hints)
-        raise ConfigError(f"unknown config key {full_key!r} (known at this level: {known})")
+        close = difflib.get_close_matches(name, list(hints), n=1)
+        parts = full_key.split(".")
+        depth = len(parts) - len(key_path)  # the keys above this level, then this one, then its sub-keys
+        hint = f"did you mean {'.'.join([*parts[:depth], close[0], *parts[depth + 1:]])!r}? " if close else ""
+        raise ConfigError(f"unknown config key {full_key!r} ({hint}known at this level: {known})")
     if len(key_path) > 1:
         child = getattr(obj, name)
         if not dataclasses.is_dataclass(child):
@@ -322,7 +327,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the recipe YAML, then `key.sub=value` overrides."""
     import yaml
 
-    cfg = TrainConfig()
+    data = {}
     if path:
         p = Path(path)
         if not p.is_file():
@@ -333,8 +338,14 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {path} must be a mapping of config keys")
-        for key, value in data.items():
-            _apply(cfg, [key], value, key)
+    return config_from_mapping(data, overrides)
+
+
+def config_from_mapping(data: dict, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults, then `data` (a recipe's mapping, as YAML gives it), then `key.sub=value` overrides."""
+    cfg = TrainConfig()
+    for key, value in data.items():
+        _apply(cfg, [key], value, key)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
