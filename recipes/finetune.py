@@ -40,6 +40,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from toolkit.runtime.launcher_watch import exit_with_launcher, launcher_hint, under_launcher
+
+    if not under_launcher():
+        print(f"error: {launcher_hint(sys.argv)}", file=sys.stderr, flush=True)
+        return 2
+    exit_with_launcher()  # the ranks end with their launcher (kill -9 included), freeing MASTER_PORT
     from toolkit.runtime.distributed import choose_deepspeed_accelerator
     from toolkit.runtime.quiet import quiet_third_party
 
@@ -58,10 +64,17 @@ def main(argv=None) -> int:
         else:
             time.sleep(3)
         return 2
+    from torch.distributed import DistNetworkError
+
     try:
         return finetune(run)
     except ToolkitError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 2
+    except DistNetworkError as e:  # e.g. MASTER_PORT still held by an earlier run's processes
+        from toolkit.runtime.distributed import network_error_line
+
+        print(f"error (rank {rank}): {network_error_line(e)}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -79,11 +92,13 @@ class Run:
     lora: object  # toolkit.train.build.LoraPlan, or None for a full fine-tune
     same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
     optimizer_start: object  # toolkit.train.megatron_optimizer.MegatronOptimizerState (model.optimizer_state)
+    data: object  # toolkit.train.build.DataRows: read and checked before the model is built
 
 
 def prepare(config_path, overrides) -> Run:
-    """1. Config, checkpoint, tokenizer, layout, run directory and resume point: every check that
-    needs no processes, so a mistake is one line before any rank starts working."""
+    """1. Config, checkpoint, tokenizer, layout, run directory, resume point and data (read, tokenized
+    and checked): every check that needs no processes, so a mistake is one line before any rank
+    starts working and before the model is built."""
     from toolkit.train import build, checkpoint, megatron_optimizer
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
@@ -100,10 +115,14 @@ def prepare(config_path, overrides) -> Run:
                   "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
                   **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
     run_dir = Path(cfg.run_dir)
-    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, cfg.data.train_file, cfg.data.valid_file,
-                                          cfg.model.optimizer_state)
+    checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, *cfg.data.train_file.split(","),
+                                          cfg.data.valid_file, cfg.model.optimizer_state)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
-    resume_from = checkpoint.find_latest(run_dir) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    # A damaged latest checkpoint falls back to the newest intact one, said once (by rank 0).
+    resume_from = checkpoint.find_resumable(run_dir, say=print if os.environ.get("RANK", "0") == "0" else lambda _: None) \
+        if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
+    if resume_from is not None and cfg.resume != "auto":
+        checkpoint.refuse_damaged(resume_from)
     schedule = LRSchedule.from_config(cfg)
     lora = build.lora_plan(cfg, meta)
     same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch,
@@ -113,7 +132,8 @@ def prepare(config_path, overrides) -> Run:
     if cfg.model.optimizer_state is not None and resume_from is None:
         optimizer_start = megatron_optimizer.check(cfg.model.optimizer_state, meta, cfg.parallel.tp,
                                                    keep_step=cfg.model.optimizer_step == "keep")
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start)
+    data = build.read_data(cfg, tokenizer)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start, data)
 
 
 def finetune(run: Run) -> int:
@@ -123,7 +143,8 @@ def finetune(run: Run) -> int:
     from toolkit.runtime.distributed import init_parallel, shutdown
     from toolkit.train import build, checkpoint, loss_scale, megatron_optimizer
     from toolkit.train.loss import padded_vocab_mask
-    from toolkit.train.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
+    from toolkit.train.metrics import CPU_SOURCE, MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops
+    from toolkit.train.progress import Progress
     from toolkit.train.parallel import build_engine, mark_tied_output_replica, sum_partial_grads_over_tp
     from toolkit.train.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
     from toolkit.train.schedule import LRSchedule
@@ -138,6 +159,10 @@ def finetune(run: Run) -> int:
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
     info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
+    peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
+    progress = Progress(info.rank == 0, cfg.steps, show_mfu=peak_source != CPU_SOURCE)
+    progress.stage(f"building the model (TP {info.tp} x PP {info.pp} x DP {info.dp}) and loading its weights "
+                   f"from {cfg.model.checkpoint}")
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
@@ -151,18 +176,20 @@ def finetune(run: Run) -> int:
     if not fsdp:  # FSDP replaces the parameters; toolkit.train.fsdp sums these after its reduce-scatter
         sum_partial_grads_over_tp(model)
 
-    # 5. Data: this DP rank's share of every global batch, in a deterministic order.
-    train_data, valid_data, data_stats = build.build_data(cfg, info, run.tokenizer)
+    # 5. Data (read in step 1): this DP rank's share of every global batch, in a deterministic order.
+    progress.stage("dealing out the data to the data-parallel ranks")
+    train_data, valid_data, data_stats = build.build_data(cfg, info, run.data)
     num_microbatches = train_data.num_microbatches
 
     # 6. DeepSpeed engine: ZeRO, precision, AdamW and the LR schedule. Each parameter's global
     #    sharding is read first (ZeRO-3 empties the parameters): checkpoints use it for any layout.
     #    parallel.dp_engine=fsdp: PyTorch FSDP2 over DP and torch's AdamW instead (toolkit.train.fsdp).
     shards = ParamShards(model) if adapter is None and not fsdp else None  # an adapter resumes on its own layout only
+    progress.stage("building the FSDP engine" if fsdp else f"building the DeepSpeed engine (ZeRO-{cfg.parallel.zero_stage})")
     if fsdp:
         ds_config, engine = None, fsdp_engine(model, cfg, run.schedule)
     else:
-        ds_config = build.ds_config(cfg, meta, dp)
+        ds_config = build.ds_config(cfg, spec, dp)
         engine = build_engine(model, cfg, ds_config, run.schedule)
     # fp16: megatron-core's backward scales the loss by DeepSpeed's dynamic loss scale (toolkit.train.loss_scale).
     fp16_watch = loss_scale.wire(engine, model, cfg) if cfg.precision == "fp16" else None
@@ -173,20 +200,20 @@ def finetune(run: Run) -> int:
     #    schedule and data from the start: it is a new fine-tune).
     start_step = 0
     if run.resume_from is not None:
+        progress.stage(f"resuming from {run.resume_from}")
         start_step = checkpoint.resume(run.resume_from, engine, train_data, run.schedule, LRSchedule.from_config(cfg),
                                        shards, run.same_layout, lora=adapter is not None)
     elif run.optimizer_start is not None:
         megatron_optimizer.load(run.optimizer_start, engine, shards)
 
     resolved = {"config": cfg.to_dict(), "layout": {**run.layout_key, "world_size": info.world_size,
-                "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.__dict__}
+                "num_microbatches": num_microbatches}, "deepspeed": ds_config, "data": data_stats.summary()}
     logger = MetricsLogger(run_dir, info.rank == 0, cfg.wandb, resolved, start_step)
     if info.rank == 0:
         (run_dir / "resolved_config.json").write_text(json.dumps(resolved, indent=2, default=str))
         print(f"resolved layout {resolved['layout']}; data {resolved['data']}; resuming at step {start_step}", flush=True)
 
     vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
-    peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
 
     def context(batches, counts):
@@ -197,6 +224,7 @@ def finetune(run: Run) -> int:
     expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
 
     # 8. The loop.
+    progress.begin(start_step)
     for step in range(start_step + 1, cfg.steps + 1):
         batches = train_data.next_global_batch()
         lr = engine.get_lr()[0]
@@ -220,14 +248,18 @@ def finetune(run: Run) -> int:
             metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
         if log_now:
             logger.log(step, metrics)
+        progress.step(step, metrics, log_now)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,
                            "lr_schedule": run.schedule.state()}
-            checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta, cfg.model.checkpoint,
-                            cfg.keep_last, adapter)
+            saving = time.perf_counter()
+            saved = checkpoint.save(run_dir, step, engine, model, shards, train_data, train_state, meta,
+                                    cfg.model.checkpoint, cfg.keep_last, adapter)
+            progress.saved(step, saved, time.perf_counter() - saving)
         if stop:
             if info.rank == 0:
                 print(f"{preemption.signal_name or 'signal'} received: saved step {step}, exiting for requeue", flush=True)
+            progress.close()
             logger.close()
             shutdown()
             return PREEMPTED_EXIT_CODE
@@ -236,13 +268,16 @@ def finetune(run: Run) -> int:
     #    adapter as an HF PEFT directory; also after a requeue that found the last step already
     #    saved but not yet exported.
     if adapter is not None and info.rank == 0:
-        checkpoint.export_adapter(run_dir)
+        from toolkit.convert.metadata import HF_DIR
+
+        checkpoint.export_adapter(run_dir, Path(cfg.model.checkpoint) / HF_DIR)
         print(f"exported the LoRA adapter to {run_dir / checkpoint.ADAPTER_EXPORT}", flush=True)
     elif cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / checkpoint.HF_EXPORT).exists()):
         from toolkit.convert import megatron_to_hf
 
         megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / checkpoint.HF_EXPORT, overwrite=True, progress=False)
         print(f"exported HF model to {run_dir / 'hf'} (peak FLOP/s reference: {peak_source})", flush=True)
+    progress.close()
     logger.close()
     dist.barrier()
     shutdown()

@@ -63,6 +63,17 @@ def recipe_config(tmp: Path, overrides: list[str]):
     return load_config(str(recipe(tmp, tmp / "ckpt", data)), overrides)
 
 
+def recipe_prepare():
+    """recipes/finetune.py's `prepare` (every check before any process group), to call in process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.prepare
+
+
 def assert_refused_in_one_line(tmp: Path, overrides: list[str], message: str) -> None:
     """The recipe's config refuses `overrides` before anything starts, with one line matching `message`."""
     import pytest
@@ -179,7 +190,8 @@ def peft_model(model, adapter_dir: Path):
 
 
 def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu",
-                 adapter: Path | None = None, step_loss=None, on_step=None) -> tuple[list[float], list[float]]:
+                 adapter: Path | None = None, step_loss=None, on_step=None,
+                 prepare=None) -> tuple[list[float], list[float]]:
     """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
     same global batches: loss = sum of token losses over the global batch / its token count.
     With `adapter` (an HF PEFT directory) the model is HF PEFT's LoRA from that adapter, and
@@ -189,7 +201,8 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
     own packing, one forward per document (no padding, positions from 0), its own LR formula.
     `step_loss(model, rows, cfg, device)` -> (objective to back-propagate, reported loss) replaces
     that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss).
-    `on_step(step, model)` is called after each optimizer step (step from 1), e.g. to keep weights."""
+    `on_step(step, model)` is called after each optimizer step (step from 1), e.g. to keep weights.
+    `prepare(model)` is called once before training (tests/moe_reference.py: routers in fp64)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -202,6 +215,8 @@ def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: s
     if adapter is not None:
         model = peft_model(model, adapter)
     model = model.to(device).train()
+    if prepare is not None:
+        prepare(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trained if p.ndim > 1]
     no_decay = [p for p in trained if p.ndim <= 1]
@@ -243,14 +258,55 @@ def document_loss(model, global_rows, cfg, device):
 STEPS = 10
 LOSS_TOLERANCE_FP32 = 1e-5
 GRAD_NORM_TOLERANCE = 1e-4  # relative
+# bf16 rounds weights and activations: a loss within 2e-2 of the fp32 reference over 10 steps, and
+# the gradient norm within 2e-2 relative (measured up to 6.1e-3: PP2 untied; 2.2e-3 Gemma 3 at TP2
+# with SP; 2.8e-3 FSDP; 4.7e-3 LoRA at PP2). A wrong loss scale (x2) stays within the loss bar (2.4e-3) and is 1.0 off
+# on the gradient norm (tests/test_finetune_parity.py's guard).
+LOSS_TOLERANCE_BF16 = 2e-2
+GRAD_NORM_TOLERANCE_BF16 = 2e-2
 # name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
                  "phi4-mini": "phi4-mini", "gemma3": "gemma3", "olmo2": "olmo2"}
 
 
-def parity_setup(root: Path, models: dict, steps: int):
-    """Tiny fp32 HF models converted to torch_dist, uneven data, and the HF reference per
-    (model, packing), computed once on first use."""
+# Recipe keys that change the run but not the HF reference: the layout, the run's precision and
+# loss scaling, the MoE dispatcher, where and how often it writes. Every other key (data, optim,
+# steps, batch sizes, LoRA, the MoE router's aux loss and dtype...) keys the reference cache.
+RUN_ONLY_KEYS = ("parallel", "precision", "loss_scale", "run_dir", "export_hf", "save_every", "log_every",
+                 "model.checkpoint", "moe.dispatcher", "wandb")
+
+
+def reference_key(cfg_path: Path, *extra) -> str:
+    """The recipe at `cfg_path` less RUN_ONLY_KEYS, with `extra` (the HF model, an adapter...), as
+    one string: two recipes that share it have the same HF reference. Settings given to the launch
+    on its command line are not in it: give the ones that change the reference in the recipe."""
+    cfg = yaml.safe_load(cfg_path.read_text())
+    for dotted in RUN_ONLY_KEYS:
+        section, _, name = dotted.partition(".")
+        if name:
+            cfg.get(section, {}).pop(name, None)
+        else:
+            cfg.pop(section, None)
+    return json.dumps([cfg, *map(str, extra)], sort_keys=True)
+
+
+class ReferenceCache:
+    """HF reference results computed once per reference_key: a guard of 2 steps, or a recipe with
+    another learning rate, gets its own reference, not whichever was computed first."""
+
+    def __init__(self):
+        self.results: dict[str, object] = {}
+
+    def get(self, cfg_path: Path, compute, *extra):
+        key = reference_key(cfg_path, *extra)
+        if key not in self.results:
+            self.results[key] = compute()
+        return self.results[key]
+
+
+def parity_setup(root: Path, models: dict):
+    """Tiny fp32 HF models converted to torch_dist, uneven data, and `reference(name, cfg_path)`:
+    the HF reference of model `name` for the recipe at cfg_path (its steps), computed once."""
     from toolkit.convert import hf_to_megatron
     from toolkit.tinymodels import make_tiny_model
 
@@ -261,32 +317,42 @@ def parity_setup(root: Path, models: dict, steps: int):
         hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250,
                              **four_layer_types.get(name, {}))
         built[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
-    references = {}
+    cache = ReferenceCache()
 
-    def reference(name, cfg_path, pack=False):
-        if (name, pack) not in references:
-            references[name, pack] = hf_reference(built[name][0], data, cfg_path, steps)
-        return references[name, pack]
+    def reference(name, cfg_path):
+        steps = yaml.safe_load(cfg_path.read_text())["steps"]
+        return cache.get(cfg_path, lambda: hf_reference(built[name][0], data, cfg_path, steps), built[name][0])
 
     return root, data, built, reference
 
 
-def compare_with_reference(setup, tmp_path: Path, nprocs: int, model: str, tolerance: float = LOSS_TOLERANCE_FP32,
-                           pack: bool = False, **overrides) -> list[dict]:
-    """Launch the recipe; its losses within `tolerance` of the HF reference at every step, and
-    (at the fp32 tolerance) its gradient norms within GRAD_NORM_TOLERANCE."""
+def differences(metrics: list[dict], ref_losses: list[float], ref_norms: list[float]) -> tuple[float, float]:
+    """(max |loss - reference|, max |grad norm - reference| / max(1, reference)) over the logged steps,
+    which must be steps 1, 2, ... and as many as the reference's."""
+    assert [m["step"] for m in metrics] == list(range(1, len(ref_losses) + 1)), [m["step"] for m in metrics]
+    loss = max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses))
+    norm = max(abs(m["grad_norm"] - r) / max(1.0, r) for m, r in zip(metrics, ref_norms))
+    return loss, norm
+
+
+def run_against_reference(setup, tmp_path: Path, nprocs: int, model: str, pack: bool = False, script: Path = RECIPE,
+                          env: dict | None = None, **overrides) -> tuple[list[dict], float, float]:
+    """Launch `script` (the recipe, or a guard's wrapper) on the recipe with `overrides`: (its
+    metrics, and its differences from the HF reference of the same recipe)."""
     _, data, models, reference = setup
     cfg = recipe(tmp_path, models[model][1], data, data__pack=pack, **overrides)
-    launch(nprocs, cfg)
+    launch(nprocs, cfg, script=script, env=env)
     metrics = read_metrics(tmp_path / "run")
-    ref_losses, ref_norms = reference(model, cfg, pack)
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    losses = [m["loss"] for m in metrics]
-    worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert worst < tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
-    if tolerance == LOSS_TOLERANCE_FP32:
-        norms = [m["grad_norm"] for m in metrics]
-        relative = max(abs(a - b) / max(1.0, b) for a, b in zip(norms, ref_norms))
-        print(f"{model} x {nprocs} processes: max |loss - reference| {worst:.1e}, grad norm relative {relative:.1e}")
-        assert all(abs(a - b) <= GRAD_NORM_TOLERANCE * max(1.0, b) for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+    return (metrics, *differences(metrics, *reference(model, cfg)))
+
+
+def compare_with_reference(setup, tmp_path: Path, nprocs: int, model: str, tolerance: float = LOSS_TOLERANCE_FP32,
+                           pack: bool = False, norm_tolerance: float = GRAD_NORM_TOLERANCE, **overrides) -> list[dict]:
+    """Launch the recipe; at every one of its STEPS steps its loss within `tolerance` of the HF
+    reference, and its gradient norm within `norm_tolerance` (relative, as `differences`)."""
+    metrics, loss, norm = run_against_reference(setup, tmp_path, nprocs, model, pack, **overrides)
+    print(f"{model} x {nprocs} processes: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert len(metrics) == STEPS
+    assert loss < tolerance, (f"max |loss - reference| = {loss:.2e}", [m["loss"] for m in metrics])
+    assert norm < norm_tolerance, (f"grad norm relative {norm:.2e}", [m["grad_norm"] for m in metrics])
     return metrics

@@ -25,6 +25,7 @@ import time
 import traceback
 
 GRACE_S = 10  # after a rank fails, how long the others get to exit on SIGTERM
+PORT_ENV = "FORKRUN_MASTER_PORT"
 
 
 def preload() -> None:
@@ -78,7 +79,7 @@ def main() -> int:
     preload()
     from toolkit.runtime.launch import free_port
 
-    port = free_port()
+    port = int(os.environ.get(PORT_ENV) or free_port())  # a test may ask for a port a killed run held
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}

@@ -8,6 +8,9 @@ megatron-core's code:
     the step's objective adds the mean over the global batch's micro-batches of sum_l aux(m, l)
     (megatron-core scales each micro-batch's aux gradient by 1 / micro-batches, DeepSpeed by 1 / DP).
 
+With the recipe's moe.router_dtype=fp64 (megatron-core's moe_router_dtype), `route_in_fp64` makes
+the reference's routers compute their logits, softmax, top-k and renormalisation in fp64 too.
+
 HF's own load_balancing_loss_func differs (all layers pooled, no 1/k; see the README): the
 trainer optimises it with moe.aux_loss=hf, and then the reference is HF's own: the micro-batch's
 forward with output_router_logits=True and its attention mask (padding left out), whose
@@ -15,6 +18,8 @@ forward with output_router_logits=True and its attention mask (padding left out)
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +29,7 @@ def megatron_aux_loss(router_logits: torch.Tensor, valid: torch.Tensor, coeff: f
     """One layer's load-balancing loss over one micro-batch's non-padding tokens ([T, E] router logits)."""
     router_logits = router_logits[valid]
     tokens, experts = router_logits.shape
-    scores = torch.softmax(router_logits.float(), dim=-1)
+    scores = torch.softmax(router_logits, dim=-1)
     routed = torch.zeros_like(scores).scatter(1, torch.topk(scores, topk, dim=1).indices, 1.0)
     return coeff * experts / (topk * tokens * tokens) * (scores.sum(0) * routed.sum(0)).sum()
 
@@ -32,14 +37,33 @@ def megatron_aux_loss(router_logits: torch.Tensor, valid: torch.Tensor, coeff: f
 def topk_margin(router_logits: torch.Tensor, valid: torch.Tensor, topk: int) -> float:
     """The smallest gap, over one layer's non-padding tokens, between a token's k-th and (k+1)-th
     router logit: how close its top-k choice came to a tie."""
-    top = torch.topk(router_logits[valid].float(), topk + 1, dim=1).values
+    top = torch.topk(router_logits[valid], topk + 1, dim=1).values
     return float((top[:, topk - 1] - top[:, topk]).min())
 
 
 def routed_counts(router_logits: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor:
     """Per expert, the non-padding tokens whose top-k holds it."""
-    chosen = torch.topk(router_logits[valid].float(), topk, dim=1).indices
+    chosen = torch.topk(router_logits[valid], topk, dim=1).indices
     return torch.bincount(chosen.flatten(), minlength=router_logits.shape[1])
+
+
+def route_in_fp64(model) -> None:
+    """hf_reference's `prepare` for moe.router_dtype=fp64: every HF router (Mixtral's, Qwen2-MoE's,
+    Qwen3-MoE's and OLMoE's TopKRouter: softmax, top-k, renormalised where norm_topk_prob, Mixtral
+    always) computes from its fp32 input and weight in fp64, as megatron-core's router then does;
+    the chosen experts' weights go back to the experts in fp32. Its logits stay fp64 for the aux loss."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert routers, "no HF TopKRouter in the model"
+    for router in routers:
+        router.forward = types.MethodType(_fp64_routing, router)
+
+
+def _fp64_routing(router, hidden_states):
+    logits = F.linear(hidden_states.reshape(-1, router.hidden_dim).double(), router.weight.double())
+    top, chosen = torch.topk(torch.softmax(logits, dim=-1), router.top_k, dim=-1)
+    if getattr(router, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(hidden_states.dtype), chosen
 
 
 def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):

@@ -135,7 +135,8 @@ def test_safetensors_header_length_garbage(hf_copy, tmp_path):
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope scaling type 'yarn'"),
         (
-            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "rope_theta": 5e5}},
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64, "rope_theta": 5e5}},
             "low_freq_factor",
         ),
         ({"attention_bias": True}, "attention_bias"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,9 +108,8 @@ def test_recipe_uses_an_optimizer_that_needs_no_build_on_gpus(monkeypatch, tmp_p
 
     cfg = recipe_config(tmp_path, [])
     _, spec = spec_from_config(make_config("llama").to_dict())
-    meta = SimpleNamespace(model_spec=spec)  # what ds_config reads of the checkpoint's metadata
     cuda_present(monkeypatch, devices=8)
-    config = build.ds_config(cfg, meta, 8)
+    config = build.ds_config(cfg, spec, 8)
     assert config["optimizer"]["params"].get("torch_adam") is True, config["optimizer"]
 
 

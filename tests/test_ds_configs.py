@@ -11,9 +11,7 @@ import pytest
 from tests.ds_oracle import oracle  # noqa: F401 - fixture
 from toolkit.dsconfig import check
 from toolkit.dsconfig.examples import EXAMPLES, regenerate
-from toolkit.memory import GIB
 from toolkit.modelspec import read
-from toolkit.plan import Cluster, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 DS_CONFIGS = ROOT / "ds_configs"
@@ -29,19 +27,12 @@ def test_regenerating_every_example_reproduces_ds_configs_byte_for_byte(tmp_path
         assert path.read_text() == (ROOT / path).read_text(), f"{path} drifted: run python -m toolkit.dsconfig.examples"
 
 
-def _layout(example) -> tuple[int, int, int]:
-    if example.command != "plan":
-        return example.gpus, example.tp, example.pp
-    best = plan(read(DS_CONFIGS / "models" / example.model), Cluster(example.gpus, 80 * GIB)).best.setup
-    return best.gpus, best.tp, best.pp
-
-
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if "--hf-trainer" not in e.args], ids=lambda e: e.name)
 def test_every_example_is_accepted_by_deepspeed_at_its_data_parallel_size(example, oracle):
     """NVMe offload is parse-checked only: building it needs DeepSpeed's async I/O op, whose
     libaio headers this machine lacks."""
     config = json.loads((DS_CONFIGS / f"{example.name}.json").read_text())
-    gpus, tp, pp = _layout(example)
+    gpus, tp, pp = example.gpus, example.tp, example.pp
     assert oracle.error(config, gpus // (tp * pp)) is None
     assert oracle.error(config, 2 * gpus // (tp * pp)) is not None
     assert check(config, gpus=gpus, tp=tp, pp=pp).problems == []

@@ -113,6 +113,11 @@ def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout(model_and
 
     report = check(resolved["deepspeed"], gpus=2, tp=1, pp=1)
     assert report.ok, report.lines()
+    from toolkit.wandb_offline import read_runs
+
+    logged = read_runs(run / "wandb")["test-run-1"].config  # the resolved config, as W&B holds it
+    assert logged["deepspeed"] == resolved["deepspeed"] and logged["layout"] == resolved["layout"]
+    assert logged["config"]["optim"]["lr"] == resolved["config"]["optim"]["lr"]
 
     cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4)
     launch(2, cfg, "resume=auto")

@@ -12,6 +12,9 @@ Two launches of 2 processes, each checking several things:
 * PP2: steps 1-10 within the same tolerance (the first stage's backward is marked as scaled, or
   DeepSpeed raises); an inf at step 11 on the last stage is skipped by both stages.
 * Guard, PP2: without the first stage's mark DeepSpeed refuses its backward (one short launch).
+* Guard, DP2: a wrong loss scale (every loss multiplied by 2 before backward, tests/recipe_with_defect.py)
+  leaves the losses within their bar (Adam and clipping hide a constant factor) and the gradient
+  norms outside theirs.
 
 The overflow is planted by tests/fp16_overflow_worker.py around the real recipe, not by the product.
 """
@@ -22,11 +25,14 @@ import json
 
 import pytest
 
-from tests.finetune_harness import REPO, hf_reference, launch, read_metrics, recipe, write_uneven_data
+from tests.finetune_harness import (REPO, ReferenceCache, differences, hf_reference, launch, read_metrics, recipe,
+                                    write_uneven_data)
 
 # fp16 keeps 10 mantissa bits (bf16: 7, whose bar is 2e-2): losses within 2e-3 of the fp32
-# reference over 10 steps (measured 3.2e-4 at DP2 and 2.8e-4 at PP2; the tests print it).
+# reference over 10 steps (measured 3.2e-4 at DP2 and 2.8e-4 at PP2; the tests print it), and
+# gradient norms within FP16_GRAD_NORM_TOLERANCE relative.
 FP16_LOSS_TOLERANCE = 2e-3
+FP16_GRAD_NORM_TOLERANCE = 1e-2
 WORKER = REPO / "tests" / "fp16_overflow_worker.py"
 # 2**10: tiny-model gradients times the scale stay far below fp16's 65504, so no step overflows by itself.
 FP16 = {"precision": "fp16", "loss_scale__initial_scale_power": 10, "loss_scale__hysteresis": 1,
@@ -43,6 +49,15 @@ def model(tmp_path_factory):
     return hf, hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False), write_uneven_data(root / "data.jsonl", 300)
 
 
+REFERENCES = ReferenceCache()
+
+
+def reference(model, cfg, steps=10):
+    """The fp32 HF reference's (losses, grad norms) over the first `steps` steps of the recipe at cfg."""
+    hf, _, data = model
+    return REFERENCES.get(cfg, lambda: hf_reference(hf, data, cfg, steps), hf, steps)
+
+
 def launch_worker(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure=False, **env):
     _, mc, data = model
     cfg = recipe(tmp_path, mc, data, parallel=parallel, steps=steps, **FP16)
@@ -54,18 +69,15 @@ def launch_worker(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_
 
 
 def run_with_planted_inf(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure=False):
-    hf, _, data = model
     result, cfg, records = launch_worker(model, tmp_path, parallel, steps, inf_rank, inf_steps, expect_failure)
     per_rank = [[json.loads(line) for line in (records / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
-    reference, _ = hf_reference(hf, data, cfg, 10)
-    return result, read_metrics(tmp_path / "run"), per_rank, reference
+    return result, read_metrics(tmp_path / "run"), per_rank, reference(model, cfg)
 
 
 def assert_parity(metrics, reference, label):
-    losses = [m["loss"] for m in metrics[:10]]
-    worst = max(abs(a - b) for a, b in zip(losses, reference))
-    print(f"fp16 {label}: max |loss - fp32 reference| over 10 steps {worst:.2e}")
-    assert worst < FP16_LOSS_TOLERANCE, (losses, reference)
+    loss, norm = differences(metrics[:10], *reference)
+    print(f"fp16 {label}: over 10 steps max |loss - fp32 reference| {loss:.2e}, grad norm relative {norm:.2e}")
+    assert loss < FP16_LOSS_TOLERANCE and norm < FP16_GRAD_NORM_TOLERANCE, (loss, norm, metrics, reference)
     assert not any(m["step_skipped"] for m in metrics[:10])
 
 
@@ -109,3 +121,13 @@ def test_guard_fp16_pp2_first_stage_backward_is_refused_without_its_scaled_mark(
     result, _, _ = launch_worker(model, tmp_path, {"tp": 1, "pp": 2, "zero_stage": 1}, 1, inf_rank=1, inf_steps="99",
                                  expect_failure=True, FP16_WITHOUT_STAGE_HOOK="1")
     assert "Loss scaling is required for this configuration" in result.stdout + result.stderr
+
+
+@pytest.mark.multiprocess
+def test_guard_fp16_dp2_wrong_loss_scale_passes_the_loss_bar_and_fails_the_grad_norm_bar(model, tmp_path):
+    _, mc, data = model
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=3, **FP16)
+    launch(2, cfg, script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": "loss-factor:2"})
+    loss, norm = differences(read_metrics(tmp_path / "run"), *reference(model, cfg, 3))
+    print(f"fp16 DP2, loss scaled 2x: max |loss - fp32 reference| {loss:.2e}, grad norm relative {norm:.2e}")
+    assert loss < FP16_LOSS_TOLERANCE and norm > FP16_GRAD_NORM_TOLERANCE, (loss, norm)

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.finetune_harness import hf_reference, launch, read_metrics, recipe, write_peft_adapter, write_uneven_data
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE_BF16, LOSS_TOLERANCE_BF16, ReferenceCache, hf_reference, launch,
+                                    read_metrics, recipe, write_peft_adapter, write_uneven_data)
 from toolkit.convert import hf_to_megatron
 
 STEPS = 10
 LOSS_TOLERANCE = 1e-5
 NORM_TOLERANCE = 1e-4  # relative
-LOSS_TOLERANCE_BF16 = 2e-2  # as tests/test_finetune_parity.py
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -33,7 +33,7 @@ class Setup:
     data: Path
     models: dict  # name -> (HF directory, converted megatron checkpoint)
     adapters: dict  # name -> (model name, HF PEFT adapter directory saved by peft)
-    references: dict = field(default_factory=dict)
+    references: ReferenceCache = field(default_factory=ReferenceCache)
 
     def hf(self, adapter="all") -> Path:
         return self.models[self.adapters[adapter][0]][0]
@@ -45,9 +45,9 @@ class Setup:
         return self.adapters[name][1]
 
     def reference(self, adapter, cfg_path):
-        if adapter not in self.references:
-            self.references[adapter] = hf_reference(self.hf(adapter), self.data, cfg_path, STEPS, adapter=self.adapter(adapter))
-        return self.references[adapter]
+        """HF PEFT's reference for the recipe at cfg_path, computed once per recipe (ReferenceCache)."""
+        return self.references.get(cfg_path, lambda: hf_reference(self.hf(adapter), self.data, cfg_path, STEPS,
+                                                                   adapter=self.adapter(adapter)), self.hf(adapter))
 
 
 @pytest.fixture(scope="module")
@@ -112,17 +112,17 @@ def lora_recipe(setup, directory, parallel, adapter="all", **overrides):
                   peft={"enabled": True, "init_from": str(setup.adapter(adapter))}, **overrides)
 
 
-def assert_matches_reference(setup, directory, cfg, adapter="all", loss_tolerance=LOSS_TOLERANCE):
+def assert_matches_reference(setup, directory, cfg, adapter="all", loss_tolerance=LOSS_TOLERANCE,
+                             norm_tolerance=NORM_TOLERANCE):
     metrics = read_metrics(directory / "run")
     ref_losses, ref_norms = setup.reference(adapter, cfg)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     losses, norms = [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert worst < loss_tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
     worst_norm = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-    if loss_tolerance == LOSS_TOLERANCE:
-        assert worst_norm < NORM_TOLERANCE, f"max relative grad-norm difference {worst_norm:.2e}\n{norms}\n{ref_norms}"
     print(f"max |loss - peft reference| {worst:.2e}, max relative grad-norm difference {worst_norm:.2e}")
+    assert worst < loss_tolerance, f"max |loss - reference| = {worst:.2e}\n{losses}\n{ref_losses}"
+    assert worst_norm < norm_tolerance, f"max relative grad-norm difference {worst_norm:.2e}\n{norms}\n{ref_norms}"
 
 
 def exported_keys_and_shapes(adapter_dir):
@@ -287,9 +287,10 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, r
 
 @pytest.mark.multiprocess
 def test_lora_bf16_stays_close_to_fp32_peft_reference(setup, runs):
-    """bf16 rounds the frozen base and the activations: a loss within 2% of the fp32 reference."""
+    """bf16 rounds the frozen base and the activations: the bf16 bars of tests/finetune_harness.py."""
     cfg, directory = runs("bf16-PP2")
-    assert_matches_reference(setup, directory, cfg, loss_tolerance=LOSS_TOLERANCE_BF16)
+    assert_matches_reference(setup, directory, cfg, loss_tolerance=LOSS_TOLERANCE_BF16,
+                             norm_tolerance=GRAD_NORM_TOLERANCE_BF16)
 
 
 @pytest.mark.multiprocess

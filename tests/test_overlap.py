@@ -31,10 +31,7 @@ def test_overlap_options_the_layout_ignores_are_refused_in_one_line(tmp_path, ov
 def test_recipe_defaults_overlap_where_valid_and_passes_the_settings_to_deepspeed(tmp_path):
     from toolkit.train.build import ds_config
 
-    class Meta:
-        model_spec = tiny_spec()
-
-    zero = lambda *o: ds_config(recipe_config(tmp_path, list(o)), Meta, 2)["zero_optimization"]  # noqa: E731
+    zero = lambda *o: ds_config(recipe_config(tmp_path, list(o)), tiny_spec(), 2)["zero_optimization"]  # noqa: E731
     assert zero()["overlap_comm"] is False  # ZeRO-1
     assert zero("parallel.zero_stage=2")["overlap_comm"] is True
     assert zero("parallel.zero_stage=3")["overlap_comm"] is True

@@ -116,20 +116,21 @@ def test_each_row_explains_its_rank(plans):
     assert pipelined.time.bubble == pytest.approx((pp - 1) / (m + pp - 1))
 
 
-def test_plan_cli_writes_the_best_config_into_ds_configs_style_path(tmp_path):
-    out = tmp_path / "ds_configs" / "best.json"
+def test_plan_cli_shows_offload_but_writes_no_bundle_the_recipe_cannot_run(tmp_path):
+    out = tmp_path / "plan-70b"
     run = subprocess.run([sys.executable, "-m", "toolkit", "plan", "--model", str(MODELS / "llama-3-70b"),
                           "--gpus", "8", "--gpu-memory", "80GiB", "--top", "3", "-o", str(out)],
                          capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 2, run.stderr
     assert "nothing fits in 8 x 80 GiB without offload" in run.stdout
     assert "offload: host memory" in run.stdout  # the breakdown table of the chosen layout
-    config = json.loads(out.read_text())
-    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert config["managed_gradient_accumulation"] is False  # the recipe's schedule mode
+    assert run.stderr.strip().splitlines() == [
+        "error: only layouts with CPU offload fit 8 GPUs, and recipes/finetune.py does not offload: plan for more "
+        "GPUs (16 GPUs fit without offload), a LoRA fine-tune (--lora-r R) or a shorter --seq-len"]
+    assert not out.exists()
 
 
-def test_plan_writes_a_config_only_when_given_o(tmp_path, monkeypatch, capsys):
+def test_plan_writes_a_bundle_only_when_given_o(tmp_path, monkeypatch, capsys):
     from toolkit.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -138,9 +139,9 @@ def test_plan_writes_a_config_only_when_given_o(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
     assert "wrote" not in capsys.readouterr().err
     assert main(["plan", "--model", str(MODELS / "llama-3-8b"), "--gpus", "8", "--gpu-memory", "80GiB",
-                 "--top", "1", "-o", "best.json"]) == 0
-    assert json.loads((tmp_path / "best.json").read_text())["zero_optimization"]
-    assert "constant LR" in capsys.readouterr().err
+                 "--top", "1", "-o", "best"]) == 0
+    assert sorted(p.name for p in (tmp_path / "best").iterdir()) == ["PLAN.md", "job.sbatch", "recipe.yaml"]
+    assert "deepspeed --num_gpus 8" in capsys.readouterr().err
 
 
 def test_plan_prints_the_global_batch_even_when_nothing_fits(capsys):

@@ -30,7 +30,7 @@ PP2_VPP2 = {"tp": 1, "pp": 2, "vpp": 2, "zero_stage": 1}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return parity_setup(tmp_path_factory.mktemp("vpp"), {"tied": PARITY_MODELS["tied"]}, STEPS)
+    return parity_setup(tmp_path_factory.mktemp("vpp"), {"tied": PARITY_MODELS["tied"]})
 
 
 @pytest.mark.multiprocess
@@ -85,7 +85,8 @@ def test_pp2_vpp2_matches_reference_resumes_exactly_and_exports_the_trained_chun
 
 @pytest.mark.multiprocess
 def test_guard_batched_p2p_at_pp2_leaves_the_reference(setup, tmp_path):
-    """megatron-core's default batch_p2p_comm=True at PP = 2 (what toolkit.train.virtual turns off)."""
+    """megatron-core's default batch_p2p_comm=True at PP = 2 (what toolkit.train.virtual turns off):
+    measured 1.1e-1 off the reference's loss within the 2 steps."""
     _, data, models, reference = setup
     cfg = recipe(tmp_path, models["tied"][1], data, parallel=PP2_VPP2, steps=2)
     launch(2, cfg, script=REPO / "tests" / "batched_p2p_recipe.py")

@@ -13,6 +13,11 @@ from toolkit.splits import Geometry
 DEFAULT_VOCAB_DIVISOR = 128
 
 
+# How messages call the layout sizes: the CLI's flags (convert, ds-config, memory) or the recipe's keys.
+CLI_NAMES = {"tp": "--tp {}", "pp": "--pp {}", "ep": "--ep {}"}
+RECIPE_NAMES = {"tp": "parallel.tp={}", "pp": "parallel.pp={}", "ep": "parallel.ep={}"}
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -51,39 +56,42 @@ class Layout:
         name = f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
         return name if self.ep == 1 else f"{name}_{ep_rank:03d}"
 
-    def check(self, spec: ModelSpec) -> None:
-        """Refuse layouts megatron-core cannot build for this model."""
+    def check(self, spec: ModelSpec, names: dict[str, str] = CLI_NAMES) -> None:
+        """Refuse layouts megatron-core cannot build for this model; `names` says how the message
+        calls each size (the CLI's flags, or the recipe's keys: RECIPE_NAMES)."""
+        tp, pp = names["tp"].format(self.tp), names["pp"].format(self.pp)
         if self.tp < 1 or self.pp < 1:
-            raise ConversionError(f"--tp and --pp must be >= 1 (got {self.tp}, {self.pp})")
+            raise ConversionError(f"{tp} and {pp}: both must be >= 1")
         if self.vocab_divisor < 1:
             raise ConversionError("--vocab-divisor must be >= 1")
         if spec.num_layers % self.pp:
             raise ConversionError(
-                f"{spec.num_layers} layers cannot be split evenly over --pp {self.pp} "
+                f"{spec.num_layers} layers cannot be split evenly over {pp} "
                 "(uneven pipeline stages are not supported)"
             )
         if spec.num_heads % self.tp:
-            raise ConversionError(f"{spec.num_heads} attention heads are not divisible by --tp {self.tp}")
+            raise ConversionError(f"{spec.num_heads} attention heads are not divisible by {tp}")
         groups = spec.num_kv_heads
         if groups % self.tp and self.tp % groups:
             raise ConversionError(
-                f"{groups} key/value heads and --tp {self.tp}: neither divides the other, which "
+                f"{groups} key/value heads and {tp}: neither divides the other, which "
                 "megatron-core cannot shard"
             )
         if spec.ffn_hidden_size % self.tp:
-            raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by --tp {self.tp}")
-        self._check_experts(spec)
+            raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by {tp}")
+        self._check_experts(spec, names)
 
-    def _check_experts(self, spec: ModelSpec) -> None:
+    def _check_experts(self, spec: ModelSpec, names: dict[str, str]) -> None:
+        tp, ep = names["tp"].format(self.tp), names["ep"].format(self.ep)
         if self.ep < 1:
-            raise ConversionError(f"--ep must be >= 1 (got {self.ep})")
+            raise ConversionError(f"{ep}: must be >= 1")
         if self.ep > 1 and not spec.is_moe:
-            raise ConversionError(f"--ep {self.ep} needs a Mixture-of-Experts model; {spec.family} has no experts")
+            raise ConversionError(f"{ep} needs a Mixture-of-Experts model; {spec.family} has no experts")
         if spec.num_experts % self.ep:
-            raise ConversionError(f"{spec.num_experts} experts cannot be split evenly over --ep {self.ep}")
+            raise ConversionError(f"{spec.num_experts} experts cannot be split evenly over {ep}")
         if spec.moe_ffn_hidden_size % self.tp:
-            raise ConversionError(f"the experts' FFN width {spec.moe_ffn_hidden_size} is not divisible by --tp "
-                                  f"{self.tp} (expert tensor parallelism is the TP size)")
+            raise ConversionError(f"the experts' FFN width {spec.moe_ffn_hidden_size} is not divisible by {tp} "
+                                  "(expert tensor parallelism is the TP size)")
         if spec.moe_shared_ffn_hidden_size % self.tp:
             raise ConversionError(f"the shared expert's FFN width {spec.moe_shared_ffn_hidden_size} is not divisible "
-                                  f"by --tp {self.tp}")
+                                  f"by {tp}")

@@ -3,7 +3,6 @@ checkpoint written by `toolkit convert hf-to-megatron` (which records the spec i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,10 +21,9 @@ def read(path: str | Path) -> "ModelSpec":
     config_file = p / "config.json" if p.is_dir() else p
     if not config_file.is_file():
         raise ConfigError(f"{path}: expected an HF model directory, a config.json, or a converted checkpoint")
-    try:
-        cfg = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{config_file} is not valid JSON: {e}") from None
-    from toolkit.families import spec_from_config
+    from toolkit.convert.hf_config import checked_spec
+    from toolkit.convert.jsonfile import read_json_object
 
-    return spec_from_config(cfg)[1]
+    # The checks `convert` makes (transformers' types, heads that divide), so that `memory` and
+    # `plan` refuse in one line what `convert` refuses.
+    return checked_spec(read_json_object(config_file), config_file)[1]

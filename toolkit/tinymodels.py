@@ -128,12 +128,23 @@ VARIANTS = {
 }
 
 
-def build_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
+# A text tokenizer for tiny models (chat data in words): one token per printable ASCII character,
+# ChatML's turn markers, and the specials; 104 tokens, within the tiny models' vocabularies.
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
+TEXT_CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def build_tokenizer(text: bool = False):
+    """Digits only (the quick start's task), or with `text` every printable character and ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS + [SEPARATOR])}
+    symbols = CHATML_TOKENS + TEXT_CHARACTERS if text else DIGITS + [SEPARATOR]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(symbols)))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    if text:
+        core.add_special_tokens(CHATML_TOKENS)
+        core.decoder = decoders.Fuse()  # characters joined as they were, not with spaces
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     return PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
@@ -153,10 +164,15 @@ def make_config(variant: str, **overrides):
 
 def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
     """Create and save a tiny random model of `variant`; returns its directory."""
+    return save_random_model(make_config(variant, **overrides), directory, dtype, seed)
+
+
+def save_random_model(config, directory: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """Save a random model of a transformers config (norms, routers and biases randomised too)
+    with the digit tokenizer; returns its directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = make_config(variant, **overrides)
     torch.manual_seed(seed)
     return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype)
 

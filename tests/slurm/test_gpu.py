@@ -18,7 +18,8 @@ import pytest
 import torch
 import yaml
 
-from tests.finetune_harness import read_metrics, recipe, write_uneven_data
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE_BF16, LOSS_TOLERANCE_BF16, differences, hf_reference, read_metrics,
+                                    recipe, write_uneven_data)
 from tests.slurm.conftest import submitted_job_id, toolkit, wait_for_state
 from toolkit.slurm import Launch, Preemption, Resources, SlurmJob, render
 from toolkit.slurm.render import write
@@ -80,17 +81,21 @@ def test_rendered_gpu_script_joins_nccl_on_every_gpu_of_the_node(tmp_path):
                                                     f"GPUs, transformer_engine {'present' if HAS_TE else 'absent'})")
 def test_rendered_gpu_script_fine_tunes_tp2_bf16_with_transformer_engine(tmp_path):
     from toolkit.convert import hf_to_megatron
+    from toolkit.model import running_layer_spec
     from toolkit.tinymodels import make_tiny_model
 
     hf = make_tiny_model("llama", tmp_path / "hf", dtype="bfloat16", num_hidden_layers=4)
     mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
-    cfg = recipe(tmp_path, mc, write_uneven_data(tmp_path / "train.jsonl", 200), parallel={"tp": 2, "pp": 1},
-                 precision="bf16", steps=6)
+    data = write_uneven_data(tmp_path / "train.jsonl", 200)
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1}, precision="bf16", steps=6)
     script = write(gpu_job(cfg, str(Path(__file__).parents[2] / "recipes" / "finetune.py"), 2), tmp_path / "job.sbatch")
     result = run_on_this_node(script, tmp_path, {"CUDA_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
-    assert len(losses) == 6 and all(loss == loss for loss in losses) and losses[-1] < losses[0]
+    # against the fp32 HF reference on the GPU, at the bf16 bars of the CPU tests (losses and gradient norms)
+    loss, norm = differences(read_metrics(tmp_path / "run"), *hf_reference(hf, data, cfg, 6, device="cuda"))
+    print(f"TP2 bf16 (layer spec {running_layer_spec()}): max |loss - HF reference| {loss:.1e}, grad norm relative "
+          f"{norm:.1e}")
+    assert loss < LOSS_TOLERANCE_BF16 and norm < GRAD_NORM_TOLERANCE_BF16, (loss, norm)
 
 
 @pytest.mark.gpu

@@ -292,7 +292,7 @@ def test_layout_the_converter_refuses_is_refused_for_the_recipes_checkpoint(reci
     job = cpu_job(recipe_file, overrides=(f"model.checkpoint={four_head_checkpoint}", "parallel.tp=8",
                                           "parallel.pp=1", "global_batch=16"),
                   resources=Resources(nodes=1, gpus_per_node=8))
-    with pytest.raises(SlurmError, match="4 attention heads are not divisible by --tp 8"):
+    with pytest.raises(SlurmError, match="4 attention heads are not divisible by parallel.tp=8"):
         render(job)
     ok = dataclasses.replace(job, overrides=(f"model.checkpoint={four_head_checkpoint}", "parallel.tp=2"))
     assert "NPROC_PER_NODE=8" in render(ok)
@@ -305,7 +305,7 @@ def test_explicit_model_option_checks_the_layout_when_the_checkpoint_is_elsewher
     job = cpu_job(recipe_file, resources=Resources(nodes=1, gpus_per_node=8), overrides=("parallel.tp=8",
                                                                                           "parallel.pp=1"))
     render(job)  # the recipe's checkpoint "ckpt" does not exist here: nothing to check against
-    with pytest.raises(SlurmError, match="4 attention heads are not divisible by --tp 8"):
+    with pytest.raises(SlurmError, match="4 attention heads are not divisible by parallel.tp=8"):
         render(dataclasses.replace(job, model=str(tmp_path / "config.json")))
     with pytest.raises(SlurmError, match="expected an HF model directory, a config.json, or a converted checkpoint"):
         render(dataclasses.replace(job, model=str(tmp_path / "missing")))
@@ -319,7 +319,7 @@ def test_cli_model_option_refuses_the_layout_in_one_line(recipe_file, tmp_path):
     result = toolkit("slurm", "render", str(recipe_file), "parallel.tp=8", "parallel.pp=1", "--gpus-per-node", "8",
                      "--model", str(tmp_path / "config.json"), "-o", str(out), check=False)
     assert result.returncode == 2 and not out.exists(), result.stderr
-    assert result.stderr.strip().count("\n") == 0 and "4 attention heads are not divisible by --tp 8" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "4 attention heads are not divisible by parallel.tp=8" in result.stderr
 
 
 # ------------------------------------------------------------------------------------ working directory

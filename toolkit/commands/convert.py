@@ -64,6 +64,9 @@ def register(sub) -> None:
     p.add_argument("--vocab-divisor", type=int, default=128,
                    help="pad the vocab with zero rows to a multiple of this x TP (Megatron-LM's "
                         "make_vocab_size_divisible_by; default 128)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print which config.json keys were read, and the values transformers' config class "
+                        "gave the keys the file leaves out")
     _add_output_flags(p)
     p.set_defaults(func=_to_megatron)
 
@@ -134,6 +137,10 @@ def _to_megatron(args) -> int:
                          progress=_progress(args))
     experts = f" EP={args.ep}" if args.ep > 1 else ""
     print(f"wrote {args.fmt} checkpoint TP={args.tp} PP={args.pp}{experts} to {out}")
+    if args.verbose:
+        from toolkit.convert.hf_config import config_reading
+
+        print("\n".join(config_reading(args.hf_dir).lines()))
     return 0
 
 

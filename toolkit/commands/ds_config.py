@@ -161,6 +161,10 @@ def precision_from_flags(flags: list[str]) -> str:
 
 
 def total_gpus(args) -> int | None:
+    for flag in ("--gpus", "--nodes", "--gpus-per-node"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: give at least 1")
     if args.nodes is not None:
         if args.gpus is not None and args.gpus != args.nodes * args.gpus_per_node:
             raise ConfigError(f"--gpus {args.gpus} != --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node}")

@@ -1,14 +1,15 @@
 """`toolkit plan`: rank the TP x PP x DP x ZeRO layouts that fit a model on a GPU budget, and write
-the best one's DeepSpeed config."""
+the best one as a bundle that runs (toolkit.plan_bundle)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import shlex
 import sys
 from pathlib import Path
 
 from toolkit.errors import ConfigError
+from toolkit.memory import GIB
 
 DESCRIPTION = """\
 Enumerate valid (TP, PP, DP, ZeRO, offload, micro-batch, recompute) layouts, drop those whose
@@ -17,8 +18,13 @@ exceeds --gpu-memory, and rank the rest by a simple throughput model (TP inside 
 across nodes, pipeline bubble (PP-1)/(m+PP-1), DP/ZeRO traffic, offload over PCIe). One line per
 layout says why. When nothing fits, it says what would (offload, more GPUs, recompute).
 
-With -o FILE, the best layout's DeepSpeed config (megatron-core schedule mode, for the toolkit's
-recipe) is written there; without it nothing is written.
+With -o DIR, the best layout the recipe runs is written there as a bundle: DIR/recipe.yaml (the
+layout in the recipe's keys, with the model and --data paths), DIR/job.sbatch (what `toolkit slurm
+render` writes for it) and DIR/PLAN.md (the ranked table, why this layout, its memory per GPU and
+the DeepSpeed config recipes/finetune.py builds from the recipe). Without -o nothing is written.
+
+  toolkit plan --model MODEL --gpus 8 --gpu-memory 80GiB --data train.jsonl -o plan-8gpu
+  deepspeed --num_gpus 8 recipes/finetune.py --config plan-8gpu/recipe.yaml
 """
 
 
@@ -42,7 +48,10 @@ def register(sub) -> None:
                    help="virtual stages per pipeline rank for layouts with PP > 1 (interleaved 1F1B; default 1)")
     p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
-    p.add_argument("-o", "--output", help="write the best layout's DeepSpeed config here (default: write nothing)")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="write the bundle (recipe.yaml, job.sbatch, PLAN.md) here (default: write nothing)")
+    p.add_argument("--data", help="training JSONL for the bundle's recipe (data.train_file)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty -o DIR")
     add_dp_engine_arg(p)
     add_lora_args(p)
     p.set_defaults(func=_run)
@@ -64,9 +73,6 @@ def _run(args) -> int:
     cluster = Cluster(gpus, parse_size(args.gpu_memory), args.gpus_per_node,
                       parse_size(args.host_memory) if args.host_memory else None)
     lora = lora_shape(args, spec)
-    if args.dp_engine == "fsdp" and args.output:
-        raise ConfigError("--dp-engine fsdp with -o: FSDP runs without a DeepSpeed config; run the recipe "
-                          "with parallel.dp_engine=fsdp and the layout shown")
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
                   allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine)
     batch = args.global_batch or default_global_batch(gpus)
@@ -80,18 +86,24 @@ def _run(args) -> int:
         return 1
     print("\n".join(result.best.memory.table(args.gpus_per_node)))
     if args.output:
-        _write(Path(args.output), spec, result.best, args.model)
+        _write(args, spec, result, lora)
     return 0
 
 
-def _write(path: Path, spec, best, model: str) -> None:
-    from toolkit.atomic import write_file
-    from toolkit.dsconfig import build
-    from toolkit.dsconfig.build import lr_summary
+def _write(args, spec, result, lora) -> None:
+    from toolkit import plan_bundle
 
-    write_file(path, json.dumps(build(best.setup, spec), indent=2) + "\n", model)
-    s = best.setup
-    print(f"wrote {path}: TP {s.tp} x PP {s.pp} x DP {s.dp}, ZeRO-{s.zero}, micro-batch {s.micro_batch}, "
-          f"{lr_summary(s)} (a default: plan knows no LR or step count); "
-          f"run the recipe with recompute={best.recompute}"
-          + (f" parallel.ep={best.memory.ep}" if best.memory.ep > 1 else ""), file=sys.stderr)
+    out = Path(args.output)
+    if args.schedule != "megatron":
+        raise ConfigError("-o writes a bundle for recipes/finetune.py, which runs megatron-core's schedule: "
+                          "drop --schedule deepspeed")
+    paths = plan_bundle.paths_for(args.model, out, args.data)
+    bundle = plan_bundle.make(result, spec, args.seq_len, paths, lora, args.dp_engine)
+    command = "toolkit " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else f"toolkit plan --model {args.model} ..."
+    plan_bundle.write(bundle, out, command, args.overwrite, args.top)
+    s = bundle.candidate.setup
+    print(f"wrote {out}/{{{plan_bundle.RECIPE},{plan_bundle.JOB},{plan_bundle.PLAN}}}: TP {s.tp} x PP {s.pp} x DP {s.dp}, "
+          f"ZeRO-{s.zero}, micro_batch {s.micro_batch}, parallel.recompute={bundle.recipe['parallel']['recompute'] or 'null'}"
+          + (f", parallel.ep={bundle.memory.ep}" if bundle.memory.ep > 1 else "")
+          + f", {bundle.memory.gpu_bytes / GIB:.1f} GiB per GPU; run: {plan_bundle.launch_command(bundle, out)}",
+          file=sys.stderr)

@@ -17,8 +17,11 @@ Every value is checked: #SBATCH fields against what they may hold, the rest shel
 --option[=value] without spaces or quotes, and may not override an option the script sets.
 Secrets are never written: export WANDB_API_KEY / HF_TOKEN in the shell you submit from.
 
-  toolkit slurm render recipes/tiny-cpu.yaml --nodes 2 --gpus-per-node 8 --time 12:00:00 \\
-      --partition gpu -- parallel.tp=2 parallel.pp=2
+  toolkit slurm render recipes/llama-3.1-8b-full.yaml --nodes 1 --gpus-per-node 8 --time 12:00:00 \\
+      --partition gpu -- data.train_file=train.jsonl
+
+A GPU job from a recipe that keeps the tiny CPU example's data, run_dir or learning rate
+(recipes/tiny-cpu.yaml) is refused until they are overridden.
 """
 
 

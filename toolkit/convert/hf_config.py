@@ -1,4 +1,5 @@
-"""config.json checked with transformers' own rules before we trust a number in it.
+"""config.json checked with transformers' own rules before we trust a number in it, and read
+through transformers' config class (toolkit/families/hf_values.py).
 
 transformers 5 config classes are strict dataclasses: `num_hidden_layers: "4"` or
 `tie_word_embeddings: "no"` is refused there, so it is refused here with the same words. The
@@ -12,7 +13,7 @@ import re
 from pathlib import Path
 
 from toolkit.errors import ConversionError
-from toolkit.families import Family, ModelSpec, family_for, spec_from_config
+from toolkit.families import ConfigReading, Family, ModelSpec, family_for, read_config
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -21,7 +22,7 @@ def check_layer_count(cfg: dict, tensor_names, path: Path) -> None:
     """Refuse a num_hidden_layers that contradicts the layers present in the weights."""
     declared = cfg.get("num_hidden_layers")
     if type(declared) is not int:
-        return  # a wrong type: validate_config reports it
+        return  # a wrong type: transformers' config class reports it
     layers = {int(m.group(1)) for name in tensor_names if (m := _HF_LAYER.match(name))}
     held = max(layers) + 1 if layers else 0
     if declared != held:
@@ -29,33 +30,28 @@ def check_layer_count(cfg: dict, tensor_names, path: Path) -> None:
                               "fix config.json or use the weights it belongs to")
 
 
-def validate_config(cfg: dict, path: Path) -> None:
-    """Build transformers' config class for cfg['model_type'] from the dict (type checks included)."""
-    from transformers import CONFIG_MAPPING
-    from transformers.utils import logging
-
-    config_class = CONFIG_MAPPING[cfg["model_type"]]
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # its warnings about token ids are not ours to show
-    try:
-        config_class.from_dict(cfg)
-    except Exception as e:  # huggingface_hub's StrictDataclassError, ValueError, TypeError: all refusals
-        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        raise ConversionError(f"{path} is refused by transformers' {config_class.__name__}: {detail}") from e
-    finally:
-        logging.set_verbosity(verbosity)
-
-
 def checked_spec(cfg: dict, path: Path, tensor_names=None) -> tuple[Family, ModelSpec]:
     """Family and ModelSpec of a config.json, after the layer count (against `tensor_names`, when
-    given) and the types (transformers) are checked."""
+    given) and the types (transformers' config class) are checked."""
+    family, spec, _ = checked_reading(cfg, path, tensor_names)
+    return family, spec
+
+
+def checked_reading(cfg: dict, path: Path, tensor_names=None) -> tuple[Family, ModelSpec, ConfigReading]:
+    """checked_spec, with which keys were read from the file and which transformers defaulted."""
     family_for(cfg.get("model_type"))
     if tensor_names is not None:
         check_layer_count(cfg, tensor_names, path)
     try:
-        found = spec_from_config(cfg)  # first, for its specific refusals (rope type, bias, activation)
-    except (TypeError, ValueError) as e:  # a value of the wrong type: transformers names the field
-        validate_config(cfg, path)
+        return read_config(cfg, str(path))
+    except (TypeError, ValueError) as e:  # a value transformers let through that is no number
         raise ConversionError(f"{path}: a value has the wrong type ({e})") from e
-    validate_config(cfg, path)
-    return found
+
+
+def config_reading(hf_dir: str | Path) -> ConfigReading:
+    """Which keys of an HF model directory's config.json a conversion reads, and the values
+    transformers' config class gives the ones it leaves out (`convert hf-to-megatron --verbose`)."""
+    from toolkit.convert.hf_source import read_config
+
+    path = Path(hf_dir) / "config.json"
+    return checked_reading(read_config(Path(hf_dir)), path)[2]

@@ -70,6 +70,9 @@ class CheckpointMeta:
     checksums: dict = field(default_factory=dict)
     toolkit_version: str = __version__
     ep: int = 1  # expert-parallel size (Mixture-of-Experts)
+    # The HF model directory this was converted from: an exported LoRA adapter's base_model_name_or_path
+    # (AutoPeftModelForCausalLM loads the base from there), unless the recipe names another.
+    hf_source: str | None = None
 
     @property
     def model_spec(self) -> ModelSpec:

@@ -172,6 +172,7 @@ def hf_to_megatron(
             padded_vocab_size=layout.padded_vocab(spec.vocab_size),
             spec=spec.to_dict(),
             checksums=checksums,
+            hf_source=str(Path(src.dir).resolve()),
         ).write(tmp)
     warn_if_no_tokenizer(src.dir, Path(out_dir))
     return Path(out_dir)

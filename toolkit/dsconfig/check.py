@@ -61,7 +61,9 @@ def load(path: str | Path, report: Report) -> dict | None:
         return seen
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:  # DeepSpeed reads its config as UTF-8 JSON
+        raise ConfigError(f"{path} is not valid UTF-8 (byte {e.start}): JSON config files are UTF-8 text") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
     try:

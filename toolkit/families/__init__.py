@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from toolkit.errors import ConversionError
+from toolkit.families.hf_values import ConfigReading, config_values
 from toolkit.families.spec import ModelSpec, read_spec
 from toolkit.families.table import Family, Row
 
@@ -47,9 +48,18 @@ def family_named(name: str) -> Family:
     raise ConversionError(f"unknown family {name!r}")
 
 
-def spec_from_config(cfg: dict) -> tuple[Family, ModelSpec]:
+def spec_from_config(cfg: dict, source: str = "config.json") -> tuple[Family, ModelSpec]:
+    family, spec, _ = read_config(cfg, source)
+    return family, spec
+
+
+def read_config(cfg: dict, source: str = "config.json") -> tuple[Family, ModelSpec, ConfigReading]:
+    """Family and ModelSpec of a config.json read through transformers' config class (every key
+    the file leaves out at that class's default), and which keys were read or defaulted."""
     family = family_for(cfg.get("model_type"))
-    return family, read_spec(cfg, family)
+    values = config_values(cfg, source)
+    return family, read_spec(values, family), values.reading()
 
 
-__all__ = ["FAMILIES", "Family", "ModelSpec", "Row", "family_for", "family_named", "spec_from_config"]
+__all__ = ["FAMILIES", "ConfigReading", "Family", "ModelSpec", "Row", "family_for", "family_named", "read_config",
+           "spec_from_config"]

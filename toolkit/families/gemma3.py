@@ -12,16 +12,13 @@ from toolkit.families.table import CustomLayer, Family, row
 from toolkit.splits import Split
 
 LAYER_TYPES = {"sliding_attention": "1", "full_attention": "0"}
-DEFAULT_LOCAL_THETA = 10000.0  # Gemma3TextConfig.default_theta["local"]
-DEFAULT_PATTERN = 6  # Gemma3TextConfig: every 6th layer global when only sliding_window_pattern is given
 
 
+# Gemma3TextConfig derives layer_types (from sliding_window_pattern, or its default of every 6th
+# layer global) and rope_parameters per layer type (from rope_theta / rope_local_base_freq, or
+# its defaults 1e6 / 1e4): the values read here are always the class's (toolkit/families/hf_values.py).
 def _layer_types(cfg: dict) -> list:
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = int(cfg.get("sliding_window_pattern") or DEFAULT_PATTERN)
-        n = int(cfg["num_hidden_layers"])
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    types = cfg["layer_types"]
     for i, t in enumerate(types):
         if t not in LAYER_TYPES:
             raise ConversionError(f"gemma3 with layer_types[{i}]={t!r} cannot be mapped exactly to megatron-core")
@@ -29,13 +26,11 @@ def _layer_types(cfg: dict) -> list:
 
 
 def _local_rope_theta(cfg: dict) -> float:
-    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
-    if not isinstance(local, dict):  # transformers 4 configs
-        return float(cfg.get("rope_local_base_freq", DEFAULT_LOCAL_THETA))
+    local = cfg["rope_parameters"]["sliding_attention"]
     if local.get("rope_type", "default") != "default":
         raise ConversionError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r}: only the "
                               "default RoPE on gemma3's local layers maps exactly to megatron-core")
-    return float(local.get("rope_theta", DEFAULT_LOCAL_THETA))
+    return float(local["rope_theta"])
 
 
 def read(cfg: dict) -> dict:

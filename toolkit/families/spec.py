@@ -1,5 +1,8 @@
 """ModelSpec: the architecture facts megatron-core needs, read from an HF config.json.
 
+The readers see the config as transformers' own config class resolves it (hf_values.py): a key
+the file leaves out has the class's default, so there are no defaults of ours here.
+
 Reading is strict: anything we cannot reproduce exactly in megatron-core (a rope-scaling type, a
 bias, an activation, a partial rotary factor where the family's HF model has none) is refused with
 a message, never approximated.
@@ -110,17 +113,25 @@ def _require(cfg: dict, key: str):
     return cfg[key]
 
 
+def _count(cfg: dict, key: str) -> int:
+    """A size the model is built from (layers, heads, widths): a whole number of at least 1, else
+    one line here rather than a ZeroDivisionError or an empty model later."""
+    value = int(_require(cfg, key))
+    if value < 1:
+        raise ConversionError(f"config.json has {key}={cfg[key]!r}: it must be at least 1")
+    return value
+
+
 def _rope(cfg: dict, family: Family) -> dict:
     """rope_theta, the llama3 factor and the linear factor, as ModelSpec fields. transformers 5
-    writes `rope_parameters` (theta inside, one dict per layer type for some families);
-    older checkpoints have top-level `rope_theta` and `rope_scaling`."""
-    source = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    params = dict(cfg.get(source) or {})
+    writes `rope_parameters` (theta inside, one dict per layer type for some families), and its
+    config classes turn older checkpoints' top-level `rope_theta` and `rope_scaling` into it."""
+    params = dict(_require(cfg, "rope_parameters"))
+    source, field = _rope_names(cfg)
     if family.rope_key and isinstance(params.get(family.rope_key), dict):
         source, params = f"{source}.{family.rope_key}", dict(params[family.rope_key])
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    field = "rope_type" if "rope_type" in params else "type"
-    rope_type = params.get(field, "default")
+    theta = _require(params, "rope_theta")  # transformers 5 always puts it there
+    rope_type = params.get("rope_type", "default")
     if rope_type not in family.rope_types:
         why = f": {MCORE_ROPE_GAPS[rope_type]}" if rope_type in MCORE_ROPE_GAPS else ""
         raise ConversionError(
@@ -140,6 +151,16 @@ def _rope(cfg: dict, family: Family) -> dict:
                 f"0.16.1 hard-codes {key}={fixed} (only `factor` is configurable)"
             )
     return {"rope_theta": float(theta), "rope_scaling_factor": float(_require(params, "factor"))}
+
+
+def _rope_names(cfg: dict) -> tuple[str, str]:
+    """The key and field naming the rope type as the file writes them, for a refusal to name what
+    the user sees (a transformers 4 file: rope_scaling.type)."""
+    in_file = getattr(cfg, "in_file", cfg)
+    scaling = in_file.get("rope_scaling")
+    if in_file.get("rope_parameters") or not isinstance(scaling, dict):
+        return "rope_parameters", "rope_type"
+    return "rope_scaling", "rope_type" if "rope_type" in scaling else "type"
 
 
 def _linear_factor(params: dict, source: str) -> float:
@@ -169,26 +190,26 @@ def _refuse_unmappable(cfg: dict, family: Family) -> None:
 def read_spec(cfg: dict, family: Family) -> ModelSpec:
     _refuse_unmappable(cfg, family)
     act_key, act_expected = family.activation
-    act = cfg.get(act_key, act_expected)
+    act = _require(cfg, act_key)
     if act != act_expected:
         raise ConversionError(f"{act_key}={act!r} is not supported for {family.name} (only a gated MLP with {act_expected})")
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
+    hidden = _count(cfg, "hidden_size")
+    heads = _count(cfg, "num_attention_heads")
     window = cfg.get(family.window_key) if family.window_key else None
     moe = read_moe(cfg, family.name, family.router) if family.router else None
     fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
     spec = ModelSpec(
         family=family.name,
-        num_layers=int(_require(cfg, "num_hidden_layers")),
+        num_layers=_count(cfg, "num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=int(_require(cfg, "intermediate_size")),
+        ffn_hidden_size=_count(cfg, "intermediate_size"),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_kv_heads=_count(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(_require(cfg, "vocab_size")),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        vocab_size=_count(cfg, "vocab_size"),
+        norm_eps=float(_require(cfg, "rms_norm_eps")),
         max_position_embeddings=int(_require(cfg, "max_position_embeddings")),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tied_embeddings=bool(_require(cfg, "tie_word_embeddings")),
         qkv_bias=family.qkv_bias,
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),

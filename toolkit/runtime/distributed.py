@@ -115,6 +115,16 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: 
     )
 
 
+def network_error_line(error: BaseException) -> str:
+    """torch's DistNetworkError (a C++ traceback of several lines) as one line that says what to do."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    cause = next((line for line in lines if "address already in use" in line.lower() or "errno" in line.lower()),
+                 lines[-1] if lines else type(error).__name__)
+    return (f"the process group could not be set up at {where}: {cause} (another run on this port? wait for it "
+            "to end, or give the launcher another port: deepspeed --master_port P, torchrun --master-port P)")
+
+
 def shutdown() -> None:
     from megatron.core import parallel_state as ps
 

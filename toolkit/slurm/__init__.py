@@ -1,7 +1,7 @@
 """Slurm: render an sbatch script for the fine-tuning recipe, submit it, and report on the job.
 
     from toolkit.slurm import SlurmJob, Resources, Launch, render, submit, status
-    job = SlurmJob(config="recipes/tiny-cpu.yaml", resources=Resources(nodes=2, gpus_per_node=8))
+    job = SlurmJob(config="recipes/qwen3-30b-a3b-ep.yaml", resources=Resources(nodes=2, gpus_per_node=8))
     script = render(job)            # validated; every user value shell-quoted
 
 Importing this package is cheap (no torch); rendering reads the recipe YAML to check the layout.

@@ -284,14 +284,14 @@ def _check_model(job: SlurmJob, cfg) -> None:
     """The model x layout check `convert` makes (Layout.check), against the model the job will load."""
     from toolkit import modelspec
     from toolkit.errors import ToolkitError
-    from toolkit.layouts import Layout
+    from toolkit.layouts import RECIPE_NAMES, Layout
 
     given = job.model is not None
     path = job.model if given else _under(job.workdir, cfg.model.checkpoint)
     if not given and not os.path.exists(path):
         return  # the checkpoint is only on the cluster: --model checks against a local copy
     try:
-        Layout(cfg.parallel.tp, cfg.parallel.pp).check(modelspec.read(path))
+        Layout(cfg.parallel.tp, cfg.parallel.pp).check(modelspec.read(path), RECIPE_NAMES)
     except ToolkitError as e:
         source = "--model" if given else "model.checkpoint"
         raise SlurmError(f"{source} {path} at TP {cfg.parallel.tp} x PP {cfg.parallel.pp}: {e}") from None
@@ -309,6 +309,32 @@ def _fits(cfg, world: int) -> str | None:
     except Exception as e:  # noqa: BLE001 - the trainer's own layout error, as one line
         return str(e)
     return None
+
+
+# The tiny CPU example's recipe: a GPU job that kept its data, run directory or learning rate
+# almost certainly copied it by mistake (3e-3 diverges a real model; the data is digit reversal).
+EXAMPLE_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+EXAMPLE_KEYS = ("data.train_file", "data.valid_file", "run_dir", "optim.lr")
+
+
+def _value(cfg, key: str):
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def _refuse_example_values(job: SlurmJob, cfg) -> None:
+    """One line naming the tiny CPU example's values a GPU job still has, unless overridden."""
+    from toolkit.train.config import load_config
+
+    if not EXAMPLE_RECIPE.is_file():
+        return
+    example = load_config(str(EXAMPLE_RECIPE))
+    kept = [f"{key}={_value(cfg, key)}" for key in EXAMPLE_KEYS if _value(cfg, key) == _value(example, key)]
+    if kept:
+        raise SlurmError(f"recipe {job.config} keeps the tiny CPU example's {', '.join(kept)}: give your own "
+                         f"(e.g. {kept[0].split('=')[0]}=...) as an override, or start from a GPU recipe "
+                         "(recipes/*.yaml) or `toolkit plan -o DIR`")
 
 
 def _check_node_counts(job: SlurmJob, cfg) -> None:
@@ -367,6 +393,8 @@ def validate(job: SlurmJob) -> SlurmJob:
     from toolkit.train.build import data_parallel_size
 
     cfg = _recipe(job.config, job.overrides)
+    if not r.cpu:
+        _refuse_example_values(job, cfg)
     _check_node_counts(job, cfg)
     _check_model(job, cfg)
     return job

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from toolkit.slurm import SlurmError
 
-_STEP_LINE = re.compile(r"^step (\d+) loss (\S+)")  # the trainer's console line on rank 0
+_STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)? loss (\S+)")  # the trainer's line on rank 0 (toolkit.train.progress)
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")
 
 

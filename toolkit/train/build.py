@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
-from toolkit.layouts import Layout
+from toolkit.layouts import RECIPE_NAMES, Layout
 from toolkit import model as model_builder
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
-from toolkit.train.data import BatchSource, load_rows
+from toolkit.train.data import BatchSource, Row
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # torch's AdamW (foreach kernels on a GPU) rather than DeepSpeed's FusedAdam, which deepspeed.initialize
@@ -25,6 +25,9 @@ TORCH_ADAM = True
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
+    if not Path(cfg.model.checkpoint).exists():
+        raise ConfigError(f"model.checkpoint {cfg.model.checkpoint} does not exist: give the directory `toolkit convert "
+                          "hf-to-megatron HF_MODEL OUT` wrote (as model.checkpoint=OUT)")
     meta = CheckpointMeta.read(Path(cfg.model.checkpoint))
     spec = meta.model_spec
     expected = {"family": cfg.model.family, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size}
@@ -66,7 +69,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     experts); returns DP."""
     tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
     try:
-        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec)
+        Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec, RECIPE_NAMES)
     except ConversionError as e:
         named = f"parallel.tp={tp} parallel.pp={pp}" + (f" parallel.ep={ep}" if ep > 1 else "")
         raise ConfigError(f"{named} does not fit {cfg.model.checkpoint}: {e}") from None
@@ -171,7 +174,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     spec, aux_loss = meta.model_spec, None
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
-        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
+        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher, moe_router_dtype=cfg.moe.router_dtype)
     layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
     config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
                                 **settings)
@@ -184,16 +187,15 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     return model, layout
 
 
-def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
-    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
-    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
-    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none."""
-    from toolkit.dsconfig import OptimizerSettings, Setup, build
+def ds_setup(cfg: TrainConfig, dp: int):
+    """The toolkit.dsconfig Setup of this recipe at data-parallel size `dp`: the one place the
+    recipe's keys become DeepSpeed's, used by the trainer and by `toolkit plan` to price the
+    bundle it writes (toolkit.plan_bundle), so the priced config is the run's."""
+    from toolkit.dsconfig import OptimizerSettings, Setup
     from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
-    from toolkit.train.loss_scale import fp16_ds_settings
 
     o = cfg.optim
-    setup = Setup(
+    return Setup(
         gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
@@ -211,20 +213,72 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         overlap_comm=cfg.parallel.overlap_comm,
         reduce_bucket_size=cfg.parallel.reduce_bucket_size,
     )
-    config = build(setup, meta.model_spec)
+
+
+def ds_config(cfg: TrainConfig, spec, dp: int) -> dict:
+    """DeepSpeed config from the generator (toolkit.dsconfig), in megatron-core schedule mode: the
+    schedule runs the micro-batches and DeepSpeed sees one step per global batch. The LR schedule
+    is ours (a client scheduler DeepSpeed steps and checkpoints), so the config has none.
+    `spec`: the model's ModelSpec (it sizes the buckets)."""
+    from toolkit.dsconfig import build
+    from toolkit.train.loss_scale import fp16_ds_settings
+
+    config = build(ds_setup(cfg, dp), spec)
     if cfg.precision == "fp16":
         config["fp16"].update(fp16_ds_settings(cfg))
     return config
 
 
-def build_data(cfg: TrainConfig, info: ParallelInfo, tokenizer):
-    rows, stats = load_rows(cfg.data.train_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
-    train = BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle, cfg.data.pack)
+@dataclass
+class DataRows:
+    """The training (and validation) rows, read and checked before the model is built."""
+
+    train: list[Row]
+    valid: list[Row] | None
+    stats: object  # toolkit.train.data.DataStats of the training data
+
+
+def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
+    """Every rank reads the same data (the library caches it under data.cache_dir) and reaches the same
+    verdict: data that cannot train is one DataError here, before any process group."""
+    from toolkit.train import chat_templates, data, data_sources
+
+    d = cfg.data
+    chat_templates.apply(tokenizer, d.chat_template)
+    if d.chat_template is not None:
+        chat_templates.check(tokenizer)
+    opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
+    cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
+
+    def read(source, stats):
+        samples = data.read_samples(data_sources.records(source, opts.columns, cache), tokenizer, opts, stats)
+        data.refuse_unreadable(source.name, stats, d.max_unk_share, tokenizer)
+        data.refuse_empty(source.name, samples, stats)
+        return samples
+
+    stats = data.DataStats()
+    train_sources = data_sources.sources(d.train_file, d.weights, d.split)
+    samples = data.mix([(s, read(s, stats)) for s in train_sources], cfg.seed, stats)
+    train = data.to_rows(samples, tokenizer, d.seq_len, d.pack, stats)
+    if len(train) < cfg.global_batch:
+        raise data.DataError(
+            f"{d.train_file} gives {len(train)} {'packed rows' if d.pack else 'samples'}, fewer than one global batch "
+            f"of {cfg.global_batch}: every step would repeat samples; add data or lower global_batch")
     valid = None
-    if cfg.data.valid_file:
-        vrows, _ = load_rows(cfg.data.valid_file, tokenizer, cfg.data.seq_len, cfg.data.pack, cfg.data.overlong, cfg.data.malformed)
-        valid = BatchSource(vrows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
-    return train, valid, stats
+    if d.valid_file or d.valid_split:
+        source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
+        valid = data.to_rows(read(source, data.DataStats()), tokenizer, d.seq_len, d.pack, data.DataStats())
+    return DataRows(train, valid, stats)
+
+
+def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):
+    """This DP rank's view of the rows, in the deterministic order (toolkit.train.data.BatchSource)."""
+    train = BatchSource(rows.train, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle,
+                        cfg.data.pack)
+    valid = None
+    if rows.valid is not None:
+        valid = BatchSource(rows.valid, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
+    return train, valid, rows.stats
 
 
 @dataclass
@@ -261,6 +315,8 @@ def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
     base_name = p.base_model_name_or_path
     if base_name is None and p.init_from:
         base_name = json.loads((Path(p.init_from) / peft_dir.CONFIG).read_text()).get("base_model_name_or_path")
+    if base_name is None:  # the HF model the checkpoint was converted from, which PEFT can load
+        base_name = meta.hf_source
     return LoraPlan(settings, family, Path(p.init_from) if p.init_from else None, base, base_name)
 
 

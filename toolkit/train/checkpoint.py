@@ -31,6 +31,7 @@ A checkpoint is written under .step_0000010.partial and renamed only after every
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -62,6 +63,11 @@ CHECKPOINTS, HF_EXPORT, ADAPTER_EXPORT, METRICS = "checkpoints", "hf", "adapter"
 
 class CheckpointError(ToolkitError):
     """A checkpoint cannot be saved or resumed."""
+
+
+# After a failed write, less free space than this on the run's filesystem means it failed because
+# the disk is full (torch.save reports "file write failed" without the errno).
+DISK_FULL_BYTES = 1 << 20
 
 
 def step_name(step: int) -> str:
@@ -144,39 +150,82 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "ranks").mkdir(parents=True)
-    dist.barrier()
-    lora = adapter is not None
-    _save_deepspeed(engine, tmp, optimizer_files=lora, exclude_frozen=lora)
-    fsdp = isinstance(engine, FsdpEngine)
-    if adapter is None:
-        masters = engine.master_weights() if fsdp else _master_weights(module)  # every rank takes part in the DP collectives
-        _write_model(tmp, module, masters, source_meta, Path(source_dir))
-    else:
-        from toolkit.lora.adapter import save_adapter
+    try:
+        if dist.get_rank() == 0:
+            fault_point("checkpoint-start")  # tests: fill the disk while the run waits here
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "ranks").mkdir(parents=True)
+        dist.barrier()
+        lora = adapter is not None
+        _save_deepspeed(engine, tmp, optimizer_files=lora, exclude_frozen=lora)
+        fsdp = isinstance(engine, FsdpEngine)
+        if adapter is None:
+            masters = engine.master_weights() if fsdp else _master_weights(module)  # every rank takes part in the DP collectives
+            _write_model(tmp, module, masters, source_meta, Path(source_dir))
+        else:
+            from toolkit.lora.adapter import save_adapter
 
-        save_adapter(adapter, tmp / ADAPTER_EXPORT)
-    torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
-    if shards is not None:  # not for an adapter, nor under FSDP (which resumes on its own layout)
-        elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
-    resumable = {"consumed_samples": source.state_dict()["consumed"],
-                 "adam_step": engine.adam_step() if fsdp else elastic.adam_step(engine),
-                 "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups], **engine_state.read(engine)}
-    if dist.get_rank() == 0:
-        (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
-    dist.barrier()  # every rank's files are on disk
-    if dist.get_rank() == 0:
-        fault_point("checkpoint-before-marker")
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        marker = root / f".{LATEST}.tmp"
-        marker.write_text(final.name)
-        os.replace(marker, root / LATEST)
-        _prune(root, keep_last, step)
+            save_adapter(adapter, tmp / ADAPTER_EXPORT)
+        torch.save(_rank_states(source), tmp / "ranks" / f"rank_{dist.get_rank():05d}.pt")
+        if shards is not None:  # not for an adapter, nor under FSDP (which resumes on its own layout)
+            elastic.save_state(tmp / elastic.STATE_DIR, engine, shards)
+        resumable = {"consumed_samples": source.state_dict()["consumed"],
+                     "adam_step": engine.adam_step() if fsdp else elastic.adam_step(engine),
+                     "last_lr": [float(g["lr"]) for g in engine.optimizer.param_groups], **engine_state.read(engine)}
+        if dist.get_rank() == 0:
+            (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, **resumable}, indent=2))
+        dist.barrier()  # every rank's files are on disk
+        if dist.get_rank() == 0:
+            fault_point("checkpoint-before-marker")
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            marker = root / f".{LATEST}.tmp"
+            marker.write_text(final.name)
+            os.replace(marker, root / LATEST)
+            _prune(root, keep_last, step)
+    except Exception as e:  # noqa: BLE001 - any writer's failure on a full disk is the same story
+        if not _disk_full(e, root):
+            raise
+        raise _disk_full_error(root, tmp, final) from None
     dist.barrier()
     return final
+
+
+def _disk_full(error: BaseException, root: Path) -> bool:
+    seen = error
+    while seen is not None:
+        if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < DISK_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
+
+
+def _disk_full_error(root: Path, tmp: Path, final: Path) -> CheckpointError:
+    """One line: what the save needed, what is free, and that nothing was lost. The partial save
+    is removed (every rank may try; the first one does it) so that the disk is as it was."""
+    from toolkit.units import size
+
+    written = _bytes_under(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = _step_dirs(root)
+    if previous:
+        newest = previous[max(previous)]
+        needed = f"about {size(_bytes_under(newest))} (the size of {newest.name})"
+    else:
+        needed = f"more than the {size(written)} it had written"
+    marker = root / LATEST
+    kept = f"{LATEST} still names {marker.read_text().strip()}" if marker.is_file() else "no checkpoint was written before"
+    free = shutil.disk_usage(root).free
+    return CheckpointError(f"the disk under {root} is full: saving {final.name} needs {needed}, and {size(free)} are "
+                           f"free; nothing was lost ({kept}, the partial save is removed): free space or move run_dir, "
+                           "then continue with resume=auto")
 
 
 def _save_deepspeed(engine, directory: Path, optimizer_files: bool, exclude_frozen: bool) -> None:
@@ -245,6 +294,36 @@ def find_latest(run_dir: Path) -> Path | None:
     if not (path / "train_state.json").is_file():
         raise CheckpointError(f"{marker} names {path.name}, which is incomplete or missing")
     return path
+
+
+def find_resumable(run_dir: Path, say=print) -> Path | None:
+    """resume=auto: the checkpoint `latest` names or, when one of its files is damaged, the newest
+    older checkpoint whose files are intact (toolkit.train.checkpoint_verify), saying so with `say`;
+    one line naming the damaged file when there is none."""
+    from toolkit.train.checkpoint_verify import damage
+
+    latest = find_latest(run_dir)
+    if latest is None:
+        return None
+    problem = damage(latest)
+    if problem is None:
+        return latest
+    match = STEP_DIR.fullmatch(latest.name)
+    for step, older in sorted(_step_dirs(latest.parent).items(), reverse=True):
+        if match and step < int(match.group(1)) and damage(older) is None:
+            say(f"warning: {latest.name} is damaged ({problem}); resuming from {older.name}, the newest intact checkpoint")
+            return older
+    raise CheckpointError(f"{latest.name}, the latest checkpoint, is damaged ({problem}) and no older one is intact: "
+                          "restore the file, or start again in a new run_dir")
+
+
+def refuse_damaged(path: Path) -> None:
+    """An explicitly named checkpoint (resume=PATH) whose files are damaged is one line."""
+    from toolkit.train.checkpoint_verify import damage
+
+    problem = damage(Path(path))
+    if problem:
+        raise CheckpointError(f"resume={path}: the checkpoint is damaged ({problem})")
 
 
 def _train_state(path: Path) -> dict:
@@ -376,12 +455,22 @@ def _group_lrs(saved: list[float], groups: int) -> list[float]:
     return saved[:1] * groups
 
 
-def export_adapter(run_dir: Path) -> Path:
-    """The latest checkpoint's adapter copied to RUN_DIR/adapter (replacing an older export whole)."""
+# Files of the checkpoint's hf/ directory that are not the tokenizer's: an adapter directory holds
+# the tokenizer (AutoTokenizer.from_pretrained(adapter)), never a model config of its own.
+NOT_TOKENIZER_FILES = ("config.json", "generation_config.json")
+
+
+def export_adapter(run_dir: Path, tokenizer_from: Path | None = None) -> Path:
+    """The latest checkpoint's adapter copied to RUN_DIR/adapter (replacing an older export whole),
+    with the tokenizer files of `tokenizer_from` (the base checkpoint's hf/ directory)."""
     out = Path(run_dir) / ADAPTER_EXPORT
     tmp = Path(run_dir) / f".{ADAPTER_EXPORT}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(find_latest(run_dir) / ADAPTER_EXPORT, tmp)
+    if tokenizer_from is not None and Path(tokenizer_from).is_dir():
+        for path in sorted(Path(tokenizer_from).iterdir()):
+            if path.is_file() and path.name not in NOT_TOKENIZER_FILES:
+                shutil.copy2(path, tmp / path.name)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return out

@@ -4,6 +4,7 @@ from the command line with dotted keys (`optim.lr=1e-4 parallel.tp=2`)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -72,16 +73,45 @@ class MoeConfig:
     # the router's load-balancing loss (toolkit/moe_aux.py), with the HF config's router_aux_loss_coef:
     # megatron-core's (per layer, summed) or HF's load_balancing_loss_func (layers pooled; PP 1 only)
     aux_loss: Literal["megatron", "hf"] = "megatron"
+    # megatron-core's moe_router_dtype: the router's logits, softmax and top-k in fp32 or fp64 (None:
+    # in the model's dtype). fp64 takes the router's own rounding out of its top-k choices (the tests
+    # compare with an HF reference whose router runs in fp64); fp32 keeps bf16 runs' routing in fp32.
+    router_dtype: Literal["fp32", "fp64"] | None = None
+
+
+@dataclass
+class DataColumns:
+    """The data set's column for each of the toolkit's (data.columns.prompt=question): a record's
+    columns are renamed to these before it is read."""
+
+    prompt: str = "prompt"  # masked out of the loss
+    response: str = "response"  # trained, with the prompt
+    messages: str = "messages"  # a list of {"role", "content"}, rendered with the chat template
+    text: str = "text"  # every token trained
 
 
 @dataclass
 class DataConfig:
-    train_file: str = ""  # JSONL: {"prompt", "response"}, {"messages": [...]} or {"text"} per line
-    valid_file: str | None = None  # the same format; its loss is the eval loss
+    # A file (.jsonl read line by line; .json, .parquet, .arrow, .csv read by `datasets`), a
+    # `save_to_disk` directory, a directory of data files, or a Hub dataset name; each record is
+    # {"prompt", "response"}, {"messages": [...]} or {"text"} (see data.columns). Several,
+    # comma-separated, form a mixture (data.weights).
+    train_file: str = ""
+    weights: str | None = None  # the mixture's shares, comma-separated, one per train_file entry
+    split: str = "train"  # of a saved DatasetDict or a Hub dataset; slices too ("train[:90%]")
+    valid_file: str | None = None  # the same formats; its loss is the eval loss
+    valid_split: str | None = None  # validate on this split of train_file when valid_file is not given
+    columns: DataColumns = field(default_factory=DataColumns)
+    chat_template: str | None = None  # a Jinja file, or a name (chatml, llama3): sets or overrides the tokenizer's
     seq_len: PositiveInt = 128  # tokens per sample (longer ones: see overlong)
     pack: bool = False  # concatenate samples, with attention reset at document boundaries
     overlong: Literal["truncate", "drop"] = "truncate"  # samples longer than seq_len + 1 tokens
+    truncation: Literal["right", "left"] = "right"  # which end an overlong sample loses
     malformed: Literal["error", "skip"] = "error"  # malformed JSONL lines (skips are counted)
+    # Refuse data of which more than this share of tokens is the tokenizer's unknown token (a
+    # tokenizer that cannot read it: training would learn <unk>).
+    max_unk_share: Annotated[float, Bound(ge=0.0, le=1.0)] = 0.05
+    cache_dir: str | None = None  # `datasets`' cache (default RUN_DIR/data_cache)
     shuffle: bool = True  # a seeded order, the same on every layout; its position is checkpointed
 
 
@@ -247,7 +277,11 @@ def _apply(obj, key_path: list[str], value, full_key: str) -> None:
     name = key_path[0]
     if name not in hints:
         known = ", ".join(hints)
-        raise ConfigError(f"unknown config key {full_key!r} (known at this level: {known})")
+        close = difflib.get_close_matches(name, list(hints), n=1)
+        parts = full_key.split(".")
+        depth = len(parts) - len(key_path)  # the keys above this level, then this one, then its sub-keys
+        hint = f"did you mean {'.'.join([*parts[:depth], close[0], *parts[depth + 1:]])!r}? " if close else ""
+        raise ConfigError(f"unknown config key {full_key!r} ({hint}known at this level: {known})")
     if len(key_path) > 1:
         child = getattr(obj, name)
         if not dataclasses.is_dataclass(child):
@@ -293,7 +327,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the recipe YAML, then `key.sub=value` overrides."""
     import yaml
 
-    cfg = TrainConfig()
+    data = {}
     if path:
         p = Path(path)
         if not p.is_file():
@@ -304,8 +338,14 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {path} must be a mapping of config keys")
-        for key, value in data.items():
-            _apply(cfg, [key], value, key)
+    return config_from_mapping(data, overrides)
+
+
+def config_from_mapping(data: dict, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults, then `data` (a recipe's mapping, as YAML gives it), then `key.sub=value` overrides."""
+    cfg = TrainConfig()
+    for key, value in data.items():
+        _apply(cfg, [key], value, key)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -343,6 +383,16 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.data.train_file:
         raise ConfigError("data.train_file is required")
     _validate_optimizer_state(cfg)
+    _validate_run_dir(cfg.run_dir)
+
+
+def _validate_run_dir(run_dir: str) -> None:
+    """A run_dir (or a directory above it) that is a file would fail at the first write, after
+    the ranks started: refused here."""
+    for path in (Path(run_dir), *Path(run_dir).parents):
+        if path.exists() and not path.is_dir():
+            what = "is" if path == Path(run_dir) else f"lies inside {path}, which is"
+            raise ConfigError(f"run_dir={run_dir} {what} an existing file, not a directory: give a directory path")
 
 
 def _validate_optimizer_state(cfg: TrainConfig) -> None:

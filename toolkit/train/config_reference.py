@@ -122,12 +122,20 @@ def render(root: type = TrainConfig) -> str:
     """The whole reference page for the config class `root`."""
     out = [INTRO, "## Top-level keys", "", *_rows(root, ""), ""]
     for name, cls, comment in _sections(root):
-        out += [f"## `{name}`", ""]
-        about = " ".join(filter(None, [inspect.cleandoc(cls.__doc__ or "") if _own_doc(cls) else "", comment]))
-        if about:
-            out += [textwrap.fill(about, 100), ""]
-        out += [*_rows(cls, f"{name}."), ""]
+        out += _section(name, cls, comment)
     return "\n".join(out)
+
+
+def _section(key: str, cls: type, comment: str) -> list[str]:
+    """A section's heading, its text and its keys, then its own sections (data.columns)."""
+    out = [f"## `{key}`", ""]
+    about = " ".join(filter(None, [inspect.cleandoc(cls.__doc__ or "") if _own_doc(cls) else "", comment]))
+    if about:
+        out += [textwrap.fill(about, 100), ""]
+    out += [*_rows(cls, f"{key}."), ""]
+    for name, sub, sub_comment in _sections(cls):
+        out += _section(f"{key}.{name}", sub, sub_comment)
+    return out
 
 
 def _own_doc(cls: type) -> bool:

@@ -1,28 +1,33 @@
-"""Instruction data: JSONL -> token sequences with a loss mask -> deterministic DP-sharded batches.
+"""Instruction data: records -> token sequences with a loss mask -> deterministic DP-sharded batches.
 
-Line formats:
+Record formats (columns renamed to these by data.columns; sources: toolkit.train.data_sources):
   {"prompt": ..., "response": ...}   prompt tokens are masked out of the loss
-  {"messages": [{"role", "content"}]} rendered with the tokenizer's chat template; only assistant
-                                      turns count in the loss
+  {"messages": [{"role", "content"}]} rendered with the chat template (toolkit.train.chat_templates);
+                                      only assistant turns count in the loss
   {"text": ...}                       every token counts
 EOS is appended after each response/text. Tokenizers without a pad token (Llama 3) pad with EOS;
 padded positions never count in the loss, and causal attention keeps them from affecting real ones.
+
+Data that cannot train is refused before the model is built, in one line: a tokenizer that reads
+it as mostly `<unk>`, a result with no sample left (with the count dropped for each reason), fewer
+rows than one global batch.
 """
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from toolkit.errors import ToolkitError
+from toolkit.train import chat_templates
+from toolkit.train.chat_templates import ChatTemplateError
+from toolkit.train.data_sources import OUR_COLUMNS, DataError, Source, records
 
-
-class DataError(ToolkitError):
-    """A data file is missing, empty or malformed."""
+IDENTITY_COLUMNS = {c: c for c in OUR_COLUMNS}
+EXAMPLE_CHARS = 80  # of the record quoted in a refusal
 
 
 @dataclass
@@ -33,11 +38,32 @@ class Sample:
 
 @dataclass
 class DataStats:
+    """Counts written to the resolved config and the log: every sample read and why any was dropped."""
+
     lines: int = 0
-    skipped_malformed: int = 0
-    truncated: int = 0
-    dropped_overlong: int = 0
+    skipped_malformed: int = 0  # data.malformed=skip
+    truncated: int = 0  # longer than seq_len + 1 tokens, cut at data.truncation's side
+    dropped_overlong: int = 0  # data.overlong=drop
+    dropped_targets_truncated: int = 0  # truncation cut every token the sample trains on
+    dropped_no_targets: int = 0  # nothing to train on even uncut (e.g. no assistant turn)
+    samples: int = 0
+    tokens: int = 0
+    unk_tokens: int = 0
+    unk_example: str | None = field(default=None, repr=False)
     packed_rows: int = 0
+    mixture: dict = field(default_factory=dict)  # source -> samples taken, with data.weights
+
+    def summary(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "unk_example"}
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    max_tokens: int  # seq_len + 1
+    overlong: str = "truncate"
+    malformed: str = "error"
+    truncation: str = "right"  # keep the first tokens ("right": cut the end) or the last ("left")
+    columns: dict = field(default_factory=lambda: dict(IDENTITY_COLUMNS))
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -52,19 +78,16 @@ def _prompt_response(tokenizer, prompt: str, response: str) -> Sample:
     return Sample(p + r, [0] * len(p) + [1] * len(r))
 
 
-def _messages(tokenizer, messages: list[dict]) -> Sample:
+def _messages(tokenizer, messages) -> Sample:
     """Render turn by turn: the tokens each assistant turn adds count in the loss."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError('"messages" must be a list of {"role", "content"} objects')
+    chat_templates.require(tokenizer)
     tokens: list[int] = []
     mask: list[int] = []
-    for i in range(len(messages)):
-        rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, add_generation_prompt=False)
-        if hasattr(rendered, "keys"):
-            rendered = rendered["input_ids"]
-        if rendered[: len(tokens)] != tokens:
-            raise ValueError("the chat template does not render conversations incrementally")
-        added = rendered[len(tokens) :]
+    for added, assistant in chat_templates.locate_turns(tokenizer, messages):
         tokens += added
-        mask += [1 if messages[i].get("role") == "assistant" else 0] * len(added)
+        mask += [1 if assistant else 0] * len(added)
     return Sample(tokens, mask)
 
 
@@ -78,37 +101,97 @@ def parse_line(tokenizer, record) -> Sample:
     if "text" in record:
         tokens = _encode(tokenizer, str(record["text"])) + [tokenizer.eos_token_id]
         return Sample(tokens, [1] * len(tokens))
-    raise ValueError('expected keys "prompt"+"response", "messages" or "text"')
+    raise ValueError('expected keys "prompt"+"response", "messages" or "text" (map other names with data.columns)')
+
+
+def _truncate(sample: Sample, max_tokens: int, side: str) -> Sample:
+    cut = slice(None, max_tokens) if side == "right" else slice(len(sample.tokens) - max_tokens, None)
+    return Sample(sample.tokens[cut], sample.loss_mask[cut])
+
+
+def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats) -> list[Sample]:
+    """Samples of (where, record) pairs; a record that failed to parse arrives as its exception."""
+    samples = []
+    unk = tokenizer.unk_token_id
+    for where, record in named:
+        stats.lines += 1
+        try:
+            if isinstance(record, Exception):
+                raise record
+            sample = parse_line(tokenizer, record)
+        except ChatTemplateError as e:  # the template's fault, not the line's: never skipped
+            raise DataError(f"{where}: {e}") from None
+        except (ValueError, TypeError, KeyError) as e:
+            if opts.malformed == "skip":
+                stats.skipped_malformed += 1
+                continue
+            raise DataError(f"{where}: {e}") from None
+        if unk is not None:
+            found = sample.tokens.count(unk)
+            stats.unk_tokens += found
+            if found and stats.unk_example is None:
+                stats.unk_example = f"{where}: {str(record)[:EXAMPLE_CHARS]}"
+        stats.tokens += len(sample.tokens)
+        cut = False
+        if len(sample.tokens) > opts.max_tokens:
+            if opts.overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            stats.truncated += 1
+            sample, cut = _truncate(sample, opts.max_tokens, opts.truncation), True
+        if not sum(sample.loss_mask[1:]):  # the first token is never a target
+            if cut:
+                stats.dropped_targets_truncated += 1
+            else:
+                stats.dropped_no_targets += 1
+            continue
+        samples.append(sample)
+    stats.samples += len(samples)
+    return samples
 
 
 def read_jsonl(path: str | Path, tokenizer, max_tokens: int, overlong: str, malformed: str, stats: DataStats) -> list[Sample]:
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            stats.lines += 1
-            try:
-                sample = parse_line(tokenizer, json.loads(line))
-            except (ValueError, TypeError, KeyError) as e:
-                if malformed == "skip":
-                    stats.skipped_malformed += 1
-                    continue
-                raise DataError(f"{path}:{lineno}: {e}") from None
-            if len(sample.tokens) > max_tokens:
-                if overlong == "drop":
-                    stats.dropped_overlong += 1
-                    continue
-                stats.truncated += 1
-                sample = Sample(sample.tokens[:max_tokens], sample.loss_mask[:max_tokens])
-            if sum(sample.loss_mask[1:]):
-                samples.append(sample)
-    if not samples:
-        raise DataError(f"{path} holds no usable samples")
+    samples = read_samples(records(Source(str(path)), IDENTITY_COLUMNS, Path()), tokenizer,
+                           ReadOptions(max_tokens, overlong, malformed), stats)
+    refuse_empty(str(path), samples, stats)
     return samples
+
+
+def refuse_empty(name: str, samples: list[Sample], stats: DataStats) -> None:
+    if samples:
+        return
+    reasons = {"malformed (skipped)": stats.skipped_malformed, "overlong (dropped)": stats.dropped_overlong,
+               "every trained token cut by truncation": stats.dropped_targets_truncated,
+               "no token to train on": stats.dropped_no_targets}
+    why = ", ".join(f"{n} {reason}" for reason, n in reasons.items() if n)
+    raise DataError(f"{name} holds no usable samples ({stats.lines} read" + (f": {why})" if why else ")")
+                    + (" — see data.truncation, data.overlong and data.seq_len" if stats.dropped_targets_truncated
+                       or stats.dropped_overlong else ""))
+
+
+def refuse_unreadable(name: str, stats: DataStats, max_share: float, tokenizer) -> None:
+    """A tokenizer that reads the data as mostly `<unk>` trains on nothing: say so with an example."""
+    if stats.tokens and stats.unk_tokens / stats.tokens > max_share:
+        raise DataError(
+            f"{name}: {stats.unk_tokens} of {stats.tokens} tokens ({stats.unk_tokens / stats.tokens:.0%}) are the "
+            f"tokenizer's unknown token {tokenizer.unk_token!r}, above data.max_unk_share={max_share:g}: this tokenizer "
+            f"cannot read the data (e.g. {stats.unk_example}); use the model's own tokenizer or other data")
+
+
+def mix(parts: list[tuple[Source, list[Sample]]], seed: int, stats: DataStats) -> list[Sample]:
+    """Several data sets in the shares data.weights gives them: the mixture keeps the total sample
+    count, each source's share drawn in a seeded order (repeated when the share is larger than the source)."""
+    if len(parts) == 1:
+        return parts[0][1]
+    total, weights = sum(len(s) for _, s in parts), sum(src.weight for src, _ in parts)
+    mixed = []
+    for i, (src, samples) in enumerate(parts):
+        want = round(total * src.weight / weights)
+        order = list(range(len(samples)))
+        random.Random(seed + i).shuffle(order)
+        mixed += [samples[order[k % len(order)]] for k in range(want)]
+        stats.mixture[src.name] = want
+    return mixed
 
 
 @dataclass
@@ -233,10 +316,14 @@ class BatchSource:
         self.consumed = int(state["consumed"])
 
 
-def load_rows(path, tokenizer, seq_len: int, pack: bool, overlong: str, malformed: str) -> tuple[list[Row], DataStats]:
-    stats = DataStats()
-    samples = read_jsonl(path, tokenizer, seq_len + 1, overlong, malformed, stats)
+def to_rows(samples: list[Sample], tokenizer, seq_len: int, pack: bool, stats: DataStats) -> list[Row]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = pack_rows(samples, seq_len + 1, pad_id) if pack else pad_rows(samples, seq_len + 1, pad_id)
     stats.packed_rows = len(rows) if pack else 0
-    return rows, stats
+    return rows
+
+
+def load_rows(path, tokenizer, seq_len: int, pack: bool, overlong: str, malformed: str) -> tuple[list[Row], DataStats]:
+    stats = DataStats()
+    samples = read_jsonl(path, tokenizer, seq_len + 1, overlong, malformed, stats)
+    return to_rows(samples, tokenizer, seq_len, pack, stats), stats

@@ -1,4 +1,5 @@
-"""Per-step metrics: console (one rank), RUN_DIR/metrics.jsonl, and Weights & Biases when enabled.
+"""Per-step metrics: RUN_DIR/metrics.jsonl, and Weights & Biases when enabled (the console line is
+toolkit.train.progress's).
 
 Throughput uses the standard dense-transformer estimate of training FLOPs per token,
 6 * N (forward + backward of every weight) + 12 * layers * hidden * seq_len (attention scores),
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-# Nothing meaningful exists for a CPU; MFU on CPU is reported against this nominal figure.
+# Nothing meaningful exists for a CPU; MFU on CPU is recorded against this nominal figure (and not printed).
 CPU_NOMINAL_TFLOPS = 1.0
+CPU_SOURCE = "CPU, nominal"
 
 
 def peak_tflops(override: float | None, precision: str = "bf16") -> tuple[float, str]:
@@ -35,7 +37,7 @@ def peak_tflops(override: float | None, precision: str = "bf16") -> tuple[float,
         if value is None:
             return 0.0, f"{name} has no {precision} tensor cores (pass peak_tflops)"
         return value, f"{name}, {'tf32' if tf32 else precision} dense"
-    return CPU_NOMINAL_TFLOPS, "CPU, nominal"
+    return CPU_NOMINAL_TFLOPS, CPU_SOURCE
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -82,9 +84,6 @@ class MetricsLogger:
         record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        shown = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
-                         if not isinstance(v, list))
-        print(shown, flush=True)
         if self.wandb is not None:
             # commit=True: with an explicit step wandb holds the row open until a later step or
             # finish(), so a rank 0 killed after logging would lose that step; ours are complete.

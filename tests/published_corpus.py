@@ -1,0 +1,97 @@
+"""The corpus of published config.json files (tests/data/published_configs/): each file is a
+model's config.json as its publisher ships it, shrunk in sizes only (hidden size, layers, heads,
+head_dim, FFN widths, experts, vocab) so a random model of it runs in milliseconds; every other
+key is kept, missing keys stay missing. index.json names where each file was copied from, the
+original sizes, and the outcome the toolkit must give: "converts" (and verifies exactly), or a
+one-line refusal (a substring of it). Flipping an outcome to "converts" is a one-line change.
+
+`shrink` is how the files were made from the verbatim copies, kept so a new model is added the
+same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = Path(__file__).parent / "data" / "published_configs"
+INDEX = CORPUS / "index.json"
+CONVERTS = "converts"
+
+# Sizes of the shrunk models. Layers: Gemma 3 keeps 6 so that its pattern (every 6th layer
+# global) has a global layer; 4 elsewhere (2 per pipeline stage at PP 2). Heads: 4, with the
+# original's kind of attention (MHA, one KV head, or GQA with 2 KV heads), all divisible by TP 2
+# or fewer than it. Experts: 16, so top-8 routing still chooses.
+SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16}
+LAYERS = {"gemma3_text": 6}
+HEADS = 4
+EXPERTS = 16
+EXPERT_KEYS = ("num_experts", "num_local_experts")
+
+
+def shrink(published: dict) -> tuple[dict, dict]:
+    """(the shrunk config, the original values of the keys changed)."""
+    cfg = dict(published)
+    new = {k: v for k, v in SIZES.items() if k in cfg}
+    if isinstance(cfg.get("pad_token_id"), int) and cfg["pad_token_id"] >= SIZES["vocab_size"]:
+        del new["vocab_size"]  # the padding token's embedding row must exist (Phi-3.5, Phi-4-mini)
+    new["num_hidden_layers"] = LAYERS.get(cfg["model_type"], 4)
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+    new["num_attention_heads"] = HEADS
+    if kv is not None:
+        new["num_key_value_heads"] = HEADS if kv == heads else 1 if kv == 1 else 2
+    for key in EXPERT_KEYS:
+        if key in cfg:
+            new[key] = EXPERTS
+    original = {k: cfg.get(k) for k in new}
+    cfg.update(new)
+    _shrink_rope_factors(cfg, original)
+    return cfg, original
+
+
+def _shrink_rope_factors(cfg: dict, original: dict) -> None:
+    """LongRoPE has one factor per rotated frequency, so a smaller head has fewer: keep evenly
+    spaced ones, the first and the last included."""
+    scaling = cfg.get("rope_scaling")
+    if not isinstance(scaling, dict) or "long_factor" not in scaling:
+        return
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    pairs = int(head_dim * cfg.get("partial_rotary_factor", 1.0)) // 2
+    original["rope_scaling"] = scaling
+    cfg["rope_scaling"] = dict(scaling)
+    for key in ("long_factor", "short_factor"):
+        factors = scaling.get(key)
+        if isinstance(factors, list):
+            cfg["rope_scaling"][key] = [factors[round(i * (len(factors) - 1) / (pairs - 1))] for i in range(pairs)]
+
+
+def index() -> dict[str, dict]:
+    return json.loads(INDEX.read_text())
+
+
+def config(name: str) -> dict:
+    return json.loads((CORPUS / f"{name}.json").read_text())
+
+
+def converting() -> list[str]:
+    return [name for name, entry in index().items() if entry["outcome"] == CONVERTS]
+
+
+def refused() -> list[str]:
+    return [name for name, entry in index().items() if entry["outcome"] != CONVERTS]
+
+
+def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """A random model of the shrunk config (less the keys in `leave_out`), in the published dtype,
+    with that config.json itself (not transformers' re-save of it) beside the weights."""
+    from transformers import CONFIG_MAPPING
+
+    from toolkit.tinymodels import save_random_model
+
+    cfg = {k: v for k, v in config(name).items() if k not in leave_out}
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    model_config = CONFIG_MAPPING[cfg["model_type"]].from_dict(json.loads(json.dumps(cfg)))
+    save_random_model(model_config, directory, dtype=dtype)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return directory

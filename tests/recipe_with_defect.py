@@ -1,0 +1,43 @@
+"""The fine-tuning recipe with one defect put in on purpose, for guard tests, named by DEFECT:
+
+* `no-tp-sum:<part>`: parameters whose name contains <part> (every one when it is empty) are left
+  out of the TP sum of partial gradients (toolkit.train.parallel.partial_over_tp), so each TP rank
+  keeps the gradient of its own tokens (sequence-parallel norms, routers) or heads (q/k norms).
+  `no-tp-sum:.router.` is a small router-gradient bug, as a router weight that lost its
+  `sequence_parallel` tag would have (tests/test_moe_finetune.py).
+* `loss-factor:<F>`: every micro-batch's loss is multiplied by F before backward
+  (toolkit.train.loss.scaled_loss), a wrong loss scale: the gradients are F times the right ones,
+  which Adam and clipping hide from the losses (tests/test_finetune_parity.py, tests/test_fp16.py).
+
+Patched here, in the worker, so the product has no test switch."""
+
+import os
+import runpy
+from pathlib import Path
+
+from toolkit.train import loss, parallel
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+
+
+def leave_out_of_tp_sum(part: str) -> None:
+    partial_over_tp = parallel.partial_over_tp
+    parallel.partial_over_tp = lambda config, name, param: part not in name and partial_over_tp(config, name, param)
+
+
+def scale_the_loss(factor: str) -> None:
+    scaled_loss = loss.scaled_loss
+
+    def scaled_by_factor(*args, **kwargs):
+        scaled, total = scaled_loss(*args, **kwargs)
+        return scaled * float(factor), total
+
+    loss.scaled_loss = scaled_by_factor
+
+
+DEFECTS = {"no-tp-sum": leave_out_of_tp_sum, "loss-factor": scale_the_loss}
+
+if __name__ == "__main__":
+    name, _, argument = os.environ["DEFECT"].partition(":")
+    DEFECTS[name](argument)
+    runpy.run_path(str(RECIPE), run_name="__main__")

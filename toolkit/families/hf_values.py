@@ -1,0 +1,89 @@
+"""config.json's values as transformers reads them: every key the file leaves out takes the
+default of the family's own config class (Gemma3TextConfig, Phi3Config...), never one of ours.
+
+The family readers (spec.py, router.py, a family's `read`) look keys up in a `ConfigValues`:
+the config class's `to_dict()` after building it from the file, so a missing `rope_theta`,
+`tie_word_embeddings` or `num_key_value_heads` is whatever the HF model would use. It records
+which keys the readers looked at, so `toolkit convert hf-to-megatron --verbose` can say which
+were read from the file and which were set by transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from toolkit.errors import ConversionError
+
+
+class ConfigValues(dict):
+    """The resolved config (a dict, so the readers index it as the file), remembering the keys
+    looked up and those present in the file itself."""
+
+    def __init__(self, resolved: dict, in_file: dict, class_name: str):
+        super().__init__(resolved)
+        self.in_file = in_file
+        self.class_name = class_name
+        self.looked_up: list[str] = []
+
+    def _note(self, key) -> None:
+        if key not in self.looked_up:
+            self.looked_up.append(key)
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self._note(key)
+        return super().__contains__(key)
+
+    def reading(self) -> "ConfigReading":
+        looked = [k for k in self.looked_up if isinstance(k, str)]
+        return ConfigReading(
+            class_name=self.class_name,
+            read={k: self.in_file[k] for k in looked if k in self.in_file},
+            defaults={k: dict.get(self, k) for k in looked if k not in self.in_file and dict.__contains__(self, k)},
+        )
+
+
+@dataclass(frozen=True)
+class ConfigReading:
+    """Which config.json keys a conversion read, and the values transformers' class gave the
+    keys the file leaves out (a default, or derived from other keys, as rope_parameters from a
+    top-level rope_theta)."""
+
+    class_name: str
+    read: dict
+    defaults: dict
+
+    def lines(self) -> list[str]:
+        out = [f"config.json read through transformers' {self.class_name}:",
+               f"  read from the file ({len(self.read)}): {', '.join(sorted(self.read)) or 'none'}"]
+        if not self.defaults:
+            return out + ["  defaults applied: none"]
+        out.append(f"  not in the file, set by {self.class_name} ({len(self.defaults)}):")
+        return out + [f"    {k} = {self.defaults[k]!r}" for k in sorted(self.defaults)]
+
+
+def config_values(cfg: dict, source: str = "config.json") -> ConfigValues:
+    """Build transformers' config class for cfg['model_type'] from the dict (its type checks
+    included: a refusal there is a ConversionError naming `source`) and return its values."""
+    from transformers import CONFIG_MAPPING
+    from transformers.utils import logging
+
+    config_class = CONFIG_MAPPING[cfg["model_type"]]
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its warnings about token ids are not ours to show
+    try:
+        resolved = config_class.from_dict(copy.deepcopy(cfg)).to_dict()  # it edits nested dicts in place
+    except Exception as e:  # huggingface_hub's StrictDataclassError, ValueError, TypeError: all refusals
+        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise ConversionError(f"{source} is refused by transformers' {config_class.__name__}: {detail}") from e
+    finally:
+        logging.set_verbosity(verbosity)
+    return ConfigValues(resolved, cfg, config_class.__name__)

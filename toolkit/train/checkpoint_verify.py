@@ -1,0 +1,95 @@
+"""Is a checkpoint's every file a resume reads intact? Checked before any process starts, so that
+`resume=auto` falls back to the newest checkpoint that is, with a line saying so, instead of a
+PytorchStreamReader error on every rank.
+
+What is read without loading tensors: train_state.json parses; each torch file (ranks/, ds/) is a
+zip archive whose central directory reads and whose members lie inside the file, and small ones
+(rank states) pass their CRCs; the torch_dist index of train/ and the byte ranges it points to
+(toolkit.train.elastic.check_files); the adapter's safetensors header and size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+
+from toolkit.errors import ToolkitError
+
+CRC_CHECKED_BYTES = 64 << 20  # torch files up to this size are read whole (rank states); larger ones by their index
+SAFETENSORS_HEADER = 8  # bytes of the little-endian header length that opens a safetensors file
+
+
+def damage(path: Path) -> str | None:
+    """The first damaged file of checkpoint `path` and why, or None when every file checked is sound."""
+    for check in (_train_state, _torch_files, _elastic, _adapter):
+        problem = check(Path(path))
+        if problem:
+            return problem
+    return None
+
+
+def _train_state(path: Path) -> str | None:
+    state = path / "train_state.json"
+    try:
+        int(json.loads(state.read_bytes().decode("utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{state} is unreadable ({type(e).__name__})"
+    return None
+
+
+def _torch_files(path: Path) -> str | None:
+    for file in sorted([*path.glob("ranks/*.pt"), *path.glob("ds/*.pt")]):
+        problem = _torch_zip(file)
+        if problem:
+            return f"{file} {problem}"
+    return None
+
+
+def _torch_zip(file: Path) -> str | None:
+    """torch.save writes a zip archive: a truncated or overwritten one has no central directory
+    (PytorchStreamReader's 'failed finding central directory'), or members past its end."""
+    size = file.stat().st_size
+    try:
+        with zipfile.ZipFile(file) as archive:
+            for info in archive.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"is truncated ({size} bytes; {info.filename} needs more)"
+            if size <= CRC_CHECKED_BYTES:
+                bad = archive.testzip()
+                if bad:
+                    return f"is damaged ({bad} fails its CRC)"
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"is not a readable torch file ({e})"
+    return None
+
+
+def _elastic(path: Path) -> str | None:
+    from toolkit.train import elastic
+
+    if not (path / elastic.STATE_DIR).is_dir():
+        return None
+    try:
+        elastic.check_files(path / elastic.STATE_DIR)
+    except ToolkitError as e:
+        return str(e)
+    return None
+
+
+def _adapter(path: Path) -> str | None:
+    from toolkit.lora.peft_dir import WEIGHTS
+
+    weights = path / "adapter" / WEIGHTS
+    if not (path / "adapter").is_dir():
+        return None
+    try:
+        raw = weights.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:SAFETENSORS_HEADER])
+        header = json.loads(raw[SAFETENSORS_HEADER:SAFETENSORS_HEADER + length])
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, KeyError, TypeError) as e:
+        return f"{weights} is unreadable ({type(e).__name__})"
+    if len(raw) < SAFETENSORS_HEADER + length + end:
+        return f"{weights} is truncated ({len(raw)} bytes of {SAFETENSORS_HEADER + length + end})"
+    return None
