@@ -21,13 +21,14 @@ from toolkit.megatron_settings import megatron_args, settings_for
 @pytest.mark.parametrize(
     "changes, line",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-         "rope_parameters.rope_type='yarn': rope scaling type 'yarn' is not supported for phi3"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+         "refused by transformers' Phi3Config: Class validation error for validator 'validate_rope': ValueError: "
+         "`rope_parameters`'s type field must be one of ['longrope'], got dynamic"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0}},
          "partial_rotary_factor=0 is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ],
-    ids=["yarn", "no-rotary", "activation"],
+    ids=["dynamic-rope", "no-rotary", "activation"],
 )
 def test_unsupported_phi3_variant_is_refused_in_one_line(hf_copy, tmp_path, changes, line):
     src = hf_copy("phi3")
