@@ -1,7 +1,8 @@
 """Phi-3 / Phi-4-mini as one family file: HF's fused qkv_proj / gate_up_proj re-split per query
 group and per TP rank, and Phi-4-mini's partial rotary as megatron-core's rotary_percent (round
 trips and logit parity run with every family, tests/conftest.py VARIANTS, Phi-3 with one KV head
-at TP 2 too); the variants megatron-core 0.16.1 cannot express exactly are refused in one line."""
+at TP 2 too; LongRoPE in tests/test_longrope.py); the variants megatron-core 0.16.1 cannot express
+exactly are refused in one line."""
 
 from __future__ import annotations
 
@@ -16,20 +17,18 @@ from tests.test_family_qwen3 import spec_of
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args, settings_for
 
-LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-            "original_max_position_embeddings": 64}
-WHY_NOT_LONGROPE = "no per-frequency short_factor / long_factor"
-
 
 @pytest.mark.parametrize(
     "changes, line",
     [
-        ({"rope_parameters": LONGROPE}, "rope_parameters.rope_type='longrope': rope scaling type 'longrope' is not supported"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+         "refused by transformers' Phi3Config: Class validation error for validator 'validate_rope': ValueError: "
+         "`rope_parameters`'s type field must be one of ['longrope'], got dynamic"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0}},
          "partial_rotary_factor=0 is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ],
-    ids=["longrope", "no-rotary", "activation"],
+    ids=["dynamic-rope", "no-rotary", "activation"],
 )
 def test_unsupported_phi3_variant_is_refused_in_one_line(hf_copy, tmp_path, changes, line):
     src = hf_copy("phi3")
@@ -40,16 +39,6 @@ def test_unsupported_phi3_variant_is_refused_in_one_line(hf_copy, tmp_path, chan
 def test_phi3_window_changes_the_model_so_parity_proves_it(tiny_hf):
     """The tiny Phi-3's window (8) is shorter than the parity sequences (32)."""
     assert logit_change(tiny_hf["phi3"], sliding_window=None) > 100 * FP32_TOLERANCE
-
-
-def test_phi4_mini_as_published_is_refused_for_its_longrope_with_the_reason(hf_copy, tmp_path):
-    """Phi-4-mini-instruct's config.json (transformers 4 style: `rope_scaling` with `type`, the
-    partial factor at the top level): its partial rotary converts, its LongRoPE cannot."""
-    src = hf_copy("phi4-mini")
-    edit_config(src, rope_parameters=None, rope_theta=1e4, original_max_position_embeddings=64,
-                rope_scaling={"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
-    line = "rope_scaling.type='longrope': rope scaling type 'longrope' is not supported for phi3"
-    convert_fails(src, tmp_path / "out", r"^[^\n]*" + re.escape(line) + r"[^\n]*" + re.escape(WHY_NOT_LONGROPE))
 
 
 def test_partial_rotary_is_refused_where_the_family_rotates_whole_heads(hf_copy, tmp_path):
@@ -104,8 +93,8 @@ def test_rotated_dims_agree_in_hf_megatron_core_and_the_memory_estimate(hidden):
     assert dataclasses.replace(spec, rotary_percent=1.0).rotary_dim == spec.head_dim
 
 
-# microsoft/Phi-4-mini-instruct's config.json, the fields the estimate reads (its LongRoPE left out,
-# which the converter refuses), and the parameter count of its published safetensors.
+# microsoft/Phi-4-mini-instruct's config.json, the fields the estimate reads (its LongRoPE, which
+# adds no parameters, left out), and the parameter count of its published safetensors.
 PHI4_MINI_SHAPE = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                        num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
                        partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)

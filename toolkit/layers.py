@@ -114,13 +114,13 @@ def _qk_norm(kind: str | None, heads: int):
     return RMSNorm if kind == "head" else IdentityOp
 
 
-def _mlp(config, out_linear):
+def _mlp(config, out_linear, moe: bool):
     """The dense MLP, or megatron-core's own local MoE module (router, SequentialMLP experts, a
-    shared expert where configured) in a Mixture-of-Experts model; its output never post-normed."""
+    shared expert where configured) in a Mixture-of-Experts layer; its output never post-normed."""
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if config.num_moe_experts:
+    if moe:
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
         if out_linear is not RowParallelLinear:
@@ -136,7 +136,20 @@ def rope_bases(spec: ModelSpec) -> tuple:
     return tuple(spec.window_rope_theta if c == "1" else None for c in spec.window_layers)
 
 
-def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
+def stage_moe_layers(config) -> list[bool]:
+    """Per layer this pipeline stage builds: whether it is a Mixture-of-Experts layer (the
+    toolkit sets moe_layer_freq to 1 or to a list, toolkit/megatron_settings.py)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    count = get_num_layers_to_build(config)
+    if not isinstance(config.moe_layer_freq, list):
+        return [bool(config.num_moe_experts)] * count
+    offset = get_transformer_layer_offset(config)
+    return [bool(kind) for kind in config.moe_layer_freq[offset: offset + count]]
+
+
+def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False):
     """One decoder layer of local (torch) megatron-core modules, with the family's choices."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttentionSubmodules
@@ -169,7 +182,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_norm,
-            mlp=_mlp(config, out_linear),
+            mlp=_mlp(config, out_linear, moe),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),
@@ -177,30 +190,36 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer):
 
 
 def sequence_parallel_block_spec(config, layer):
-    """A stock local-spec `layer` with every torch norm (pre-norms, q/k norms, the final norm)
-    replaced by RMSNorm, which sequence parallelism needs; only RMSNorm models get here."""
-    from dataclasses import replace
-
-    from megatron.core.transformer.identity_op import IdentityOp
+    """A stock local-spec `layer` (or block of layers) with every torch norm (pre-norms, q/k norms,
+    the final norm) replaced by RMSNorm, which sequence parallelism needs; only RMSNorm models get here."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if config.normalization != "RMSNorm":
         raise NotImplementedError(f"sequence parallelism with {config.normalization} on the local spec")
+    layers = layer.layer_specs if isinstance(layer, TransformerBlockSubmodules) else [layer] * get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[_rmsnorm_layer(one) for one in layers], layer_norm=RMSNorm)
+
+
+def _rmsnorm_layer(layer):
+    from dataclasses import replace
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
     attention = layer.submodules.self_attention
     qk = {name: RMSNorm for name in ("q_layernorm", "k_layernorm")
           if getattr(attention.submodules, name) is not IdentityOp}
     attention = replace(attention, submodules=replace(attention.submodules, **qk))
-    layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
-                                              self_attention=attention))
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    return replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
+                                             self_attention=attention))
 
 
 def block_spec(config, spec: ModelSpec, layer: CustomLayer):
     """This pipeline stage's layers and the final norm (which must be our RMSNorm too)."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    one = layer_spec(config, spec, layer)
-    return TransformerBlockSubmodules(layer_specs=[one] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    moe_layers = stage_moe_layers(config)
+    kinds = {moe: layer_spec(config, spec, layer, moe) for moe in set(moe_layers)}
+    return TransformerBlockSubmodules(layer_specs=[kinds[moe] for moe in moe_layers], layer_norm=RMSNorm)
 
 
 def adapt_model(model, spec: ModelSpec, layer: CustomLayer) -> None:

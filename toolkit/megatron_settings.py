@@ -104,6 +104,8 @@ def moe_settings(spec: ModelSpec) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
         moe_shared_expert_gate=spec.moe_shared_expert_gate,
+        # per layer 1 (MoE) or 0 (a dense MLP of ffn_hidden_size), gpt_layer_specs.py:583-597
+        moe_layer_freq=[int(kind) for kind in spec.moe_layers] if spec.moe_layers else 1,
         **load_balancing_loss(spec),
     )
 

@@ -111,11 +111,15 @@ def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     # Experts: TE's grouped GEMM on GPUs, SequentialMLP locally (the legacy GroupedMLP needs the
     # grouped_gemm package, which CPUs lack).
     experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    if layer_spec == "te":
+    if isinstance(config.moe_layer_freq, list):  # dense layers among MoE ones: megatron-core's spec per layer
+        local = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
+                                                           normalization=config.normalization)
+    elif layer_spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
-    local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
-                                                     **experts)
-    if config.sequence_parallel:  # the local spec's torch norms refuse SP (Transformer Engine's take it)
+    else:
+        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+                                                         qk_layernorm=config.qk_layernorm, **experts)
+    if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
         from toolkit.layers import sequence_parallel_block_spec
 
         return sequence_parallel_block_spec(config, local)
@@ -150,6 +154,10 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         from toolkit.layers import adapt_model
 
         adapt_model(model, spec, layer)
+    if spec.longrope:
+        from toolkit.longrope import install_longrope
+
+        install_longrope(model, spec, config.use_cpu_initialization)
     if aux_loss and spec.is_moe:
         aux_loss.install(model)
     if torch.cuda.is_available():

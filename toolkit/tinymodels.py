@@ -56,10 +56,20 @@ PHI3 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, inter
             sliding_window=8)
 # Phi-4-mini (HF Phi3 classes) shrunk: RoPE on 12 of each head's 16 dimensions (partial_rotary_factor
 # 0.75, as Phi-4-mini's 96 of 128), GQA ratio 3 (24 over 8 there), tied embeddings, a window longer
-# than any sequence (262144 there), odd vocab and FFN. Its LongRoPE cannot be converted exactly,
-# so the tiny model has plain RoPE (toolkit/families/spec.py MCORE_ROPE_GAPS).
+# than any sequence (262144 there), odd vocab and FFN; plain RoPE (its LongRoPE: PHI4_MINI_LONGROPE).
 PHI4_MINI = dict(hidden_size=192, num_attention_heads=12, num_key_value_heads=4, intermediate_size=200, vocab_size=247,
                  partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=262144)
+# LongRoPE (Phi-3.5-mini, Phi-4-mini: 4096 pretraining positions of 131072) with the switch point
+# inside the test sequences' reach: Phi-3 past it (16 of 128 positions: long factors on the
+# parity test's 32 tokens), Phi-4-mini before it (48: short factors), each with factors that
+# differ per frequency, the attention factor sqrt(1 + ln(128 / 16) / ln(16)) and
+# sqrt(1 + ln(128 / 48) / ln(48)) from the positions' ratio as published.
+PHI3_LONGROPE = dict(PHI3, original_max_position_embeddings=16, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+    "long_factor": [1.5, 4.0, 9.0, 20.0]})
+PHI4_MINI_LONGROPE = dict(PHI4_MINI, original_max_position_embeddings=48, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+    "short_factor": [1.0, 1.1, 1.4, 2.0, 3.1, 5.0], "long_factor": [1.2, 2.0, 4.5, 9.0, 16.0, 30.0]})
 # Gemma 3 with everything that differs from Llama in play: head_dim 24 where hidden / heads = 18,
 # one KV head (GQA 4, fewer KV heads than TP 2 and 4), sqrt(72) not exact in bf16, local layers
 # (window 8, shorter than the test sequences) with their own RoPE base between global ones with
@@ -101,8 +111,15 @@ VARIANTS = {
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_MOE),
     "qwen2-moe": ("Qwen2MoeConfig", QWEN2_MOE),
     "olmoe": ("OlmoeConfig", OLMOE),
+    # Dense MLP layers (width intermediate_size 96) among the MoE ones: the first two (DeepSeek-V3's
+    # first_k_dense_replace in Qwen3-MoE's terms: a pipeline stage of PP 2 without experts), and
+    # every other one (Qwen2-MoE's decoder_sparse_step 2)
+    "qwen3-moe-dense-layers": ("Qwen3MoeConfig", {**QWEN3_MOE, "mlp_only_layers": [0, 1]}),
+    "qwen2-moe-sparse-step": ("Qwen2MoeConfig", {**QWEN2_MOE, "decoder_sparse_step": 2}),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
+    "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),
+    "phi4-mini-longrope": ("Phi3Config", PHI4_MINI_LONGROPE),
     # One KV head, fewer than TP = 2: megatron-core all-gathers the fused QKV and re-slices it
     "qwen3-1kv": ("Qwen3Config", {**QWEN3, "num_key_value_heads": 1}),
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
@@ -157,8 +174,13 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    low, high = NORM_WEIGHTS.get(config.model_type, DEFAULT_NORM_WEIGHTS)
+    return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype)
+
+
+def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) -> Path:
+    import torch
+
+    low, high = NORM_WEIGHTS.get(model_type, DEFAULT_NORM_WEIGHTS)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -172,3 +194,22 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
     model.save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     return directory
+
+
+# A SigLIP vision tower as small as the class allows: one layer, 2 x 2 patches of 14 pixels
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                   patch_size=14)
+
+
+def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Gemma 3 as its 4B / 12B / 27B are published (Gemma3ForConditionalGeneration: the tiny Gemma 3
+    text model under `language_model`, a vision tower and projector beside it), from transformers'
+    own config classes; returns its directory."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = make_config("gemma3", **text_overrides)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=SiglipVisionConfig(**TINY_VISION).to_dict(),
+                          mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)

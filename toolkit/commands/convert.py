@@ -19,6 +19,8 @@ Formats:
 
 Supported model_types (the families in toolkit/families/; Mixture-of-Experts ones take --ep):
 {families}
+Multimodal checkpoints converted as their language model (export back with --into-wrapper):
+{wrappers}
 """
 
 VERIFY_HELP = """\
@@ -41,10 +43,13 @@ def register(sub) -> None:
 
     from toolkit.families import FAMILIES  # no torch: cheap at start-up
 
+    from toolkit.convert.wrapper import WRAPPERS  # no torch either
+
     families = ", ".join(t for family in FAMILIES for t in family.model_types)
+    wrappers = ", ".join(f"{w.model_type} ({w.architecture})" for w in WRAPPERS)
     p = csub.add_parser("hf-to-megatron", help="HF checkpoint -> megatron-core TP x PP shards",
                         description=TO_MEGATRON_HELP.format(families=textwrap.fill(families, 96, initial_indent="  ",
-                                                                                   subsequent_indent="  ")), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                                                                   subsequent_indent="  "), wrappers="  " + wrappers), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -77,6 +82,9 @@ def register(sub) -> None:
                    help="with --adapter: the whole HF model with the adapter merged in (fp32, then the base's dtype)")
     p.add_argument("--hf-config", help="HF config.json (or model directory) for checkpoints not written by this toolkit")
     p.add_argument("--max-shard-gb", type=positive_float, default=4.0, help="split the safetensors output above this size")
+    p.add_argument("--into-wrapper", metavar="HF_DIR",
+                   help="write the language model back into the multimodal checkpoint it was converted from (Gemma 3 "
+                        "4B/12B/27B): its vision tower, projector and config copied unchanged")
     _add_output_flags(p)
     p.set_defaults(func=_to_hf)
 
@@ -142,6 +150,8 @@ def _to_hf(args) -> int:
 
     if args.merge and not args.adapter:
         raise ConversionError("--merge merges a LoRA adapter: give --adapter with a LoRA run's checkpoint")
+    if args.adapter and args.into_wrapper:
+        raise ConversionError("--into-wrapper writes a whole model: it does not combine with --adapter")
     if args.adapter:
         from toolkit.lora.export import export_adapter
 
@@ -151,7 +161,8 @@ def _to_hf(args) -> int:
         return 0
 
     out = megatron_to_hf(args.megatron_dir, args.out_dir, hf_config=args.hf_config, overwrite=args.overwrite,
-                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args))
+                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args),
+                         wrapper=args.into_wrapper)
     print(f"wrote HF checkpoint to {out}")
     return 0
 

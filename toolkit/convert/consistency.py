@@ -23,7 +23,7 @@ def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int,
     """Every HF tensor name the family table expects for this config, with its shape."""
     out = {}
     for row in family.rows_for(spec.tied_embeddings):
-        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts)):
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
             for name, symbols in zip(row.hf_names(layer, expert), row.shapes):
                 out[name] = tuple(spec.size_of(s) for s in symbols)
     return out
@@ -76,18 +76,20 @@ def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dic
     from toolkit.convert import dist_format
 
     geo, hf = layout.geometry(spec), expected_hf_tensors(family, spec)
+    stacked = dist_format.stacks_layers(spec.moe_layers)
     out = {}
     for row in family.rows_for(spec.tied_embeddings):
-        layer, expert = (0 if row.per_layer else None), (0 if row.per_expert else None)
-        shape = megatron_shape(row.split, [hf[n] for n in row.hf_names(layer, expert)], geo)
-        if row.per_expert:
-            shape = (spec.num_experts, *shape)
-        if row.per_layer:
-            out[dist_format.stacked_key(row.megatron_name(0, 0))] = (spec.num_layers, *shape)
-        else:
-            out[row.megatron] = shape
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(1), spec.moe_layers):
+            shape = megatron_shape(row.split, [hf[n] for n in row.hf_names(layer, expert)], geo)
+            shape = (spec.num_experts, *shape) if row.per_expert else shape
+            if not row.per_layer:
+                out[row.megatron] = shape
+            elif stacked:
+                out[dist_format.layer_key(row.megatron_name(0, 0))] = (spec.num_layers, *shape)
+            else:
+                out[dist_format.layer_key(row.megatron_name(layer, 0), stacked)] = shape
     if spec.is_moe:
-        out.update((alias, out[key]) for key, alias in dist_format.TE_MOE_ALIASES.items())
+        out.update((alias, out[key]) for key in list(out) if (alias := dist_format.te_moe_alias(key, spec.moe_layers)))
     return out
 
 

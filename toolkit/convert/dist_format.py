@@ -5,7 +5,9 @@ writes (checked against it in the tests):
   * PyTorch DCP files (`.metadata`, `__0_*.distcp`) plus megatron's `metadata.json` and `common.pt`;
   * every tensor has its *global* (TP=1) shape, so any TP/PP layout can load it;
   * per-layer tensors are stacked: `decoder.layers.<name>` has shape [num_layers, ...], stored as
-    one chunk per layer; fc1 is the global [gate; up];
+    one chunk per layer; fc1 is the global [gate; up]. Not where dense layers are mixed with MoE
+    ones (moe_layer_freq as a list): megatron-core then keys every layer on its own,
+    `decoder.layers.<i>.<name>` (transformer_block.py:830-868, non_homogeneous_layers);
   * experts are stacked once more, SequentialMLP's sharded keys: `decoder.layers.mlp.experts.experts.
     linear_fc1.weight` has shape [num_layers, num_experts, ...], one chunk per (layer, expert), so
     megatron-core's loader gives each EP rank its experts (and each expert-TP rank its slice);
@@ -90,19 +92,40 @@ EXPERTS_PREFIX = "mlp.experts.experts."  # SequentialMLP's sharded key prefix (e
 # num_experts), so its sharded key is `pre_mlp_layernorm.weight`; the local spec maps the same norm
 # to `mlp.linear_fc1.layer_norm_weight` (its sharded_state_dict_keys_map). A MoE checkpoint holds
 # both, so a GPU (TE) model and a CPU (local) model both load it.
-TE_MOE_ALIASES = {STACKED_PREFIX + "mlp.linear_fc1.layer_norm_weight": STACKED_PREFIX + "pre_mlp_layernorm.weight"}
+_MOE_NORM = "mlp.linear_fc1.layer_norm_weight"
+TE_MOE_ALIASES = {STACKED_PREFIX + _MOE_NORM: STACKED_PREFIX + naming.TE_MOE_NORM}
 
 
-def with_te_moe_aliases(chunks: list[Chunk]) -> list[Chunk]:
-    return chunks + [dataclasses.replace(c, key=TE_MOE_ALIASES[c.key]) for c in chunks if c.key in TE_MOE_ALIASES]
+def te_moe_alias(key: str, moe_layers: str | None) -> str | None:
+    """The TE spec's key of a MoE layer's pre-MLP norm stored under `key`, or None (not such a norm).
+    `moe_layers` as ModelSpec.moe_layers: None, every layer MoE (stacked keys)."""
+    if moe_layers is None:
+        return TE_MOE_ALIASES.get(key)
+    layer, suffix = naming.split_layer(key)
+    return naming.layer_name(layer, naming.TE_MOE_NORM) if suffix == _MOE_NORM and moe_layers[layer] == "1" else None
+
+
+def with_te_moe_aliases(chunks: list[Chunk], moe_layers: str | None = None) -> list[Chunk]:
+    return chunks + [dataclasses.replace(c, key=alias) for c in chunks if (alias := te_moe_alias(c.key, moe_layers))]
+
+
+def layer_key(canonical_layer_name: str, stacked: bool = True) -> str:
+    """'decoder.layers.3.mlp.linear_fc2.weight' -> 'decoder.layers.mlp.linear_fc2.weight' (stacked)
+    or itself (keyed per layer); 'decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight' ->
+    'decoder.layers.mlp.experts.experts.linear_fc2.weight' (or 'decoder.layers.3.mlp.experts.experts...')."""
+    layer, suffix = naming.split_layer(canonical_layer_name)
+    suffix = _LOCAL_EXPERT.sub(EXPERTS_PREFIX, suffix)
+    return STACKED_PREFIX + suffix if stacked else naming.layer_name(layer, suffix)
+
+
+def stacks_layers(moe_layers: str | None) -> bool:
+    """Whether per-layer tensors are stacked over the layers: not where MoE and dense layers mix
+    (ModelSpec.moe_layers), which megatron-core keys each on its own (transformer_block.py:830-868)."""
+    return moe_layers is None
 
 
 def stacked_key(canonical_layer_name: str) -> str:
-    """'decoder.layers.3.mlp.linear_fc2.weight' -> 'decoder.layers.mlp.linear_fc2.weight';
-    'decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight' ->
-    'decoder.layers.mlp.experts.experts.linear_fc2.weight'."""
-    _, suffix = naming.split_layer(canonical_layer_name)
-    return STACKED_PREFIX + _LOCAL_EXPERT.sub(EXPERTS_PREFIX, suffix)
+    return layer_key(canonical_layer_name)
 
 
 class _LazySavePlanner(SavePlanner):
@@ -168,9 +191,14 @@ def _chunk_bytes(chunk: Chunk):
     return tensor.reshape(chunk.shape) if tuple(tensor.shape) != chunk.shape else tensor  # a stacked chunk is [1, ...]
 
 
-def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False) -> dict[str, object]:
+def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False,
+                        moe_layers: str | None = None) -> dict[str, object]:
     """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None]); an
-    expert's is keyed by (layer, expert), as ShardedObject.unique_key writes offsets and shape."""
+    expert's is keyed by (layer, expert), as ShardedObject.unique_key writes offsets and shape.
+    Keyed per layer where `moe_layers` mixes dense layers in (offset 0 of shape 1 then,
+    transformer/utils.py _get_extra_state_offsets)."""
+    if moe_layers is not None:
+        return _per_layer_extra_state_objects(num_experts, shared_expert, moe_layers)
     modules = naming.MOE_ATTENTION_EXTRA_STATE if num_experts else naming.EXTRA_STATE_MODULES
     modules += naming.SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     objects = {
@@ -184,6 +212,20 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
         for layer in range(num_layers)
         for e in range(num_experts)
     )
+    return objects
+
+
+def _per_layer_extra_state_objects(num_experts: int, shared_expert: bool, moe_layers: str) -> dict[str, object]:
+    objects = {}
+    for layer, kind in enumerate(moe_layers):
+        prefix = naming.layer_name(layer, "")
+        if kind == "0":
+            objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in naming.EXTRA_STATE_MODULES)
+            continue
+        shared = naming.SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
+        objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in naming.MOE_ATTENTION_EXTRA_STATE + shared)
+        objects.update((f"{prefix}{EXPERTS_PREFIX}linear_fc{k}._extra_state/shard_{e}_{num_experts}", [None])
+                       for k in (1, 2) for e in range(num_experts))
     return objects
 
 

@@ -42,9 +42,11 @@ def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -
 
 def _load_rank_files(model, root: Path, meta: CheckpointMeta, shards: Path, check_sums: bool) -> None:
     from megatron.core import parallel_state as ps
-    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    # A dense model has no expert ranks: EP ranks, if any, are data-parallel ones holding the same files
+    moe = meta.model_spec.is_moe
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size() if moe else 1
     pp, pp_rank = pipeline_stage(model)
-    ranks = (ps.get_tensor_model_parallel_rank(), pp_rank, ps.get_expert_model_parallel_rank())
+    ranks = (ps.get_tensor_model_parallel_rank(), pp_rank, ps.get_expert_model_parallel_rank() if moe else 0)
     if (tp, pp, ep) == (meta.tp, meta.pp, meta.ep):
         path = torch_format.rank_file(shards, meta.layout, *ranks)
         if check_sums and meta.checksums:  # Megatron-LM's own checkpoints carry none
@@ -80,10 +82,10 @@ def load_state_by_name(model, state: dict) -> None:
     """load_state_dict that accepts either TE or local names and ignores `_extra_state`."""
     names = model.state_dict().keys()
     target_spec = naming.detect_layer_spec(names)
-    moe = any(".mlp.router." in n for n in names)
+    moe = naming.router_layers(names)
     dtype = next(model.parameters()).dtype
     renamed = {
-        naming.to_spec_name(naming.to_canonical(k), target_spec, moe): v.to(dtype)
+        naming.to_spec_name(naming.to_canonical(k), target_spec, naming.split_layer(k)[0] in moe): v.to(dtype)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }

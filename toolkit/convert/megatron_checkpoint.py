@@ -168,11 +168,11 @@ class MegatronCheckpoint:
         geo = self.layout.geometry(self.spec)
         layers, experts = self.layout.stage_layers(self.spec, pp_rank), self.layout.local_experts(self.spec, ep_rank)
         rows = [r for r in self._rows() if r.per_expert or ep_rank == 0]
-        if wanted is not None and not any(_needed(r, layers, experts, wanted) for r in rows):
+        if wanted is not None and not any(_needed(r, layers, experts, wanted, self.spec.moe_layers) for r in rows):
             return
         stage = self.stage(pp_rank, ep_rank)
         for row in rows:
-            for layer, local, expert, local_expert in row_instances(row, layers, experts):
+            for layer, local, expert, local_expert in row_instances(row, layers, experts, self.spec.moe_layers):
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
@@ -188,16 +188,18 @@ class MegatronCheckpoint:
         stored = _model_tensors(dist_format.tensor_shapes(self.shards))
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
+        stacked = dist_format.stacks_layers(self.spec.moe_layers)
         for row in self._rows():
-            for layer, _, expert, _ in row_instances(row, every_layer, every_expert):
+            for layer, _, expert, _ in row_instances(row, every_layer, every_expert, self.spec.moe_layers):
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
-                key = dist_format.stacked_key(row.megatron_name(layer, 0)) if row.per_layer else row.megatron
+                key = dist_format.layer_key(row.megatron_name(layer, 0), stacked) if row.per_layer else row.megatron
                 if key not in stored:
                     raise ConversionError(f"{self.shards} has no tensor {key!r}")
                 shape, dtype = stored[key]
-                index = [i for i in (layer, expert) if i is not None]  # the stacked (layer, expert) dims
+                # the stacked (layer, expert) dims
+                index = [i for i in (layer if stacked else None, expert) if i is not None]
                 box = dist_format.read_box(self.shards, key, (*index, *(0,) * (len(shape) - len(index))),
                                            (*(1,) * len(index), *shape[len(index):]), dtype)
                 yield from zip(names, merge_shards(row.split, [box.reshape(shape[len(index):])], geo))
@@ -215,8 +217,9 @@ def _stored_vocab_rows(shards: Path) -> int:
     raise ConversionError(f"{shards} holds neither {VOCAB_KEYS[0]!r} nor {VOCAB_KEYS[1]!r}: not a GPT model checkpoint")
 
 
-def _needed(row, layers, experts, wanted: set[str]) -> bool:
-    return any(wanted.intersection(row.hf_names(layer, expert)) for layer, _, expert, _ in row_instances(row, layers, experts))
+def _needed(row, layers, experts, wanted: set[str], moe_layers: str | None) -> bool:
+    return any(wanted.intersection(row.hf_names(layer, expert))
+               for layer, _, expert, _ in row_instances(row, layers, experts, moe_layers))
 
 
 def _expert_parallel_at_pp1(args) -> bool:

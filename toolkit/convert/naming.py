@@ -10,6 +10,7 @@ SequentialMLP's `mlp.experts.local_experts.{i}.linear_fc1.weight`."""
 from __future__ import annotations
 
 import re
+from typing import Container
 
 # The local spec keeps separate norm modules; the TE spec folds them into the next linear.
 # megatron-core's local spec maps them the same way in sharded_state_dict (gpt_layer_specs.py).
@@ -32,6 +33,7 @@ MOE_ATTENTION_EXTRA_STATE = EXTRA_STATE_MODULES[:2]
 SHARED_EXPERT_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 SHARED_EXPERT_PREFIX = "mlp.shared_experts."
 TE_MOE_NORM = "pre_mlp_layernorm.weight"
+ROUTER = "mlp.router.weight"
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -49,7 +51,7 @@ def layer_name(layer: int, suffix: str) -> str:
 
 
 def to_spec_name(canonical: str, layer_spec: str, moe: bool = False) -> str:
-    """Canonical (TE) name -> the name used by `layer_spec` (`moe`: in a Mixture-of-Experts model)."""
+    """Canonical (TE) name -> the name used by `layer_spec` (`moe`: of a Mixture-of-Experts layer)."""
     layer, suffix = split_layer(canonical)
     if layer is None:
         return canonical
@@ -75,17 +77,23 @@ def to_canonical(name: str) -> str:
     return layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
 
 
-def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shared_expert: bool = False) -> list[str]:
-    """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files)."""
+def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shared_expert: bool = False,
+                      moe_layers: Container[int] | None = None) -> list[str]:
+    """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files).
+    `moe_layers`: the (stage-local) layers with experts, where dense ones are mixed in; None: all."""
     shared = SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
-    if not local_experts:
-        modules = list(EXTRA_STATE_MODULES)
-    elif layer_spec == "te":
-        modules = [*MOE_ATTENTION_EXTRA_STATE, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
+    if layer_spec == "te":
+        moe = [*MOE_ATTENTION_EXTRA_STATE, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
     else:
-        modules = [*MOE_ATTENTION_EXTRA_STATE, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
-                                                           for i in range(local_experts) for k in (1, 2)]
-    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers) for module in modules]
+        moe = [*MOE_ATTENTION_EXTRA_STATE, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
+                                                       for i in range(local_experts) for k in (1, 2)]
+    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers)
+            for module in (moe if local_experts and (moe_layers is None or layer in moe_layers) else EXTRA_STATE_MODULES)]
+
+
+def router_layers(names) -> set[int]:
+    """The layers of a state dict's `names` that hold a router: its Mixture-of-Experts layers."""
+    return {layer for layer, suffix in map(split_layer, names) if suffix == ROUTER}
 
 
 def shift_layer(name: str, delta: int) -> str:

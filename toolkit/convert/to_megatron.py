@@ -16,6 +16,7 @@ from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
+from toolkit.convert.wrapper import open_hf
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
     FORMATS,
@@ -85,27 +86,28 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     from toolkit.convert import dist_format
 
     geo = layout.geometry(spec)
+    stacked = dist_format.stacks_layers(spec.moe_layers)
     chunks = []
     for row in family.rows_for(spec.tied_embeddings):
-        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts)):
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
             names = row.hf_names(layer, expert)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
             dtype = src.tensors[names[0]].torch_dtype
             load = lambda split=row.split, names=names: build_shard(split, src, names, 1, 0, geo)  # noqa: E731
             ranges = lambda split=row.split, names=names: shard_ranges(split, src, names, 1, 0, geo)  # noqa: E731
-            stack = [(spec.num_layers, layer)] * row.per_layer + [(spec.num_experts, expert)] * row.per_expert
-            key = dist_format.stacked_key(row.megatron_name(layer, 0)) if row.per_layer else row.megatron
+            stack = [(spec.num_layers, layer)] * (row.per_layer and stacked) + [(spec.num_experts, expert)] * row.per_expert
+            key = dist_format.layer_key(row.megatron_name(layer, 0), stacked) if row.per_layer else row.megatron
             chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
                                             (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
                                             dtype, load, ranges))
-    return dist_format.with_te_moe_aliases(chunks) if spec.is_moe else chunks
+    return dist_format.with_te_moe_aliases(chunks, spec.moe_layers) if spec.is_moe else chunks
 
 
 def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
     """Tensors the per-rank writer builds (for the progress bar)."""
-    experts = len(layout.local_experts(spec, 0))
-    per_rank = sum((spec.num_layers if r.per_layer else 1) * (experts if r.per_expert else 1)
-                   for r in family.rows_for(spec.tied_embeddings))
+    experts = layout.local_experts(spec, 0)
+    per_rank = sum(1 for r in family.rows_for(spec.tied_embeddings)
+                   for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers))
     tied_output_copy = spec.tied_embeddings and layout.pp > 1  # the last stage's output layer
     return layout.tp * layout.ep * (per_rank + tied_output_copy)
 
@@ -123,7 +125,8 @@ def hf_to_megatron(
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> Path:
-    """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir`.
+    """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir` (of a
+    multimodal checkpoint, its language model: toolkit/convert/wrapper.py).
 
     Everything is validated before the first byte is written; the result appears at `out_dir`
     only once complete (see toolkit.atomic).
@@ -133,7 +136,7 @@ def hf_to_megatron(
     if layer_spec not in naming.LAYER_SPECS:
         raise ConversionError(f"unknown layer spec {layer_spec!r} (choose from {', '.join(naming.LAYER_SPECS)})")
     refuse_output_overlapping_inputs(out_dir, hf_dir)
-    src = HFCheckpoint(hf_dir)
+    src = open_hf(hf_dir)  # a multimodal checkpoint as its language model (toolkit/convert/wrapper.py)
     family, spec = checked_spec(src.config, src.dir / "config.json", src.tensors)
     layout = Layout(tp, pp, vocab_divisor, ep)
     layout.check(spec)
@@ -153,7 +156,7 @@ def hf_to_megatron(
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
                 objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts,
-                                                          spec.moe_shared_ffn_hidden_size > 0)
+                                                          spec.moe_shared_ffn_hidden_size > 0, spec.moe_layers)
                 hashed = dist_format.write(release, chunks, objects, common, bar.update)
             checksums = checksum_tree(tmp, known=hashed)
         (tmp / TRACKER).write_text(RELEASE)

@@ -65,9 +65,10 @@ def rank_file(release: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank
 def _rank_state(model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
                 local_experts: int) -> dict:
     """One rank file's contents from canonical names (stage-local layer numbers)."""
-    named = {naming.to_spec_name(name, layer_spec, moe=local_experts > 0): t for name, t in model.items()}
+    moe = naming.router_layers(model)
+    named = {naming.to_spec_name(name, layer_spec, moe=naming.split_layer(name)[0] in moe): t for name, t in model.items()}
     shared = any(naming.split_layer(name)[1].startswith(naming.SHARED_EXPERT_PREFIX) for name in model)
-    named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec, shared)))
+    named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec, shared, moe)))
     return {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
 
 

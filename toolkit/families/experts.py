@@ -10,12 +10,17 @@ A shared expert (SharedExpertMLP) is a dense MLP split over TP as a dense one, i
     decoder.layers.*.mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight [1, hidden]
 """
 
+from dataclasses import replace
+
 from toolkit.families.llama import ROWS, L, M
-from toolkit.families.table import EXPERT, Row, row
+from toolkit.families.table import DENSE_LAYER, EXPERT, MOE_LAYER, Row, row
 from toolkit.splits import Split
 
 DENSE_MLP = (M + "mlp.linear_fc1.weight", M + "mlp.linear_fc2.weight")
 ATTENTION_ROWS = tuple(r for r in ROWS if r.megatron not in DENSE_MLP)
+# Llama's MLP rows on the dense layers of a model that mixes them with MoE layers (Qwen2-MoE /
+# Qwen3-MoE mlp_only_layers: the same HF names, width intermediate_size)
+DENSE_LAYER_ROWS = tuple(replace(r, kind=DENSE_LAYER) for r in ROWS if r.megatron in DENSE_MLP)
 LOCAL_EXPERT = M + f"mlp.experts.local_experts.{EXPERT}."
 SHARED_EXPERT = M + "mlp.shared_experts."
 
@@ -24,9 +29,10 @@ def expert_rows(router: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     """Rows of the router and of one expert's gate, up and down projections (HF names with `*`
     for the layer and `#` for the expert)."""
     return (
-        row(M + "mlp.router.weight", router, Split.REPLICATED, ("experts", "hidden")),
-        row(LOCAL_EXPERT + "linear_fc1.weight", (gate, up), Split.GATE_UP, ("moe_ffn", "hidden"), ("moe_ffn", "hidden")),
-        row(LOCAL_EXPERT + "linear_fc2.weight", down, Split.ROW, ("hidden", "moe_ffn")),
+        row(M + "mlp.router.weight", router, Split.REPLICATED, ("experts", "hidden"), kind=MOE_LAYER),
+        row(LOCAL_EXPERT + "linear_fc1.weight", (gate, up), Split.GATE_UP, ("moe_ffn", "hidden"), ("moe_ffn", "hidden"),
+            kind=MOE_LAYER),
+        row(LOCAL_EXPERT + "linear_fc2.weight", down, Split.ROW, ("hidden", "moe_ffn"), kind=MOE_LAYER),
     )
 
 
@@ -34,10 +40,10 @@ def shared_expert_rows(gate: str, up: str, down: str, gate_weight: str | None = 
     """Rows of the shared expert's gate, up and down projections, and of its sigmoid gate if any."""
     rows = (
         row(SHARED_EXPERT + "linear_fc1.weight", (gate, up), Split.GATE_UP, ("shared_ffn", "hidden"),
-            ("shared_ffn", "hidden")),
-        row(SHARED_EXPERT + "linear_fc2.weight", down, Split.ROW, ("hidden", "shared_ffn")),
+            ("shared_ffn", "hidden"), kind=MOE_LAYER),
+        row(SHARED_EXPERT + "linear_fc2.weight", down, Split.ROW, ("hidden", "shared_ffn"), kind=MOE_LAYER),
     )
-    return rows + ((row(SHARED_EXPERT + "gate_weight", gate_weight, Split.REPLICATED, ("one", "hidden")),)
+    return rows + ((row(SHARED_EXPERT + "gate_weight", gate_weight, Split.REPLICATED, ("one", "hidden"), kind=MOE_LAYER),)
                    if gate_weight else ())
 
 

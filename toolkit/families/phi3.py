@@ -2,8 +2,8 @@
 `qkv_proj` and gate, up in one `gate_up_proj`, which megatron-core wants fused per query group and
 per TP rank (the HF_QKV and HF_GATE_UP splits); an optional sliding window on every layer, as
 Mistral's; RoPE on only the first partial_rotary_factor of each head (Phi-4-mini: 0.75), which is
-megatron-core's rotary_percent. LongRoPE (the 128k variants, Phi-4-mini included) is refused by the
-shared reader, with the reason."""
+megatron-core's rotary_percent; LongRoPE (the 128k variants, Phi-3.5-mini, Phi-4-mini) as the
+toolkit's own rotary module (toolkit/longrope.py)."""
 
 from toolkit.families.table import Family, row
 from toolkit.splits import Split
@@ -28,4 +28,5 @@ PHI3 = Family(
     ),
     window_key="sliding_window",
     partial_rotary=True,
+    rope_types=("default", "longrope"),
 )

@@ -19,16 +19,29 @@ times the MLP's output, gate_weight [1, hidden] as HF's Linear(hidden, 1)).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from toolkit.errors import ConversionError
 
-# megatron-core 0.16.1 could build the pattern (moe_layer_freq as a list, gpt_layer_specs.py:579-597),
-# but a family table maps every layer alike (one `*` row set), so dense layers among MoE ones have
-# no rows to convert: refused, not approximated.
-ALL_LAYERS_SPARSE = ("dense MLP layers among the MoE layers (megatron-core's moe_layer_freq) are not supported: "
-                     "the converter's family tables map every layer alike")
-# HF Qwen2-MoE / Qwen3-MoE: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
-SPARSE_PATTERN_EXACT = {"mlp_only_layers": ([], ALL_LAYERS_SPARSE), "decoder_sparse_step": (1, ALL_LAYERS_SPARSE)}
+
+def qwen_moe_layers(cfg: dict) -> str:
+    """HF Qwen2-MoE / Qwen3-MoE (Qwen*MoeDecoderLayer.__init__): layer i is MoE iff i is not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0, else a dense MLP of width
+    intermediate_size. Per layer "1" / "0", megatron-core's moe_layer_freq as a list."""
+    layers, step = cfg.get("num_hidden_layers"), cfg.get("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if type(layers) is not int or layers < 1:
+        raise ConversionError(f"config.json has num_hidden_layers={layers!r}; expected a positive integer")
+    if type(step) is not int or step < 1:
+        raise ConversionError(f"config.json has decoder_sparse_step={step!r}; expected a positive integer")
+    if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < layers for i in dense):
+        raise ConversionError(f"config.json has mlp_only_layers={dense!r}; expected a list of layer indices "
+                              f"below num_hidden_layers={layers}")
+    pattern = "".join("1" if i not in dense and (i + 1) % step == 0 else "0" for i in range(layers))
+    if "1" not in pattern:
+        raise ConversionError(f"mlp_only_layers={dense!r} with decoder_sparse_step={step} leave no Mixture-of-Experts "
+                              "layer: HF builds a dense model with no router, which this family's table does not describe")
+    return pattern
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,8 @@ class Router:
     # config.json key holding the shared expert's FFN width (None: no shared expert)
     shared_ffn_key: str | None = None
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate(x))
+    # Which layers are MoE (per layer "1" / "0") where a family mixes dense layers in; None: every layer
+    layers: Callable[[dict], str] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -56,12 +71,14 @@ class MoeFields:
     aux_loss_coeff: float
     shared_ffn_hidden_size: int = 0
     shared_expert_gate: bool = False
+    layers: str | None = None  # per layer "1" MoE / "0" dense; None: every layer MoE
 
     def spec_fields(self) -> dict:
         """As ModelSpec fields."""
         return dict(num_experts=self.num_experts, moe_topk=self.topk, moe_ffn_hidden_size=self.ffn_hidden_size,
                     moe_renormalise=self.renormalise, moe_aux_loss_coeff=self.aux_loss_coeff,
-                    moe_shared_ffn_hidden_size=self.shared_ffn_hidden_size, moe_shared_expert_gate=self.shared_expert_gate)
+                    moe_shared_ffn_hidden_size=self.shared_ffn_hidden_size, moe_shared_expert_gate=self.shared_expert_gate,
+                    moe_layers=self.layers)
 
 
 def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
@@ -78,8 +95,9 @@ def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
     if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0.0 <= aux < float("inf"):
         raise ConversionError(f"config.json has {router.aux_loss_key}={aux!r}; expected a finite number >= 0")
     shared = _positive(cfg, router.shared_ffn_key) if router.shared_ffn_key else 0
+    layers = router.layers(cfg) if router.layers else None
     return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise, float(aux), shared,
-                     router.shared_expert_gate)
+                     router.shared_expert_gate, None if layers is None or "0" not in layers else layers)
 
 
 def _positive(cfg: dict, key: str) -> int:

@@ -11,9 +11,10 @@ a message, never approximated.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from toolkit.errors import ConversionError
+from toolkit.families.longrope import check_factor_counts, read_longrope
 from toolkit.families.router import read_moe
 from toolkit.families.table import Family
 
@@ -21,13 +22,8 @@ from toolkit.families.table import Family
 # other llama3 parameters are its hard-coded defaults (rotary_pos_embedding.py:92-99).
 MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # Why a rope type no family accepts cannot be expressed in megatron-core 0.16.1, where the reason
-# is known (read from its source); added to the refusal.
-MCORE_ROPE_GAPS = {
-    "longrope": "megatron-core 0.16.1's RotaryEmbedding derives its frequencies from rotary_base and the rotary "
-                "dimension alone (rotary_pos_embedding.py:79), with llama3 scaling as the only per-frequency "
-                "change: it has no per-frequency short_factor / long_factor, no switch between them past "
-                "original_max_position_embeddings, and no attention factor on cos / sin",
-}
+# is known (read from its source); added to the refusal. (LongRoPE, once here, is toolkit/longrope.py.)
+MCORE_ROPE_GAPS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -59,6 +55,9 @@ class ModelSpec:
     moe_shared_ffn_hidden_size: int = 0
     moe_shared_expert_gate: bool = False
     moe_aux_loss_coeff: float = 0.0  # the load-balancing loss coefficient (toolkit/megatron_settings.py)
+    # Per layer "1" for a MoE layer, "0" for a dense MLP of ffn_hidden_size (megatron-core's
+    # moe_layer_freq as a list); None: every layer alike
+    moe_layers: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -73,6 +72,9 @@ class ModelSpec:
     window_rope_theta: float | None = None  # RoPE base of the windowed layers where it differs (Gemma 3)
     softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
     rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor), None when unscaled
+    # LongRoPE (toolkit/longrope.py): short_factor, long_factor, original_max_position_embeddings,
+    # attention_factor; None without
+    longrope: dict | None = field(default=None, hash=False)
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -140,6 +142,8 @@ def _rope(cfg: dict, family: Family) -> dict:
         return {"rope_theta": float(theta)}
     if rope_type == "linear":
         return {"rope_theta": float(theta), "rope_linear_factor": _linear_factor(params, source)}
+    if rope_type == "longrope":
+        return {"rope_theta": float(theta), "longrope": read_longrope(cfg, params, source)}
     for key, fixed in MCORE_LLAMA3_FIXED.items():
         if float(params.get(key, fixed)) != fixed:
             raise ConversionError(
@@ -194,7 +198,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     window = cfg.get(family.window_key) if family.window_key else None
     moe = read_moe(cfg, family.name, family.router) if family.router else None
     fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
-    return ModelSpec(
+    spec = ModelSpec(
         family=family.name,
         num_layers=_count(cfg, "num_hidden_layers"),
         hidden_size=hidden,
@@ -214,6 +218,9 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         activation=act,
         **fields,
     )
+    if spec.longrope:
+        check_factor_counts(spec.longrope, spec.rotary_dim)
+    return spec
 
 
 def _rotary_percent(cfg: dict, family: Family) -> float:

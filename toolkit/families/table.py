@@ -25,10 +25,17 @@ class Row:
     split: SplitKind
     # Expected HF shapes, in symbols resolved from the model spec (see ModelSpec.size_of).
     shapes: tuple[tuple[str, ...], ...]
+    # The kind of decoder layer the row belongs to where a model mixes kinds (MOE_LAYER, DENSE_LAYER:
+    # a dense MLP among Mixture-of-Experts layers); None: every layer
+    kind: str | None = None
 
     @property
     def per_layer(self) -> bool:
         return "*" in self.megatron
+
+    def on_layer(self, layer: int, moe_layers: str | None) -> bool:
+        """Whether layer `layer` holds this row's tensor; `moe_layers` as ModelSpec.moe_layers."""
+        return self.kind is None or self.kind == layer_kind(moe_layers, layer)
 
     @property
     def per_expert(self) -> bool:
@@ -47,8 +54,18 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
     return pattern if expert is None else pattern.replace(EXPERT, str(expert))
 
 
-def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...]) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes)
+def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind)
+
+
+MOE_LAYER, DENSE_LAYER = "moe", "dense"
+
+
+def layer_kind(moe_layers: str | None, layer: int) -> str:
+    """`moe_layers`: per layer "1" for a Mixture-of-Experts layer, "0" for a dense one (megatron-core's
+    moe_layer_freq as a list); None: every layer alike (all MoE in a MoE model, rows of kind
+    MOE_LAYER being the only layer-kind rows a model without dense layers has)."""
+    return DENSE_LAYER if moe_layers is not None and moe_layers[layer] == "0" else MOE_LAYER
 
 
 OUTPUT_LAYER = "output_layer.weight"

@@ -36,7 +36,8 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
         if row.split is not Split.REPLICATED:
             numel //= tp
         if row.per_layer:
-            numels += [numel] * (spec.num_layers // pp) * (spec.num_experts // ep if row.per_expert else 1)
+            layers = sum(row.on_layer(n, spec.moe_layers) for n in Layout(tp, pp).stage_layers(spec, stage))
+            numels += [numel] * layers * (spec.num_experts // ep if row.per_expert else 1)
         elif row.megatron.startswith(EMBEDDING_PREFIX):
             numels += [numel] * first
             # Tied embeddings with PP > 1: megatron-core keeps a copy on the last stage as its output layer.
@@ -53,5 +54,6 @@ def total_params(spec: ModelSpec) -> int:
     total = 0
     for row in family.rows_for(spec.tied_embeddings):
         numel = sum(math.prod(spec.size_of(s) for s in shape) for shape in row.shapes)
-        total += numel * (spec.num_layers if row.per_layer else 1) * (spec.num_experts if row.per_expert else 1)
+        layers = sum(row.on_layer(n, spec.moe_layers) for n in range(spec.num_layers)) if row.per_layer else 1
+        total += numel * layers * (spec.num_experts if row.per_expert else 1)
     return total
