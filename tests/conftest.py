@@ -54,13 +54,18 @@ MOE_VARIANTS = ("mixtral", "qwen3-moe", "qwen2-moe", "olmoe")
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> dict[str, Path]:
     """variant -> fp32 tiny MoE model (logit parity), plus `<variant>-bf16` (round trips in the HF dtype)."""
+    return fp32_and_bf16_models(tmp_path_factory.mktemp("moe"), MOE_VARIANTS, 100, 200)
+
+
+def fp32_and_bf16_models(root: Path, variants, fp32_seed: int, bf16_seed: int) -> dict[str, Path]:
+    """variant -> fp32 tiny model (logit parity), plus `<variant>-bf16` (round trips in the HF dtype);
+    the i-th variant seeded fp32_seed + i and bf16_seed + i."""
     from toolkit.tinymodels import make_tiny_model
 
-    root = tmp_path_factory.mktemp("moe")
     models = {}
-    for i, v in enumerate(MOE_VARIANTS):
-        models[v] = make_tiny_model(v, root / v, dtype="float32", seed=100 + i)
-        models[f"{v}-bf16"] = make_tiny_model(v, root / f"{v}-bf16", dtype="bfloat16", seed=200 + i)
+    for i, v in enumerate(variants):
+        models[v] = make_tiny_model(v, root / v, dtype="float32", seed=fp32_seed + i)
+        models[f"{v}-bf16"] = make_tiny_model(v, root / f"{v}-bf16", dtype="bfloat16", seed=bf16_seed + i)
     return models
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.metadata import CheckpointMeta
@@ -18,7 +19,7 @@ from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
 from toolkit.memory.params import stage_param_numels
 from toolkit.runtime.launch import run_on_processes
-from toolkit.tinymodels import make_config, make_tiny_model
+from toolkit.tinymodels import make_config
 
 DENSE_LAYER_VARIANTS = {"qwen3-moe-dense-layers": "0011", "qwen2-moe-sparse-step": "0101"}
 
@@ -26,12 +27,7 @@ DENSE_LAYER_VARIANTS = {"qwen3-moe-dense-layers": "0011", "qwen2-moe-sparse-step
 @pytest.fixture(scope="module")
 def dense_layer_moe(tmp_path_factory):
     """variant -> fp32 model (parity), `<variant>-bf16` (round trips in the HF dtype)."""
-    root = tmp_path_factory.mktemp("moe-dense-layers")
-    models = {}
-    for i, v in enumerate(DENSE_LAYER_VARIANTS):
-        models[v] = make_tiny_model(v, root / v, dtype="float32", seed=80 + i)
-        models[f"{v}-bf16"] = make_tiny_model(v, root / f"{v}-bf16", dtype="bfloat16", seed=90 + i)
-    return models
+    return fp32_and_bf16_models(tmp_path_factory.mktemp("moe-dense-layers"), DENSE_LAYER_VARIANTS, 80, 90)
 
 
 @pytest.mark.parametrize("variant, changes", [

@@ -87,7 +87,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     geo = layout.geometry(spec)
     stacked = spec.moe_layers is None  # megatron-core keys each layer on its own where kinds mix
     chunks = []
-    for row in family.rows_for(spec.tied_embeddings):
+    for row in family.rows_for(spec):
         for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
             names = row.hf_names(layer, expert)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
@@ -105,7 +105,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
 def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
     """Tensors the per-rank writer builds (for the progress bar)."""
     experts = layout.local_experts(spec, 0)
-    per_rank = sum(1 for r in family.rows_for(spec.tied_embeddings)
+    per_rank = sum(1 for r in family.rows_for(spec)
                    for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers))
     tied_output_copy = spec.tied_embeddings and layout.pp > 1  # the last stage's output layer
     return layout.tp * layout.ep * (per_rank + tied_output_copy)
