@@ -145,3 +145,22 @@ def assert_guards_fail(reports) -> None:
     print({r.checkpoint.rsplit("/", 1)[-1]: f"{r.max_logit_diff:.2e}" for r in reports})
     for piece, report in zip(GUARDS, reports):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+def test_mtp_layer_is_left_out_with_a_line_and_a_float32_expert_bias_in_bf16_is_refused(tiny_glm, tmp_path, capfd):
+    """As published: the MTP layer stored after the decoder layers (num_nextn_predict_layers, which HF's
+    model ignores) is left out, saying so; the expert bias in float32 among bf16 weights is refused in one line."""
+    src = tmp_path / "published"
+    shutil.copytree(tiny_glm["glm4-moe-bf16"], src)
+    mtp = {k.replace("layers.3.", "layers.4."): v.clone() for k, v in load_all(src).items() if k.startswith("model.layers.3.")}
+    edit_tensors(src, lambda t: t.update(mtp))
+    edit_config(src, num_nextn_predict_layers=1)
+    out = hf_to_megatron(src, tmp_path / "out", tp=2, ep=2, progress=False)
+    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {len(mtp)} tensors from model.layers.4.) "
+            "are left out") in capfd.readouterr().err
+    assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_glm["glm4-moe-bf16"]))
+    edit_config(src, num_nextn_predict_layers=0)
+    convert_fails(src, tmp_path / "no-mtp", "says num_hidden_layers=4 but the weights hold 5 layers")
+    edit_config(src, num_nextn_predict_layers=1)
+    edit_tensors(src, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("e_score_correction_bias")}))
+    convert_fails(src, tmp_path / "f32-bias", "is F32 as HF keeps it")

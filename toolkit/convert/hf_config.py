@@ -17,14 +17,16 @@ from toolkit.families import Family, ModelSpec, family_for, spec_from_config
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def check_layer_count(cfg: dict, tensor_names, path: Path) -> None:
-    """Refuse a num_hidden_layers that contradicts the layers present in the weights."""
+def check_layer_count(cfg: dict, tensor_names, path: Path, family: Family | None = None) -> None:
+    """Refuse a num_hidden_layers that contradicts the layers present in the weights (which may hold
+    the family's multi-token-prediction layers after them, Family.mtp_key)."""
     declared = cfg.get("num_hidden_layers")
     if type(declared) is not int:
         return  # a wrong type: validate_config reports it
+    mtp = cfg.get(family.mtp_key) if family is not None and family.mtp_key else 0
     layers = {int(m.group(1)) for name in tensor_names if (m := _HF_LAYER.match(name))}
     held = max(layers) + 1 if layers else 0
-    if declared != held:
+    if declared != held and not (type(mtp) is int and mtp > 0 and held == declared + mtp):
         raise ConversionError(f"{path} says num_hidden_layers={declared} but the weights hold {held} layers: "
                               "fix config.json or use the weights it belongs to")
 
@@ -49,9 +51,9 @@ def validate_config(cfg: dict, path: Path) -> None:
 def checked_spec(cfg: dict, path: Path, tensor_names=None) -> tuple[Family, ModelSpec]:
     """Family and ModelSpec of a config.json, after the layer count (against `tensor_names`, when
     given) and the types (transformers) are checked."""
-    family_for(cfg.get("model_type"))
+    family = family_for(cfg.get("model_type"))
     if tensor_names is not None:
-        check_layer_count(cfg, tensor_names, path)
+        check_layer_count(cfg, tensor_names, path, family)
     try:
         found = spec_from_config(cfg)  # first, for its specific refusals (rope type, bias, activation)
     except (TypeError, ValueError) as e:  # a value of the wrong type: transformers names the field

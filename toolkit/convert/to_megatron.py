@@ -7,6 +7,7 @@ from the HF safetensors and written as soon as it is complete.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
     """Refuse missing, extra or misshapen tensors before anything is written."""
     expected = expected_hf_tensors(family, spec)
     missing = sorted(set(expected) - set(src.tensors))
-    extra = sorted(set(src.tensors) - set(expected))
+    extra = sorted(set(src.tensors) - set(expected) - mtp_tensors(src, family, spec))
     if missing:
         raise ConversionError(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}")
     if extra:
@@ -58,6 +59,14 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
             raise ConversionError(
                 f"tensor {name!r} has shape {list(src.shape(name))} but config.json implies {list(shape)}"
             )
+
+
+def mtp_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> set[str]:
+    """The tensors of the multi-token-prediction layers stored after the decoder layers (Family.mtp_key),
+    which the conversion leaves out as HF's model does."""
+    count = (src.config.get(family.mtp_key) or 0) if family.mtp_key else 0
+    layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(count if type(count) is int else 0))
+    return {name for name in src.tensors if name.startswith(layers)} if layers else set()
 
 
 def output_bytes(src: HFCheckpoint) -> int:
@@ -140,6 +149,12 @@ def hf_to_megatron(
     layout.check(spec)
     check_tensors(src, family, spec)
     check_weight_dtypes(src.tensors, config_dtype(src.config))
+    left_out = mtp_tensors(src, family, spec)
+    if left_out:
+        print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "
+              f"{len(left_out)} tensors from model.layers.{spec.num_layers}.) are left out: HF's {family.architecture} "
+              "ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not converted yet",
+              file=sys.stderr)
     args = megatron_args(spec, layout, fmt)
     with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE

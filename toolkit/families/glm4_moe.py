@@ -5,8 +5,8 @@ layout (toolkit/families/sigmoid_router.py): sigmoid scores with an expert bias,
 routed_scaling_factor, ungated shared experts, dense layers below first_k_dense_replace.
 
 The multi-token-prediction layer of the published checkpoints (num_nextn_predict_layers, stored as
-`model.layers.<num_hidden_layers>.*`) is not part of HF's Glm4MoeForCausalLM; a checkpoint holding it
-is refused as holding unexpected tensors, never converted without it silently."""
+`model.layers.<num_hidden_layers>.*`) is not part of HF's Glm4MoeForCausalLM, which ignores it on
+load: the converter leaves it out too, with a line saying so (Family.mtp_key)."""
 
 from dataclasses import replace
 
@@ -35,6 +35,7 @@ GLM4_MOE = Family(
     partial_rotary=True,
     refuse_flags=tuple(f for f in LLAMA.refuse_flags if f != "attention_bias"),
     read=lambda cfg: {"qk_norm": bool(cfg.get("use_qk_norm", False))},
+    mtp_key="num_nextn_predict_layers",
     router=Router(
         experts_keys=("n_routed_experts",),
         ffn_key="moe_intermediate_size",

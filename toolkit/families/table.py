@@ -130,6 +130,10 @@ class Family:
     read: Callable[[dict], dict] | None = field(default=None, hash=False)
     # The decoder layer, where megatron-core's stock GPT layer cannot express it
     layer: CustomLayer | None = None
+    # config.json key counting the multi-token-prediction layers stored after the decoder layers
+    # (`model.layers.<num_hidden_layers + i>.*`, GLM-4.5 / DeepSeek-V3), which HF's model ignores on
+    # load: the converter leaves them out and says so
+    mtp_key: str | None = None
 
     def rows_for(self, spec) -> tuple[Row, ...]:
         """The rows of `spec` (a ModelSpec): with tied embeddings the output layer is the embedding,
