@@ -22,6 +22,7 @@ from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
+from toolkit.memory.params import stage_param_numels
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANTS = ("glm4-moe", "glm4-moe-air")
@@ -164,3 +165,26 @@ def test_mtp_layer_is_left_out_with_a_line_and_a_float32_expert_bias_in_bf16_is_
     edit_config(src, num_nextn_predict_layers=1)
     edit_tensors(src, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("e_score_correction_bias")}))
     convert_fails(src, tmp_path / "f32-bias", "is F32 as HF keeps it")
+
+
+def native_check_case(tiny_glm, tmp_path) -> dict:
+    """A case for tests.mp_workers:megatron_native_checks, run in the launch of
+    tests/test_moe_dense_layers.py (process start-up dominates): our torch_dist written at TP2 x PP2 x EP2."""
+    convert = lambda name, src=tiny_glm["glm4-moe"], **kw: str(hf_to_megatron(  # noqa: E731
+        src, tmp_path / f"glm-{name}", progress=False, **kw))
+    return {"dist": convert("dist", tp=2, pp=2, ep=2, fmt="torch_dist"), "te_torch": convert("te", layer_spec="te"),
+            "bf16_dist": convert("bf16", src=tiny_glm["glm4-moe-bf16"], ep=2, fmt="torch_dist"),
+            "resave": str(tmp_path / "glm-resaved")}
+
+
+def assert_native_layout(result: dict) -> None:
+    """megatron-core loads our torch_dist into a one-process model and saves the same tensors back, the
+    expert bias included (float32, per MoE layer); `toolkit memory` counts the same parameters (the
+    bias is a buffer, not one)."""
+    aliases = {f"decoder.layers.{i}.pre_mlp_layernorm.weight": result["megatrons"][
+        f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight"] for i in (1, 2, 3)}
+    assert result["ours"] == {**result["megatrons"], **aliases}
+    assert {i: result["ours"].get(f"decoder.layers.{i}.mlp.router.expert_bias") for i in range(4)} == {
+        0: None, **{i: ((12,), "torch.float32") for i in (1, 2, 3)}}
+    spec = spec_from_config(make_config("glm4-moe").to_dict())[1]
+    assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"]
