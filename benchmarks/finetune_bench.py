@@ -73,6 +73,7 @@ def hf_deepspeed_worker(hf_dir: str, data: str, steps: int, global_batch: int, p
     from transformers import AutoModelForCausalLM
 
     from toolkit.runtime.cpu_compat import skip_deepspeed_shm_op
+    from toolkit.train.build import TORCH_ADAM
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
@@ -94,7 +95,7 @@ def hf_deepspeed_worker(hf_dir: str, data: str, steps: int, global_batch: int, p
         model.forward = timer.wrap("forward", model.forward)
     config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": TORCH_ADAM}}}  # as ours
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     batches = recipe_batches(hf_dir, data, global_batch, dp, torch.distributed.get_rank())
 

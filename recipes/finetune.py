@@ -88,6 +88,9 @@ def prepare(config_path, overrides) -> Run:
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
+    from toolkit.runtime.distributed import check_node_gpus
+
+    check_node_gpus()  # one GPU per local rank
     cfg = load_config(config_path, overrides)
     meta = build.read_checkpoint_meta(cfg)
     tokenizer = build.load_tokenizer(cfg)
@@ -116,6 +119,7 @@ def prepare(config_path, overrides) -> Run:
 def finetune(run: Run) -> int:
     import torch.distributed as dist
 
+    from toolkit.model import layer_spec_choice
     from toolkit.runtime.distributed import init_parallel, shutdown
     from toolkit.train import build, checkpoint, loss_scale, megatron_optimizer
     from toolkit.train.loss import padded_vocab_mask
@@ -137,6 +141,8 @@ def finetune(run: Run) -> int:
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
+    if info.rank == 0:
+        print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled)), flush=True)
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
@@ -180,7 +186,7 @@ def finetune(run: Run) -> int:
         print(f"resolved layout {resolved['layout']}; data {resolved['data']}; resuming at step {start_step}", flush=True)
 
     vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
-    peak, peak_source = peak_tflops(cfg.peak_tflops)
+    peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
 
     def context(batches, counts):

@@ -374,3 +374,93 @@ def megatron_distributed_optimizer_checkpoint(checkpoint: str, out: str, steps: 
         torch.distributed.barrier()
         dist_checkpointing.save(state, directory)
     return float(loss)
+
+
+def cuda_shaped_checks(cfg_path: str, tokens, save_dir: str, variants: list[str]) -> dict:
+    """CUDA-only paths driven on CPU in one 1-rank launch (tests/test_cuda_shaped.py); each check's
+    failure is returned as text, so that one failing check does not hide the others."""
+    import traceback
+
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    out = {}
+    for name, check in (("gpu_layer_specs", lambda: _layer_specs_with_gpu_flags(variants)),
+                        ("lora_under_te", lambda: _lora_where_te_would_run(cfg_path, tokens)),
+                        ("save_from_device", lambda: _save_tensors_not_on_cpu(save_dir))):
+        try:
+            out[name] = check()
+        except BaseException:  # noqa: BLE001 - reported to the test (CheckpointException is not an Exception)
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def _layer_specs_with_gpu_flags(variants: list[str]) -> dict:
+    """Every family's layer spec built from its TransformerConfig with the flags CUDA switches on
+    (a family's own block spec needs the process group, hence here)."""
+    import torch
+
+    from toolkit.families import spec_from_config
+    from toolkit.layouts import Layout
+    from toolkit.model import layer_spec_module, running_layer_spec, transformer_config
+    from toolkit.tinymodels import make_config
+
+    built, available = {}, torch.cuda.is_available
+    torch.cuda.is_available = lambda: True  # CUDA cannot exist here: the answer a GPU gives
+    try:
+        for variant in variants:
+            _, spec = spec_from_config(make_config(variant).to_dict())
+            config = transformer_config(spec, Layout(1, 1), torch.bfloat16)
+            built[variant] = type(layer_spec_module(running_layer_spec(), config, spec)).__name__
+    finally:
+        torch.cuda.is_available = available
+    return built
+
+
+def _lora_where_te_would_run(cfg_path: str, tokens) -> dict:
+    """The recipe's LoRA model where the Transformer Engine spec would be chosen (a GPU with TE:
+    neither exists here, so the spec decision is forced): the layer classes it built and its logits."""
+    import torch
+
+    import toolkit.model
+    from toolkit.runtime.distributed import ParallelInfo
+    from toolkit.train import build
+    from toolkit.train.config import load_config
+
+    toolkit.model.running_layer_spec = lambda: "te"  # what a GPU with TE answers (for a full fine-tune)
+    cfg = load_config(cfg_path, [])
+    meta = build.read_checkpoint_meta(cfg)
+    model, layout = build.build_model(meta, cfg)
+    layer = model.decoder.layers[0]
+    classes = {"input_layernorm": type(layer.input_layernorm).__name__,
+               "linear_qkv": type(layer.self_attention.linear_qkv).__name__}
+    info = ParallelInfo(0, 1, 1, 1, 1, 0, 0, 0, torch.device("cpu"))
+    build.apply_lora(model, build.lora_plan(cfg, meta), meta, layout, info, cfg.seed)
+    model.eval()
+    tokens = torch.tensor(tokens)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1])[None].expand_as(tokens), None)
+    return {"classes": classes, "logits": logits[..., : meta.model_spec.vocab_size].tolist()}
+
+
+def _save_tensors_not_on_cpu(save_dir: str) -> dict:
+    """train/'s writer (toolkit.train.torch_dist_save) given tensors on a device other than the
+    CPU, as DeepSpeed leaves them on a GPU. The stand-in device is torch's lazy-tensor backend, the
+    one non-CPU device a CPU build of torch has: megatron-core's filesystem writer refuses it as it
+    refuses a CUDA tensor (`assert tensor.is_cpu`)."""
+    import torch
+    import torch._lazy.ts_backend
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from toolkit.train import torch_dist_save
+
+    Path(save_dir).mkdir()
+    torch._lazy.ts_backend.init()
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    on_device = values.to("lazy")
+    assert not on_device.is_cpu
+    torch_dist_save.save({"w": ShardedTensor.from_rank_offsets("w", on_device, replica_id=0)}, save_dir)
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4), replica_id=0)},
+                                     save_dir)
+    return {"equal": bool(torch.equal(loaded["w"], values))}

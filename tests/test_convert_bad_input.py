@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit.convert import hf_to_megatron
-from toolkit.convert.metadata import sha256
+from toolkit.checksum import file_digest
 from toolkit.errors import ToolkitError
 
 
@@ -209,7 +209,7 @@ def test_untrusted_pickle_is_not_executed(tiny_hf, tmp_path):
     rank_file.write_bytes(b"")
     torch.save({"model": {}, "planted": _Planted()}, rank_file, pickle_protocol=pickle.DEFAULT_PROTOCOL)
     meta = json.loads((out / "toolkit_checkpoint.json").read_text())  # an attacker can edit the checksum too
-    meta["checksums"]["release/mp_rank_00/model_optim_rng.pt"] = sha256(rank_file)
+    meta["checksums"]["release/mp_rank_00/model_optim_rng.pt"] = file_digest(rank_file)
     (out / "toolkit_checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(ToolkitError, match="allow-list"):
         megatron_to_hf(out, tmp_path / "h", progress=False)

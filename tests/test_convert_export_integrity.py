@@ -1,15 +1,18 @@
-"""megatron-to-hf never exports a corrupt or inconsistent checkpoint: every shard's sha256 is
+"""megatron-to-hf never exports a corrupt or inconsistent checkpoint: every shard's checksum is
 checked as it is read, and the metadata is cross-checked against the shards and the HF config."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import blake3
 import pytest
 
 from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.convert.metadata import CheckpointMeta, bad_checksums
 from toolkit.errors import ToolkitError
 
 META = "toolkit_checkpoint.json"
@@ -50,14 +53,40 @@ def edit_json(path: Path, change) -> None:
     path.write_text(json.dumps(data))
 
 
+def as_written_before_blake3(ckpt: Path) -> Path:
+    """Record every file's checksum as releases before BLAKE3 did: bare sha256 hex, computed here
+    with hashlib, independently of toolkit.checksum."""
+    def to_sha256(meta):
+        meta["checksums"] = {name: hashlib.sha256((ckpt / name).read_bytes()).hexdigest() for name in meta["checksums"]}
+    edit_json(ckpt / META, to_sha256)
+    return ckpt
+
+
+def test_new_checkpoints_record_blake3_of_each_file(converted):
+    meta = json.loads((converted["torch"] / META).read_text())
+    assert meta["checksums"] and all(digest == "blake3:" + blake3.blake3((converted["torch"] / name).read_bytes()).hexdigest()
+                                     for name, digest in meta["checksums"].items())
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_bit_flipped_shard_is_refused_by_export(ckpt_copy, tmp_path, fmt):
+def test_a_checkpoint_with_sha256_checksums_still_exports_and_verifies(ckpt_copy, tmp_path, fmt):
+    ckpt = as_written_before_blake3(ckpt_copy(fmt))
+    assert bad_checksums(ckpt, CheckpointMeta.read(ckpt)) == []
+    assert (megatron_to_hf(ckpt, tmp_path / "out", progress=False) / "config.json").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_bit_flipped_shard_is_refused_by_export(ckpt_copy, tmp_path, fmt, algorithm):
     ckpt = ckpt_copy(fmt)
+    if algorithm == "sha256":
+        as_written_before_blake3(ckpt)
     shard = largest_shard(ckpt)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    export_fails(ckpt, tmp_path / "out", f"{shard.name}.*sha256")
+    export_fails(ckpt, tmp_path / "out", f"{shard.name}.*checksum")
+    assert bad_checksums(ckpt, CheckpointMeta.read(ckpt)) == [str(shard.relative_to(ckpt))], "verify names it too"
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -65,7 +94,7 @@ def test_truncated_shard_is_refused_by_export(ckpt_copy, tmp_path, fmt):
     ckpt = ckpt_copy(fmt)
     shard = largest_shard(ckpt)
     shard.write_bytes(shard.read_bytes()[:-100])
-    export_fails(ckpt, tmp_path / "out", f"{shard.name}.*sha256")
+    export_fails(ckpt, tmp_path / "out", f"{shard.name}.*checksum")
 
 
 def test_missing_shard_is_refused_by_export(ckpt_copy, tmp_path):

@@ -165,7 +165,8 @@ def test_qwen3_qk_norm_changes_the_model_so_parity_proves_it(tiny_hf):
 def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum_and_reports_each_stage_once(tiny_hf, tmp_path):
     """Also: the stage lines (issue 9: verify was silent for ~17 s) come once each, from rank 0 only,
     and --cpu is stated."""
-    from toolkit.convert.metadata import META_FILE, sha256
+    from toolkit.checksum import file_digest
+    from toolkit.convert.metadata import META_FILE
     from toolkit.convert.torch_format import load_trusted_types
 
     out = hf_to_megatron(tiny_hf["llama"], tmp_path / "m", tp=1, pp=2, progress=False)
@@ -175,7 +176,7 @@ def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum_and_r
     weight[0, 0] += 0.5
     torch.save(state, rank_file)
     meta = json.loads((out / META_FILE).read_text())
-    meta["checksums"]["release/mp_rank_00_001/model_optim_rng.pt"] = sha256(rank_file)
+    meta["checksums"]["release/mp_rank_00_001/model_optim_rng.pt"] = file_digest(rank_file)
     (out / META_FILE).write_text(json.dumps(meta))
 
     result = subprocess.run([sys.executable, "-m", "toolkit", "convert", "verify", str(tiny_hf["llama"]), str(out),
@@ -193,7 +194,7 @@ def test_verify_cli_catches_a_tampered_shard_even_with_a_matching_checksum_and_r
 @pytest.mark.multiprocess
 def test_verify_cli_fails_on_a_checksum_mismatch_alone(tiny_hf, tmp_path):
     """A changed value in a vocab padding row: logits over the true vocab are untouched, so only
-    the sha256 recorded at conversion can catch it."""
+    the checksum recorded at conversion can catch it."""
     from toolkit.convert.torch_format import load_trusted_types
 
     out = hf_to_megatron(tiny_hf["llama-odd-vocab"], tmp_path / "m", progress=False)  # vocab 250 padded to 256

@@ -129,7 +129,8 @@ def test_fp32_training_weights_export_as_the_bf16_source_dtype_rounded(tiny_hf, 
     import json
 
     from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
-    from toolkit.convert.metadata import META_FILE, sha256
+    from toolkit.checksum import file_digest
+    from toolkit.convert.metadata import META_FILE
     from toolkit.convert.torch_format import load_trusted_types
 
     out = hf_to_megatron(tiny_hf["llama"], tmp_path / "m", tp=2, fmt="torch", progress=False)
@@ -141,7 +142,7 @@ def test_fp32_training_weights_export_as_the_bf16_source_dtype_rounded(tiny_hf, 
             if torch.is_tensor(t) and t.is_floating_point():  # fp32, with bits bf16 cannot hold
                 state["model"][key] = t.float() * (1 + 1e-3 * torch.randn(t.shape, generator=generator))
         torch.save(state, rank_file)
-        meta["checksums"][str(rank_file.relative_to(out))] = sha256(rank_file)
+        meta["checksums"][str(rank_file.relative_to(out))] = file_digest(rank_file)
     (out / META_FILE).write_text(json.dumps(meta))
 
     fp32 = dict(MegatronCheckpoint.open(out).hf_tensors())

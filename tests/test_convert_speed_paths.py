@@ -2,7 +2,7 @@
 
 The `torch` format's rank files are written tensor by tensor into a `torch.save` archive laid out
 in advance (toolkit/convert/torch_stream.py); each must be byte for byte the file `torch.save`
-writes from the same tensors in memory (torch_format.save_rank_file), and its recorded sha256 the
+writes from the same tensors in memory (torch_format.save_rank_file), and its recorded checksum the
 file's own. Shards whose bytes are ranges of the HF files are copied file to file
 (toolkit/convert/range_copy.py): the tiny models' ranges are below MIN_RANGE_BYTES, so the tests
 force them (`copy_everything`), row-parallel per-row ranges and q/k/v groups included, and force
@@ -13,8 +13,8 @@ filled, with no second pass over them, and hold, tensor by tensor, what build_sh
 from __future__ import annotations
 
 import errno
-import hashlib
 
+import blake3
 import pytest
 import torch
 
@@ -96,7 +96,7 @@ def _check_rank_files_against_torch_save(tiny_hf, tmp_path, variant, tp, pp, ep,
         assert data == expected[name], f"{name} differs from torch.save's file"
     checksums = CheckpointMeta.read(converted).checksums
     for name, data in written.items():
-        assert checksums[f"{RELEASE}/{name}"] == hashlib.sha256(data).hexdigest()
+        assert checksums[f"{RELEASE}/{name}"] == "blake3:" + blake3.blake3(data).hexdigest()
 
 
 def test_streamed_moe_rank_files_are_byte_identical_to_torch_save(tiny_moe, tmp_path):
@@ -115,7 +115,7 @@ def test_a_tensor_that_does_not_fit_its_record_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="1 tensors built for 2 records"):
         save_streaming(state, placeholders, iter([torch.ones(4, 3)]), tmp_path / "g.pt")
     digest = save_streaming(state, placeholders, iter([torch.ones(4, 3), torch.arange(5.0)]), tmp_path / "h.pt")
-    assert digest == hashlib.sha256((tmp_path / "h.pt").read_bytes()).hexdigest()
+    assert digest == "blake3:" + blake3.blake3((tmp_path / "h.pt").read_bytes()).hexdigest()
     loaded = torch.load(tmp_path / "h.pt", weights_only=True)["model"]
     assert torch.equal(loaded["a"], torch.ones(4, 3)) and torch.equal(loaded["b"], torch.arange(5.0))
 
@@ -124,12 +124,12 @@ def test_torch_dist_data_files_are_hashed_as_written(tiny_hf, tmp_path, monkeypa
     from toolkit.convert import metadata
 
     read_back = []
-    sha256 = metadata.sha256
-    monkeypatch.setattr(metadata, "sha256", lambda path, *a: read_back.append(path.name) or sha256(path, *a))
+    file_digest = metadata.file_digest
+    monkeypatch.setattr(metadata, "file_digest", lambda path, *a: read_back.append(path.name) or file_digest(path, *a))
     converted = hf_to_megatron(tiny_hf["llama"], tmp_path / "out", tp=2, pp=2, fmt="torch_dist", progress=False)
     assert read_back and not [n for n in read_back if n.endswith(dist_format.DATA_SUFFIX)], read_back
-    monkeypatch.setattr(metadata, "sha256", sha256)
-    assert CheckpointMeta.read(converted).checksums == metadata.checksum_tree(converted), "each recorded sha256 is the file's own"
+    monkeypatch.setattr(metadata, "file_digest", file_digest)
+    assert CheckpointMeta.read(converted).checksums == metadata.checksum_tree(converted), "each recorded checksum is the file's own"
 
 
 def _stored_tensors_match_build_shard(converted, hf_dir) -> None:

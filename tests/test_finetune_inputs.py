@@ -187,7 +187,9 @@ def test_packing_is_refused_on_the_transformer_engine_path(tiny_hf, tmp_path, mo
     mc = hf_to_megatron(tiny_hf["llama"], tmp_path / "mc", fmt="torch_dist", progress=False)
     cfg = load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}), ["data.pack=true"])
     build.read_checkpoint_meta(cfg)  # the local spec (here) packs
-    monkeypatch.setattr(build, "running_layer_spec", lambda: "te")
+    import toolkit.model
+
+    monkeypatch.setattr(toolkit.model, "running_layer_spec", lambda: "te")
     with pytest.raises(ToolkitError, match="packing is not supported on the Transformer Engine path"):
         build.read_checkpoint_meta(cfg)
 

@@ -76,6 +76,15 @@ def test_help_lists_every_command():
     assert "Memory" in toolkit("convert", "verify", "--help").stdout
 
 
+def test_convert_help_names_every_supported_model_type():
+    """The list was written by hand and fell behind (gemma3_text, olmo2, olmoe, qwen2_moe missing)."""
+    from toolkit.families import FAMILIES
+
+    text = toolkit("convert", "hf-to-megatron", "--help").stdout
+    missing = [t for family in FAMILIES for t in family.model_types if t not in text]
+    assert not missing, f"convert --help does not name {missing}"
+
+
 def test_cli_vocab_divisor_default_is_the_library_default():
     from toolkit.commands import convert
     from toolkit.layouts import DEFAULT_VOCAB_DIVISOR

@@ -217,8 +217,9 @@ def block_spec(config, spec: ModelSpec, layer: CustomLayer):
     """This pipeline stage's layers and the final norm (which must be our RMSNorm too)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    kinds = {moe: layer_spec(config, spec, layer, moe) for moe in (False, True)}
-    return TransformerBlockSubmodules(layer_specs=[kinds[moe] for moe in stage_moe_layers(config)], layer_norm=RMSNorm)
+    moe_layers = stage_moe_layers(config)
+    kinds = {moe: layer_spec(config, spec, layer, moe) for moe in set(moe_layers)}
+    return TransformerBlockSubmodules(layer_specs=[kinds[moe] for moe in moe_layers], layer_norm=RMSNorm)
 
 
 def adapt_model(model, spec: ModelSpec, layer: CustomLayer) -> None:

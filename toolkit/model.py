@@ -4,14 +4,16 @@ Every architecture setting comes from toolkit.megatron_settings (the one transla
 the checkpoint writers); this module adds only how the model runs here: parallel sizes, dtype,
 no dropout, fused kernels on GPU. Loading a checkpoint into the model is toolkit.convert.load.
 
-The Transformer Engine layer spec is used where transformer_engine is importable (GPU machines);
-otherwise the local spec (always on CPU). A family whose layer the stock GPT spec cannot express
-(`Family.layer`) gets the toolkit's own block spec of local modules on every device (toolkit/layers.py).
+The Transformer Engine layer spec is used where CUDA is present and megatron-core's TE extension
+imports (a TE wheel built for another torch is found by importlib but fails to import); otherwise
+the local spec (always on CPU), and always under LoRA (`layer_spec_choice`). A family whose layer
+the stock GPT spec cannot express (`Family.layer`) gets the toolkit's own block spec of local
+modules on every device (toolkit/layers.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 
 import torch
 
@@ -22,17 +24,51 @@ from toolkit.megatron_settings import settings_for
 from toolkit.moe_aux import AuxLoss
 
 
+# megatron-core fuses the bias add and the activation only for these (transformer_config.py:1485:
+# gelu, silu (swiglu), quick_gelu); the tanh-approximated gelu of Gemma 3 runs unfused.
+FUSED_ACTIVATIONS = ("silu",)
+
+
+@functools.cache
+def te_status() -> tuple[bool, str]:
+    """Whether megatron-core's Transformer Engine extension is usable, and why (or why not)."""
+    try:
+        import transformer_engine  # noqa: F401 - its own error says what is wrong
+        from megatron.core.extensions import transformer_engine as extension
+        from megatron.core.models.gpt import gpt_layer_specs
+    except Exception as e:  # noqa: BLE001 - a TE built for another torch fails with ImportError or OSError
+        return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
+    if not (extension.HAVE_TE and gpt_layer_specs.HAVE_TE):
+        return False, "megatron-core's Transformer Engine extension did not import"
+    return True, f"transformer_engine {extension.get_te_version()}"
+
+
 def running_layer_spec() -> str:
-    has_te = importlib.util.find_spec("transformer_engine") is not None
-    return "te" if has_te and torch.cuda.is_available() else "local"
+    """The layer spec of a full fine-tune or a conversion check on this machine: "te" or "local"."""
+    if not torch.cuda.is_available():
+        return "local"
+    return "te" if te_status()[0] else "local"
+
+
+def layer_spec_choice(lora: bool = False) -> tuple[str, str]:
+    """(spec, why) for this run. LoRA runs the local spec: TE fuses the input norms into linear_qkv
+    and linear_fc1 (TELayerNormColumnParallelLinear), where an adapter wrapping the linear would add
+    B A x of the input before the norm, while PEFT adapts the normalised input."""
+    spec = running_layer_spec()
+    why = te_status()[1] if torch.cuda.is_available() else "no CUDA"
+    if spec == "te" and lora:
+        return "local", f"LoRA adapts the normalised input, which TE's fused-norm linears do not expose ({why})"
+    return spec, why
 
 
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32,
-                       aux_loss: AuxLoss | None = None, **overrides):
-    """`aux_loss`: the routers' load-balancing loss of a Mixture-of-Experts model (none by default)."""
+                       aux_loss: AuxLoss | None = None, layer_spec: str | None = None, **overrides):
+    """`aux_loss`: the routers' load-balancing loss of a Mixture-of-Experts model (none by default);
+    `layer_spec`: "te" or "local", by default running_layer_spec()."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
+    layer_spec = layer_spec or running_layer_spec()
     kwargs = dict(
         settings_for(spec).transformer,
         hidden_dropout=0.0,
@@ -42,14 +78,14 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp,
         # a family's own block spec (toolkit/layers.py) builds local modules, SequentialMLP experts included
-        moe_grouped_gemm=spec.is_moe and running_layer_spec() == "te" and not family_named(spec.family).layer,
+        moe_grouped_gemm=spec.is_moe and layer_spec == "te" and not family_named(spec.family).layer,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         # Fused kernels are CUDA-only (apex / TE); the unfused paths are numerically the reference.
-        bias_activation_fusion=on_gpu,
+        bias_activation_fusion=on_gpu and spec.activation in FUSED_ACTIVATIONS,
         masked_softmax_fusion=False,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
@@ -94,7 +130,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
                     aux_loss: AuxLoss | None = None, vp_stage: int | None = None):
     """GPTModel for this process's pipeline stage (parallel_state must be initialised); `aux_loss`
     as in transformer_config (toolkit/moe_aux.py), checked against the layout. `vp_stage`: which
-    of this rank's virtual stages (interleaved pipeline, toolkit.train.virtual), or None."""
+    of this rank's virtual stages (interleaved pipeline, toolkit.train.virtual), or None.
+    `layer_spec`: "te", "local" or a megatron-core spec; by default running_layer_spec()."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -103,7 +140,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
     config = config or transformer_config(spec, layout, dtype, aux_loss)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec or layer_spec_module(running_layer_spec(), config, spec),
+        transformer_layer_spec=layer_spec_module(layer_spec or running_layer_spec(), config, spec)
+        if layer_spec is None or isinstance(layer_spec, str) else layer_spec,
         vocab_size=layout.padded_vocab(spec.vocab_size),
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),

@@ -8,6 +8,9 @@
   5. the recipe exports the result to HF; greedy generation must answer >= 90% of held-out prompts
 
 With `lora=True` a LoRA adapter on the result then learns a second task (toolkit.quickstart_lora, steps 6-8).
+
+Its 4 processes run on CPU unless the machine has a GPU for each (`quickstart_device`): on a 1-GPU
+box the tiny example still runs, and every step of it is checked the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_att
 REQUIRED_ACCURACY = 0.9
 
 
+def quickstart_device(nprocs: int, cuda_available: bool, device_count: int) -> str:
+    """"cuda" where every process gets a GPU of its own, else "cpu" (gloo; the GPUs hidden)."""
+    return "cuda" if cuda_available and device_count >= nprocs else "cpu"
+
+
 def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None, log=print, lora: bool = False) -> float:
     from toolkit.convert import hf_to_megatron, verify
     from toolkit.examples import exact_match, write_reversal_task
@@ -40,7 +48,7 @@ def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None,
 
     log(f"[2/{steps_total}] converting to megatron-core TP={tp} PP={pp} and comparing logits with HF on {tp * pp} processes")
     hf_to_megatron(hf_dir, mcore_dir, tp=tp, pp=pp, overwrite=True, progress=False)
-    report = verify(hf_dir, mcore_dir)
+    report = verify(hf_dir, mcore_dir, cpu=on_cpu(tp * pp))
     for line in report.lines():
         log("      " + line)
     if not report.ok:
@@ -85,7 +93,14 @@ def _show_plan(checkpoint: Path, processes: int, log) -> None:
         "tensor and pipeline parallelism; data parallelism is shown by the tests, e.g. TP2 x PP2 x DP2 on 8)")
 
 
+def on_cpu(nprocs: int) -> bool:
+    import torch
+
+    return quickstart_device(nprocs, torch.cuda.is_available(), torch.cuda.device_count()) == "cpu"
+
+
 def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path) -> None:
+    """torchrun of the recipe on `nprocs` local processes, with the GPUs hidden where there are too few."""
     if run_dir.exists():
         import shutil
 
@@ -93,5 +108,7 @@ def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
            str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if on_cpu(nprocs):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks see no GPU: gloo on CPU
     if subprocess.run(cmd, env=env).returncode != 0:
         raise ToolkitError(f"fine-tuning failed: {' '.join(cmd)}")

@@ -22,9 +22,8 @@ from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.memory.lora import LoraShape, adapter_numels
 from toolkit.memory.params import stage_param_numels, total_params
+from toolkit.peak_flops import H100_SXM, Peak, matmul_tflops
 
-# H100 SXM dense bf16 peak; Megatron-Core's H100 table reports 41-48% MFU against it.
-H100_BF16_FLOPS = 989e12
 # Fraction of peak a large, well-shaped GEMM-bound step reaches before the terms below.
 BASE_EFFICIENCY = 0.5
 # Tokens per micro-batch at which GEMMs reach half of BASE_EFFICIENCY's headroom: small
@@ -47,7 +46,9 @@ RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.06, "full": 1.0}
 
 @dataclass(frozen=True)
 class Hardware:
-    flops: float = H100_BF16_FLOPS
+    # dense peaks per precision (toolkit.peak_flops; fp32 without TF32, torch's default); H100 SXM:
+    # Megatron-Core's H100 table reports 41-48% MFU against its bf16 figure
+    gpu: Peak = H100_SXM
     intra_node: float = NVLINK_BYTES_PER_S
     inter_node: float = INFINIBAND_BYTES_PER_S
     pcie: float = PCIE_BYTES_PER_S
@@ -74,7 +75,7 @@ def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_
     flops = tokens * setup.pp * _slowest_stage_flops_per_token(spec, setup, seq_len, recompute, lora)
     micro_tokens = setup.micro_batch * seq_len
     efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
-    compute = flops / (setup.gpus * hw.flops * efficiency)
+    compute = flops / (setup.gpus * matmul_tflops(hw.gpu, setup.precision, tf32=False) * 1e12 * efficiency)
     m = setup.micro_batches
     bubble = (setup.pp - 1) / (setup.vpp * m + setup.pp - 1)  # interleaving divides the bubble by VPP
     n = total_params(spec)

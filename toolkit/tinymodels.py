@@ -173,8 +173,13 @@ def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32",
 
     config = make_config(variant, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    low, high = NORM_WEIGHTS.get(config.model_type, DEFAULT_NORM_WEIGHTS)
+    return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype)
+
+
+def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) -> Path:
+    import torch
+
+    low, high = NORM_WEIGHTS.get(model_type, DEFAULT_NORM_WEIGHTS)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -191,3 +196,22 @@ def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32",
     model.save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     return directory
+
+
+# A SigLIP vision tower as small as the class allows: one layer, 2 x 2 patches of 14 pixels
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                   patch_size=14)
+
+
+def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Gemma 3 as its 4B / 12B / 27B are published (Gemma3ForConditionalGeneration: the tiny Gemma 3
+    text model under `language_model`, a vision tower and projector beside it), from transformers'
+    own config classes; returns its directory."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = make_config("gemma3", **text_overrides)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=SiglipVisionConfig(**TINY_VISION).to_dict(),
+                          mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 
 TO_MEGATRON_HELP = """\
 Split an HF checkpoint (config.json + *.safetensors) into megatron-core GPTModel shards for a
@@ -16,8 +17,10 @@ Formats:
               (_EEE: the expert-parallel rank, when --ep > 1)
   torch_dist  megatron-core distributed checkpoint; loads into any TP/PP/EP layout
 
-Supported families: llama (2, 3, 3.1, 3.2; llama3 rope scaling), mistral (sliding window), qwen2,
-qwen3, phi3, and the Mixture-of-Experts families mixtral and qwen3_moe (--ep).
+Supported model_types (the families in toolkit/families/; Mixture-of-Experts ones take --ep):
+{families}
+Multimodal checkpoints converted as their language model (export back with --into-wrapper):
+{wrappers}
 """
 
 VERIFY_HELP = """\
@@ -25,7 +28,7 @@ Run the megatron checkpoint in megatron-core on TP x PP local processes (gloo on
 GPUs) and the HF model on the same random tokens, then print max |dlogit| over the true vocab,
 top-1 agreement and the first decoder layer whose output diverges. Stage lines on stderr show
 where it is (the launch imports megatron-core: ~15 s on a small CPU machine). Exits 1 on a mismatch,
-including a file whose sha256 differs from the conversion metadata.
+including a file whose checksum differs from the conversion metadata.
 
 Tolerances (max |dlogit|): float32 1e-4, bfloat16 5e-2, float16 1e-2.
 Memory: the HF model in the chosen dtype in this process (4 bytes/parameter in float32) plus
@@ -38,8 +41,15 @@ def register(sub) -> None:
     convert = sub.add_parser("convert", help="convert checkpoints between HF and megatron-core")
     csub = convert.add_subparsers(dest="convert_command", metavar="SUBCOMMAND", required=True)
 
+    from toolkit.families import FAMILIES  # no torch: cheap at start-up
+
+    from toolkit.convert.wrapper import WRAPPERS  # no torch either
+
+    families = ", ".join(t for family in FAMILIES for t in family.model_types)
+    wrappers = ", ".join(f"{w.model_type} ({w.architecture})" for w in WRAPPERS)
     p = csub.add_parser("hf-to-megatron", help="HF checkpoint -> megatron-core TP x PP shards",
-                        description=TO_MEGATRON_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description=TO_MEGATRON_HELP.format(families=textwrap.fill(families, 96, initial_indent="  ",
+                                                                                   subsequent_indent="  "), wrappers="  " + wrappers), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out_dir", help="output directory (must not exist or be empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -69,6 +79,9 @@ def register(sub) -> None:
                    help="with --adapter: the whole HF model with the adapter merged in (fp32, then the base's dtype)")
     p.add_argument("--hf-config", help="HF config.json (or model directory) for checkpoints not written by this toolkit")
     p.add_argument("--max-shard-gb", type=positive_float, default=4.0, help="split the safetensors output above this size")
+    p.add_argument("--into-wrapper", metavar="HF_DIR",
+                   help="write the language model back into the multimodal checkpoint it was converted from (Gemma 3 "
+                        "4B/12B/27B): its vision tower, projector and config copied unchanged")
     _add_output_flags(p)
     p.set_defaults(func=_to_hf)
 
@@ -130,6 +143,8 @@ def _to_hf(args) -> int:
 
     if args.merge and not args.adapter:
         raise ConversionError("--merge merges a LoRA adapter: give --adapter with a LoRA run's checkpoint")
+    if args.adapter and args.into_wrapper:
+        raise ConversionError("--into-wrapper writes a whole model: it does not combine with --adapter")
     if args.adapter:
         from toolkit.lora.export import export_adapter
 
@@ -139,7 +154,8 @@ def _to_hf(args) -> int:
         return 0
 
     out = megatron_to_hf(args.megatron_dir, args.out_dir, hf_config=args.hf_config, overwrite=args.overwrite,
-                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args))
+                         max_shard_bytes=int(args.max_shard_gb * (1 << 30)), progress=_progress(args),
+                         wrapper=args.into_wrapper)
     print(f"wrote HF checkpoint to {out}")
     return 0
 

@@ -76,7 +76,7 @@ def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dic
     from toolkit.convert import dist_format
 
     geo, hf = layout.geometry(spec), expected_hf_tensors(family, spec)
-    stacked = spec.moe_layers is None  # megatron-core keys each layer on its own where kinds mix
+    stacked = dist_format.stacks_layers(spec.moe_layers)
     out = {}
     for row in family.rows_for(spec):
         for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(1), spec.moe_layers):

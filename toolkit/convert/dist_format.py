@@ -118,6 +118,12 @@ def layer_key(canonical_layer_name: str, stacked: bool = True) -> str:
     return STACKED_PREFIX + suffix if stacked else naming.layer_name(layer, suffix)
 
 
+def stacks_layers(moe_layers: str | None) -> bool:
+    """Whether per-layer tensors are stacked over the layers: not where MoE and dense layers mix
+    (ModelSpec.moe_layers), which megatron-core keys each on its own (transformer_block.py:830-868)."""
+    return moe_layers is None
+
+
 def stacked_key(canonical_layer_name: str) -> str:
     return layer_key(canonical_layer_name)
 
@@ -305,7 +311,7 @@ def _quiet_about(errors: list[BaseException]):
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
           on_item=lambda: None) -> dict[Path, str]:
-    """Write the checkpoint; returns the sha256 of the data files, hashed as they were filled."""
+    """Write the checkpoint; returns the checksums of the data files, hashed as they were filled."""
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=DATA_FILES, sync_files=False)

@@ -42,9 +42,11 @@ def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -
 
 def _load_rank_files(model, root: Path, meta: CheckpointMeta, shards: Path, check_sums: bool) -> None:
     from megatron.core import parallel_state as ps
-    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    # A dense model has no expert ranks: EP ranks, if any, are data-parallel ones holding the same files
+    moe = meta.model_spec.is_moe
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size() if moe else 1
     pp, pp_rank = pipeline_stage(model)
-    ranks = (ps.get_tensor_model_parallel_rank(), pp_rank, ps.get_expert_model_parallel_rank())
+    ranks = (ps.get_tensor_model_parallel_rank(), pp_rank, ps.get_expert_model_parallel_rank() if moe else 0)
     if (tp, pp, ep) == (meta.tp, meta.pp, meta.ep):
         path = torch_format.rank_file(shards, meta.layout, *ranks)
         if check_sums and meta.checksums:  # Megatron-LM's own checkpoints carry none

@@ -90,7 +90,7 @@ class MegatronCheckpoint:
     @classmethod
     def _ours(cls, root: Path, shards: Path) -> "MegatronCheckpoint":
         """Metadata checked against the HF config and the file set before any shard is read; each
-        shard's sha256 is checked when it is read (see _verified)."""
+        shard's checksum is checked when it is read (see _verified)."""
         meta = CheckpointMeta.read(root)
         spec = meta.model_spec
         config_path = root / HF_DIR / "config.json"
@@ -188,7 +188,7 @@ class MegatronCheckpoint:
         stored = _model_tensors(dist_format.tensor_shapes(self.shards))
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
-        stacked = self.spec.moe_layers is None  # megatron-core keys each layer on its own where kinds mix
+        stacked = dist_format.stacks_layers(self.spec.moe_layers)
         for row in self._rows():
             for layer, _, expert, _ in row_instances(row, every_layer, every_expert, self.spec.moe_layers):
                 names = row.hf_names(layer, expert)

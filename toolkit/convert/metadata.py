@@ -4,19 +4,19 @@
       latest_checkpointed_iteration.txt   "release" (Megatron-LM's tracker file)
       release/                            per-rank mp_rank_TT[_PPP]/model_optim_rng.pt, or torch_dist files
       hf/                                 byte copies of config.json and the tokenizer files
-      toolkit_checkpoint.json             layout, true vocab, dtype, model spec, sha256 of every file
+      toolkit_checkpoint.json             layout, true vocab, dtype, model spec, checksum of every file
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toolkit import __version__
+from toolkit.checksum import file_digest, is_recorded_digest, matches
 from toolkit.convert.jsonfile import read_json_object
 from toolkit.convert.naming import LAYER_SPECS
 from toolkit.errors import ConversionError
@@ -93,39 +93,29 @@ class CheckpointMeta:
         for key, allowed in (("format", FORMATS), ("layer_spec", LAYER_SPECS)):
             if data[key] not in allowed:
                 raise ConversionError(f"{path}: {key} {data[key]!r} is not one of {', '.join(allowed)}")
-        if not all(isinstance(v, str) for v in data["checksums"].values()):
-            raise ConversionError(f"{path}: checksums must map file names to sha256 strings")
+        if not all(is_recorded_digest(v) for v in data["checksums"].values()):
+            raise ConversionError(f"{path}: checksums must map file names to blake3 or sha256 digests")
         return cls(**data)
 
 
-def sha256(path: Path, chunk: int = 1 << 20) -> str:  # 1 MiB reads: as fast as larger ones, little memory
-    """Read into one buffer: a new 1 MiB block per read raises glibc's mmap threshold and leaves
-    freed blocks in the heap (a few MiB resident, ckpt reshard's memory bound)."""
-    digest = hashlib.sha256()
-    buffer = memoryview(bytearray(chunk))
-    with open(path, "rb", buffering=0) as f:
-        while size := f.readinto(buffer):
-            digest.update(buffer[:size])
-    return digest.hexdigest()
-
-
 def checksum_tree(root: Path, under: str = RELEASE, known: dict[Path, str] | None = None) -> dict[str, str]:
-    """sha256 of every file under root/under, by relative path; `known` digests (hashed as the
-    files were written, by resolved path) are taken as they are."""
+    """The checksum of every file under root/under, by relative path; `known` digests (hashed as
+    the files were written, by resolved path) are taken as they are."""
     known = known or {}
     return {
-        str(p.relative_to(root)): known.get(p.resolve()) or sha256(p)
+        str(p.relative_to(root)): known.get(p.resolve()) or file_digest(p)
         for p in sorted((root / under).rglob("*")) if p.is_file()
     }
 
 
 def verify_file(root: Path, path: Path, checksums: dict[str, str]) -> None:
-    """Refuse a file whose sha256 differs from the one recorded at conversion."""
+    """Refuse a file whose checksum differs from the one recorded at conversion (in the algorithm
+    it was recorded with)."""
     key = str(path.relative_to(root))
     if key not in checksums:
         raise ConversionError(f"{path} is not recorded in {root / META_FILE}: a file that conversion did not write")
-    if sha256(path) != checksums[key]:
-        raise ConversionError(f"{path} does not match the sha256 recorded in {META_FILE}: it was changed or damaged "
+    if not matches(path, checksums[key]):
+        raise ConversionError(f"{path} does not match the checksum recorded in {META_FILE}: it was changed or damaged "
                               "after conversion; restore it or convert again")
 
 
@@ -142,10 +132,10 @@ def check_file_set(root: Path, under: Path, checksums: dict[str, str]) -> None:
 
 
 def bad_checksums(root: Path, meta: CheckpointMeta) -> list[str]:
-    """Files whose sha256 differs from the metadata, or that are missing or unexpected."""
-    actual = checksum_tree(root)
-    names = sorted(set(actual) | set(meta.checksums))
-    return [n for n in names if actual.get(n) != meta.checksums.get(n)]
+    """Files whose checksum differs from the metadata, or that are missing or unexpected."""
+    present = {str(p.relative_to(root)): p for p in sorted((root / RELEASE).rglob("*")) if p.is_file()}
+    names = sorted(set(present) | set(meta.checksums))
+    return [n for n in names if n not in present or n not in meta.checksums or not matches(present[n], meta.checksums[n])]
 
 
 def copy_hf_files(config_bytes: bytes, tokenizer_files: list[Path], dest: Path) -> None:

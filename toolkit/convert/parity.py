@@ -78,9 +78,10 @@ def hf_reference(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype) -
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
     layer_outputs: list[torch.Tensor] = []
+    decoder = getattr(model.model, "language_model", model.model)  # a multimodal wrapper's text model
     hooks = [
         layer.register_forward_hook(lambda m, i, o: layer_outputs.append((o[0] if isinstance(o, tuple) else o).detach()))
-        for layer in model.model.layers
+        for layer in decoder.layers
     ]
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
@@ -159,10 +160,10 @@ def _checked_inputs(hf_dir: str | Path, megatron_dir: str | Path) -> CheckpointM
     """Both inputs validated as the converters validate them, so bad input is one line here
     rather than a traceback from transformers or from a worker process."""
     from toolkit.convert.hf_config import checked_spec
-    from toolkit.convert.hf_source import HFCheckpoint
     from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
+    from toolkit.convert.wrapper import open_hf
 
-    src = HFCheckpoint(hf_dir)
+    src = open_hf(hf_dir)
     checked_spec(src.config, src.dir / "config.json", src.tensors)
     MegatronCheckpoint.open(megatron_dir)
     return CheckpointMeta.read(Path(megatron_dir))

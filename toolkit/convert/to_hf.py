@@ -61,12 +61,37 @@ class SafetensorsShardWriter:
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def export_bytes(ckpt: MegatronCheckpoint, dtype: torch.dtype | None) -> int:
+def export_bytes(ckpt: MegatronCheckpoint, dtype: torch.dtype | None, wrapped=None) -> int:
     """About what the exported HF directory takes on disk: the weights in the export dtype plus
-    the copied config and tokenizer files."""
+    the copied config and tokenizer files (and a wrapper's other tensors and files)."""
     itemsize = (dtype or torch.float32).itemsize
     weights = sum(math.prod(shape) for shape in expected_hf_tensors(ckpt.family, ckpt.spec).values()) * itemsize
+    if wrapped is not None:
+        weights += sum(wrapped.whole.tensors[n].nbytes for n in wrapped.other_tensors())
+        weights += sum(f.stat().st_size for f in _wrapper_files(wrapped, {f.name for f in ckpt.tokenizer_files}))
     return weights + len(ckpt.config_bytes) + sum(f.stat().st_size for f in ckpt.tokenizer_files)
+
+
+def _open_wrapper(wrapper, ckpt: MegatronCheckpoint):
+    """The multimodal checkpoint to export into, refused unless its language model is the checkpoint's."""
+    from toolkit.convert.consistency import check_spec_matches_config
+    from toolkit.convert.hf_config import checked_spec
+    from toolkit.convert.wrapper import open_wrapper
+
+    wrapped = open_wrapper(wrapper)
+    config = wrapped.dir / "config.json"
+    _, spec = checked_spec(wrapped.config, config, wrapped.tensors)
+    check_spec_matches_config(ckpt.spec, spec, ckpt.root, config)
+    return wrapped
+
+
+def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
+    """The wrapper's files besides its weights, config.json and `skip` (processor, chat template,
+    generation config), copied beside the weights."""
+    if wrapped is None:
+        return []
+    return sorted(f for f in wrapped.dir.iterdir() if f.is_file() and f.name != "config.json" and f.name not in skip
+                  and not f.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
 def megatron_to_hf(
@@ -78,29 +103,37 @@ def megatron_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool | None = None,
     transform=None,
+    wrapper: str | os.PathLike | None = None,
 ) -> Path:
     """Merge the TP x PP shards of `megatron_dir` into an HF checkpoint at `out_dir`.
     `transform(hf_name, tensor)`, if given, changes each tensor before the cast to the source
-    dtype (toolkit.lora.export merges an adapter in this way).
+    dtype (toolkit.lora.export merges an adapter in this way). `wrapper`: the multimodal
+    checkpoint the language model was converted from (toolkit/convert/wrapper.py), to write it back
+    into: its config and every tensor outside the language model copied as they are.
 
-    Every shard is checked against the sha256 in the metadata as it is read, and the metadata
+    Every shard is checked against the checksum in the metadata as it is read, and the metadata
     against the HF config and the shards; the result appears at `out_dir` only when complete."""
     if not max_shard_bytes > 0:
         raise ConversionError(f"the maximum shard size must be > 0 bytes (got {max_shard_bytes})")
     ckpt = MegatronCheckpoint.open(megatron_dir, hf_config)  # reads only
     # The directory actually read: a run directory's export may go inside it (RUN_DIR/hf).
-    refuse_output_overlapping_inputs(out_dir, ckpt.root, hf_config)
+    refuse_output_overlapping_inputs(out_dir, ckpt.root, hf_config, wrapper)
+    wrapped = None if wrapper is None else _open_wrapper(wrapper, ckpt)
+    prefix = "" if wrapped is None else wrapped.wrapper.prefix
     # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype.
     dtype = getattr(torch, ckpt.spec.dtype, None)
-    with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype)) as tmp:
+    with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype, wrapped)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in ckpt.hf_tensors():
                 tensor = tensor if transform is None else transform(name, tensor)
-                writer.add(name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
+                writer.add(prefix + name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
+                bar.update(1)
+            for name in [] if wrapped is None else wrapped.other_tensors():
+                writer.add(name, wrapped.whole.read(name))  # the stored bytes, never cast
                 bar.update(1)
         writer.close()
-        (tmp / "config.json").write_bytes(ckpt.config_bytes)
-        for f in ckpt.tokenizer_files:
+        (tmp / "config.json").write_bytes(ckpt.config_bytes if wrapped is None else wrapped.whole.config_bytes)
+        for f in ckpt.tokenizer_files + _wrapper_files(wrapped, skip={f.name for f in ckpt.tokenizer_files}):
             shutil.copyfile(f, tmp / f.name)
     return Path(out_dir)

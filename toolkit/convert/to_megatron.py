@@ -17,6 +17,7 @@ from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
+from toolkit.convert.wrapper import open_hf
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
     FORMATS,
@@ -94,7 +95,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     from toolkit.convert import dist_format
 
     geo = layout.geometry(spec)
-    stacked = spec.moe_layers is None  # megatron-core keys each layer on its own where kinds mix
+    stacked = dist_format.stacks_layers(spec.moe_layers)
     chunks = []
     for row in family.rows_for(spec):
         for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
@@ -133,7 +134,8 @@ def hf_to_megatron(
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> Path:
-    """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir`.
+    """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir` (of a
+    multimodal checkpoint, its language model: toolkit/convert/wrapper.py).
 
     Everything is validated before the first byte is written; the result appears at `out_dir`
     only once complete (see toolkit.atomic).
@@ -143,7 +145,7 @@ def hf_to_megatron(
     if layer_spec not in naming.LAYER_SPECS:
         raise ConversionError(f"unknown layer spec {layer_spec!r} (choose from {', '.join(naming.LAYER_SPECS)})")
     refuse_output_overlapping_inputs(out_dir, hf_dir)
-    src = HFCheckpoint(hf_dir)
+    src = open_hf(hf_dir)  # a multimodal checkpoint as its language model (toolkit/convert/wrapper.py)
     family, spec = checked_spec(src.config, src.dir / "config.json", src.tensors)
     layout = Layout(tp, pp, vocab_divisor, ep)
     layout.check(spec)

@@ -50,8 +50,8 @@ def load_trusted_types(path: Path, mmap: bool = True) -> dict:
         raise ConversionError(f"{path} cannot be read as a torch checkpoint: {e}") from None
 
 
-def save_with_sha256(obj, path: Path) -> str:
-    """torch.save without the zip CRC32, returning the file's sha256."""
+def save_with_checksum(obj, path: Path) -> str:
+    """torch.save without the zip CRC32, returning the file's checksum (toolkit.checksum)."""
     with open(path, "wb") as f, without_zip_crc32():
         writer = HashingWriter(f)
         torch.save(obj, writer)
@@ -74,9 +74,9 @@ def _rank_state(model: dict, args: argparse.Namespace, layer_spec: str, num_stag
 
 def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec: str, num_stage_layers: int,
                    local_experts: int = 0) -> str:
-    """Write one rank file from tensors in memory; returns its sha256."""
+    """Write one rank file from tensors in memory; returns its checksum."""
     path.parent.mkdir(parents=True)
-    return save_with_sha256(_rank_state(model, args, layer_spec, num_stage_layers, local_experts), path)
+    return save_with_checksum(_rank_state(model, args, layer_spec, num_stage_layers, local_experts), path)
 
 
 def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], items: Iterator[tuple[str, object]],
@@ -84,7 +84,7 @@ def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], items: Iter
                      dtype: torch.dtype | None = None) -> str:
     """Write one rank file as `items` yields (canonical name, tensor or its byte ranges) in the
     order of `shapes`, holding one tensor at a time
-    (toolkit.convert.torch_stream); returns its sha256. The bytes are those save_rank_file would
+    (toolkit.convert.torch_stream); returns its checksum. The bytes are those save_rank_file would
     write. `dtype`: every tensor's (None: the first item's, which must then be a tensor)."""
     first = [next(items)]  # handed on, not kept
     dtype = first[0][1].dtype if dtype is None else dtype
@@ -122,7 +122,7 @@ def write_rank_files(
     dtype: torch.dtype | None = None,
     file_threads: int = 1,
 ) -> dict[Path, str]:
-    """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: sha256}.
+    """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: checksum}.
 
     build_stage(tp_rank, pp_rank, ep_rank) yields (canonical name with stage-local layer and
     rank-local expert numbers, tensor or its byte ranges) in the order of stage_shapes(pp_rank),

@@ -12,7 +12,6 @@ order behind the writes. The result is byte for byte what `torch.save` writes
 
 from __future__ import annotations
 
-import hashlib
 import os
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +22,7 @@ from typing import Iterable
 import torch
 import torch.utils.serialization
 
+from toolkit.checksum import Hasher
 from toolkit.convert.range_copy import copy_ranges, ranges_bytes, write_all
 
 HASH_READ_BYTES = 1 << 20  # reads of the hashing pass: page-cache hits, a bounded buffer
@@ -31,7 +31,7 @@ HASH_READ_BYTES = 1 << 20  # reads of the hashing pass: page-cache hits, a bound
 @contextmanager
 def without_zip_crc32():
     """torch.save without the zip CRC32 (about 40% of its time; nothing checks it on load, and
-    our sha256 covers every file)."""
+    our checksum covers every file)."""
     config = torch.utils.serialization.config.save
     saved, config.compute_crc32 = config.compute_crc32, False
     try:
@@ -45,7 +45,7 @@ class HashingWriter:
     write sequentially), so a checksum costs no second read of the file."""
 
     def __init__(self, f):
-        self.f, self.digest = f, hashlib.sha256()
+        self.f, self.digest = f, Hasher()
 
     def write(self, data) -> int:
         self.digest.update(data)
@@ -87,7 +87,7 @@ class RecordFiller:
 
     def __init__(self, fd: int, file_size: int):
         self.fd, self.file_size, self.placed = fd, file_size, 0
-        self.digest, self._hashed = hashlib.sha256(), 0
+        self.digest, self._hashed = Hasher(), 0
         self._buffer = memoryview(bytearray(HASH_READ_BYTES))  # one per file: used by the hasher thread only
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-hasher")
         self._pending: list[Future] = []
@@ -116,7 +116,7 @@ class RecordFiller:
         self._pending.append(self._hasher.submit(self._hash_up_to, self.placed))
 
     def finish(self) -> str:
-        """The file's sha256, once every byte is hashed."""
+        """The file's checksum (toolkit.checksum), once every byte is hashed."""
         try:
             self._pending.append(self._hasher.submit(self._hash_up_to, self.file_size))
             for f in self._pending:
@@ -141,7 +141,7 @@ def _check_matches(item, placeholder: torch.Tensor, size: int, index: int) -> No
 
 def fill_records(path: Path, records: Iterable[tuple[int, int, object]]) -> str:
     """Place each (offset, size, tensor or byte ranges) into the file at `path`, in file order;
-    returns the file's sha256."""
+    returns the file's checksum (toolkit.checksum)."""
     fd = os.open(path, os.O_RDWR)
     filler = RecordFiller(fd, os.fstat(fd).st_size)
     try:
@@ -159,7 +159,7 @@ def fill_records(path: Path, records: Iterable[tuple[int, int, object]]) -> str:
 def save_streaming(state: dict, placeholders: list[torch.Tensor], items: Iterable, path: Path) -> str:
     """torch.save(state) to `path` where `state` holds `placeholders` (distinct `torch.empty` tensors,
     in the order the pickler meets them) and `items` yields their real values in that order, each
-    a tensor or the byte ranges holding it (toolkit.convert.range_copy). Returns the file's sha256.
+    a tensor or the byte ranges holding it (toolkit.convert.range_copy). Returns the file's checksum.
     Without the zip CRC32, as toolkit.convert.torch_format saves. Each item is placed before the
     next is asked for, and no reference to it is kept past that, so memory holds one at a time
     (an `enumerate` would hold the last one while the next is built)."""

@@ -160,6 +160,9 @@ def apply_lora(model, family: Family, spec: ModelSpec, layout: Layout, tp_rank: 
                 values[name] = [(p.take(initial[p.key]) if initial is not None else p.take(peft_init(p.key, p.shape, seed)))
                                 .to(dtype) for p in (a, b)]
             parent, attr = _submodule_parent(model.decoder.layers[local], linear.module)
+            if hasattr(getattr(parent, attr), "layer_norm_weight"):  # TE's TELayerNormColumnParallelLinear
+                raise AdapterError(f"{linear.module} has its input norm fused into it (the Transformer Engine spec): "
+                                   "LoRA needs the local spec, where the adapter sees the normalised input")
             a_vals = {n: v[0] for n, v in values.items()}
             b_vals = {n: v[1] for n, v in values.items()}
             if linear.parallel == targets.ROW:

@@ -1,6 +1,7 @@
 """Make megatron-core 0.16.x run on a CPU-only torch build (gloo backend).
 
-`apply()` is a no-op when CUDA is available, and idempotent. Each patch below names the
+`apply()` is a no-op when CUDA is available (except `apply_upstream_fixes`, which
+toolkit.runtime.distributed runs on every device), and idempotent. Each patch below names the
 upstream spot (megatron-core 0.16.1 file:line) it works around; each was shown necessary by
 disabling it and re-running a TP2 x PP2 forward/backward (../shared/reference/cpu_megatron_core.md §1).
 
@@ -50,7 +51,7 @@ UPSTREAM_SPOTS = {
     "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
     "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
 }
-# Applied on every machine without Transformer Engine, GPUs included: an upstream bug, not a CPU one.
+# Applied on every machine, GPUs included (apply_upstream_fixes): an upstream bug, not a CPU one.
 TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
                 "transformer_engine`; RouterGatingLinearFunction reads it at :1192/:1225 (NameError without TE)")
 
@@ -268,9 +269,14 @@ _PATCHES = {
 }
 
 
+def apply_upstream_fixes() -> None:
+    """The fixes for megatron-core bugs that are not about the CPU: applied on every device."""
+    define_te_general_gemm()
+
+
 def apply(force: bool = False) -> list[str]:
     """Apply every patch once, only on a machine without CUDA. Returns the names applied."""
-    define_te_general_gemm()
+    apply_upstream_fixes()
     if APPLIED or (torch.cuda.is_available() and not force):
         return APPLIED
     for name, patch in _PATCHES.items():

@@ -52,10 +52,28 @@ def choose_deepspeed_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def check_local_gpus(local_world_size: int, device_count: int) -> None:
+    """One GPU per local rank (LOCAL_RANK picks it): refuse more processes on a node than GPUs, in one
+    line on every rank, before rank N's torch.cuda.set_device fails with a CUDA error."""
+    if local_world_size > device_count:
+        raise DistributedError(
+            f"{local_world_size} processes on this node, {device_count} GPU(s): start at most {device_count} per node "
+            f"(torchrun --nproc_per_node={device_count}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on CPU")
+
+
+def check_node_gpus() -> None:
+    """With CUDA, check_local_gpus for the launcher's LOCAL_WORLD_SIZE (recipes/finetune.py runs it
+    before anything else, where rank 0 alone reports it)."""
+    if torch.cuda.is_available():
+        check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+
+
 def init_process_group() -> torch.device:
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, ...)."""
+    cpu_compat.apply_upstream_fixes()  # every device: megatron-core bugs, not CPU gaps
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)), torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

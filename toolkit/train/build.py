@@ -10,7 +10,7 @@ import torch
 
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import Layout
-from toolkit.model import running_layer_spec
+from toolkit import model as model_builder
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
@@ -18,6 +18,10 @@ from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, load_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# torch's AdamW (foreach kernels on a GPU) rather than DeepSpeed's FusedAdam, which deepspeed.initialize
+# JIT-builds and which needs nvcc and CUDA_HOME on the node (MissingCUDAException otherwise).
+# benchmarks/finetune_bench.py's HF + DeepSpeed baseline uses the same.
+TORCH_ADAM = True
 
 
 def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
@@ -31,7 +35,7 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {spec.max_position_embeddings}")
     if cfg.data.pack and spec.window_size:
         raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
-    if cfg.data.pack and running_layer_spec() == "te":
+    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled)[0] == "te":
         raise ConfigError("packing is not supported on the Transformer Engine path: it needs per-document cu_seqlens, "
                           "which this trainer does not build, and TE would silently ignore the document mask; set data.pack=false")
     return meta
@@ -150,11 +154,13 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
         settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
-    config = transformer_config(spec, layout, dtype, aux_loss, sequence_parallel=cfg.parallel.sequence_parallel, **settings)
+    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
+    config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
+                                **settings)
     if cfg.parallel.vpp == 1:
-        model = build_gpt_model(spec, layout, dtype, config=config, aux_loss=aux_loss)
+        model = build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, aux_loss=aux_loss)
     else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
-        model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, vp_stage=v)
+        model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, vp_stage=v)
                                       for v in range(cfg.parallel.vpp))
     load_converted(virtual.chunks(model), cfg.model.checkpoint)
     return model, layout
@@ -182,7 +188,7 @@ def ds_config(cfg: TrainConfig, meta: CheckpointMeta, dp: int) -> dict:
         gradient_clipping=o.clip_grad,
         steps_per_print=10**9,  # our trainer logs
         optimizer=OptimizerSettings(type="AdamW", lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                    torch_adam=not torch.cuda.is_available()),  # no JIT build of FusedAdam on CPU
+                                    torch_adam=TORCH_ADAM),
         scheduler=None,
         overlap_comm=cfg.parallel.overlap_comm,
         reduce_bucket_size=cfg.parallel.reduce_bucket_size,

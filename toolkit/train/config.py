@@ -25,9 +25,9 @@ Beta = Annotated[float, Bound(ge=0.0, lt=1.0)]
 class ModelConfig:
     checkpoint: str = ""  # a directory written by `toolkit convert hf-to-megatron` (either format)
     # Optional expectations: a checkpoint of another architecture is refused before training.
-    family: str | None = None
-    num_layers: PositiveInt | None = None
-    hidden_size: PositiveInt | None = None
+    family: str | None = None  # the expected family, e.g. llama or qwen3, as `toolkit convert` recorded it
+    num_layers: PositiveInt | None = None  # expected decoder layers
+    hidden_size: PositiveInt | None = None  # expected hidden size
     # A Megatron-LM torch_dist training checkpoint (iteration or run directory) whose DistributedOptimizer
     # state, saved fully_reshardable, a fresh run starts from: its fp32 master weights and Adam moments
     # replace model.checkpoint's weights (that checkpoint's own export, converted). A resume ignores it.
@@ -39,10 +39,11 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: PositiveInt = 1
-    pp: PositiveInt = 1
+    tp: PositiveInt = 1  # tensor-parallel size (megatron-core); divides the attention heads
+    pp: PositiveInt = 1  # pipeline-parallel size (megatron-core 1F1B); divides the layers
     zero_stage: int = 1  # 1, 2 or 3; only 1 with PP > 1
-    recompute: Literal["selective", "full"] | None = None  # megatron-core granularity
+    # activation recomputation at megatron-core's granularity: the attention core, or every layer
+    recompute: Literal["selective", "full"] | None = None
     # megatron-core sequence parallelism (TP > 1): norms and residuals hold seq_len / TP tokens per rank
     sequence_parallel: bool = False
     # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
@@ -51,13 +52,13 @@ class ParallelConfig:
     vpp: PositiveInt = 1
     # data parallelism: DeepSpeed ZeRO (zero_stage), or PyTorch FSDP2 (fully_shard; PP = 1, zero_stage unused)
     dp_engine: Literal["deepspeed", "fsdp"] = "deepspeed"
-    # Communication overlap. ZeRO's gradient reduction with backward: None = on at ZeRO-2/3, off at
-    # ZeRO-1 (DeepSpeed asserts there under megatron-core's schedule); its bucket (elements, None: from the model).
+    # ZeRO's gradient reduction overlapped with the backward: null = on at ZeRO-2/3, off at ZeRO-1
+    # (DeepSpeed asserts there under megatron-core's schedule)
     overlap_comm: bool | None = None
-    reduce_bucket_size: PositiveInt | None = None
+    reduce_bucket_size: PositiveInt | None = None  # ZeRO's reduce bucket in elements (null: sized from the model)
     # megatron-core's p2p overlap of the interleaved schedule (parallel.vpp > 1; batched p2p off)
     overlap_p2p_comm: bool = False
-    # megatron-core's TP communication overlap: Transformer Engine only, refused (see _validate_overlap)
+    # megatron-core's TP communication overlap: refused, it lives in Transformer Engine's layers only
     tp_comm_overlap: bool = False
 
 
@@ -75,30 +76,30 @@ class MoeConfig:
 
 @dataclass
 class DataConfig:
-    train_file: str = ""
-    valid_file: str | None = None
-    seq_len: PositiveInt = 128
+    train_file: str = ""  # JSONL: {"prompt", "response"}, {"messages": [...]} or {"text"} per line
+    valid_file: str | None = None  # the same format; its loss is the eval loss
+    seq_len: PositiveInt = 128  # tokens per sample (longer ones: see overlong)
     pack: bool = False  # concatenate samples, with attention reset at document boundaries
     overlong: Literal["truncate", "drop"] = "truncate"  # samples longer than seq_len + 1 tokens
     malformed: Literal["error", "skip"] = "error"  # malformed JSONL lines (skips are counted)
-    shuffle: bool = True
+    shuffle: bool = True  # a seeded order, the same on every layout; its position is checkpointed
 
 
 @dataclass
 class OptimConfig:
-    lr: Annotated[float, Bound(gt=0.0)] = 1e-4
-    min_lr: Annotated[float, Bound(ge=0.0)] = 0.0
+    lr: Annotated[float, Bound(gt=0.0)] = 1e-4  # peak learning rate (AdamW)
+    min_lr: Annotated[float, Bound(ge=0.0)] = 0.0  # where the cosine schedule ends, at the last step
     weight_decay: Annotated[float, Bound(ge=0.0)] = 0.0  # never applied to norms and biases
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
-    eps: Annotated[float, Bound(gt=0.0)] = 1e-8
-    warmup_steps: Count = 0
+    betas: tuple[Beta, Beta] = (0.9, 0.999)  # AdamW's
+    eps: Annotated[float, Bound(gt=0.0)] = 1e-8  # AdamW's
+    warmup_steps: Count = 0  # linear warmup from 0 to lr
     schedule: Literal["cosine", "constant"] = "cosine"  # after the linear warmup
     clip_grad: Annotated[float, Bound(ge=0.0)] = 1.0  # 0: no clipping
 
 
 @dataclass
 class WandbConfig:
-    enabled: bool = False
+    enabled: bool = False  # log metrics to W&B (the trainer owns the run; set WANDB_MODE=offline without a network)
     project: str = "toolkit-finetune"
     run_id: str | None = None  # default: one id per run_dir, kept across resumes
     mode: str | None = None  # e.g. "offline"; WANDB_MODE from the environment wins
@@ -108,14 +109,15 @@ class WandbConfig:
 class PeftConfig:
     """LoRA (toolkit.lora): the base frozen, only the adapter trained and saved."""
 
-    enabled: bool = False
+    enabled: bool = False  # train a LoRA adapter instead of every weight
     r: int = 8  # checked against the targets' dimensions once the model is known
-    alpha: Annotated[float, Bound(gt=0.0)] = 16.0
-    dropout: Annotated[float, Bound(ge=0.0, lt=1.0)] = 0.0
+    alpha: Annotated[float, Bound(gt=0.0)] = 16.0  # the update is scaled by alpha / r
+    dropout: Annotated[float, Bound(ge=0.0, lt=1.0)] = 0.0  # on the adapter's input
     target_modules: str = "all-linear"  # PEFT names, comma-separated: q_proj,v_proj
     use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
     init_from: str | None = None  # an HF PEFT adapter directory: its config supplies r, alpha, dropout and targets
-    base_model_name_or_path: str | None = None  # written into the exported adapter_config.json
+    # written into the exported adapter_config.json: the HF model AutoPeftModelForCausalLM loads as the base
+    base_model_name_or_path: str | None = None
 
 
 @dataclass
@@ -125,7 +127,7 @@ class LossScaleConfig:
     initial_scale_power: Annotated[int, Bound(integer=True, ge=0, le=32)] = 16  # the first scale is 2**power
     window: PositiveInt = 1000  # clean steps before the scale doubles
     hysteresis: PositiveInt = 2  # overflows in a row before the scale halves (each one skips its step)
-    min_scale: Annotated[float, Bound(gt=0.0)] = 1.0
+    min_scale: Annotated[float, Bound(gt=0.0)] = 1.0  # the scale never halves below this
     max_consecutive_skips: PositiveInt = 20  # overflowed steps in a row that stop the run
 
 
@@ -138,19 +140,19 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # training precision (fp32 master weights with bf16/fp16)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
-    micro_batch: PositiveInt = 1
-    global_batch: PositiveInt = 8
-    steps: PositiveInt = 100
-    seed: Annotated[int, Bound(integer=True, ge=0)] = 1234
-    log_every: PositiveInt = 10
+    micro_batch: PositiveInt = 1  # sequences per forward on one data-parallel rank
+    global_batch: PositiveInt = 8  # sequences per optimizer step, over every micro-batch and DP rank
+    steps: PositiveInt = 100  # optimizer steps in all (a resume with more steps extends the run)
+    seed: Annotated[int, Bound(integer=True, ge=0)] = 1234  # data order, LoRA initialisation, dropout
+    log_every: PositiveInt = 10  # steps between metric lines
     eval_every: Count = 0  # 0: only at the end (when a validation set is given)
     save_every: Count = 0  # 0: only at the end
     keep_last: PositiveInt = 2  # complete checkpoints kept; the one `latest` names is never pruned
-    run_dir: str = "runs/finetune"
+    run_dir: str = "runs/finetune"  # checkpoints, metrics.jsonl, resolved_config.json and the export
     resume: str = "none"  # "none", "auto" (latest complete checkpoint in run_dir) or a checkpoint path
-    export_hf: bool = True
+    export_hf: bool = True  # a full fine-tune exports RUN_DIR/hf at the end (a LoRA run always exports RUN_DIR/adapter)
     peak_tflops: Annotated[float, Bound(gt=0.0)] | None = None  # per device; looked up for known GPUs, nominal on CPU
 
     def to_dict(self) -> dict:

@@ -14,21 +14,27 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device, from vendor datasheets.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 # Nothing meaningful exists for a CPU; MFU on CPU is reported against this nominal figure.
 CPU_NOMINAL_TFLOPS = 1.0
 
 
-def peak_tflops(override: float | None) -> tuple[float, str]:
+def peak_tflops(override: float | None, precision: str = "bf16") -> tuple[float, str]:
+    """This device's dense peak for matmuls at `precision` (toolkit.peak_flops), and where it comes
+    from; 0.0 where none is known (MFU is then not reported)."""
+    from toolkit.peak_flops import gpu_peak, matmul_tflops, tf32_enabled
+
     if override:
         return override, "given"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value, name
-        return 0.0, f"unknown GPU {name} (pass peak_tflops)"
+        peak = gpu_peak(name)
+        if peak is None:
+            return 0.0, f"unknown GPU {name} (pass peak_tflops)"
+        tf32 = precision == "fp32" and tf32_enabled()
+        value = matmul_tflops(peak, precision, tf32)
+        if value is None:
+            return 0.0, f"{name} has no {precision} tensor cores (pass peak_tflops)"
+        return value, f"{name}, {'tf32' if tf32 else precision} dense"
     return CPU_NOMINAL_TFLOPS, "CPU, nominal"
 
 

@@ -53,11 +53,15 @@ def save(sharded_state_dict: dict, directory: str) -> None:
 
 
 def _write_buckets(request) -> None:
-    """What write_preloaded_data_multiproc does with forked processes, with threads."""
+    """What write_preloaded_data_multiproc does with forked processes, with threads, after staging
+    the tensors to the CPU as AsyncRequest.execute_sync does: the writer takes CPU tensors only
+    (filesystem_async.py:392 `assert tensor.is_cpu`), and on a GPU DeepSpeed's states are not."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     transforms, _use_msc = request.async_fn.args
     _rank, buckets, results_queue = request.async_fn_args
+    if request.preload_fn is not None:
+        buckets = request.preload_fn()
     local, count = queue.Queue(), queue.Queue()
     threads = []
     for index, bucket in enumerate(buckets):

@@ -1,0 +1,72 @@
+"""The documentation: the site builds without a warning, the recipe-key reference is the config
+classes' own, and the README stays a short user guide whose set-up commands, links and model
+table match the repository."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from toolkit.families import FAMILIES, REFUSED
+from toolkit.train import config_reference
+from toolkit.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def test_recipe_key_reference_matches_the_config_classes():
+    committed = config_reference.REFERENCE.read_text() if config_reference.REFERENCE.is_file() else ""
+    assert committed == config_reference.render(), (
+        f"{config_reference.REFERENCE.relative_to(ROOT)} is out of date with toolkit/train/config.py: "
+        f"regenerate it with `{config_reference.REGENERATE}` and commit the result")
+
+
+def _leaf_keys(obj, prefix=""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaf_keys(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_recipe_key_reference_lists_every_key_the_loader_accepts():
+    """Walked from a config instance, independently of the renderer's walk over the classes."""
+    rows = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9_.]+)` \|", config_reference.render(), re.M)}
+    assert rows == set(_leaf_keys(TrainConfig()))
+
+
+def test_docs_site_builds_strict(tmp_path):
+    """`mkdocs build --strict`: a broken link or anchor, or a page missing from the nav, fails.
+    (Not --quiet: it silences the warnings before strict mode counts them, and the build passes.)"""
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                             "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "site" / "reference" / "recipe_keys" / "index.html").is_file()
+
+
+def test_readme_is_a_short_user_guide_with_the_ci_command():
+    text = README.read_text()
+    assert len(text.splitlines()) < 250
+    ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci_command}\n```" in text, f"the README's test command must be what .ci/run runs: {ci_command}"
+    assert "```bash\npython3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/toolkit quickstart\n```" in text
+
+
+def test_readme_links_point_at_files_that_exist():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative and not [link for link in relative if not (ROOT / link).exists()]
+
+
+def test_readme_model_table_names_every_family_and_refused_type():
+    section = README.read_text().split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    table = section.split("|---", 1)[1]  # the rows, below the header
+    first_cells = set(re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M))
+    assert first_cells == {t for f in FAMILIES for t in f.model_types}
+    for model_type in REFUSED:
+        assert f"`{model_type}`" in table

@@ -1,0 +1,99 @@
+"""Multimodal checkpoints whose language model is a family the toolkit converts (Gemma 3 4B / 12B /
+27B as published: Gemma3ForConditionalGeneration), read as that language model.
+
+transformers 5.23 saves the wrapper's text model under `language_model.` (`language_model.model.*`,
+`language_model.lm_head.weight` where untied: its _checkpoint_conversion_mapping reversed on save,
+as the published files are), the vision tower and the projector beside it, and the text model's
+config under `text_config`. The converter reads the language model through `LanguageModelView`:
+the text config as the checkpoint's config.json, the prefixed tensors under their text-model names.
+The megatron checkpoint is the text model; `megatron_to_hf(..., wrapper=DIR)` writes it back into
+the wrapper, every other tensor of DIR copied as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from toolkit.errors import ConversionError
+
+if TYPE_CHECKING:  # the CLI's help lists WRAPPERS without importing torch
+    import torch
+
+    from toolkit.convert.hf_source import HFCheckpoint
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    model_type: str  # the wrapper's config.json model_type
+    text_config: str  # the key of the language model's config
+    prefix: str  # of the language model's tensors
+    text_architecture: str  # the HF class of the language model alone
+    architecture: str  # the wrapper's HF class
+
+
+WRAPPERS = (Wrapper("gemma3", "text_config", "language_model.", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),)
+# Keys of the wrapper's config.json that describe the language model where its text_config leaves
+# them out (transformers 5 writes them at the top level of the wrapper)
+INHERITED = ("dtype", "torch_dtype", "tie_word_embeddings")
+
+
+def wrapper_for(cfg: dict) -> Wrapper | None:
+    return next((w for w in WRAPPERS if cfg.get("model_type") == w.model_type), None)
+
+
+def text_config(cfg: dict, wrapper: Wrapper, where: Path) -> dict:
+    text = cfg.get(wrapper.text_config)
+    if not isinstance(text, dict):
+        raise ConversionError(f"{where}: model_type {wrapper.model_type!r} without a {wrapper.text_config!r} object: "
+                              "not a multimodal checkpoint this toolkit can read")
+    inherited = {k: cfg[k] for k in INHERITED if k in cfg and k not in text}
+    return {**text, **inherited, "architectures": [wrapper.text_architecture]}
+
+
+class LanguageModelView:
+    """An HFCheckpoint of a wrapper, seen as its language model (HFCheckpoint's interface)."""
+
+    def __init__(self, src: HFCheckpoint, wrapper: Wrapper):
+        self.wrapper, self.whole, self.dir = wrapper, src, src.dir
+        self.config = text_config(src.config, wrapper, src.dir / "config.json")
+        self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
+        n = len(wrapper.prefix)
+        self.tensors = {name[n:]: e for name, e in src.tensors.items() if name.startswith(wrapper.prefix)}
+        if not self.tensors:
+            raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefix}*: not the language model of a "
+                                  f"{wrapper.model_type} checkpoint as transformers saves it")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        return self.whole.read(self.wrapper.prefix + name, rows, cols)
+
+    def tokenizer_files(self) -> list[Path]:
+        return self.whole.tokenizer_files()
+
+    def other_tensors(self) -> list[str]:
+        """The wrapper's tensors outside the language model (vision tower, projector), in file order."""
+        return [name for name in self.whole.tensors if not name.startswith(self.wrapper.prefix)]
+
+
+def open_hf(directory) -> HFCheckpoint | LanguageModelView:
+    """An HF checkpoint directory as the converter reads it: a wrapper as its language model."""
+    from toolkit.convert.hf_source import HFCheckpoint
+
+    src = HFCheckpoint(directory)
+    wrapper = wrapper_for(src.config)
+    return LanguageModelView(src, wrapper) if wrapper else src
+
+
+def open_wrapper(directory) -> LanguageModelView:
+    view = open_hf(directory)
+    if not isinstance(view, LanguageModelView):
+        raise ConversionError(f"{directory} is not a multimodal checkpoint with a language model this toolkit reads "
+                              f"(model_type {view.config.get('model_type')!r}; known: "
+                              f"{', '.join(w.model_type for w in WRAPPERS)})")
+    return view
+
