@@ -58,7 +58,8 @@ def tiny_moe(tmp_path_factory) -> dict[str, Path]:
 
 
 def fp32_and_bf16_models(root: Path, variants, fp32_seed: int, bf16_seed: int) -> dict[str, Path]:
-    """variant -> fp32 tiny model, `<variant>-bf16` -> the bf16 one (other weights)."""
+    """variant -> fp32 tiny model (logit parity), plus `<variant>-bf16` (round trips in the HF dtype);
+    the i-th variant seeded fp32_seed + i and bf16_seed + i."""
     from toolkit.tinymodels import make_tiny_model
 
     models = {}

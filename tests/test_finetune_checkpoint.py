@@ -154,7 +154,7 @@ def test_export_at_tp2_pp2_equals_the_trained_model_and_matches_megatron_logits(
             ds_states[(tp_rank, pp_rank)] = state
     from toolkit.convert.naming import to_canonical
 
-    for row in ckpt.family.rows_for(ckpt.spec.tied_embeddings):
+    for row in ckpt.family.rows_for(ckpt.spec):
         for layer in range(4) if row.per_layer else [None]:
             pp_rank = 0 if layer is None and row.megatron.startswith("embedding") else (1 if layer is None else layer // 2)
             local = row.megatron_name(None if layer is None else layer % 2)

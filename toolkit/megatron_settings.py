@@ -70,6 +70,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         # per layer, 1 where the window applies (megatron-core's is_layer_window_attention)
         window_attn_skip_freq=[int(c) for c in spec.window_layers] if spec.window_layers else None,
         softmax_scale=spec.softmax_scale,
+        **({"qk_layernorm": True} if spec.qk_norm else {}),
         **family_named(spec.family).megatron,
         **moe_settings(spec),
     )
@@ -97,9 +98,10 @@ def moe_settings(spec: ModelSpec) -> dict:
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_score_function="softmax",
+        moe_router_score_function=spec.moe_score_function,
         moe_router_pre_softmax=not spec.moe_renormalise,
-        moe_router_topk_scaling_factor=None,
+        moe_router_topk_scaling_factor=spec.moe_scaling_factor,
+        **sigmoid_router_settings(spec),
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="alltoall",
         moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
@@ -108,6 +110,15 @@ def moe_settings(spec: ModelSpec) -> dict:
         moe_layer_freq=[int(kind) for kind in spec.moe_layers] if spec.moe_layers else 1,
         **load_balancing_loss(spec),
     )
+
+
+def sigmoid_router_settings(spec: ModelSpec) -> dict:
+    """DeepSeek-V3 / GLM-4.5's router (toolkit/families/sigmoid_router.py): the expert bias as
+    megatron-core's expert_bias buffer, group-limited top-k, and the router in fp32 as HF's."""
+    if spec.moe_score_function != "sigmoid":
+        return {}
+    return dict(moe_router_enable_expert_bias=spec.moe_expert_bias, moe_router_num_groups=spec.moe_num_groups,
+                moe_router_group_topk=spec.moe_group_topk, moe_router_dtype="fp32")
 
 
 def load_balancing_loss(spec: ModelSpec) -> dict:

@@ -48,6 +48,19 @@ QWEN2_MOE = dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, i
 # projection with 2 KV heads (fewer than TP 4).
 OLMOE = dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, intermediate_size=44, num_experts=8,
              num_experts_per_tok=3, norm_topk_prob=True, num_hidden_layers=4, vocab_size=251)
+# GLM-4.5 with every feature on: 12 experts in 4 groups of 3, the best 2 groups kept, top-4 (4 // 2 = 2,
+# HF's top-2 group score: exact in megatron-core), 2 shared experts fused to width 48, the first
+# layer dense (width 96; PP 2's first stage holds a dense and a MoE layer), a routed scaling of 2.5,
+# RoPE on half of each head, per-head q/k norms, q/k/v biases; the expert bias is randomised too
+# (EXPERT_BIAS_STD). GLM-4.5-Air-like: neither q/k norms nor biases, no group limit.
+GLM4_MOE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                moe_intermediate_size=24, n_routed_experts=12, num_experts_per_tok=4, n_group=4, topk_group=2,
+                n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                use_qk_norm=True, attention_bias=True, num_hidden_layers=4, vocab_size=251,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
+# Expert biases of this spread move the sigmoid scores' ranking, so they decide routing for some tokens
+EXPERT_BIAS_STD = 0.2
 # Router weights this large give logits of about unit spread: routing depends on them, and
 # renormalising the top-2 probabilities (or not) changes the output (the parity guard).
 ROUTER_STD = 0.15
@@ -116,6 +129,8 @@ VARIANTS = {
     # every other one (Qwen2-MoE's decoder_sparse_step 2)
     "qwen3-moe-dense-layers": ("Qwen3MoeConfig", {**QWEN3_MOE, "mlp_only_layers": [0, 1]}),
     "qwen2-moe-sparse-step": ("Qwen2MoeConfig", {**QWEN2_MOE, "decoder_sparse_step": 2}),
+    "glm4-moe": ("Glm4MoeConfig", GLM4_MOE),
+    "glm4-moe-air": ("Glm4MoeConfig", GLM4_MOE_AIR),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),
@@ -189,6 +204,9 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) 
                 param.normal_(0.0, ROUTER_STD)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
+                buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
     directory = Path(directory)
     model.save_pretrained(directory)

@@ -43,6 +43,8 @@ _DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+# Buffers HF keeps in float32 whatever the model's dtype (DeepSeek-V3 / GLM-4.5's expert bias)
+HF_FLOAT32_BUFFERS = ("e_score_correction_bias",)
 _SAFETENSORS_CODE = {_DTYPES[code][0]: code for code in FLOAT_DTYPES}  # "bfloat16" -> "BF16"
 
 
@@ -156,6 +158,11 @@ def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | Non
             raise ConversionError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; only floating-point "
                                   f"weights ({', '.join(FLOAT_DTYPES)}) can be converted")
         expected = expected or entry.dtype
+        if entry.dtype != expected and name.endswith(HF_FLOAT32_BUFFERS):
+            raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} as HF keeps it (the model's "
+                                  f"_keep_in_fp32_modules_strict) while the weights are {expected}: checkpoints of mixed "
+                                  "dtypes are not converted yet (the writers keep one dtype, and rounding the expert bias "
+                                  "would change which experts are chosen)")
         if entry.dtype != expected:
             declared = f"config.json says dtype {config_dtype}" if config_dtype else f"other tensors are {expected}"
             raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} but {declared}: the header or "

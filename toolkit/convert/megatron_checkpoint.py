@@ -148,7 +148,7 @@ class MegatronCheckpoint:
             self.verified.add(path)
 
     def _rows(self):
-        return self.family.rows_for(self.spec.tied_embeddings)
+        return self.family.rows_for(self.spec)
 
     def _from_rank_files(self, wanted):
         """Stage by stage, EP rank by EP rank: memory maps one EP rank's TP files at a time. The dense

@@ -49,7 +49,7 @@ def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int
     layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
     names = {
         name
-        for row in family.rows_for(spec.tied_embeddings)
+        for row in family.rows_for(spec)
         if on_stage(row, pp_rank, layout.pp)
         for layer, _, expert, _ in row_instances(row, layers, experts, spec.moe_layers)
         for name in row.hf_names(layer, expert)
@@ -65,7 +65,7 @@ def stage_rows(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int,
     global expert) of every tensor one rank of the stage holds, in rank-file order; a tied output
     layer (the last stage's copy of the embedding) is the embedding's row."""
     layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
-    for row in family.rows_for(spec.tied_embeddings):
+    for row in family.rows_for(spec):
         if on_stage(row, pp_rank, layout.pp):
             for layer, local, expert, local_expert in row_instances(row, layers, experts, spec.moe_layers):
                 yield row.megatron_name(local, local_expert), row, layer, expert

@@ -7,6 +7,7 @@ from the HF safetensors and written as soon as it is complete.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
     """Refuse missing, extra or misshapen tensors before anything is written."""
     expected = expected_hf_tensors(family, spec)
     missing = sorted(set(expected) - set(src.tensors))
-    extra = sorted(set(src.tensors) - set(expected))
+    extra = sorted(set(src.tensors) - set(expected) - mtp_tensors(src, family, spec))
     if missing:
         raise ConversionError(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}")
     if extra:
@@ -59,6 +60,14 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
             raise ConversionError(
                 f"tensor {name!r} has shape {list(src.shape(name))} but config.json implies {list(shape)}"
             )
+
+
+def mtp_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> set[str]:
+    """The tensors of the multi-token-prediction layers stored after the decoder layers (Family.mtp_key),
+    which the conversion leaves out as HF's model does."""
+    count = (src.config.get(family.mtp_key) or 0) if family.mtp_key else 0
+    layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(count if type(count) is int else 0))
+    return {name for name in src.tensors if name.startswith(layers)} if layers else set()
 
 
 def output_bytes(src: HFCheckpoint) -> int:
@@ -88,7 +97,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     geo = layout.geometry(spec)
     stacked = dist_format.stacks_layers(spec.moe_layers)
     chunks = []
-    for row in family.rows_for(spec.tied_embeddings):
+    for row in family.rows_for(spec):
         for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
             names = row.hf_names(layer, expert)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
@@ -106,7 +115,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
 def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
     """Tensors the per-rank writer builds (for the progress bar)."""
     experts = layout.local_experts(spec, 0)
-    per_rank = sum(1 for r in family.rows_for(spec.tied_embeddings)
+    per_rank = sum(1 for r in family.rows_for(spec)
                    for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers))
     tied_output_copy = spec.tied_embeddings and layout.pp > 1  # the last stage's output layer
     return layout.tp * layout.ep * (per_rank + tied_output_copy)
@@ -142,6 +151,12 @@ def hf_to_megatron(
     layout.check(spec)
     check_tensors(src, family, spec)
     check_weight_dtypes(src.tensors, config_dtype(src.config))
+    left_out = mtp_tensors(src, family, spec)
+    if left_out:
+        print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "
+              f"{len(left_out)} tensors from model.layers.{spec.num_layers}.) are left out: HF's {family.architecture} "
+              "ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not converted yet",
+              file=sys.stderr)
     args = megatron_args(spec, layout, fmt)
     with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE

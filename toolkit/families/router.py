@@ -18,7 +18,7 @@ times the MLP's output, gate_weight [1, hidden] as HF's Linear(hidden, 1)).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from toolkit.errors import ConversionError
@@ -60,6 +60,9 @@ class Router:
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate(x))
     # Which layers are MoE (per layer "1" / "0") where a family mixes dense layers in; None: every layer
     layers: Callable[[dict], str] | None = field(default=None, hash=False)
+    # More MoeFields read from config.json (cfg -> dict of MoeFields fields), refusing what is not
+    # exact: the sigmoid router of DeepSeek-V3 / GLM-4.5 (toolkit/families/sigmoid_router.py)
+    read: Callable[[dict], dict] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,20 @@ class MoeFields:
     shared_ffn_hidden_size: int = 0
     shared_expert_gate: bool = False
     layers: str | None = None  # per layer "1" MoE / "0" dense; None: every layer MoE
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
 
     def spec_fields(self) -> dict:
         """As ModelSpec fields."""
         return dict(num_experts=self.num_experts, moe_topk=self.topk, moe_ffn_hidden_size=self.ffn_hidden_size,
                     moe_renormalise=self.renormalise, moe_aux_loss_coeff=self.aux_loss_coeff,
                     moe_shared_ffn_hidden_size=self.shared_ffn_hidden_size, moe_shared_expert_gate=self.shared_expert_gate,
-                    moe_layers=self.layers)
+                    moe_layers=self.layers, moe_score_function=self.score_function, moe_expert_bias=self.expert_bias,
+                    moe_num_groups=self.num_groups, moe_group_topk=self.group_topk,
+                    moe_scaling_factor=self.scaling_factor)
 
 
 def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
@@ -86,7 +96,7 @@ def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
         if key in cfg and cfg[key] is not None and cfg[key] != value:
             raise ConversionError(f"{family_name} with {key}={cfg[key]!r} cannot be mapped exactly to megatron-core: {why}")
     key = next((k for k in router.experts_keys if cfg.get(k) is not None), router.experts_keys[0])
-    experts, topk = _positive(cfg, key), _positive(cfg, router.topk_key)
+    experts, topk = positive(cfg, key), positive(cfg, router.topk_key)
     if topk > experts:
         raise ConversionError(f"{router.topk_key}={topk} is more than the {experts} experts ({key}): "
                               "a token cannot be routed to more experts than there are")
@@ -94,13 +104,14 @@ def read_moe(cfg: dict, family_name: str, router: Router) -> MoeFields:
     aux = cfg.get(router.aux_loss_key) or 0.0
     if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0.0 <= aux < float("inf"):
         raise ConversionError(f"config.json has {router.aux_loss_key}={aux!r}; expected a finite number >= 0")
-    shared = _positive(cfg, router.shared_ffn_key) if router.shared_ffn_key else 0
+    shared = positive(cfg, router.shared_ffn_key) if router.shared_ffn_key else 0
     layers = router.layers(cfg) if router.layers else None
-    return MoeFields(experts, topk, _positive(cfg, router.ffn_key), renormalise, float(aux), shared,
-                     router.shared_expert_gate, None if layers is None or "0" not in layers else layers)
+    fields = MoeFields(experts, topk, positive(cfg, router.ffn_key), renormalise, float(aux), shared,
+                       router.shared_expert_gate, None if layers is None or "0" not in layers else layers)
+    return replace(fields, **router.read(cfg)) if router.read else fields
 
 
-def _positive(cfg: dict, key: str) -> int:
+def positive(cfg: dict, key: str) -> int:
     value = cfg.get(key)
     if type(value) is not int or value < 1:
         raise ConversionError(f"config.json has {key}={value!r}; a Mixture-of-Experts model needs a positive integer")

@@ -58,6 +58,17 @@ class ModelSpec:
     # Per layer "1" for a MoE layer, "0" for a dense MLP of ffn_hidden_size (megatron-core's
     # moe_layer_freq as a list); None: every layer alike
     moe_layers: str | None = None
+    # The router's score (megatron-core's moe_router_score_function): "softmax", or "sigmoid" (DeepSeek-V3,
+    # GLM-4.5: always renormalised over the k kept), with an expert bias used for selection only
+    # (HF e_score_correction_bias), group-limited top-k (None: no groups) and a scaling of the k
+    # weights (None: 1) (toolkit/families/sigmoid_router.py)
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_num_groups: int | None = None
+    moe_group_topk: int | None = None
+    moe_scaling_factor: float | None = None
+    # Per-head q/k RMSNorms where config.json decides (GLM-4.5's use_qk_norm; Qwen3 always has them)
+    qk_norm: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -210,7 +221,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         norm_eps=float(_require(cfg, "rms_norm_eps")),
         max_position_embeddings=int(_require(cfg, "max_position_embeddings")),
         tied_embeddings=bool(_require(cfg, "tie_word_embeddings")),
-        qkv_bias=family.qkv_bias,
+        qkv_bias=family.qkv_bias if isinstance(family.qkv_bias, bool) else bool(_require(cfg, family.qkv_bias)),
         window_size=int(window) if window else None,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         **({} if moe is None else moe.spec_fields()),

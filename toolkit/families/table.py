@@ -28,6 +28,9 @@ class Row:
     # The kind of decoder layer the row belongs to where a model mixes kinds (MOE_LAYER, DENSE_LAYER:
     # a dense MLP among Mixture-of-Experts layers); None: every layer
     kind: str | None = None
+    # A ModelSpec flag the row depends on where the config decides whether the tensor exists
+    # (GLM-4.5's attention_bias, use_qk_norm); None: always there
+    when: str | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -40,6 +43,11 @@ class Row:
     @property
     def per_expert(self) -> bool:
         return EXPERT in self.megatron
+
+    @property
+    def is_buffer(self) -> bool:
+        """A megatron-core buffer, saved with the model but not a parameter (the router's expert bias)."""
+        return self.megatron.endswith(BUFFERS)
 
     def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
         return _fill(self.megatron, layer, expert)
@@ -54,8 +62,13 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
     return pattern if expert is None else pattern.replace(EXPERT, str(expert))
 
 
-def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind)
+def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
+        when: str | None = None) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when)
+
+
+# megatron-core buffers a family table maps (TopKRouter's aux-loss-free expert bias, router.py:173)
+BUFFERS = (".mlp.router.expert_bias",)
 
 
 MOE_LAYER, DENSE_LAYER = "moe", "dense"
@@ -91,7 +104,8 @@ class Family:
     model_types: tuple[str, ...]
     architecture: str  # the HF class written into config.json "architectures"
     rows: tuple[Row, ...]
-    qkv_bias: bool = False
+    # q/k/v biases: always, never, or as the config.json key of that name says (GLM-4.5's attention_bias)
+    qkv_bias: bool | str = False
     # config.json key holding a sliding-window size that applies to every layer, if any
     window_key: str | None = None
     # config.json flags this family can't map exactly: refuse if any is truthy
@@ -116,7 +130,13 @@ class Family:
     read: Callable[[dict], dict] | None = field(default=None, hash=False)
     # The decoder layer, where megatron-core's stock GPT layer cannot express it
     layer: CustomLayer | None = None
+    # config.json key counting the multi-token-prediction layers stored after the decoder layers
+    # (`model.layers.<num_hidden_layers + i>.*`, GLM-4.5 / DeepSeek-V3), which HF's model ignores on
+    # load: the converter leaves them out and says so
+    mtp_key: str | None = None
 
-    def rows_for(self, tied: bool) -> tuple[Row, ...]:
-        """With tied embeddings the output layer is the embedding, so its row is dropped."""
-        return tuple(r for r in self.rows if not (tied and r.megatron == OUTPUT_LAYER))
+    def rows_for(self, spec) -> tuple[Row, ...]:
+        """The rows of `spec` (a ModelSpec): with tied embeddings the output layer is the embedding,
+        so its row is dropped; a row that depends on a flag (Row.when) only where the flag is set."""
+        return tuple(r for r in self.rows if not (spec.tied_embeddings and r.megatron == OUTPUT_LAYER)
+                     and (r.when is None or getattr(spec, r.when)))

@@ -51,7 +51,7 @@ class LinearTargets:
 
 def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
     linears = []
-    for row in family.rows_for(spec.tied_embeddings):
+    for row in family.rows_for(spec):
         if not (row.per_layer and row.megatron.endswith(".weight")):
             continue
         if row.split is Split.ROW:

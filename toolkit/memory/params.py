@@ -29,8 +29,8 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
     padded_vocab = Layout(tp, pp).padded_vocab(spec.vocab_size)
     first, last = stage == 0, stage == pp - 1
     numels: list[int] = []
-    for row in family.rows_for(spec.tied_embeddings):
-        if part != "all" and row.per_expert != (part == "experts"):
+    for row in family.rows_for(spec):
+        if row.is_buffer or part != "all" and row.per_expert != (part == "experts"):
             continue
         numel = sum(math.prod(padded_vocab if s == "vocab" else spec.size_of(s) for s in shape) for shape in row.shapes)
         if row.split is not Split.REPLICATED:
@@ -52,7 +52,9 @@ def total_params(spec: ModelSpec) -> int:
     """Parameters of the whole model (true vocab, tied embeddings counted once)."""
     family = family_named(spec.family)
     total = 0
-    for row in family.rows_for(spec.tied_embeddings):
+    for row in family.rows_for(spec):
+        if row.is_buffer:
+            continue
         numel = sum(math.prod(spec.size_of(s) for s in shape) for shape in row.shapes)
         layers = sum(row.on_layer(n, spec.moe_layers) for n in range(spec.num_layers)) if row.per_layer else 1
         total += numel * layers * (spec.num_experts if row.per_expert else 1)
