@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from toolkit.errors import ConversionError
 
 
+# Sizes a model is built from: a whole number of at least 1 each (spec.py checks the resolved values too).
+SIZE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size")
+
+
 class ConfigValues(dict):
     """The resolved config (a dict, so the readers index it as the file), remembering the keys
     looked up and those present in the file itself."""
@@ -77,6 +82,10 @@ def config_values(cfg: dict, source: str = "config.json") -> ConfigValues:
     from transformers.utils import logging
 
     config_class = CONFIG_MAPPING[cfg["model_type"]]
+    for key in SIZE_KEYS:  # before the class divides by them (a ZeroDivisionError there names no key)
+        value = cfg.get(key)
+        if type(value) is int and value < 1:
+            raise ConversionError(f"{source} has {key}={value!r}: it must be at least 1")
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its warnings about token ids are not ours to show
     try:
