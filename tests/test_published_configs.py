@@ -133,10 +133,13 @@ def test_verbose_conversion_names_the_keys_read_and_the_defaults_applied(tmp_pat
 
 # -- the corpus: converts and verifies exactly, or is refused in one line --
 
-@pytest.mark.parametrize("name", corpus.refused())
-def test_published_config_is_refused_in_one_line(name, tmp_path):
-    src = corpus.build_model(name, tmp_path / "hf")
-    convert_fails(src, tmp_path / "out", r"^[^\n]*" + re.escape(corpus.index()[name]["outcome"]) + r"[^\n]*$")
+def test_every_published_config_converts_or_is_refused_in_one_line(tmp_path):
+    """An entry whose outcome is not "converts" names its refusal, which conversion must give in one
+    line (none today: LongRoPE was the last). One test over the list rather than a parameter per
+    entry, so an empty list is not reported as a skip."""
+    for name in corpus.refused():
+        src = corpus.build_model(name, tmp_path / name / "hf")
+        convert_fails(src, tmp_path / name / "out", r"^[^\n]*" + re.escape(corpus.index()[name]["outcome"]) + r"[^\n]*$")
 
 
 @pytest.mark.multiprocess
