@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from toolkit.convert.wrapper import WRAPPERS
 from toolkit.families import FAMILIES, REFUSED
 from toolkit.train import config_reference
 from toolkit.train.config import TrainConfig
@@ -67,6 +68,6 @@ def test_readme_model_table_names_every_family_and_refused_type():
     section = README.read_text().split("## Supported models", 1)[1].split("\n## ", 1)[0]
     table = section.split("|---", 1)[1]  # the rows, below the header
     first_cells = set(re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M))
-    assert first_cells == {t for f in FAMILIES for t in f.model_types}
+    assert first_cells == {t for f in FAMILIES for t in f.model_types} | {w.model_type for w in WRAPPERS}
     for model_type in REFUSED:
         assert f"`{model_type}`" in table
