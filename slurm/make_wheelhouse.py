@@ -1,0 +1,136 @@
+"""Build a wheelhouse for an offline node: what the project needs that the node's environment lacks.
+
+    python slurm/make_wheelhouse.py OUT [--site FILE] [--python-version 3.12] [--platform TAG ...]
+
+Run it where pip reaches a package index, with torch installed (DeepSpeed's build imports it).
+OUT receives:
+  * this project's wheel;
+  * DeepSpeed built with DS_BUILD_OPS=0: a pure-Python wheel whose ops are JIT-built on first use
+    where nvcc exists (DeepSpeed publishes only an sdist, which an offline node could not build);
+  * every other package in the project's dependency closure for the target Python and platform that
+    the site (`--site`: a `pip freeze` of the target environment; default slurm/gpu-image-site.txt,
+    the GPU image we test on) does not already have: megatron-core, wandb, pydantic and their small
+    dependencies. The site's own versions are constraints of the resolution, so nothing here asks
+    for another torch or transformers.
+Then on the node (docs/install.md):
+    pip install --no-index --find-links OUT --no-build-isolation -e .     # from a checkout, or
+    pip install --no-index --find-links OUT megatron-ds-toolkit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_IMAGE_SITE = Path(__file__).with_name("gpu-image-site.txt")
+# Every manylinux tag a glibc 2.39 x86-64 node runs (the GPU image is Ubuntu 24.04): pip matches each exactly.
+PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)) + ("manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                                           "manylinux1_x86_64")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_site(path: Path) -> dict[str, str | None]:
+    """name -> version (None where the file names the package without a version) from `pip freeze`
+    lines; comments, editable and URL lines are skipped."""
+    site: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line or line.startswith("-") or " @ " in line:
+            continue
+        name, _, version = line.partition("==")
+        site[canonical(name)] = version.split("+")[0] or None
+    return site
+
+
+def pinned_version(name: str) -> str:
+    """The exact version pyproject.toml pins `name` to."""
+    text = (REPO / "pyproject.toml").read_text()
+    found = re.search(rf'"{re.escape(name)}==([^"]+)"', text)
+    if not found:
+        raise SystemExit(f"make_wheelhouse: pyproject.toml pins no exact {name}; name the version to build")
+    return found.group(1)
+
+
+def pip(*args: str, env: dict | None = None) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True, env={**os.environ, **(env or {})})
+
+
+def build_local_wheels(out: Path, site: dict) -> Path:
+    """This project's wheel, and DeepSpeed's pure-Python wheel unless the site has DeepSpeed."""
+    pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO))
+    if "deepspeed" not in site and not list(out.glob("deepspeed-*.whl")):
+        pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), f"deepspeed=={pinned_version('deepspeed')}",
+            env={"DS_BUILD_OPS": "0"})
+    return next(out.glob("megatron_ds_toolkit-*.whl"))
+
+
+def resolve(project_wheel: Path, out: Path, site: dict, python_version: str, platforms: list[str]) -> list[tuple[str, str]]:
+    """(name, version) of the closure that the site lacks, for the target Python and platform:
+    pip resolves without installing, fetching only metadata, with the site's versions as constraints."""
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "site-constraints.txt"
+        constraints.write_text("".join(f"{n}=={v}\n" for n, v in site.items() if v))
+        report = Path(tmp) / "report.json"
+        platform_args = [arg for p in platforms for arg in ("--platform", p)]
+        pip("install", "--dry-run", "--target", str(Path(tmp) / "target"), "--quiet", "--report", str(report), "--only-binary=:all:",
+            "--python-version", python_version, "--implementation", "cp", *platform_args,
+            "--find-links", str(out), "-c", str(constraints), str(project_wheel))
+        installs = json.loads(report.read_text())["install"]
+    return [(canonical(i["metadata"]["name"]), i["metadata"]["version"]) for i in installs
+            if canonical(i["metadata"]["name"]) not in site]
+
+
+def requirements(wheel: Path) -> list[str]:
+    """The names of a wheel's unconditional requirements (its METADATA's Requires-Dist without extras)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
+    return [canonical(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0])
+            for line in lines if line.startswith("Requires-Dist:") and "extra ==" not in line]
+
+
+def make_wheelhouse(out: Path, site: dict, python_version: str, platforms: list[str]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    project_wheel = build_local_wheels(out, site)
+    needed = [name for name in requirements(project_wheel) if name not in site]
+    # A site that has every direct requirement needs nothing else (and no index is asked).
+    missing = [(n, v) for n, v in (resolve(project_wheel, out, site, python_version, platforms) if needed else [])
+               if n not in ("megatron-ds-toolkit", "deepspeed")]
+    if missing:
+        platform_args = [arg for p in platforms for arg in ("--platform", p)]
+        pip("download", "--no-deps", "--quiet", "--only-binary=:all:", "--python-version", python_version,
+            "--implementation", "cp", *platform_args, "-d", str(out), *(f"{n}=={v}" for n, v in missing))
+    return sorted(out.glob("*.whl"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="the wheelhouse folder (created; existing wheels are kept)")
+    parser.add_argument("--site", type=Path, default=GPU_IMAGE_SITE,
+                        help="`pip freeze` of the target environment (default: the GPU image's, slurm/gpu-image-site.txt)")
+    parser.add_argument("--python-version", default="3.12", help="the target's Python, e.g. 3.12")
+    parser.add_argument("--platform", action="append", help=f"wheel platform tags to accept (default: {' '.join(PLATFORMS)})")
+    args = parser.parse_args()
+    if not args.site.is_file():
+        parser.error(f"--site {args.site}: no such file (run `python -m pip freeze > site.txt` on the target)")
+    wheels = make_wheelhouse(args.out, read_site(args.site), args.python_version, args.platform or list(PLATFORMS))
+    size = sum(w.stat().st_size for w in wheels)
+    print(f"{len(wheels)} wheels, {size / 2**20:.1f} MiB in {args.out}:")
+    for wheel in wheels:
+        print(f"  {wheel.stat().st_size / 2**20:6.2f} MiB  {wheel.name}")
+
+
+if __name__ == "__main__":
+    main()
