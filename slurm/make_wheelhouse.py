@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,12 @@ def pip(*args: str, env: dict | None = None) -> None:
 
 def build_local_wheels(out: Path, site: dict) -> Path:
     """This project's wheel, and DeepSpeed's pure-Python wheel unless the site has DeepSpeed."""
-    pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO))
+    with tempfile.TemporaryDirectory() as tmp:  # a copy: setuptools leaves build/ and egg-info where it builds
+        source = Path(tmp) / "src"
+        shutil.copytree(REPO / "toolkit", source / "toolkit", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(REPO / name, source / name)
+        pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source))
     if "deepspeed" not in site and not list(out.glob("deepspeed-*.whl")):
         pip("wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), f"deepspeed=={pinned_version('deepspeed')}",
             env={"DS_BUILD_OPS": "0"})
