@@ -7,11 +7,11 @@ OUT receives:
   * this project's wheel;
   * DeepSpeed built with DS_BUILD_OPS=0: a pure-Python wheel whose ops are JIT-built on first use
     where nvcc exists (DeepSpeed publishes only an sdist, which an offline node could not build);
-  * every other package in the project's dependency closure for the target Python and platform that
-    the site (`--site`: a `pip freeze` of the target environment; default slurm/gpu-image-site.txt,
-    the GPU image we test on) does not already have: megatron-core, wandb, pydantic and their small
-    dependencies. The site's own versions are constraints of the resolution, so nothing here asks
-    for another torch or transformers.
+  * every other requirement, transitively, for the target Python and platform, that the site
+    (`--site`: a `pip freeze` of the target environment; default slurm/gpu-image-site.txt, the GPU
+    image we test on) does not already have: megatron-core, wandb, pydantic, blake3 and their small
+    dependencies, at the versions CI pins (constraints.txt). Nothing the site has is fetched, nor
+    what only it requires: no torch, no CUDA libraries.
 Then on the node (docs/install.md):
     pip install --no-index --find-links OUT --no-build-isolation -e .     # from a checkout, or
     pip install --no-index --find-links OUT megatron-ds-toolkit
@@ -20,7 +20,6 @@ Then on the node (docs/install.md):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -80,44 +79,76 @@ def build_local_wheels(out: Path, site: dict) -> Path:
     return next(out.glob("megatron_ds_toolkit-*.whl"))
 
 
-def resolve(project_wheel: Path, out: Path, site: dict, python_version: str, platforms: list[str]) -> list[tuple[str, str]]:
-    """(name, version) of the closure that the site lacks, for the target Python and platform:
-    pip resolves without installing, fetching only metadata, with the site's versions as constraints."""
-    with tempfile.TemporaryDirectory() as tmp:
-        constraints = Path(tmp) / "site-constraints.txt"
-        constraints.write_text("".join(f"{n}=={v}\n" for n, v in site.items() if v))
-        report = Path(tmp) / "report.json"
-        platform_args = [arg for p in platforms for arg in ("--platform", p)]
-        pip("install", "--dry-run", "--target", str(Path(tmp) / "target"), "--quiet", "--report", str(report), "--only-binary=:all:",
-            "--python-version", python_version, "--implementation", "cp", *platform_args,
-            "--find-links", str(out), "-c", str(constraints), str(project_wheel))
-        installs = json.loads(report.read_text())["install"]
-    return [(canonical(i["metadata"]["name"]), i["metadata"]["version"]) for i in installs
-            if canonical(i["metadata"]["name"]) not in site]
+def target_environment(python_version: str) -> dict:
+    """The marker environment of a CPython `python_version` on Linux x86-64."""
+    return {"python_version": python_version, "python_full_version": f"{python_version}.0",
+            "implementation_name": "cpython", "platform_python_implementation": "CPython",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix"}
 
 
-def requirements(wheel: Path) -> list[str]:
-    """The names of a wheel's unconditional requirements (its METADATA's Requires-Dist without extras)."""
+def requirements(wheel: Path, extras: frozenset = frozenset(), environment: dict | None = None) -> list:
+    """A wheel's requirements (its METADATA's Requires-Dist) that apply on the target with `extras`."""
     import zipfile
+
+    from packaging.requirements import Requirement
 
     with zipfile.ZipFile(wheel) as archive:
         metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         lines = archive.read(metadata).decode().splitlines()
-    return [canonical(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0])
-            for line in lines if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    applying = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is None or any(req.marker.evaluate({**(environment or {}), "extra": extra})
+                                     for extra in (extras or {""})):
+            applying.append(req)
+    return applying
+
+
+def wheel_named(out: Path, name: str) -> Path | None:
+    from packaging.utils import parse_wheel_filename
+
+    return next((w for w in out.glob("*.whl") if canonical(parse_wheel_filename(w.name)[0]) == name), None)
+
+
+def download_closure(project_wheel: Path, out: Path, site: dict, pins: dict, python_version: str,
+                     platforms: list[str]) -> None:
+    """Every requirement, transitively, that the site lacks, one wheel each for the target Python and
+    platform: the version CI is pinned to (constraints.txt) where it pins one, else the newest that
+    matches. A package the site has is never fetched, nor are its own requirements (so neither torch
+    nor its CUDA libraries are downloaded), which is why this walks the graph itself instead of
+    asking pip to resolve the closure."""
+    environment = target_environment(python_version)
+    platform_args = [arg for p in platforms for arg in ("--platform", p)]
+    level, seen = requirements(project_wheel, environment=environment), {"megatron-ds-toolkit"}
+    while level:
+        wanted = {}
+        for req in level:
+            name = canonical(req.name)
+            if name in site:
+                if site[name] and not req.specifier.contains(site[name], prereleases=True):
+                    print(f"make_wheelhouse: the site's {name} {site[name]} does not satisfy {req}; pip will refuse it")
+                continue
+            if name not in seen:
+                seen.add(name)
+                wanted[name] = (req, f"{name}=={pins[name]}" if name in pins else f"{name}{req.specifier}")
+        fetch = [spec for name, (_, spec) in wanted.items() if wheel_named(out, name) is None]
+        if fetch:
+            pip("download", "--no-deps", "--quiet", "--only-binary=:all:", "--python-version", python_version,
+                "--implementation", "cp", *platform_args, "-d", str(out), *fetch)
+        level = [sub for name, (req, _) in wanted.items()
+                 for sub in requirements(wheel_named(out, name), frozenset(req.extras), environment)]
+
+
+def read_pins(path: Path) -> dict[str, str]:
+    return {n: v for n, v in read_site(path).items() if v} if path.is_file() else {}
 
 
 def make_wheelhouse(out: Path, site: dict, python_version: str, platforms: list[str]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     project_wheel = build_local_wheels(out, site)
-    needed = [name for name in requirements(project_wheel) if name not in site]
-    # A site that has every direct requirement needs nothing else (and no index is asked).
-    missing = [(n, v) for n, v in (resolve(project_wheel, out, site, python_version, platforms) if needed else [])
-               if n not in ("megatron-ds-toolkit", "deepspeed")]
-    if missing:
-        platform_args = [arg for p in platforms for arg in ("--platform", p)]
-        pip("download", "--no-deps", "--quiet", "--only-binary=:all:", "--python-version", python_version,
-            "--implementation", "cp", *platform_args, "-d", str(out), *(f"{n}=={v}" for n, v in missing))
+    download_closure(project_wheel, out, site, read_pins(REPO / "constraints.txt"), python_version, platforms)
     return sorted(out.glob("*.whl"))
 
 
