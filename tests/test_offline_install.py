@@ -71,3 +71,20 @@ def test_wheelhouse_installs_with_no_index_and_leaves_the_sites_torch(tmp_path):
     assert sorted(p.name for p in site.iterdir()) == before, "nothing in the site may change"
     help_text = subprocess.run([venv / "bin" / "toolkit", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert help_text.returncode == 0 and "quickstart" in help_text.stdout, help_text.stderr[-2000:]
+
+
+def test_the_gpu_images_packages_and_cis_pins_fall_in_the_declared_ranges():
+    """pip keeps a site's torch only if it satisfies our range: the GPU image's versions
+    (slurm/gpu-image-site.txt) and CI's lock (constraints.txt) must both fall in pyproject's ranges."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    declared = {Requirement(r).name: Requirement(r).specifier
+                for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    image = read_site(REPO / "slurm" / "gpu-image-site.txt")
+    for name in ("torch", "transformers", "accelerate", "safetensors"):
+        assert declared[name].contains(image[name]), f"the GPU image's {name} {image[name]} is outside {declared[name]}"
+    ci = read_site(REPO / "constraints.txt")
+    outside = {n: (ci[n], str(s)) for n, s in declared.items() if n in ci and not s.contains(ci[n], prereleases=True)}
+    assert not outside, outside
