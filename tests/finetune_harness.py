@@ -7,8 +7,10 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -113,6 +115,24 @@ def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = N
     else:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
     return result
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and every rank: torchrun starts its workers in sessions of their own,
+    so killing the launcher's process group would orphan them."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for proc in [parent, *parent.children(recursive=True)]:
+        proc.send_signal(signal.SIGKILL)
+
+
+def wait_for(condition, proc, seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

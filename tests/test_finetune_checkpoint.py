@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.finetune_harness import launch, read_metrics, recipe, write_uneven_data
+from tests.finetune_harness import kill_tree, launch, read_metrics, recipe, wait_for, write_uneven_data
 from toolkit.convert import hf_to_megatron
 
 
@@ -22,16 +21,6 @@ def model_and_data(tmp_path_factory):
     hf = make_tiny_model("llama-odd-vocab", root / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
     mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
     return hf, mc, write_uneven_data(root / "data.jsonl", 300)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL the launcher and every rank: torchrun starts its workers in sessions of their own,
-    so killing the launcher's process group would orphan them."""
-    import psutil
-
-    parent = psutil.Process(pid)
-    for proc in [parent, *parent.children(recursive=True)]:
-        proc.send_signal(signal.SIGKILL)
 
 
 @pytest.mark.multiprocess
@@ -60,14 +49,6 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(model_and_data, t
     assert [m["step"] for m in resumed] == list(range(1, 11)), "every step logged exactly once"
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
     assert [m["grad_norm"] for m in resumed[5:]] == [m["grad_norm"] for m in straight[5:]]
-
-
-def wait_for(condition, proc, seconds: float = 600) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
 
 
 @pytest.mark.multiprocess

@@ -137,7 +137,7 @@ def _fill(mount: Path, leave: int) -> None:
 def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_model, small_disk, tmp_path):
     """Defect (section 5): raw exceptions from every rank. The run waits at the start of its second
     save (TOOLKIT_FAULT_PAUSE) while the test fills its disk to a quarter of a checkpoint."""
-    from tests.test_finetune_checkpoint import wait_for
+    from tests.finetune_harness import wait_for
     from toolkit.train import checkpoint
     from toolkit.train.checkpoint_verify import damage
 

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, RECIPE, STEPS, ReferenceCache, differences,
                                     hf_reference, launch, read_metrics, recipe, write_uneven_data)
 from tests.moe_reference import moe_step_loss, route_in_fp64
-from tests.test_finetune_checkpoint import kill_tree, wait_for
+from tests.finetune_harness import kill_tree, wait_for
 from toolkit.convert import hf_to_megatron
 
 AUX_LOSS_COEF = 0.1
