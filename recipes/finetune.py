@@ -152,6 +152,7 @@ def finetune(run: Run) -> int:
     from toolkit.train.fsdp import build_engine as fsdp_engine
     from toolkit.train.expert_load import ExpertLoad
     from toolkit.train.step import StepContext, evaluate, train_step
+    from toolkit.train.generations import TABLE_KEY, prompts_of, sample_rows, wandb_table
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
     spec = meta.model_spec
@@ -220,6 +221,10 @@ def finetune(run: Run) -> int:
         return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch,
                            counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel)
 
+    # wandb.sample_generations: the validation prompts greedily continued at each eval (PP = 1).
+    samples = prompts_of(valid_data.rows, cfg.wandb.sample_generations) \
+        if valid_data is not None and cfg.wandb.sample_generations else []
+
     # Tokens per expert per layer (the load balance), logged with the other metrics.
     expert_load = ExpertLoad(model, spec.num_layers, spec.num_experts) if spec.is_moe else None
 
@@ -241,13 +246,19 @@ def finetune(run: Run) -> int:
         metrics["peak_memory_bytes"] = peak_memory_bytes(info.device)  # rank 0's, as every figure logged here
         if fp16_watch is not None:
             metrics.update(fp16_watch.after_step(step))  # loss scale, skipped steps; stops after too many in a row
+        media = {}
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             metrics["eval_loss"] = evaluate(model, valid_data, context)
-        log_now = step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1
+            if samples:  # every rank decodes (TP gathers, ZeRO-3 / FSDP gathers); rank 0 logs
+                rows = sample_rows(model, samples, step, run.tokenizer, cfg.wandb.sample_new_tokens, cfg.data.seq_len,
+                                   spec.vocab_size, info.device)
+                media[TABLE_KEY] = wandb_table(rows) if logger.wandb is not None else None
+        # an eval step with a samples table is always logged: the table exists at eval steps only
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or step == start_step + 1 or bool(media)
         if expert_load is not None:
             metrics["tokens_per_expert"] = expert_load.take(info.device) if log_now else expert_load.reset()
         if log_now:
-            logger.log(step, metrics)
+            logger.log(step, metrics, media)
         progress.step(step, metrics, log_now)
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             train_state = {**run.layout_key, "global_batch": cfg.global_batch, "seq_len": cfg.data.seq_len,

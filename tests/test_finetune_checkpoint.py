@@ -100,9 +100,41 @@ def test_deepspeed_launcher_wandb_offline_and_resume_on_another_layout(model_and
     assert logged["deepspeed"] == resolved["deepspeed"] and logged["layout"] == resolved["layout"]
     assert logged["config"]["optim"]["lr"] == resolved["config"]["optim"]["lr"]
 
-    cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4)
-    launch(2, cfg, "resume=auto")
+    # The resume at TP=2 logs a table of greedy generations at its one eval (the last step, after
+    # which the exported HF model holds the very weights that generated them).
+    valid = write_uneven_data(tmp_path / "valid.jsonl", 16, seed=1)
+    samples = {"sample_generations": 3, "sample_new_tokens": 6}
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 1, "zero_stage": 1}, steps=4, export_hf=True,
+                 data__valid_file=str(valid),
+                 wandb={**wandb, **samples})
+    launch(2, cfg, "resume=auto", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+    assert_generations_table(read_runs(run / "wandb")["test-run-1"], run / "hf", valid, step=4, count=3, new_tokens=6)
+
+
+def assert_generations_table(wandb_run, hf_dir, valid, step: int, count: int, new_tokens: int) -> None:
+    """The eval_samples table, read back from the offline run's files, against HF's own greedy
+    `generate` on the same weights and prompts cut from the data here (tokens before the response)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.finetune_harness import reference_samples
+
+    (row,) = [r for r in wandb_run.history if r["_step"] == step]
+    assert row["eval_samples/_type"] == "table-file" and row["eval_samples/nrows"] == count
+    segment = wandb_run.segments[-1]
+    table = json.loads((segment.path.parent / "files" / row["eval_samples/path"]).read_text())
+    assert table["columns"] == ["step", "prompt", "reference", "output"]
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    expected = []
+    for tokens, mask in reference_samples(tokenizer, valid, 25)[:count]:
+        prompt = tokens[:mask.index(1)]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        expected.append([step, text(prompt), text(tokens[len(prompt):]), text(out[0, len(prompt):].tolist())])
+    assert table["data"] == expected
 
 
 @pytest.mark.multiprocess

@@ -133,6 +133,11 @@ class WandbConfig:
     project: str = "toolkit-finetune"
     run_id: str | None = None  # default: one id per run_dir, kept across resumes
     mode: str | None = None  # e.g. "offline"; WANDB_MODE from the environment wins
+    # At every eval, a table `eval_samples` (step, prompt, reference, output) of the first N validation
+    # samples' prompts greedily continued (toolkit.train.generations); 0: off. PP = 1 only (the prompt is
+    # a sample's tokens before its first trained token; the reference, the rest of that sample).
+    sample_generations: Count = 0
+    sample_new_tokens: PositiveInt = 32  # at most this many tokens per output (fewer at eos or at data.seq_len)
 
 
 @dataclass
@@ -383,7 +388,20 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.data.train_file:
         raise ConfigError("data.train_file is required")
     _validate_optimizer_state(cfg)
+    _validate_sample_generations(cfg)
     _validate_run_dir(cfg.run_dir)
+
+
+def _validate_sample_generations(cfg: TrainConfig) -> None:
+    if not cfg.wandb.sample_generations:
+        return
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"wandb.sample_generations with parallel.pp={cfg.parallel.pp} is not supported "
+                          "(greedy decoding runs at PP = 1 only); set wandb.sample_generations=0")
+    if not cfg.wandb.enabled:
+        raise ConfigError("wandb.sample_generations is set but wandb.enabled is false: set wandb.enabled=true")
+    if cfg.data.valid_file is None and cfg.data.valid_split is None:
+        raise ConfigError("wandb.sample_generations needs a validation set: set data.valid_file or data.valid_split")
 
 
 def _validate_run_dir(run_dir: str) -> None:

@@ -78,7 +78,9 @@ class MetricsLogger:
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, media: dict | None = None) -> None:
+        """`media`: W&B-only values (tables) of this step, in the same W&B row (a second log at
+        a committed step would be dropped); metrics.jsonl keeps the numbers."""
         if not self.active:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
@@ -87,7 +89,7 @@ class MetricsLogger:
         if self.wandb is not None:
             # commit=True: with an explicit step wandb holds the row open until a later step or
             # finish(), so a rank 0 killed after logging would lose that step; ours are complete.
-            self.wandb.log(wandb_record(record), step=step, commit=True)
+            self.wandb.log({**wandb_record(record), **(media or {})}, step=step, commit=True)
 
     def close(self) -> None:
         if self.wandb is not None:
