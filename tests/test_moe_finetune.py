@@ -378,7 +378,7 @@ def assert_resumes_at_ep1_as_the_straight_run(moe, tmp_path, run_dir, straight):
 @pytest.mark.parametrize(
     "world, overrides, message",
     [
-        (4, ["parallel.ep=4"], "6 experts cannot be split evenly over --ep 4"),
+        (4, ["parallel.ep=4"], "6 experts cannot be split evenly over parallel.ep=4"),
         (6, ["parallel.ep=2", "parallel.tp=2"], r"parallel.ep=2 x parallel.tp=2 does not fit the TP x DP = 2 x 3 ranks"),
         (4, ["parallel.ep=2", "parallel.tp=2"], "needs sequence parallelism, as in megatron-core"),
         (4, ["parallel.ep=2", "parallel.zero_stage=3"], "zero_stage=3"),

@@ -206,16 +206,26 @@ def slurm_job(bundle: Bundle, config: Path):
     return SlurmJob(config=str(config), resources=resources)
 
 
+def refuse_overlap(paths: Paths, out: Path) -> None:
+    """The bundle directory must not overlap the model or the data it names (checked first, before
+    the recipe built for it is validated: a run_dir inside the model's config.json would otherwise
+    be refused for a reason that hides this one)."""
+    from toolkit.atomic import refuse_output_overlapping_inputs
+
+    out = Path(out).absolute()
+    given_data = None if paths.train_file == str(out / DEFAULT_TRAIN_FILE) else paths.train_file
+    refuse_output_overlapping_inputs(out, paths.convert_from or paths.checkpoint, given_data)
+
+
 def write(bundle: Bundle, out: Path, command: str, overwrite: bool = False, top: int = 10) -> Path:
     """Write the bundle whole or not at all: recipe.yaml and PLAN.md in a temporary directory,
     the Slurm job checked against it there, then the directory renamed into place and the job
     rendered against the final recipe path."""
-    from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
+    from toolkit.atomic import atomic_directory
     from toolkit.slurm.render import render, write as write_job
 
     out = Path(out).absolute()
-    given_data = None if bundle.paths.train_file == str(out / DEFAULT_TRAIN_FILE) else bundle.paths.train_file
-    refuse_output_overlapping_inputs(out, bundle.paths.convert_from or bundle.paths.checkpoint, given_data)
+    refuse_overlap(bundle.paths, out)
     with atomic_directory(out, overwrite=overwrite) as tmp:
         (tmp / RECIPE).write_text(recipe_text(bundle, command))
         (tmp / PLAN).write_text(plan_text(bundle, out, command, top))

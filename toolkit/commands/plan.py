@@ -98,6 +98,7 @@ def _write(args, spec, result, lora) -> None:
         raise ConfigError("-o writes a bundle for recipes/finetune.py, which runs megatron-core's schedule: "
                           "drop --schedule deepspeed")
     paths = plan_bundle.paths_for(args.model, out, args.data)
+    plan_bundle.refuse_overlap(paths, out)
     bundle = plan_bundle.make(result, spec, args.seq_len, paths, lora, args.dp_engine)
     command = "toolkit " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else f"toolkit plan --model {args.model} ..."
     plan_bundle.write(bundle, out, command, args.overwrite, args.top)
