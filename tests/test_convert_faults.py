@@ -84,26 +84,6 @@ def test_output_that_appears_during_conversion_is_never_replaced(tiny_hf, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real size-limited file system (tmpfs), so ENOSPC comes from the kernel, not from a mock."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-
-    def make(size: str) -> Path:
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            # CI runs as root and must run the ENOSPC test; elsewhere (no root) it is skipped with the reason.
-            if os.environ.get("CI"):
-                pytest.fail(f"CI must be able to mount a tmpfs for the ENOSPC test: {result.stderr.strip()}")
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
-        return mount
-
-    yield make
-    subprocess.run(["umount", str(mount)], capture_output=True)
-
-
 def test_output_larger_than_free_space_is_refused_before_writing(tiny_hf, small_fs):
     fs = small_fs("64k")
     out = fs / "out"

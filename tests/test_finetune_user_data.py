@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -111,18 +110,6 @@ def test_chat_parquet_lora_at_tp2_exports_an_adapter_peft_loads_and_damaged_chec
         prepare(str(cfg), [f"resume={checkpoints / 'step_0000004'}"])
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of its own: a real filesystem that fills (ENOSPC), unlike a mock."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def _fill(mount: Path, leave: int) -> None:
     """Fill the filesystem until `leave` bytes are free."""
     free = shutil.disk_usage(mount).free - leave
@@ -134,9 +121,10 @@ def _fill(mount: Path, leave: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_model, small_disk, tmp_path):
+def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_model, small_fs, tmp_path):
     """Defect (section 5): raw exceptions from every rank. The run waits at the start of its second
     save (TOOLKIT_FAULT_PAUSE) while the test fills its disk to a quarter of a checkpoint."""
+    small_disk = small_fs("64m")
     from tests.finetune_harness import wait_for
     from toolkit.train import checkpoint
     from toolkit.train.checkpoint_verify import damage
