@@ -97,7 +97,8 @@ def test_settings_and_refusals_of_what_megatron_core_routes_otherwise(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_glm, tmp_path, fmt):
-    """Both variants (with and without q/k norms and biases), bf16, at TP2 x PP2 x EP2."""
+    """Both variants (with and without q/k norms and biases), bf16 with the expert bias in float32 as
+    published (HF's _keep_in_fp32_modules_strict), at TP2 x PP2 x EP2: every tensor back in its dtype."""
     from transformers import AutoModelForCausalLM
 
     for variant in VARIANTS:
@@ -107,7 +108,8 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_glm, tmp_path, f
         back = megatron_to_hf(out, tmp_path / f"h-{variant}", progress=False)
         restored = load_all(back)
         assert set(restored) == set(original), variant
-        assert all(torch.equal(restored[k], original[k]) for k in original), variant
+        assert all(torch.equal(restored[k], original[k]) and restored[k].dtype == original[k].dtype
+                   for k in original), variant
         model = AutoModelForCausalLM.from_pretrained(back)
         bias = model.model.layers[1].mlp.gate.e_score_correction_bias
         assert torch.equal(bias, original["model.layers.1.mlp.gate.e_score_correction_bias"].float()) and bias.any()
@@ -148,11 +150,14 @@ def assert_guards_fail(reports) -> None:
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
 
 
-def test_mtp_layer_is_left_out_with_a_line_and_a_float32_expert_bias_in_bf16_is_refused(tiny_glm, tmp_path, capfd):
+def test_mtp_layer_is_left_out_with_a_line_and_only_the_expert_bias_may_be_float32(tiny_glm, tmp_path, capfd):
     """As published: the MTP layer stored after the decoder layers (num_nextn_predict_layers, which HF's
-    model ignores) is left out, saying so; the expert bias in float32 among bf16 weights is refused in one line."""
+    model ignores) is left out, saying so; the expert bias is float32 among bf16 weights (converted as
+    stored), any other float32 tensor there is refused in one line."""
     src = tmp_path / "published"
     shutil.copytree(tiny_glm["glm4-moe-bf16"], src)
+    stored = {k: v.dtype for k, v in load_all(src).items()}
+    assert {k for k, d in stored.items() if d == torch.float32} == {k for k in stored if k.endswith("e_score_correction_bias")}
     mtp = {k.replace("layers.3.", "layers.4."): v.clone() for k, v in load_all(src).items() if k.startswith("model.layers.3.")}
     edit_tensors(src, lambda t: t.update(mtp))
     edit_config(src, num_nextn_predict_layers=1)
@@ -163,8 +168,8 @@ def test_mtp_layer_is_left_out_with_a_line_and_a_float32_expert_bias_in_bf16_is_
     edit_config(src, num_nextn_predict_layers=0)
     convert_fails(src, tmp_path / "no-mtp", "says num_hidden_layers=4 but the weights hold 5 layers")
     edit_config(src, num_nextn_predict_layers=1)
-    edit_tensors(src, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("e_score_correction_bias")}))
-    convert_fails(src, tmp_path / "f32-bias", "is F32 as HF keeps it")
+    edit_tensors(src, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("mlp.gate.weight")}))
+    convert_fails(src, tmp_path / "f32-router", "is F32 but config.json says dtype bfloat16")
 
 
 def native_check_case(tiny_glm, tmp_path) -> dict:
