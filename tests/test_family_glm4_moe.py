@@ -10,6 +10,7 @@ fails the parity check."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -193,3 +194,75 @@ def assert_native_layout(result: dict) -> None:
         0: None, **{i: ((12,), "torch.float32") for i in (1, 2, 3)}}
     spec = spec_from_config(make_config("glm4-moe").to_dict())[1]
     assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"]
+
+
+def _routing_reference(pad_id: int):
+    """tests.finetune_harness.hf_reference's `step_loss` for GLM-4.5 (no load-balancing loss: HF's has
+    none and neither does the recipe, router_aux_loss_coef being absent): one forward per document
+    (every token of it is routed, as the trainer routes every non-padding input), and per step the tokens HF's routers send to each expert of each MoE layer,
+    read from the experts they return (sigmoid scores plus the expert bias, group-limited top-k)."""
+    counts: list = []
+
+    def step_loss(model, global_rows, cfg, device):
+        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate") and
+                 hasattr(layer.mlp.gate, "e_score_correction_bias")]
+        routed = torch.zeros(len(gates), gates[0].num_experts, dtype=torch.long)
+
+        def count(n, router, _inputs, out):  # returns None: the router's output stays as it is
+            routed[n] += torch.bincount(out[2].flatten(), minlength=router.num_experts)
+
+        hooks = [gate.register_forward_hook(functools.partial(count, n)) for n, gate in enumerate(gates)]
+        total, count = 0.0, 0
+        for row in global_rows:
+            for tokens, mask in row:
+                logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
+                token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")
+                targets = torch.tensor(mask[1:], dtype=torch.float32)
+                total, count = total + (token_loss * targets).sum(), count + int(targets.sum())
+        for hook in hooks:
+            hook.remove()
+        counts.append(routed.tolist())
+        return total / count, total / count
+
+    step_loss.routing = counts
+    return step_loss
+
+
+@pytest.mark.multiprocess
+def test_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at DP2 x EP2 on a tiny fp32 GLM-4.5 (a dense first layer, 12 experts in 4 groups,
+    2 shared experts, a random expert bias): HF's losses and gradient norms over 10 steps, every
+    step's tokens per expert as HF's routers chose them (the trainer's padding excluded: megatron-core
+    0.16.1 failed on every such forward, toolkit/runtime/cpu_compat.py EXPERT_BIAS_MASK_SPOT), and
+    the expert bias as loaded (neither side updates it). Guard: the reference with the expert bias
+    zeroed routes otherwise and is far off the run."""
+    from transformers import AutoTokenizer
+
+    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
+                                        launch, read_metrics, recipe, write_uneven_data)
+    from tests.test_convert_bad_input import edit_tensors
+
+    hf = make_tiny_model("glm4-moe", tmp_path / "hf", dtype="float32", vocab_size=250, seed=80)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "ep": 2}, export_hf=True)
+    launch(2, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    pad = AutoTokenizer.from_pretrained(hf).eos_token_id
+    reference = _routing_reference(pad)
+    losses, norms = hf_reference(hf, data, cfg, STEPS, step_loss=reference)
+    loss, norm = differences(metrics, losses, norms)
+    print(f"GLM-4.5 DP2xEP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert len(metrics) == STEPS and loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    moe_layers = [layer for layer in metrics[0]["tokens_per_expert"] if any(layer)]
+    assert [[[n for n in layer] for layer in m["tokens_per_expert"] if any(layer)] for m in metrics] == reference.routing
+    assert len(moe_layers) == 3
+    exported, original = load_all(tmp_path / "run" / "hf"), load_all(hf)
+    biases = [k for k in original if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
+
+    edit_tensors(hf, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
+    unbiased = _routing_reference(pad)
+    off = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=unbiased))
+    print(f"guard, HF without the expert bias: {off[0]:.1e} / {off[1]:.1e}")
+    assert unbiased.routing != reference.routing and off[0] > 100 * LOSS_TOLERANCE_FP32
