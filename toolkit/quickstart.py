@@ -99,16 +99,23 @@ def on_cpu(nprocs: int) -> bool:
     return quickstart_device(nprocs, torch.cuda.is_available(), torch.cuda.device_count()) == "cpu"
 
 
-def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path) -> None:
-    """torchrun of the recipe on `nprocs` local processes, with the GPUs hidden where there are too few."""
+def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path, launcher: list[str] | None = None,
+                  capture: bool = False) -> str:
+    """torchrun of the recipe on `nprocs` local processes, with the GPUs hidden where there are too few.
+    `launcher`: another command that starts the ranks (as torchrun's arguments before the script);
+    `capture`: the ranks' output returned (and its error line raised) instead of printed."""
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-           str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
+    launcher = launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
+    cmd = [*launcher, str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     if on_cpu(nprocs):
         env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks see no GPU: gloo on CPU
-    if subprocess.run(cmd, env=env).returncode != 0:
-        raise ToolkitError(f"fine-tuning failed: {' '.join(cmd)}")
+    result = subprocess.run(cmd, env=env, capture_output=capture, text=True)
+    if result.returncode != 0:
+        said = [line for line in (result.stdout or "").splitlines() + (result.stderr or "").splitlines()
+                if line.startswith("error")]
+        raise ToolkitError(f"fine-tuning failed: {said[0] if said else ' '.join(cmd)}")
+    return (result.stdout or "") + (result.stderr or "")
