@@ -100,17 +100,17 @@ def on_cpu(nprocs: int) -> bool:
 
 
 def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path, launcher: list[str] | None = None,
-                  capture: bool = False) -> str:
+                  capture: bool = False, env: dict | None = None) -> str:
     """torchrun of the recipe on `nprocs` local processes, with the GPUs hidden where there are too few.
     `launcher`: another command that starts the ranks (as torchrun's arguments before the script);
-    `capture`: the ranks' output returned (and its error line raised) instead of printed."""
+    `capture`: the ranks' output returned (and its error line raised) instead of printed; `env`: more variables."""
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
     launcher = launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
     cmd = [*launcher, str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     if on_cpu(nprocs):
         env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks see no GPU: gloo on CPU
     result = subprocess.run(cmd, env=env, capture_output=capture, text=True)

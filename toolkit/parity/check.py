@@ -12,6 +12,7 @@ per-step losses and gradient norms are compared (toolkit/parity/verdict.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -29,6 +30,9 @@ FORCED = (
     "data.valid_file=none", "data.valid_split=none",  # it compares training steps: no evaluation
     "resume=none", "export_hf=false", "save_every=0", "keep_last=1", "log_every=1", "wandb.enabled=false",
 )
+
+# fp32 means fp32 on a GPU too: TF32 matmuls keep a 10-bit mantissa, far above the fp32 bars (as docs/gpu_suite.md runs).
+NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 
 
 @dataclass
@@ -163,15 +167,16 @@ def run_parity(request: ParityRequest, log=print) -> "Verdict":  # noqa: F821 - 
         run_dir = workdir / "megatron-run"
         log(f"[1/2] the recipe on megatron-core ({run_dir})")
         launch_recipe(checked.nprocs, Path(request.config), [*checked.overrides, f"run_dir={run_dir}"], run_dir,
-                      launcher=request.launcher, capture=True)
+                      launcher=request.launcher, capture=True, env=NO_TF32)
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # its "Loading weights" bar would cut into the table
         log(f"[2/2] the HF reference ({checked.hf_dir}, torch AdamW, {checked.device})")
-        losses, norms = hf_reference(checked.hf_dir, Path(checked.cfg.data.train_file), checked.cfg.to_dict(),
-                                     request.steps, device=checked.device,
-                                     adapter=checked.cfg.peft.init_from if checked.cfg.peft.enabled else None)
+        with _tf32_off():
+            losses, norms = hf_reference(checked.hf_dir, Path(checked.cfg.data.train_file), checked.cfg.to_dict(),
+                                         request.steps, device=checked.device,
+                                         adapter=checked.cfg.peft.init_from if checked.cfg.peft.enabled else None)
     finally:
         if request.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -180,6 +185,19 @@ def run_parity(request: ParityRequest, log=print) -> "Verdict":  # noqa: F821 - 
         log("  " + line)
     log(verdict.summary())
     return verdict
+
+
+@contextlib.contextmanager
+def _tf32_off():
+    """The reference in this process with torch's TF32 switches off (cuDNN's is on by default), then as they were."""
+    import torch
+
+    was = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = was
 
 
 def _workdir(given: str | None) -> Path:
