@@ -12,7 +12,8 @@ first step and quantity that diverges and what it points at (the conversion when
 differs, the training setup when only later steps do). Exit code 0 on PASS, 1 on FAIL.
 
 The data must be one local JSONL file of prompt/response or text records; the reference must fit
-in one process (checked first, with toolkit memory's prices). The megatron-core run is written
+in one process (checked first, with toolkit memory's prices; if it does not, the refusal names the
+--shrink-layers N whose copy of the model's first N layers fits). The megatron-core run is written
 under a temporary directory, removed at the end (or kept in --workdir).
 """
 
@@ -35,6 +36,9 @@ def register(sub) -> None:
                    help=f"largest |loss difference| that passes (default {LOSS_TOLERANCE_FP32:g})")
     p.add_argument("--norm-tolerance", type=float, default=GRAD_NORM_TOLERANCE,
                    help=f"largest relative gradient-norm difference that passes (default {GRAD_NORM_TOLERANCE:g})")
+    p.add_argument("--shrink-layers", type=int, metavar="N",
+                   help="compare on a copy of the HF model's first N layers (the rest of its config as it is), "
+                        "converted again at the recipe's layout: for a model whose reference does not fit one process")
     p.set_defaults(func=_run)
 
 
@@ -42,5 +46,5 @@ def _run(args) -> int:
     from toolkit.parity import ParityRequest, run_parity
 
     verdict = run_parity(ParityRequest(args.config, args.overrides, args.steps, args.hf, args.nprocs, args.workdir,
-                                       args.loss_tolerance, args.norm_tolerance))
+                                       args.loss_tolerance, args.norm_tolerance, shrink_layers=args.shrink_layers))
     return 0 if verdict.ok else 1

@@ -46,6 +46,7 @@ class ParityRequest:
     loss_tolerance: float = LOSS_TOLERANCE_FP32
     norm_tolerance: float = GRAD_NORM_TOLERANCE  # relative
     launcher: list[str] | None = None  # what starts the ranks, as torchrun's arguments before the script
+    shrink_layers: int | None = None  # compare on a copy of the HF model's first N layers, converted again
 
 
 @dataclass
@@ -58,15 +59,21 @@ class ParityPlan:
     nprocs: int
     device: str  # where the reference runs
     overrides: list[str]  # the user's, then FORCED and the steps
+    num_layers: int  # the model's
 
     def header(self) -> list[str]:
         p, cfg = self.cfg.parallel, self.cfg
         dp = self.nprocs // (p.tp * p.pp)
-        return [f"toolkit parity: {self.request.steps} steps of {self.request.config} on megatron-core (TP {p.tp} x PP {p.pp} "
-                f"x DP {dp}, {self.nprocs} processes) against the HF model {self.hf_dir} with torch AdamW in one "
-                f"process on {self.device}",
-                f"  both in fp32, on data read in file order (data.shuffle=false), global batch {cfg.global_batch}, "
-                f"the LR schedule over these {self.request.steps} steps; no evaluation, no export"]
+        lines = [f"toolkit parity: {self.request.steps} steps of {self.request.config} on megatron-core (TP {p.tp} x PP "
+                 f"{p.pp} x DP {dp}, {self.nprocs} processes) against the HF model {self.hf_dir} with torch AdamW in one "
+                 f"process on {self.device}",
+                 f"  both in fp32, on data read in file order (data.shuffle=false), global batch {cfg.global_batch}, "
+                 f"the LR schedule over these {self.request.steps} steps; no evaluation, no export"]
+        if self.request.shrink_layers:
+            lines.append(f"  ON A SHRUNK COPY: the first {self.request.shrink_layers} of the model's {self.num_layers} "
+                         f"layers, converted again by this toolkit at TP {p.tp} x PP {p.pp}: it checks the conversion of "
+                         f"this config and the training setup, not the files of {cfg.model.checkpoint}")
+        return lines
 
 
 def plan(request: ParityRequest) -> ParityPlan:
@@ -84,6 +91,8 @@ def plan(request: ParityRequest) -> ParityPlan:
     meta = CheckpointMeta.read(Path(cfg.model.checkpoint))
     spec = meta.model_spec
     _refuse_unsupported(cfg, spec)
+    if request.shrink_layers is not None and cfg.peft.enabled:
+        raise ParityError("--shrink-layers compares full fine-tuning only: the adapter holds weights of every layer")
     hf_dir = _hf_dir(request.hf, meta.hf_source, cfg.model.checkpoint)
     _check_data(cfg, hf_dir)
     per_replica = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep
@@ -91,12 +100,31 @@ def plan(request: ParityRequest) -> ParityPlan:
     if nprocs % per_replica:
         raise ParityError(f"--nprocs {nprocs} is not a multiple of TP x PP x EP = {per_replica}, the recipe's layout")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    _refuse_unless_fits(request, cfg, spec, device)
+    return ParityPlan(request, cfg, hf_dir, nprocs, device, overrides, spec.num_layers)
+
+
+def _refuse_unless_fits(request: ParityRequest, cfg, spec, device: str) -> None:
+    """The reference, of the model or of its shrunk copy, fits the free memory; if not, the refusal
+    names the --shrink-layers that would."""
     from toolkit.memory.params import total_params
+    from toolkit.parity import shrink
     from toolkit.parity.fit import free_bytes, reference_bytes, refuse_unless_fits
 
-    refuse_unless_fits(reference_bytes(spec, cfg.data.seq_len, cfg.global_batch), free_bytes(device), device,
-                       total_params(spec))
-    return ParityPlan(request, cfg, hf_dir, nprocs, device, overrides)
+    p = cfg.parallel
+    if request.shrink_layers is not None:
+        shrink.check_layers(spec, request.shrink_layers, p.pp, p.vpp)
+        spec = shrink.shrunk_spec(spec, request.shrink_layers)
+    free = free_bytes(device)
+
+    def needs(s) -> int:
+        return reference_bytes(s, cfg.data.seq_len, cfg.global_batch)
+
+    if needs(spec) <= free:
+        return
+    layers = shrink.layers_that_fit(spec, lambda s: needs(s) <= free, p.pp, p.vpp)
+    hint = f"--shrink-layers {layers} (a copy of its first {layers} layers) fits" if layers else None
+    refuse_unless_fits(needs(spec), free, device, total_params(spec), hint)
 
 
 def _refuse_unsupported(cfg, spec) -> None:
@@ -164,17 +192,22 @@ def run_parity(request: ParityRequest, log=print) -> "Verdict":  # noqa: F821 - 
         log(line)
     workdir = _workdir(request.workdir)
     try:
+        overrides, hf_dir = [*checked.overrides, f"run_dir={workdir / 'megatron-run'}"], checked.hf_dir
+        if request.shrink_layers:
+            log(f"[0/2] shrinking {hf_dir} to its first {request.shrink_layers} layers and converting the copy")
+            hf_dir, checkpoint = _shrunk_copy(checked, workdir)
+            overrides += [f"model.checkpoint={checkpoint}", "model.num_layers=none"]
         run_dir = workdir / "megatron-run"
         log(f"[1/2] the recipe on megatron-core ({run_dir})")
-        launch_recipe(checked.nprocs, Path(request.config), [*checked.overrides, f"run_dir={run_dir}"], run_dir,
-                      launcher=request.launcher, capture=True, env=NO_TF32)
+        launch_recipe(checked.nprocs, Path(request.config), overrides, run_dir, launcher=request.launcher,
+                      capture=True, env=NO_TF32)
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # its "Loading weights" bar would cut into the table
-        log(f"[2/2] the HF reference ({checked.hf_dir}, torch AdamW, {checked.device})")
+        log(f"[2/2] the HF reference ({hf_dir}, torch AdamW, {checked.device})")
         with _tf32_off():
-            losses, norms = hf_reference(checked.hf_dir, Path(checked.cfg.data.train_file), checked.cfg.to_dict(),
+            losses, norms = hf_reference(hf_dir, Path(checked.cfg.data.train_file), checked.cfg.to_dict(),
                                          request.steps, device=checked.device,
                                          adapter=checked.cfg.peft.init_from if checked.cfg.peft.enabled else None)
     finally:
@@ -184,7 +217,19 @@ def run_parity(request: ParityRequest, log=print) -> "Verdict":  # noqa: F821 - 
     for line in verdict.table():
         log("  " + line)
     log(verdict.summary())
+    if request.shrink_layers:
+        log(f"(on a shrunk copy of the model: its first {request.shrink_layers} of {checked.num_layers} layers)")
     return verdict
+
+
+def _shrunk_copy(checked: ParityPlan, workdir: Path) -> tuple[Path, Path]:
+    """(the HF copy of the first N layers, its conversion at the recipe's TP x PP) under `workdir`."""
+    from toolkit.convert import hf_to_megatron
+    from toolkit.parity.shrink import shrink_hf
+
+    hf_dir = shrink_hf(checked.hf_dir, workdir / "hf-shrunk", checked.request.shrink_layers)
+    p = checked.cfg.parallel
+    return hf_dir, Path(hf_to_megatron(hf_dir, workdir / "megatron-shrunk", tp=p.tp, pp=p.pp, progress=False))
 
 
 @contextlib.contextmanager

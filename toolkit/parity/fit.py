@@ -37,11 +37,12 @@ def free_bytes(device: str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def refuse_unless_fits(needed: int, free: int, device: str, params: int) -> None:
+def refuse_unless_fits(needed: int, free: int, device: str, params: int, shrunk_hint: str | None = None) -> None:
+    """`shrunk_hint`: the --shrink-layers that fits, if any."""
     if needed > free:
         where = "on the GPU" if device == "cuda" else "in host memory"
         raise ParityError(
             f"the HF reference does not fit in one process: about {size(needed)} for {params / 1e9:.2f}B parameters "
             f"in fp32 with AdamW (16 bytes each) and a global batch of activations, and {size(free)} is free {where}; "
-            "run parity on a machine with more memory, or with a smaller global_batch / data.seq_len "
-            "(a shrunk copy of the model is not built automatically yet)")
+            "run parity on a machine with more memory, or with a smaller global_batch / data.seq_len"
+            + (f", or on a shrunk copy of the model: {shrunk_hint}" if shrunk_hint else ""))
