@@ -105,6 +105,8 @@ def cli(args: list[str], capsys) -> tuple[int, str]:
     ("workdir", r"^error: --workdir .* is not empty: give a new or empty directory$"),
     ("nprocs", r"^error: --nprocs 3 is not a multiple of TP x PP x EP = 4"),
     ("lora", r"^error: a LoRA recipe needs peft\.init_from=ADAPTER_DIR"),
+    ("shrink-odd", r"^error: --shrink-layers 3 is not divisible by the recipe's PP 2 x VPP 1"),
+    ("shrink-all", r"^error: --shrink-layers 4: give a number of layers from 1 to 3 \(the model has 4\)$"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(quickstart, tmp_path, capsys, monkeypatch, change, message):
     import re
@@ -126,7 +128,8 @@ def test_bad_input_is_one_line_and_writes_nothing(quickstart, tmp_path, capsys, 
         args[2] = f"model.checkpoint={checkpoint}"
     args.append(f"data.train_file={data}")
     args += {"steps": ["--steps", "0"], "workdir": ["--workdir", str(tmp_path)], "nprocs": ["--nprocs", "3"],
-             "lora": ["peft.enabled=true"]}.get(change, [])
+             "lora": ["peft.enabled=true"], "shrink-odd": ["--shrink-layers", "3"],
+             "shrink-all": ["--shrink-layers", "4"]}.get(change, [])
     before = sorted(tmp_path.rglob("*"))
     code, err = cli(args, capsys)
     assert code == 2
@@ -153,3 +156,34 @@ def test_a_model_too_big_for_one_process_is_refused_with_what_it_needs(tmp_path)
         refuse_unless_fits(needed, 24 * GIB, "cpu", total_params(spec))
     assert "\n" not in str(refused.value)
     refuse_unless_fits(needed, needed, "cpu", total_params(spec))  # exactly enough passes
+
+
+def test_a_shrunk_copy_is_the_models_first_layers_and_is_said_plainly(quickstart, tmp_path, monkeypatch):
+    """--shrink-layers: the copy computes what the HF model cut after its first 2 layers computes, and
+    a machine too small for the whole model (its free memory set below the reference's need, the one
+    stand-in here: this machine cannot be made smaller) is told the --shrink-layers that fits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.parity import fit, plan
+    from toolkit.parity.shrink import shrink_hf, shrunk_spec
+
+    copy = shrink_hf(Path(quickstart["hf"]), tmp_path / "hf-2", 2)
+    whole = AutoModelForCausalLM.from_pretrained(quickstart["hf"], dtype=torch.float32)
+    whole.model.layers = whole.model.layers[:2]
+    whole.config.num_hidden_layers = 2
+    tokens = torch.tensor([[1, 5, 7, 3, 9, 2]])
+    shrunk = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    assert torch.equal(shrunk(tokens).logits, whole(tokens).logits)
+    assert sum(p.numel() for p in shrunk.parameters()) == sum(p.numel() for p in whole.parameters())
+
+    header = plan(request(quickstart, "good", 4, shrink_layers=2)).header()
+    assert header[-1].startswith("  ON A SHRUNK COPY: the first 2 of the model's 4 layers, converted again")
+
+    spec = CheckpointMeta.read(Path(quickstart["good"])).model_spec
+    two_layers = fit.reference_bytes(shrunk_spec(spec, 2), 16, 64)
+    monkeypatch.setattr(fit, "free_bytes", lambda device: two_layers)
+    with pytest.raises(ParityError, match=r"does not fit in one process: .*, or on a shrunk copy of the model: "
+                                          r"--shrink-layers 2 \(a copy of its first 2 layers\) fits$"):
+        plan(request(quickstart, "good", 4))
