@@ -16,6 +16,7 @@ box the tiny example still runs, and every step of it is checked the same way.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,8 @@ def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path
         env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks see no GPU: gloo on CPU
     result = subprocess.run(cmd, env=env, capture_output=capture, text=True)
     if result.returncode != 0:
-        said = [line for line in (result.stdout or "").splitlines() + (result.stderr or "").splitlines()
-                if line.startswith("error")]
-        raise ToolkitError(f"fine-tuning failed: {said[0] if said else ' '.join(cmd)}")
+        output = [line for line in ((result.stdout or "") + "\n" + (result.stderr or "")).splitlines() if line.strip()]
+        said = [line for line in output if line.startswith("error")] or output[-1:]  # the recipe's line, or the last
+        reason = re.sub(r"^error( \(rank \d+\))?: ", "", said[0]) if said else " ".join(cmd)
+        raise ToolkitError(f"fine-tuning failed: {reason}")
     return (result.stdout or "") + (result.stderr or "")

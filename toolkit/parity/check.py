@@ -64,9 +64,10 @@ class ParityPlan:
     def header(self) -> list[str]:
         p, cfg = self.cfg.parallel, self.cfg
         dp = self.nprocs // (p.tp * p.pp)
+        processes = f"{self.nprocs} process{'es' if self.nprocs > 1 else ''}"
         lines = [f"toolkit parity: {self.request.steps} steps of {self.request.config} on megatron-core (TP {p.tp} x PP "
-                 f"{p.pp} x DP {dp}, {self.nprocs} processes) against the HF model {self.hf_dir} with torch AdamW in one "
-                 f"process on {self.device}",
+                 f"{p.pp} x DP {dp}, {processes}) against the HF model {self.hf_dir} with torch AdamW in one process "
+                 f"on {self.device}",
                  f"  both in fp32, on data read in file order (data.shuffle=false), global batch {cfg.global_batch}, "
                  f"the LR schedule over these {self.request.steps} steps; no evaluation, no export"]
         if self.request.shrink_layers:
