@@ -91,6 +91,21 @@ def test_a_divergence_after_a_matching_first_step_points_at_the_setup():
     assert norm.first_divergence == (1, "grad norm") and "gradient reduction" in norm.suggestion()
 
 
+def test_the_reference_trains_on_the_assistant_turns_of_a_chat_and_on_nothing_else():
+    from toolkit.parity.reference import encode_record
+    from toolkit.tinymodels import build_tokenizer
+    from toolkit.train.chat_templates import NAMED
+
+    chat = [{"role": "user", "content": "Capital of Peru?"}, {"role": "assistant", "content": "Lima."},
+            {"role": "user", "content": "And Chile?"}, {"role": "assistant", "content": "Santiago."}]
+    tokenizer = build_tokenizer(text=True)
+    tokenizer.chat_template = NAMED["chatml"]
+    tokens, mask = encode_record(tokenizer, {"dialogue": chat}, {"messages": "dialogue"})
+    trained = tokenizer.decode([t for t, m in zip(tokens, mask) if m])
+    assert trained == "<|im_start|>assistant\nLima.<|im_end|>\n<|im_start|>assistant\nSantiago.<|im_end|>\n"
+    assert tokenizer.decode(tokens) == tokenizer.apply_chat_template(chat, tokenize=False)
+
+
 def cli(args: list[str], capsys) -> tuple[int, str]:
     from toolkit.cli import main
 
@@ -99,7 +114,10 @@ def cli(args: list[str], capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("change, message", [
-    ("messages", r"^error: .*train\.jsonl:1: chat records \(messages\) are not compared yet"),
+    ("messages", r"^error: .*train\.jsonl:1: the data has messages but the tokenizer has no chat template: set "
+                 r"data\.chat_template="),
+    ("columns", r"^error: .*train\.jsonl:1: the reference reads prompt/response, messages or text records, not "
+                r"\['question'\]$"),
     ("no-hf", r"^error: .* is not an HF model directory \(no config\.json\): give --hf DIR"),
     ("steps", r"^error: --steps must be at least 1, not 0$"),
     ("workdir", r"^error: --workdir .* is not empty: give a new or empty directory$"),
@@ -116,9 +134,10 @@ def test_bad_input_is_one_line_and_writes_nothing(quickstart, tmp_path, capsys, 
     monkeypatch.setattr("tempfile.tempdir", str(scratch))
     data, checkpoint = quickstart["train"], Path(quickstart["good"])
     args = ["--config", str(QUICKSTART_RECIPE), f"model.checkpoint={checkpoint}"]
-    if change == "messages":
+    if change in ("messages", "columns"):
         data = tmp_path / "train.jsonl"
-        data.write_text(json.dumps({"messages": [{"role": "user", "content": "1="}]}) + "\n")
+        record = {"messages": [{"role": "user", "content": "1="}]} if change == "messages" else {"question": "1="}
+        data.write_text(json.dumps(record) + "\n")
     if change == "no-hf":
         checkpoint = tmp_path / "mc"
         shutil.copytree(quickstart["good"], checkpoint)

@@ -13,6 +13,7 @@ per-step losses and gradient norms are compared (toolkit/parity/verdict.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -23,6 +24,7 @@ from toolkit.errors import ParityError
 from toolkit.parity.tolerances import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32
 
 DEFAULT_STEPS = 5
+DATA_LINES_CHECKED = 100  # before anything runs: the format is the file's, a sample of lines says it
 # What parity sets on the user's recipe (after the user's overrides), and why.
 FORCED = (
     "precision=fp32",  # both runs in fp32: a difference is then the conversion or the setup, not rounding
@@ -153,18 +155,15 @@ def _hf_dir(given: str | None, recorded: str | None, checkpoint: str) -> Path:
 
 
 def _check_data(cfg, hf_dir: Path) -> None:
-    """The reference reads one local JSONL file of prompt/response or text records."""
-    from transformers import AutoTokenizer
-
-    from toolkit.parity.reference import encode_record
+    """The reference reads one local JSONL file of prompt/response, messages or text records."""
+    from toolkit.parity.reference import encode_record, reference_tokenizer
 
     data = cfg.data
     path = Path(data.train_file)
     if "," in data.train_file or data.weights is not None or not path.is_file():
         raise ParityError(f"data.train_file={data.train_file}: toolkit parity reads one local JSONL file (not a mixture, "
                           "a saved dataset or a Hub name); point data.train_file at a JSONL sample of your data")
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    columns = {"prompt": data.columns.prompt, "response": data.columns.response, "text": data.columns.text}
+    tokenizer = reference_tokenizer(hf_dir, data.chat_template)
     with path.open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -173,12 +172,10 @@ def _check_data(cfg, hf_dir: Path) -> None:
                 record = json.loads(line)
                 if not isinstance(record, dict):
                     raise ValueError("not a JSON object")
-                if data.columns.messages in record:
-                    raise ValueError("chat records (messages) are not compared yet: use prompt/response or text data")
-                encode_record(tokenizer, record, columns)
-            except ValueError as e:  # json.JSONDecodeError is one
-                raise ParityError(f"{path}:{number}: {e}") from None
-            if number >= 100:  # the format is the file's: a sample of lines says it
+                encode_record(tokenizer, record, dataclasses.asdict(data.columns))
+            except ValueError as e:  # json.JSONDecodeError is one; so is a tokenizer without a chat template
+                raise ParityError(f"{path}:{number}: {str(e).splitlines()[0]}") from None
+            if number >= DATA_LINES_CHECKED:
                 break
 
 

@@ -2,12 +2,13 @@
 trained in one process with torch.optim.AdamW over the same global batches in the same order.
 
 It shares nothing with the trainer under test (toolkit/train/step.py, loss.py, build.py, data.py,
-schedule.py): its own reading and tokenisation of the JSONL records, its own packing, one forward
-per document (no padding, positions from 0), its own LR formula. The tests prove the trainer with
+schedule.py): its own reading and tokenisation of the JSONL records (chat ones rendered by the
+tokenizer's template, looked up by name with toolkit.train.chat_templates when the recipe names
+one), its own packing, one forward per document (no padding, positions from 0), its own LR formula. The tests prove the trainer with
 it on every layout; `toolkit parity` runs it on a user's model and data (toolkit/parity/check.py).
 
 Its settings are the recipe's, as a mapping (the YAML, or TrainConfig.to_dict()): data.seq_len,
-data.pack, data.truncation, data.overlong, data.columns, optim.*, steps, global_batch.
+data.pack, data.truncation, data.overlong, data.columns, data.chat_template, optim.*, steps, global_batch.
 """
 
 from __future__ import annotations
@@ -48,9 +49,25 @@ def leading_special_tokens(tokenizer) -> list[int]:
     return []
 
 
+def encode_conversation(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """(tokens, targets mask) of a conversation rendered by the tokenizer's chat template one
+    message longer at a time: the tokens an assistant message adds are its targets, the rest not."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the data has messages but the tokenizer has no chat template: set data.chat_template=FILE "
+                         "(a Jinja template) or a name (chatml, llama3)")
+    tokens, mask = [], []
+    for end, message in enumerate(messages, 1):
+        rendered = tokenizer.apply_chat_template(messages[:end], tokenize=True, add_generation_prompt=False)
+        rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        mask += [int(message.get("role") == "assistant")] * (len(rendered) - len(tokens))
+        tokens = rendered
+    return tokens, mask
+
+
 def encode_record(tokenizer, record: dict, columns: dict | None = None) -> tuple[list[int], list[int]]:
-    """(tokens, targets mask) of one record: prompt (masked) + response + EOS, or text + EOS (all counted)."""
-    names = {"prompt": "prompt", "response": "response", "text": "text", **(columns or {})}
+    """(tokens, targets mask) of one record: prompt (masked) + response + EOS, text + EOS (all
+    counted), or messages (the assistant's tokens counted; the chat template ends the turns)."""
+    names = {"prompt": "prompt", "response": "response", "text": "text", "messages": "messages", **(columns or {})}
 
     def encode(text) -> list[int]:
         return tokenizer(str(text), add_special_tokens=False)["input_ids"]
@@ -59,10 +76,24 @@ def encode_record(tokenizer, record: dict, columns: dict | None = None) -> tuple
         prompt = leading_special_tokens(tokenizer) + encode(record[names["prompt"]])
         response = encode(record[names["response"]]) + [tokenizer.eos_token_id]
         return prompt + response, [0] * len(prompt) + [1] * len(response)
+    if names["messages"] in record:
+        return encode_conversation(tokenizer, record[names["messages"]])
     if names["text"] in record:
         tokens = encode(record[names["text"]]) + [tokenizer.eos_token_id]
         return tokens, [1] * len(tokens)
-    raise ValueError(f"the reference reads prompt/response or text records, not {sorted(record)}")
+    raise ValueError(f"the reference reads prompt/response, messages or text records, not {sorted(record)}")
+
+
+def reference_tokenizer(hf_dir: Path, chat_template: str | None = None):
+    """The HF model's tokenizer, with the recipe's data.chat_template (a file or a name) when it sets one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    if chat_template is not None:
+        from toolkit.train.chat_templates import template_text  # the user's setting looked up, nothing rendered
+
+        tokenizer.chat_template = template_text(chat_template)
+    return tokenizer
 
 
 def reference_samples(tokenizer, data: Path, max_tokens: int, truncation: str = "right", overlong: str = "truncate",
@@ -142,12 +173,10 @@ def hf_reference(hf_dir: Path, data: Path, cfg, steps: int, device: str = "cpu",
     the per-document forward (tests/moe_reference.py: padded micro-batches with the router's
     auxiliary loss). `on_step(step, model)` is called after each optimizer step (step from 1), e.g.
     to keep weights. `prepare(model)` is called once before training (e.g. routers in fp64)."""
-    from transformers import AutoTokenizer
-
     cfg = settings(cfg)
     data_cfg, optim = cfg["data"], cfg["optim"]
     assert data_cfg.get("shuffle") is False, "the reference reads the file in order"
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = reference_tokenizer(hf_dir, data_cfg.get("chat_template"))
     samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1, data_cfg.get("truncation", "right"),
                                 data_cfg.get("overlong", "truncate"), data_cfg.get("columns"))
     rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
