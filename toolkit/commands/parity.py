@@ -11,10 +11,10 @@ export. Prints the losses and gradient norms side by side and a verdict: PASS, o
 first step and quantity that diverges and what it points at (the conversion when step 1's loss
 differs, the training setup when only later steps do). Exit code 0 on PASS, 1 on FAIL.
 
-The data must be one local JSONL file of prompt/response, messages or text records; the reference must fit
-in one process (checked first, with toolkit memory's prices; if it does not, the refusal names the
---shrink-layers N whose copy of the model's first N layers fits). The megatron-core run is written
-under a temporary directory, removed at the end (or kept in --workdir).
+The data must be one local JSONL file of prompt/response, messages or text records; the
+reference must fit in one process (checked first, with toolkit memory's prices; if it does not,
+the refusal names the --shrink-layers N whose copy of the model's first N layers fits). The
+megatron-core run is written under a temporary directory, removed at the end (or kept in --workdir).
 """
 
 
