@@ -81,7 +81,6 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
                           "supported: the experts' expert-data-parallel group is wired for DeepSpeed only")
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
-        check_stages_hold_experts(cfg, meta.model_spec)
         recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
 
@@ -107,23 +106,6 @@ def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
     if ep > 1 and cfg.parallel.zero_stage == 3:
         raise ConfigError(f"parallel.ep={ep} with zero_stage=3: DeepSpeed's ZeRO-3 does not partition expert "
                           "parameters over the expert-data-parallel group; use zero_stage=1 or 2")
-
-
-def check_stages_hold_experts(cfg: TrainConfig, spec) -> None:
-    """Under expert parallelism every pipeline stage must hold a MoE layer: DeepSpeed refuses an
-    engine with expert groups but no expert parameters (engine.py: "None of the param groups are
-    marked as MoE"), and a stage left out of them hangs the step (measured: TP2 x PP2 x DP2 x EP2
-    with Qwen3-MoE mlp_only_layers [0, 1])."""
-    pp, ep = cfg.parallel.pp, cfg.parallel.ep
-    if ep == 1 or spec.moe_layers is None:
-        return
-    per_stage = spec.num_layers // pp
-    for stage in range(pp):
-        if "1" not in spec.moe_layers[stage * per_stage:(stage + 1) * per_stage]:
-            raise ConfigError(f"parallel.pp={pp} parallel.ep={ep}: pipeline stage {stage} (layers {stage * per_stage}-"
-                              f"{(stage + 1) * per_stage - 1}) holds only dense layers ({spec.family}'s mlp_only_layers / "
-                              "decoder_sparse_step), which expert parallelism cannot train; choose a parallel.pp whose "
-                              "every stage holds a Mixture-of-Experts layer, or parallel.ep=1")
 
 
 def recipe_aux_loss(cfg: TrainConfig, spec):

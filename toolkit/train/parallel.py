@@ -117,10 +117,15 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
         skip_deepspeed_shm_op()
         allow_deepspeed_fp16()
     expert_group = experts.register_expert_groups(model, cfg.parallel.ep)
+    groups = experts.split_expert_group(param_groups(model, cfg.optim.weight_decay), expert_group)
+    if cfg.parallel.ep > 1 and cfg.parallel.pp > 1:
+        from megatron.core import parallel_state as ps
+
+        groups = experts.align_group_count(groups, ps.get_pipeline_model_parallel_group())
     with experts.moe_engine(expert_group):
         engine, _, _, _ = deepspeed.initialize(
             model=model,
-            model_parameters=experts.split_expert_group(param_groups(model, cfg.optim.weight_decay), expert_group),
+            model_parameters=groups,
             config=ds_config,
             mpu=MegatronCoreMPU(),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
