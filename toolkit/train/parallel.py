@@ -30,6 +30,27 @@ class MegatronCoreMPU:
 
         return ps.get_model_parallel_group()
 
+    # DeepSpeed averages gradients and partitions ZeRO states over its "data parallel" group: under
+    # context parallelism that is DP x CP (each CP rank's gradient is its chunks' part; the loss is
+    # scaled by CP in megatron-core's schedule, so the average over DP x CP is the sum over CP).
+    @staticmethod
+    def get_data_parallel_group():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    @staticmethod
+    def get_data_parallel_world_size():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size(with_context_parallel=True)
+
+    @staticmethod
+    def get_data_parallel_rank():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(with_context_parallel=True)
+
     def get_model_parallel_rank(self):
         return dist.get_rank(group=self.get_model_parallel_group())
 

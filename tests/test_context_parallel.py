@@ -1,0 +1,190 @@
+"""Context parallelism (parallel.cp): the sequence split zig-zag over CP ranks, megatron-core's RoPE
+chunks, the toolkit's all-gather attention on the local spec, gradients over DP x CP.
+
+Proven against the single-process HF reference (tests/finetune_harness.py; 10 steps, fp32) at
+sequences of 62 tokens padded to 64 (2·CP chunks of 16, documents crossing chunk boundaries):
+CP2, CP2 x DP2 packed, TP2 x CP2 with sequence parallelism and full recompute (Qwen3's q/k norms),
+PP2 x CP2 packed. Guarded: RoPE positions that start at 0 on every CP rank, and a loss averaged
+over CP instead of summed, each fail it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, REPO, assert_refused_in_one_line,
+                                    compare_with_reference, parity_setup, recipe_config, run_against_reference)
+from toolkit import context_parallel as cpl
+from toolkit.errors import ConfigError
+
+MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3"}
+# 62 tokens: not a multiple of 2·CP (padded to 64), long enough for several documents per packed row
+LONG = {"data__seq_len": 62, "global_batch": 8}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return parity_setup(tmp_path_factory.mktemp("cp"), MODELS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "nprocs, model, parallel, pack",
+    [
+        (2, "untied", {"cp": 2}, False),
+        (4, "untied", {"cp": 2, "zero_stage": 2}, True),
+        (4, "qwen3", {"cp": 2, "tp": 2, "sequence_parallel": True, "recompute": "full"}, False),
+        (4, "untied", {"cp": 2, "pp": 2}, True),
+    ],
+    ids=["CP2", "CP2xDP2-zero2-packed", "TP2xCP2-SP-recompute-qwen3", "PP2xCP2-packed"],
+)
+def test_context_parallel_matches_hf_reference(setup, tmp_path, nprocs, model, parallel, pack):
+    compare_with_reference(setup, tmp_path, nprocs, model, pack=pack, parallel=parallel, **LONG)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("defect", ["cp-positions-from-zero", "cp-loss-mean"])
+def test_guard_context_parallel_defects_fail_the_reference(setup, tmp_path, defect):
+    """Guard: the CP2 case above for 3 steps with one defect (tests/recipe_with_defect.py). RoPE
+    positions from 0 on each rank change every loss; a loss averaged over CP halves the gradients
+    (the gradient norm is 0.5 off, the losses Adam and clipping partly hide)."""
+    _, loss, norm = run_against_reference(setup, tmp_path, 2, "untied", parallel={"cp": 2}, steps=3, **LONG,
+                                          script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": defect})
+    print(f"{defect}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss > LOSS_TOLERANCE_FP32 or norm > GRAD_NORM_TOLERANCE, (loss, norm)
+    if defect == "cp-loss-mean":
+        assert norm > 0.3, norm
+
+
+def _packed_batch(seq_len: int = 62, rows: int = 3):
+    """Collated packed rows of the test data (toolkit.train.data), as the recipe makes them."""
+    from tests.finetune_harness import write_uneven_data
+    from toolkit.train.data import Sample, collate, pack_rows
+
+    import json
+    import tempfile
+    from pathlib import Path
+
+    path = write_uneven_data(Path(tempfile.mkdtemp()) / "d.jsonl", 40)
+    samples = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        p, a = [ord(c) for c in r["prompt"]], [ord(c) for c in r["response"]] + [1]
+        samples.append(Sample(p + a, [0] * len(p) + [1] * len(a)))
+    return collate(pack_rows(samples, seq_len + 1, 0)[:rows], packed=True)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_split_keeps_every_token_once_with_its_position_and_mask(cp):
+    """The data loader's part of CP: padded to the split's multiple (never a token dropped), each
+    rank's chunks at the right global positions, its queries' mask over the gathered keys that of
+    the whole row, and documents that do cross chunk boundaries (so the parity tests test that)."""
+    batch = _packed_batch()
+    length = cpl.padded_length(62, cp)
+    assert length % (2 * cp) == 0 and 62 <= length < 62 + 2 * cp
+    padded = cpl.pad_batch(batch, length)
+    assert padded["loss_mask"].sum() == batch["loss_mask"].sum()
+    parts = [cpl.split_batch(padded, cp, r) for r in range(cp)]
+    positions = torch.cat([p["positions"][0] for p in parts])
+    assert sorted(positions.tolist()) == list(range(length))  # every position on exactly one rank
+    keys = cpl.gathered_positions(length, cp)
+    assert torch.equal(positions, keys)  # the all-gather's order is the ranks' order
+    for part in parts:
+        q = part["positions"][0]
+        assert torch.equal(part["tokens"], padded["tokens"][:, q])
+        assert torch.equal(part["loss_mask"], padded["loss_mask"][:, q])
+        assert torch.equal(part["attention_mask"], padded["attention_mask"][:, :, q][:, :, :, keys])
+    assert sum(p["loss_mask"].sum() for p in parts) == batch["loss_mask"].sum()
+    # a document crossing from one chunk to the next: the same document on both sides of a boundary
+    same_doc = ~batch["attention_mask"][0, 0]
+    chunk = length // (2 * cp)
+    crossing = [b for b in range(chunk, 62, chunk) if same_doc[b, b - 1]]
+    assert crossing, "no document crosses a chunk boundary in this data"
+
+
+def test_causal_mask_is_over_global_positions():
+    """Rank 0 of CP 2 on 8 tokens holds positions 0,1 and 6,7; the keys come as 0,1,6,7,2,3,4,5."""
+    mask = cpl.causal_mask(8, 2, 0)
+    assert cpl.chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cpl.gathered_positions(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert (~mask[0]).tolist() == [True, False, False, False, False, False, False, False]
+    assert (~mask[2]).tolist() == [True, True, True, False, True, True, True, True]
+
+
+def test_local_spec_gets_the_toolkits_attention_and_te_keeps_its_own(monkeypatch):
+    """The local spec's DotProductAttention (which asserts CP 1) is replaced, also in a block spec
+    (the families' own); on the Transformer Engine spec (stood in for: TE cannot be imported here) TE's
+    attention stays and the TransformerConfig built with the GPU flags carries CP 2 and the ring."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from tests.test_cuda_shaped import cuda_present
+    from tests.workers_memory import tiny_spec
+    from toolkit import model
+    from toolkit.layouts import Layout
+    from toolkit.train.build import model_config
+
+    cfg = recipe_config_for(["parallel.cp=2", "precision=bf16"])
+    config, _ = model_config(tiny_spec(), cfg, Layout(1, 1), "local")
+    built = model.layer_spec_module("local", config, tiny_spec())
+    assert built.submodules.self_attention.submodules.core_attention is cpl.ContextParallelAttention
+    block = cpl.with_context_parallel_attention(TransformerBlockSubmodules(layer_specs=[gpt_layer_specs.get_gpt_layer_local_spec()] * 2))
+    assert {s.submodules.self_attention.submodules.core_attention for s in block.layer_specs} == {cpl.ContextParallelAttention}
+
+    cuda_present(monkeypatch)
+    te_spec = object()  # Transformer Engine's layer spec cannot be built without TE
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **_: te_spec)
+    config, _ = model_config(tiny_spec(), cfg, Layout(1, 1), "te")
+    assert not config.use_cpu_initialization and config.bias_dropout_fusion  # the GPU flags are on
+    assert (config.context_parallel_size, config.cp_comm_type) == (2, "p2p")
+    assert model.layer_spec_module("te", config, tiny_spec()) is te_spec
+
+
+
+def recipe_config_for(overrides):
+    import tempfile
+    from pathlib import Path
+
+    return recipe_config(Path(tempfile.mkdtemp()), overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.cp=2", "parallel.vpp=2", "parallel.pp=2"], "parallel.cp=2 with parallel.vpp=2"),
+        (["parallel.cp=2", "parallel.dp_engine=fsdp"], "parallel.cp=2 with parallel.dp_engine=fsdp"),
+        (["parallel.cp=2", "peft.enabled=true"], "parallel.cp=2 with peft.enabled"),
+    ],
+)
+def test_context_parallel_bad_input_refused_in_one_line(tmp_path, overrides, message):
+    assert_refused_in_one_line(tmp_path, overrides, message)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"window_size": 8}, "sliding-window attention"),
+        ({"longrope": {"short_factor": [1.0]}}, "LongRoPE"),
+        ({"num_experts": 4}, "Mixture-of-Experts"),
+    ],
+)
+def test_families_the_cp_attention_does_not_cover_are_refused(change, message):
+    from tests.workers_memory import tiny_spec
+    from toolkit.train.build import check_context_parallel_family
+
+    spec = dataclasses.replace(tiny_spec(), **change)
+    with pytest.raises(ConfigError, match=message) as refused:
+        check_context_parallel_family(recipe_config_for(["parallel.cp=2"]), spec)
+    assert "\n" not in str(refused.value)
+
+
+def test_world_size_must_divide_by_tp_pp_cp():
+    from toolkit.train.build import data_parallel_size
+
+    cfg = recipe_config_for(["parallel.cp=2", "parallel.tp=2"])
+    assert data_parallel_size(cfg, 8) == 2
+    with pytest.raises(ConfigError, match=r"not divisible by TP\*PP\*CP = 2\*1\*2.*8 \(DP 2\)"):
+        data_parallel_size(cfg, 6)
