@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, REPO, assert_refused_in_one_line,
-                                    compare_with_reference, parity_setup, recipe_config, run_against_reference)
+                                    compare_with_reference, differences, launch, parity_setup, read_metrics, recipe,
+                                    recipe_config, run_against_reference)
 from toolkit import context_parallel as cpl
 from toolkit.errors import ConfigError
 
@@ -34,15 +35,51 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize(
     "nprocs, model, parallel, pack",
     [
-        (2, "untied", {"cp": 2}, False),
         (4, "untied", {"cp": 2, "zero_stage": 2}, True),
         (4, "qwen3", {"cp": 2, "tp": 2, "sequence_parallel": True, "recompute": "full"}, False),
         (4, "untied", {"cp": 2, "pp": 2}, True),
     ],
-    ids=["CP2", "CP2xDP2-zero2-packed", "TP2xCP2-SP-recompute-qwen3", "PP2xCP2-packed"],
+    ids=["CP2xDP2-zero2-packed", "TP2xCP2-SP-recompute-qwen3", "PP2xCP2-packed"],
 )
 def test_context_parallel_matches_hf_reference(setup, tmp_path, nprocs, model, parallel, pack):
     compare_with_reference(setup, tmp_path, nprocs, model, pack=pack, parallel=parallel, **LONG)
+
+
+def _resume(tmp_path, name: str, saved, setup, nprocs: int, parallel: dict) -> list[dict]:
+    """Steps 6-10 from a copy of the step-5 checkpoint `saved`, on `parallel`."""
+    import shutil
+
+    _, data, models, _ = setup
+    checkpoints = tmp_path / name / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    shutil.copytree(saved, checkpoints / saved.name)
+    (checkpoints / "latest").write_text(saved.name)
+    launch(nprocs, recipe(tmp_path / name, models["untied"][1], data, parallel=parallel, **LONG), "resume=auto")
+    return read_metrics(tmp_path / name / "run")
+
+
+@pytest.mark.multiprocess
+def test_cp2_matches_reference_resumes_bit_exact_and_at_cp1_from_the_layout_independent_state(setup, tmp_path):
+    """CP2 unpacked (one launch doubling as a parity case), saved at step 5; resumed at CP2 its steps
+    6-10 are bit-identical to the uninterrupted run's, and at DP2 without CP (DeepSpeed's files
+    unusable: another DP group) they continue from the layout-independent state within 1e-6."""
+    _, data, models, reference = setup
+    (tmp_path / "straight").mkdir()
+    cfg = recipe(tmp_path / "straight", models["untied"][1], data, parallel={"cp": 2}, save_every=5, **LONG)
+    launch(2, cfg)
+    straight = read_metrics(tmp_path / "straight" / "run")
+    loss, norm = differences(straight, *reference("untied", cfg))
+    print(f"CP2: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    saved = tmp_path / "straight" / "run" / "checkpoints" / "step_0000005"
+    same = _resume(tmp_path, "cp2", saved, setup, 2, {"cp": 2})
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in same] == \
+        [(m["step"], m["loss"], m["grad_norm"]) for m in straight[5:]]
+    other = _resume(tmp_path, "dp2", saved, setup, 2, {"cp": 1})
+    assert [m["step"] for m in other] == list(range(6, 11))
+    worst = max(max(abs(a[k] - b[k]) / abs(b[k]) for k in ("loss", "grad_norm")) for a, b in zip(other, straight[5:]))
+    print(f"CP2 -> DP2 resume: max relative difference steps 6-10 {worst:.1e}")
+    assert worst < 1e-5, worst
 
 
 @pytest.mark.multiprocess
@@ -157,6 +194,7 @@ def recipe_config_for(overrides):
         (["parallel.cp=2", "parallel.vpp=2", "parallel.pp=2"], "parallel.cp=2 with parallel.vpp=2"),
         (["parallel.cp=2", "parallel.dp_engine=fsdp"], "parallel.cp=2 with parallel.dp_engine=fsdp"),
         (["parallel.cp=2", "peft.enabled=true"], "parallel.cp=2 with peft.enabled"),
+        (["parallel.cp=2", "wandb.sample_generations=2"], "parallel.cp=2 with wandb.sample_generations"),
     ],
 )
 def test_context_parallel_bad_input_refused_in_one_line(tmp_path, overrides, message):
@@ -188,3 +226,58 @@ def test_world_size_must_divide_by_tp_pp_cp():
     assert data_parallel_size(cfg, 8) == 2
     with pytest.raises(ConfigError, match=r"not divisible by TP\*PP\*CP = 2\*1\*2.*8 \(DP 2\)"):
         data_parallel_size(cfg, 6)
+
+
+def test_plan_finds_context_parallel_layouts_for_llama_3_1_8b_at_65536_tokens():
+    """8 x 80 GiB, 65,536 tokens: without CP only full-recompute layouts fit (the whole sequence's
+    activations on each rank); with CP, layouts without recompute fit and rank first (faster)."""
+    from pathlib import Path
+
+    import toolkit.plan as planner
+    from toolkit.memory import GIB
+    from toolkit.modelspec import read
+
+    spec = read(Path(REPO) / "ds_configs" / "models" / "llama-3.1-8b")
+    cluster = planner.Cluster(8, 80 * GIB)
+    with_cp = planner.plan(spec, cluster, 65536, allow_offload=False)
+    best = with_cp.best
+    print(best.explain(cluster))
+    assert best.memory.cp > 1 and best.recompute != "full"
+    assert any(c.memory.cp > 1 and c.recompute == "none" for c in with_cp.ranked)
+    without = [c for c in with_cp.ranked if c.memory.cp == 1]
+    assert without and all(c.recompute == "full" for c in without)
+    assert best.time.tokens_per_gpu_s > max(c.time.tokens_per_gpu_s for c in without)
+    assert planner.context_parallel_sizes(spec, 4096, 8) == [1]  # short sequences: not enumerated
+
+
+@pytest.mark.multiprocess
+def test_memory_model_matches_saved_tensors_at_cp2():
+    """Activation bytes per layer and per model at CP2 on CPU (the local spec's all-gather attention)
+    against torch.autograd.graph.saved_tensors_hooks counts, each rank, within 10%."""
+    from tests.workers_memory import SEQ, tiny_spec
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import CPU_LOCAL, estimate
+    from toolkit.memory import activations as act
+    from toolkit.runtime.launch import run_on_processes
+
+    cases = [dict(variant=v, precision=p, recompute=r, micro=2)
+             for v, p, r in (("llama", "bf16", "none"), ("llama", "fp32", "none"), ("llama", "bf16", "selective"),
+                             ("llama", "bf16", "full"), ("qwen3", "bf16", "none"))]
+    rows = []
+    for rank, out in enumerate(run_on_processes("tests.workers_memory:context_parallel_saved_bytes", 2, cases)):
+        for r in out:
+            spec, saved, width = tiny_spec(4, r["variant"]), r["saved"], 2 if r["precision"] == "bf16" else 4
+            per_layer = (saved[4] - saved[2]) / 2
+            predicted = act.layer_bytes(spec, act.Shape(SEQ, r["micro"], 1, width, cp=2), CPU_LOCAL, r["recompute"])
+            setup = Setup(gpus=2, tp=1, pp=1, zero=1, precision=r["precision"], micro_batch=r["micro"],
+                          global_batch=2 * r["micro"])
+            whole = estimate(spec, setup, SEQ, r["recompute"], CPU_LOCAL, cp=2).stages[0].activations
+            rows.append(f"{r['variant']} {r['precision']} recompute {r['recompute']} rank {rank}: per layer measured "
+                        f"{per_layer:,.0f} predicted {predicted:,} ({predicted / per_layer - 1:+.1%}); model measured "
+                        f"{saved[4]:,} predicted {whole:,} ({whole / saved[4] - 1:+.1%})")
+            assert abs(predicted / per_layer - 1) <= 0.10, rows[-1]
+            assert abs(whole / saved[4] - 1) <= 0.10, rows[-1]
+            if r["recompute"] == "none":  # guard: a model blind to CP (a rank as a sequence of SEQ / 2) misses
+                blind = act.layer_bytes(spec, act.Shape(SEQ // 2, r["micro"], 1, width), CPU_LOCAL)
+                assert abs(blind / per_layer - 1) > 0.10, (blind, per_layer)
+    print("\n".join(rows))

@@ -90,6 +90,8 @@ def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp
         parallel["vpp"] = s.vpp
     if c.memory.ep > 1:
         parallel["ep"] = c.memory.ep
+    if c.memory.cp > 1:
+        parallel["cp"] = c.memory.cp
     if spec.is_moe and s.tp > 1:  # megatron-core trains MoE at TP > 1 only with sequence parallelism
         parallel["sequence_parallel"] = True
     if dp_engine == "fsdp":
@@ -100,7 +102,7 @@ def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp
         "parallel": parallel,
         "precision": s.precision,
         "micro_batch": s.micro_batch,
-        "global_batch": s.global_batch,
+        "global_batch": s.global_batch // c.memory.cp,  # the Setup counts each CP rank's share of a sequence
         "run_dir": paths.run_dir,
     }
     if lora is not None:
@@ -118,13 +120,13 @@ def make(result: Plan, spec, seq_len: int, paths: Paths, lora=None, dp_engine: s
     c = runnable(result)
     mapping = recipe_mapping(c, spec, seq_len, paths, lora, dp_engine)
     cfg = config_from_mapping(mapping)
-    setup = ds_setup(cfg, c.setup.dp)
+    setup = ds_setup(cfg, c.setup.dp // cfg.parallel.cp)
     differ = [f for f in PRICED_FIELDS if getattr(setup, f) != getattr(c.setup, f)]
     if differ:  # a bug here, never the user's: the bundle would run something plan did not price
         raise AssertionError(f"recipe.yaml would run another layout than plan priced: {differ}")
     memory = estimate(spec, setup, seq_len, c.recompute, GPU, cfg.parallel.sequence_parallel, lora=lora,
-                      ep=cfg.parallel.ep, dp_engine=dp_engine)
-    deepspeed = None if dp_engine == "fsdp" else ds_config(cfg, spec, c.setup.dp)
+                      ep=cfg.parallel.ep, dp_engine=dp_engine, cp=cfg.parallel.cp)
+    deepspeed = None if dp_engine == "fsdp" else ds_config(cfg, spec, c.setup.dp // cfg.parallel.cp)
     return Bundle(result, c, mapping, memory, deepspeed, seq_len, paths)
 
 

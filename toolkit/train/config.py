@@ -463,7 +463,8 @@ def _validate_context_parallel(cfg: TrainConfig) -> None:
     for problem, what in ((cfg.parallel.vpp > 1, f"parallel.vpp={cfg.parallel.vpp} (the interleaved schedule)"),
                           (cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp (FSDP would shard over DP alone, "
                                                             "not DP x CP)"),
-                          (cfg.peft.enabled, "peft.enabled (LoRA)")):
+                          (cfg.peft.enabled, "peft.enabled (LoRA)"),
+                          (cfg.wandb.sample_generations > 0, "wandb.sample_generations (decoding runs whole sequences)")):
         if problem:
             raise ConfigError(f"parallel.cp={cp} with {what} is not supported yet; use parallel.cp=1")
 
