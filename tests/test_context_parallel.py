@@ -92,9 +92,10 @@ def test_guard_context_parallel_defects_fail_the_reference(setup, tmp_path, defe
     _, loss, norm = run_against_reference(setup, tmp_path, 2, "untied", parallel={"cp": 2}, steps=3, **LONG,
                                           script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": defect})
     print(f"{defect}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
-    assert loss > LOSS_TOLERANCE_FP32 or norm > GRAD_NORM_TOLERANCE, (loss, norm)
-    if defect == "cp-loss-mean":
-        assert norm > 0.3, norm
+    if defect == "cp-positions-from-zero":  # measured 4.7e-5 and 2.7e-4 over 3 steps
+        assert loss > LOSS_TOLERANCE_FP32 and norm > GRAD_NORM_TOLERANCE, (loss, norm)
+    else:  # measured: losses 8.4e-7 (hidden), gradient norm 0.50 relative
+        assert norm > 0.3, (loss, norm)
 
 
 def _packed_batch(seq_len: int = 62, rows: int = 3):
@@ -218,6 +219,18 @@ def test_families_the_cp_attention_does_not_cover_are_refused(change, message):
     with pytest.raises(ConfigError, match=message) as refused:
         check_context_parallel_family(recipe_config_for(["parallel.cp=2"]), spec)
     assert "\n" not in str(refused.value)
+
+
+def test_packing_under_cp_on_the_transformer_engine_spec_is_refused(monkeypatch):
+    """TE's CP attention takes the causal mask only: packed rows would attend across documents."""
+    from tests.workers_memory import tiny_spec
+    from toolkit import model
+    from toolkit.train.build import check_context_parallel_family
+
+    monkeypatch.setattr(model, "running_layer_spec", lambda: "te")
+    with pytest.raises(ConfigError, match="data.pack=true on the Transformer Engine spec"):
+        check_context_parallel_family(recipe_config_for(["parallel.cp=2", "data.pack=true"]), tiny_spec())
+    check_context_parallel_family(recipe_config_for(["parallel.cp=2"]), tiny_spec())  # unpacked: TE's own CP
 
 
 def test_world_size_must_divide_by_tp_pp_cp():
