@@ -295,3 +295,19 @@ def test_memory_model_matches_saved_tensors_at_cp2():
                 blind = act.layer_bytes(spec, act.Shape(SEQ // 2, r["micro"], 1, width), CPU_LOCAL)
                 assert abs(blind / per_layer - 1) > 0.10, (blind, per_layer)
     print("\n".join(rows))
+
+
+def test_plan_bundle_at_65536_tokens_carries_parallel_cp_the_recipe_accepts(tmp_path, capsys):
+    """`toolkit plan -o` writes the CP layout it priced: parallel.cp in recipe.yaml, the global batch
+    in sequences, and the recipe's own DeepSpeed Setup equal to the priced one (plan_bundle checks)."""
+    from toolkit.cli import main
+    from toolkit.train.build import data_parallel_size
+    from toolkit.train.config import load_config
+
+    out = tmp_path / "plan-64k"
+    assert main(["plan", "--model", str(REPO / "ds_configs" / "models" / "llama-3.1-8b"), "--gpus", "8",
+                 "--gpu-memory", "80GiB", "--seq-len", "65536", "--top", "3", "-o", str(out)]) == 0
+    assert "parallel.cp=" in capsys.readouterr().err
+    cfg = load_config(str(out / "recipe.yaml"))
+    assert cfg.parallel.cp > 1 and cfg.global_batch == 64
+    assert data_parallel_size(cfg, 8) * cfg.parallel.cp * cfg.parallel.tp * cfg.parallel.pp == 8

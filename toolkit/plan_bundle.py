@@ -180,12 +180,13 @@ def plan_text(bundle: Bundle, out: Path, command: str, top: int = 10) -> str:
     if c is not bundle.plan.best:
         lines.append("- the faster layouts above it offload to CPU, which the recipe does not do")
     lines += ["", f"## Ranked layouts (best {min(top, len(bundle.plan.ranked))} of {len(bundle.plan.ranked)})", "",
-              "| # | TP | PP | DP | ZeRO | EP | micro-batch | recompute | offload | GiB/GPU | tok/s/GPU |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | TP | PP | DP | CP | ZeRO | EP | micro-batch | recompute | offload | GiB/GPU | tok/s/GPU |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(bundle.plan.ranked[:top], 1):
         rs = r.setup
         offload = "none" if not r.offloaded else f"{rs.offload_optimizer}/{rs.offload_param}"
-        lines.append(f"| {i}{' (this)' if r is c else ''} | {rs.tp} | {rs.pp} | {rs.dp} | {rs.zero} | {r.memory.ep} | "
+        lines.append(f"| {i}{' (this)' if r is c else ''} | {rs.tp} | {rs.pp} | {rs.dp // r.memory.cp} | {r.memory.cp} | {rs.zero} | "
+                     f"{r.memory.ep} | "
                      f"{rs.micro_batch} | {r.recompute} | {offload} | {r.memory.gpu_bytes / GIB:.1f} | "
                      f"{r.time.tokens_per_gpu_s:,.0f} |")
     lines += ["", "## Memory per GPU (the recipe's Setup)", "", "```", *memory.table(cluster.gpus_per_node), "```", ""]
