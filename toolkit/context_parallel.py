@@ -113,6 +113,7 @@ class ContextParallelAttention(torch.nn.Module):
                                                   attention_dropout, softmax_scale, None, pg_collection)
         self.group = ps.get_context_parallel_group()
         self.cp = self.group.size()
+        self._mask = None  # (sequence length, device, the causal mask): the same for every micro-batch
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -121,7 +122,9 @@ class ContextParallelAttention(torch.nn.Module):
         # [s/cp, b, ng, hn] -> [s, b, ng, hn] in rank order; backward: dK/dV reduce-scattered to their rank
         key = gather_from_sequence_parallel_region(key, True, group=self.group)
         value = gather_from_sequence_parallel_region(value, True, group=self.group)
-        mask = causal_mask(key.shape[0], self.cp, self.group.rank(), query.device)[None, None]
+        if self._mask is None or self._mask[:2] != (key.shape[0], query.device):
+            self._mask = (key.shape[0], query.device, causal_mask(key.shape[0], self.cp, self.group.rank(), query.device))
+        mask = self._mask[2][None, None]
         if attention_mask is not None:  # packed rows: [b, 1, sq, sk] in the same orders (split_batch)
             mask = mask | attention_mask
         return self.attention(query, key, value, mask, attn_mask_type, attention_bias, packed_seq_params)
