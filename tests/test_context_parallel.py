@@ -311,3 +311,17 @@ def test_plan_bundle_at_65536_tokens_carries_parallel_cp_the_recipe_accepts(tmp_
     cfg = load_config(str(out / "recipe.yaml"))
     assert cfg.parallel.cp > 1 and cfg.global_batch == 64
     assert data_parallel_size(cfg, 8) * cfg.parallel.cp * cfg.parallel.tp * cfg.parallel.pp == 8
+
+
+def test_memory_command_prices_context_parallelism(capsys):
+    """`toolkit memory --cp 4`: Llama-3.1-8B at 65,536 tokens, TP2 x CP4 on 8 GPUs fits 80 GiB without
+    recompute; the same layout without CP does not (it suggests full recompute)."""
+    from toolkit.cli import main
+
+    model = str(REPO / "ds_configs" / "models" / "llama-3.1-8b")
+    common = ["--gpus", "8", "--tp", "2", "--zero", "2", "--seq-len", "65536", "--micro-batch", "1", "--gpu-memory", "80GiB"]
+    assert main(["memory", model, *common, "--cp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "(DP 1 x CP 4)" in out and "fits:" in out
+    assert main(["memory", model, *common]) == 1
+    assert "does not fit" in capsys.readouterr().out
