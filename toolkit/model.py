@@ -99,7 +99,17 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
 
 def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     """megatron-core's layer spec for `config` (its q/k norm and normalization included), or the
-    family's own block spec."""
+    family's own block spec. Under context parallelism the local spec's attention is the toolkit's
+    (toolkit.context_parallel); Transformer Engine's does CP itself."""
+    built = _layer_spec_module(layer_spec, config, spec)
+    if config.context_parallel_size > 1 and layer_spec == "local":
+        from toolkit.context_parallel import with_context_parallel_attention
+
+        return with_context_parallel_attention(built)
+    return built
+
+
+def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     family = family_named(spec.family) if spec else None

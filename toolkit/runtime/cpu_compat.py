@@ -47,6 +47,9 @@ UPSTREAM_SPOTS = {
     "'torch.cuda.FloatTensor', else TypeError); optimizer/clip_grads.py:103 (get_grad_norm_fp32, from "
     "ChainedOptimizer.step) makes its norm tensor with device='cuda'; distrib_optimizer.py:1089: get_parameter_state_dp_zero (saving the fully_reshardable format) calls .cuda(). Needed only to build and step "
     "megatron-core's own DistributedOptimizer (the test that reads its checkpoints); our trainer uses DeepSpeed's",
+    "context_parallel_rope": "models/common/embeddings/rope_utils.py:62-64: get_pos_emb_on_this_cp_rank (each CP "
+    "rank's RoPE chunks) builds its index with pin_memory=True and .cuda(); imported by name into "
+    "rotary_pos_embedding.py:26 and yarn_rotary_pos_embedding.py:13",
     "uneven_gather": "tensor_parallel/mappings.py:150: _gather_along_first_dim with output_split_sizes is a list "
     "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
     "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
@@ -77,6 +80,8 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):  # pinned host memory needs CUDA, and is only for host-to-GPU copies
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.cuda:
             return args[0]
         return func(*args, **kwargs)
@@ -242,6 +247,14 @@ def _uneven_gather():
     mappings._gather_along_first_dim = gather
 
 
+def _context_parallel_rope():
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    patched = _run_on_cpu(rope_utils.get_pos_emb_on_this_cp_rank)
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # imported by name
+        module.get_pos_emb_on_this_cp_rank = patched
+
+
 def _distributed_optimizer():
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
@@ -271,6 +284,7 @@ _PATCHES = {
     "moe_dispatcher_stream": _moe_dispatcher_stream,
     "uneven_gather": _uneven_gather,
     "distributed_optimizer": _distributed_optimizer,
+    "context_parallel_rope": _context_parallel_rope,
 }
 
 

@@ -55,7 +55,7 @@ from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
 # Layout keys that checkpoints of earlier versions (or of runs without the feature) lack.
-LAYOUT_DEFAULTS = {"vpp": 1}
+LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1}
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
@@ -352,7 +352,8 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
         _check_same_model(path, meta)
     saved = {k: state.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
-    same_layout = saved == layout
+    # cp is in a layout only when > 1: a CP checkpoint resumed without CP (or with another) is another layout
+    same_layout = saved == layout and state.get("cp", 1) == layout.get("cp", 1)
     if not same_layout:
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
