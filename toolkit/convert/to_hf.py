@@ -94,6 +94,18 @@ def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
                   and not f.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
+def _hf_layout(ckpt: MegatronCheckpoint, transform):
+    """(HF name, tensor) as HF stores them: `transform`ed, and experts fused per layer where the family
+    stores them so (toolkit/convert/fused_experts.py)."""
+    tensors = ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors())
+    fused = ckpt.family.fused_experts
+    if fused is None:
+        return tensors
+    from toolkit.convert.fused_experts import fuse_experts
+
+    return fuse_experts(fused, ckpt.spec.num_experts, tensors)
+
+
 def megatron_to_hf(
     megatron_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -125,8 +137,7 @@ def megatron_to_hf(
     with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype, wrapped)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
-            for name, tensor in ckpt.hf_tensors():
-                tensor = tensor if transform is None else transform(name, tensor)
+            for name, tensor in _hf_layout(ckpt, transform):
                 writer.add(prefix + name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():
