@@ -172,7 +172,7 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=spec.expert_tp(layout.tp),
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         params_dtype=dtype,

@@ -76,7 +76,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=spec.expert_tp(layout.tp),
         # a family's own block spec (toolkit/layers.py) builds local modules, SequentialMLP experts included
         moe_grouped_gemm=spec.is_moe and layer_spec == "te" and not family_named(spec.family).layer,
         params_dtype=dtype,

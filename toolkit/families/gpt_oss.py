@@ -25,8 +25,8 @@ the published checkpoints store them in MXFP4 (`*_blocks`, `*_scales`). The conv
 expert (toolkit/convert/fused_experts.py) under the names the rows below use.
 
 megatron-core supports biases in MoE layers only with expert tensor parallelism 1
-(transformer_config.py:1588); the toolkit runs experts at expert TP = TP, so gpt-oss converts at TP 1
-(any PP and EP) and TP > 1 is refused in one line (toolkit/layouts.py)."""
+(transformer_config.py:1588): the experts are whole on every TP rank (Split.UNSPLIT_*, and
+expert_tensor_parallel_size=1 where the model is built, toolkit/megatron_settings.py)."""
 
 from toolkit.errors import ConversionError
 from toolkit.families.experts import ATTENTION_ROWS, LOCAL_EXPERT
@@ -49,11 +49,11 @@ ROWS = ATTENTION_ROWS + QKV_BIAS + (
     row(M + "self_attention.core_attention.softmax_offset", L + "self_attn.sinks", Split.COLUMN, ("heads",)),
     row(M + "mlp.router.weight", L + "mlp.router.weight", Split.REPLICATED, ("experts", "hidden"), kind=MOE_LAYER),
     row(M + "mlp.router.bias", L + "mlp.router.bias", Split.REPLICATED, ("experts",), kind=MOE_LAYER),
-    row(LOCAL_EXPERT + "linear_fc1.weight", (X + "gate_proj.weight", X + "up_proj.weight"), Split.GATE_UP,
+    row(LOCAL_EXPERT + "linear_fc1.weight", (X + "gate_proj.weight", X + "up_proj.weight"), Split.UNSPLIT_GATE_UP,
         ("moe_ffn", "hidden"), ("moe_ffn", "hidden"), kind=MOE_LAYER),
-    row(LOCAL_EXPERT + "linear_fc1.bias", (X + "gate_proj.bias", X + "up_proj.bias"), Split.GATE_UP,
+    row(LOCAL_EXPERT + "linear_fc1.bias", (X + "gate_proj.bias", X + "up_proj.bias"), Split.UNSPLIT_GATE_UP,
         ("moe_ffn",), ("moe_ffn",), kind=MOE_LAYER),
-    row(LOCAL_EXPERT + "linear_fc2.weight", X + "down_proj.weight", Split.ROW, ("hidden", "moe_ffn"), kind=MOE_LAYER),
+    row(LOCAL_EXPERT + "linear_fc2.weight", X + "down_proj.weight", Split.UNSPLIT_ROW, ("hidden", "moe_ffn"), kind=MOE_LAYER),
     row(LOCAL_EXPERT + "linear_fc2.bias", X + "down_proj.bias", Split.REPLICATED, ("hidden",), kind=MOE_LAYER),
 )
 

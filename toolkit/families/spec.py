@@ -115,6 +115,11 @@ class ModelSpec:
             "one": 1,
         }[symbol]
 
+    def expert_tp(self, tp: int) -> int:
+        """Expert tensor parallelism at TP `tp`: TP (megatron-core's default), or 1 where the experts
+        have biases, which megatron-core supports only there (transformer_config.py:1588)."""
+        return 1 if self.is_moe and self.linear_bias else tp
+
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates: one pair per frequency of

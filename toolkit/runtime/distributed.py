@@ -86,9 +86,11 @@ def init_process_group() -> torch.device:
     return device
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: int = 1) -> ParallelInfo:
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: int = 1,
+                  etp: int | None = None) -> ParallelInfo:
     """Initialise the process group and megatron-core's TP/PP/DP groups; DP = world / (TP*PP).
-    Expert parallelism (EP) is carved out of DP, with expert TP = TP (megatron-core's default).
+    Expert parallelism (EP) is carved out of DP, with expert TP `etp`, by default TP (megatron-core's
+    default; ModelSpec.expert_tp says which a model needs).
     `vpp` > 1: that many virtual stages (model chunks) per pipeline rank."""
     device = init_process_group()
     world = dist.get_world_size()
@@ -99,7 +101,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: 
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
                                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
