@@ -18,7 +18,7 @@ import torch
 
 from toolkit.convert.metadata import CheckpointMeta, bad_checksums
 from toolkit.convert.progress import Stages
-from toolkit.errors import ConversionError, VerificationError
+from toolkit.errors import VerificationError
 from toolkit.layouts import Layout
 
 # Max |logit difference| accepted per compute dtype. fp32 is what the parity tests demand;
@@ -124,10 +124,9 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
     """Runs on every rank: load each checkpoint at TP x PP (x EP) and compare with its HF reference."""
     from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model
-    from toolkit.runtime.distributed import init_parallel
+    from toolkit.runtime.distributed import init_parallel, reinit_expert_tp
 
-    info = init_parallel(tp, pp, ep=ep, etp=launch_expert_tp([CheckpointMeta.read(Path(j["checkpoint"])).model_spec
-                                                               for j in jobs], tp))
+    info = init_parallel(tp, pp, ep=ep)
     stages = stages or Stages("verify", VERIFY_STAGES, enabled=False)
     results = []
     for job in jobs:
@@ -135,6 +134,8 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
         meta = CheckpointMeta.read(Path(job["checkpoint"]))
         dtype = getattr(torch, job["dtype"])
         spec = meta.model_spec
+        if spec.is_moe:  # experts with biases run at expert TP 1 (ModelSpec.expert_tp): their own groups
+            info = reinit_expert_tp(info, spec.expert_tp(tp), tp, pp, ep)
         ref = torch.load(job["reference"], weights_only=True)
         model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor, ep if spec.is_moe else 1), dtype).eval()
         load_converted(model, job["checkpoint"], check_sums=False)  # verify_many reports bad sums itself
@@ -155,16 +156,6 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
         results.append(result)
         del model
     return results
-
-
-def launch_expert_tp(specs, tp: int) -> int:
-    """The expert TP of one launch: every Mixture-of-Experts model in it must run at the same one
-    (ModelSpec.expert_tp: 1 where the experts have biases, else TP)."""
-    found = {spec.expert_tp(tp): spec.family for spec in specs if spec.is_moe}
-    if len(found) > 1:
-        raise ConversionError(f"checkpoints verified together need one expert tensor parallelism: "
-                              f"{', '.join(f'{f} runs at {e}' for e, f in found.items())}; verify them in separate calls")
-    return next(iter(found), tp)
 
 
 def _checked_inputs(hf_dir: str | Path, megatron_dir: str | Path) -> CheckpointMeta:
@@ -202,7 +193,6 @@ def verify_many(
 
     metas = [_checked_inputs(hf_dir, mdir) for hf_dir, mdir in pairs]
     tp = tp or metas[0].tp
-    launch_expert_tp([m.model_spec for m in metas], tp)
     pp = pp or metas[0].pp
     ep = ep or metas[0].ep
     stages = Stages("verify", VERIFY_STAGES, sys.stderr.isatty() if progress is None else progress)

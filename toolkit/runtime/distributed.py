@@ -86,6 +86,17 @@ def init_process_group() -> torch.device:
     return device
 
 
+def reinit_expert_tp(info: "ParallelInfo", etp: int, tp: int, pp: int, ep: int) -> "ParallelInfo":
+    """megatron-core's groups rebuilt with expert TP `etp` where they have another one (every rank
+    calls this with the same arguments: building groups is collective)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() == etp:
+        return info
+    ps.destroy_model_parallel()
+    return init_parallel(tp, pp, ep=ep, etp=etp)
+
+
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: int = 1,
                   etp: int | None = None) -> ParallelInfo:
     """Initialise the process group and megatron-core's TP/PP/DP groups; DP = world / (TP*PP).
