@@ -236,3 +236,38 @@ def assert_guards_fail(reports) -> None:
     print({piece: f"{r.max_logit_diff:.2e}" for piece, r in zip(GUARDS, reports)})
     for piece, report in zip(GUARDS, reports):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+# The published config.json of openai/gpt-oss-20b (https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json;
+# GitHub's jihengzhang/jihz-gpt-oss-20b gpt-oss-20b/config.json @7ec89800 holds the same keys and values less
+# quantization_config); gpt-oss-120b differs in the layers and experts only.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "quantization_config": MXFP4_CONFIG, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088}
+GPT_OSS_120B = {**GPT_OSS_20B, "layer_types": ["sliding_attention", "full_attention"] * 18, "num_hidden_layers": 36,
+                "num_local_experts": 128}
+
+
+@pytest.mark.parametrize("published, billions", [(GPT_OSS_20B, 20.91), (GPT_OSS_120B, 116.83)])
+def test_published_sizes_read_and_count_as_hf_builds_them(published, billions):
+    """The published configs read as the tiny one (YaRN with truncate false, windows of 128 on every other
+    layer, the SwiGLU limit 7), and `toolkit memory` counts the parameters HF's model has (built on the
+    meta device): sinks and every bias included."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from toolkit.memory.params import stage_param_numels
+
+    spec = spec_from_config(published)[1]
+    assert (spec.yarn["yarn_correction_range_round_to_int"], spec.window_size, spec.window_layers[:4], spec.glu_clamp,
+            spec.num_experts, spec.moe_topk) == (False, 128, "1010", 7.0, published["num_local_experts"], 4)
+    with torch.device("meta"):
+        hf = sum(p.numel() for p in GptOssForCausalLM(GptOssConfig(**published)).parameters())
+    assert sum(stage_param_numels(spec, 1, 1, 0)) == hf and round(hf / 1e9, 2) == billions
