@@ -223,6 +223,11 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) 
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
+    # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
+    # bias of DeepSeek-V3 / GLM-4.5) stay float32, so a bf16 model holds a float32 tensor, as published.
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if any(kept in name for kept in getattr(model, "_keep_in_fp32_modules_strict", None) or ()):
+            tensor.data = tensor.data.float()
     directory = Path(directory)
     model.save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)

@@ -12,6 +12,7 @@ import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert.consistency import expected_hf_tensors
+from toolkit.convert.hf_source import HF_FLOAT32_BUFFERS
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.progress import progress_bar
 from toolkit.errors import ConversionError
@@ -59,6 +60,14 @@ class SafetensorsShardWriter:
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _in_export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor in the checkpoint's dtype, but HF's float32 buffers (the expert bias) as stored:
+    HF keeps them in float32 whatever the weights' dtype, and rounding them changes the routing."""
+    if dtype is None or not tensor.is_floating_point() or name.endswith(HF_FLOAT32_BUFFERS):
+        return tensor
+    return tensor.to(dtype)
 
 
 def export_bytes(ckpt: MegatronCheckpoint, dtype: torch.dtype | None, wrapped=None) -> int:
@@ -138,7 +147,7 @@ def megatron_to_hf(
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in _hf_layout(ckpt, transform):
-                writer.add(prefix + name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
+                writer.add(prefix + name, _in_export_dtype(name, tensor, dtype))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():
                 writer.add(name, wrapped.whole.read(name))  # the stored bytes, never cast

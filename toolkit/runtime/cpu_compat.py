@@ -55,6 +55,11 @@ UPSTREAM_SPOTS = {
 TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
                 "transformer_engine`; RouterGatingLinearFunction reads it at :1192/:1225 (NameError without TE)")
 
+EXPERT_BIAS_MASK_SPOT = ("transformer/moe/router.py:541-542: TopKRouter._apply_expert_bias (the expert bias's token "
+                         "counts, DeepSeek-V3 / GLM-4.5) does routing_map [tokens, experts] & ~padding_mask [tokens], "
+                         "which cannot broadcast: every training forward with a padding mask fails (upstream issue "
+                         "NVIDIA/Megatron-LM#6111, fixed by #6114 after 0.16.1)")
+
 APPLIED: list[str] = []
 _log = logging.getLogger(__name__)
 
@@ -269,9 +274,26 @@ _PATCHES = {
 }
 
 
+def mask_expert_bias_counts_per_token() -> None:
+    """See EXPERT_BIAS_MASK_SPOT: the counts as upstream's fix makes them, the flattened padding mask
+    broadcast over the experts (padding tokens count for no expert). Idempotent, and right with a
+    megatron-core that has the fix too, since the mask it passes is the same [tokens] one."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
 def apply_upstream_fixes() -> None:
     """The fixes for megatron-core bugs that are not about the CPU: applied on every device."""
     define_te_general_gemm()
+    mask_expert_bias_counts_per_token()
 
 
 def apply(force: bool = False) -> list[str]:
