@@ -176,12 +176,30 @@ def fused_view(src, fused: FusedExperts | None):
     return src if fused is None else FusedExpertsView(src, fused)
 
 
+def _per_expert_pattern(fused: FusedExperts) -> re.Pattern:
+    """Matches the per-expert names: groups layer, expert, part (gate_proj / up_proj / down_proj), weight or bias."""
+    head, tail = fused.per_expert.split("*")
+    return re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail.split("#")[0]) + r"(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def fused_layers(fused: FusedExperts, num_experts: int, names, read) -> Iterator[tuple[str, torch.Tensor]]:
+    """The export's tensors: every other tensor first, then each layer's experts fused, read one layer at a
+    time (`read(wanted names)` yields (HF name, tensor)), so memory holds one layer's experts."""
+    pattern = _per_expert_pattern(fused)
+    layers: dict[int, set[str]] = {}
+    for name in names:
+        if m := pattern.match(name):
+            layers.setdefault(int(m.group(1)), set()).add(name)
+    yield from read(set(names) - set().union(*layers.values()))
+    for layer in sorted(layers):
+        yield from fuse_experts(fused, num_experts, read(layers[layer]))
+
+
 def fuse_experts(fused: FusedExperts, num_experts: int, tensors: Iterator[tuple[str, torch.Tensor]]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs with each layer's per-expert tensors replaced by the fused ones, each
-    written once all experts of it have come (an EP rank's experts come together, one stage at a time)."""
-    head, tail = fused.per_expert.split("*")
-    pattern = re.compile("^" + re.escape(head) + r"(\d+)" + re.escape(tail.split("#")[0]) + r"(\d+)\.(\w+)\.(weight|bias)$")
+    written once all experts of it have come."""
+    pattern = _per_expert_pattern(fused)
     pending: dict[tuple[int, str], dict[tuple[int, str], torch.Tensor]] = {}
     for name, tensor in tensors:
         m = pattern.match(name)
@@ -200,10 +218,19 @@ def fuse_experts(fused: FusedExperts, num_experts: int, tensors: Iterator[tuple[
 
 
 def _fused_tensor(parts: dict[tuple[int, str], torch.Tensor], experts: int, bias: bool) -> torch.Tensor:
-    if (0, DOWN) in parts:  # [experts, hidden] biases, or [experts, ffn, hidden] = each [hidden, ffn] transposed
-        return torch.stack([parts[(e, DOWN)] if bias else parts[(e, DOWN)].T for e in range(experts)])
-    gate = torch.stack([parts[(e, GATE)] for e in range(experts)])  # [experts, ffn(, hidden)]
-    up = torch.stack([parts[(e, UP)] for e in range(experts)])
-    if not bias:
-        gate, up = gate.transpose(1, 2), up.transpose(1, 2)  # [experts, hidden, ffn]
-    return torch.stack((gate, up), dim=-1).flatten(-2)  # interleaved: gate at the even places
+    """The fused HF tensor, filled expert by expert as each expert's tensors are let go."""
+    down = (0, DOWN) in parts
+    first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
+    if bias:
+        shape = (experts, first.shape[0] * (1 if down else 2))
+    else:
+        shape = (experts, *first.shape[::-1]) if down else (experts, first.shape[1], 2 * first.shape[0])
+    out = torch.empty(shape, dtype=first.dtype)
+    for e in range(experts):
+        if down:  # [experts, hidden] biases, or [experts, ffn, hidden]: each [hidden, ffn] transposed
+            t = parts.pop((e, DOWN))
+            out[e] = t if bias else t.T
+            continue
+        gate, up = parts.pop((e, GATE)), parts.pop((e, UP))  # interleaved: gate at the even places
+        out[e, ..., 0::2], out[e, ..., 1::2] = (gate, up) if bias else (gate.T, up.T)
+    return out

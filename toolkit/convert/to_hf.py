@@ -105,14 +105,16 @@ def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
 
 def _hf_layout(ckpt: MegatronCheckpoint, transform):
     """(HF name, tensor) as HF stores them: `transform`ed, and experts fused per layer where the family
-    stores them so (toolkit/convert/fused_experts.py)."""
-    tensors = ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors())
+    stores them so (toolkit/convert/fused_experts.py), read one layer's experts at a time."""
+    def read(wanted=None):
+        return ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors(wanted))
+
     fused = ckpt.family.fused_experts
     if fused is None:
-        return tensors
-    from toolkit.convert.fused_experts import fuse_experts
+        return read()
+    from toolkit.convert.fused_experts import fused_layers
 
-    return fuse_experts(fused, ckpt.spec.num_experts, tensors)
+    return fused_layers(fused, ckpt.spec.num_experts, expected_hf_tensors(ckpt.family, ckpt.spec), read)
 
 
 def megatron_to_hf(
