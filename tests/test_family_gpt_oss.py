@@ -271,3 +271,6 @@ def test_published_sizes_read_and_count_as_hf_builds_them(published, billions):
     with torch.device("meta"):
         hf = sum(p.numel() for p in GptOssForCausalLM(GptOssConfig(**published)).parameters())
     assert sum(stage_param_numels(spec, 1, 1, 0)) == hf and round(hf / 1e9, 2) == billions
+    # at TP 2 the experts stay whole on each rank (expert TP 1): only the rest halves
+    experts = sum(stage_param_numels(spec, 1, 1, 0, part="experts"))
+    assert sum(stage_param_numels(spec, 2, 1, 0, part="experts")) == experts

@@ -79,6 +79,7 @@ class SplitKind:
 
     name = ""
     dim = 0  # the dimension TP splits
+    over_tp = True  # whether each TP rank holds a part (False: the whole tensor on every rank)
 
     def build(self, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
         """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
@@ -116,6 +117,7 @@ class SplitKind:
 
 class Replicated(SplitKind):
     name = "REPLICATED"
+    over_tp = False
 
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0])
@@ -346,6 +348,8 @@ def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) 
 class Unsplit(SplitKind):
     """`inner`'s tensor whole on every TP rank: the experts of a model whose MoE layers have biases,
     which megatron-core runs only at expert tensor parallelism 1 (transformer_config.py:1588)."""
+
+    over_tp = False
 
     def __init__(self, inner: SplitKind):
         self.inner, self.name, self.dim = inner, f"UNSPLIT_{inner.name}", inner.dim
