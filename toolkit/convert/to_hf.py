@@ -103,6 +103,20 @@ def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
                   and not f.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
+def _hf_layout(ckpt: MegatronCheckpoint, transform):
+    """(HF name, tensor) as HF stores them: `transform`ed, and experts fused per layer where the family
+    stores them so (toolkit/convert/fused_experts.py), read one layer's experts at a time."""
+    def read(wanted=None):
+        return ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors(wanted))
+
+    fused = ckpt.family.fused_experts
+    if fused is None:
+        return read()
+    from toolkit.convert.fused_experts import fused_layers
+
+    return fused_layers(fused, ckpt.spec.num_experts, expected_hf_tensors(ckpt.family, ckpt.spec), read)
+
+
 def megatron_to_hf(
     megatron_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -134,8 +148,7 @@ def megatron_to_hf(
     with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype, wrapped)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
-            for name, tensor in ckpt.hf_tensors():
-                tensor = tensor if transform is None else transform(name, tensor)
+            for name, tensor in _hf_layout(ckpt, transform):
                 writer.add(prefix + name, _in_export_dtype(name, tensor, dtype))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():

@@ -157,6 +157,11 @@ def hf_to_megatron(
     layout.check(spec)
     check_tensors(src, family, spec)
     check_weight_dtypes(src.tensors, config_dtype(src.config))
+    if getattr(src, "dequantized", None):
+        print(f"note: the experts' MXFP4 weights ({len(src.dequantized)} tensors, e.g. {src.dequantized[0]!r} with its "
+              "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
+              "the converted checkpoint and its export are bf16, their config.json without quantization_config",
+              file=sys.stderr)
     left_out = mtp_tensors(src, family, spec)
     if left_out:
         print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "
