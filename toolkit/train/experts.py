@@ -37,8 +37,11 @@ def group_name(ep: int) -> str:
 
 def register_expert_groups(model, ep: int) -> str | None:
     """Tag the experts and give DeepSpeed megatron-core's EP and expert-DP groups. Returns the
-    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights)."""
-    if ep == 1:
+    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights) and where
+    no expert parameter trains. A LoRA expert's A and B are expert parameters (toolkit.lora)."""
+    if ep == 1 or not any(is_expert(p) and p.requires_grad for p in model.parameters()):
+        # LoRA with the experts frozen: nothing of theirs trains, and DeepSpeed refuses expert groups
+        # without a trainable expert (engine.py: "None of the param groups are marked as MoE")
         return None
     from deepspeed.utils import groups
     from megatron.core import parallel_state as ps
