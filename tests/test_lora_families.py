@@ -44,7 +44,8 @@ REFUSED = {
 
 def test_what_lora_on_a_mixture_of_experts_model_cannot_do_is_refused_in_one_line():
     """The router stays frozen; experts take no dropout (PEFT's ParamWrapper refuses it too); a dense
-    family has no target_parameters; experts at TP > 1 are refused before any process starts."""
+    family has no target_parameters; experts at TP > 1 and a router with an expert bias (GLM-4.5) are
+    refused before any process starts."""
     from toolkit.errors import AdapterError
     from toolkit.families import family_named
     from toolkit.families.spec import read_spec
@@ -65,6 +66,9 @@ def test_what_lora_on_a_mixture_of_experts_model_cannot_do_is_refused_in_one_lin
     assert settings.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     with pytest.raises(AdapterError, match=r"^LoRA on the experts \(peft.target_parameters\) at parallel.tp=2"):
         experts.check_layout(2, experts.resolve(family, spec, settings.target_parameters, 0.0))
+    glm = read_spec(make_config("glm4-moe").to_dict(), family_named("glm4_moe"))
+    with pytest.raises(AdapterError, match=r"^LoRA on glm4_moe is not supported yet: its router's expert bias"):
+        adapter.resolve_settings(family_named("glm4_moe"), glm, LoraSettings(2, 4.0, 0.0, ("q_proj",)))
     dense = read_spec(make_config("llama").to_dict(), family_named("llama"))
     with pytest.raises(AdapterError, match=r"^peft.target_parameters \(gate_up_proj\) adapts routed experts"):
         adapter.resolve_settings(family_named("llama"), dense, LoraSettings(2, 4.0, 0.0, ("q_proj",), False,

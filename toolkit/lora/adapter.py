@@ -219,6 +219,9 @@ def _wrap_experts(module, expert_targets, layer: int, spec: ModelSpec, settings:
 
 def resolve_targets(family: Family, spec: ModelSpec, settings: LoraSettings):
     """(dense linears, routed expert targets) of the settings."""
+    if spec.moe_expert_bias:
+        raise AdapterError(f"LoRA on {family.name} is not supported yet: its router's expert bias (aux-loss-free "
+                           "balancing) has not been proven to stay as the base model's while the adapter trains")
     expert_targets = experts.resolve(family, spec, settings.target_parameters, settings.dropout)
     return targets.resolve(family, spec, list(settings.target_modules), allow_none=bool(expert_targets)), expert_targets
 

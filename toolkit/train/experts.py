@@ -124,5 +124,6 @@ def restore_experts_from_masters(module) -> None:
     from deepspeed.utils import safe_get_full_fp32_param
 
     for param in module.parameters():
-        if is_expert(param) and hasattr(param, "group_name"):
+        # a frozen expert (LoRA's base) has no master: it was loaded from its own checkpoint
+        if is_expert(param) and param.requires_grad and hasattr(param, "group_name"):
             param.data.copy_(safe_get_full_fp32_param(param).to(param.dtype))
