@@ -162,3 +162,19 @@ def test_merged_export_equals_peft_merge_and_unload_on_experts(trained, tmp_path
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
                  "model.layers.1.self_attn.q_proj.weight"):
         assert not torch.equal(ours[name], base[name]), f"the merge left {name} unchanged"
+
+
+def test_resume_leaves_frozen_base_experts_alone():
+    """On resume the trainable experts are copied back from DeepSpeed's fp32 masters; LoRA's frozen
+    base experts have none (safe_get_full_fp32_param gives None) and keep their loaded weights.
+    (Measured by hand: a DP2 x EP2 expert-LoRA run resumed from step 5 repeats the straight run's
+    losses, gradient norms and adapter bit for bit.)"""
+    from toolkit.train.experts import restore_experts_from_masters
+
+    frozen = torch.nn.Linear(3, 3)
+    for param in frozen.parameters():
+        param.requires_grad_(False)
+        param.allreduce, param.group_name = False, "ep_size_2"  # megatron-core's and toolkit.train.experts' tags
+    before = [p.clone() for p in frozen.parameters()]
+    restore_experts_from_masters(frozen)
+    assert all(torch.equal(a, b) for a, b in zip(before, frozen.parameters()))
