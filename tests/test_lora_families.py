@@ -5,7 +5,6 @@ logits (tests/test_lora.py covers training; this covers where the delta enters).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -61,7 +60,6 @@ def test_what_lora_on_a_mixture_of_experts_model_cannot_do_is_refused_in_one_lin
         assert "\n" not in str(refused.value)
     settings = adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, 0.0, ("all-linear",), False,
                                                                    ("down_proj", "gate_up_proj")))
-    # PEFT's nesting order, whatever order they were given in
     assert settings.target_parameters == ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     assert settings.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     with pytest.raises(AdapterError, match=r"^LoRA on the experts \(peft.target_parameters\) at parallel.tp=2"):
@@ -74,29 +72,3 @@ def test_what_lora_on_a_mixture_of_experts_model_cannot_do_is_refused_in_one_lin
         adapter.resolve_settings(family_named("llama"), dense, LoraSettings(2, 4.0, 0.0, ("q_proj",), False,
                                                                             ("gate_up_proj",)))
 
-
-@pytest.mark.multiprocess
-def test_qwen2_moe_adapter_on_shared_expert_dense_layers_and_experts_gives_peft_logits(tmp_path):
-    """Qwen2-MoE with a shared expert and a dense MLP every other layer: an adapter PEFT saved on
-    attention, the shared experts and the dense MLPs (target_modules) and every routed expert
-    (target_parameters) gives PeftModel's logits on megatron-core, and gathers back bit-exactly."""
-    from safetensors.torch import load_file
-
-    from toolkit.runtime.launch import run_on_processes
-    from toolkit.tinymodels import make_tiny_model
-
-    hf = make_tiny_model("qwen2-moe-sparse-step", tmp_path / "hf", dtype="float32", vocab_size=250)
-    megatron = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
-    # not all-linear: PEFT's would adapt the shared expert's sigmoid gate (an nn.Linear to 1), a replicated weight here
-    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    adapter = write_peft_adapter(hf, tmp_path / "adapter", modules, r=2, alpha=4.0,
-                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    tokens = held_out_tokens()
-    [(ours, _)], _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), tokens,
-                                      [{"adapter": str(adapter), "tp": 1, "export": str(tmp_path / "again")}])
-    worst = float((torch.tensor(ours) - peft_logits(hf, adapter, tokens)).abs().max())
-    print(f"qwen2_moe: max |logit difference| vs PeftModel.from_pretrained: {worst:.2e}")
-    assert worst < LOGIT_TOLERANCE, worst
-    source, again = (load_file(str(d / "adapter_model.safetensors")) for d in (adapter, tmp_path / "again"))
-    assert sorted(source) == sorted(again) and all(torch.equal(source[k], again[k]) for k in source)
-    assert any("shared_expert.gate_proj" in k for k in source) and any("layers.0.mlp.gate_proj" in k for k in source)

@@ -8,7 +8,8 @@ the base experts frozen. The reference is peft.get_peft_model with the same Lora
 weights (an adapter PEFT saved, B non-zero) on the HF model, trained single-process with AdamW
 (tests/finetune_harness.py), with megatron-core's aux loss and the routers in fp64 on both sides
 (tests/moe_reference.py), so every token is routed as the reference routes it. One launch; the
-rest (export, PeftModel logits, --merge, guards) runs in this process.
+rest (export, PeftModel logits, --merge, guards) runs in this process. A second launch trains
+Qwen2-MoE's attention, shared expert and dense layers with the experts frozen.
 """
 
 from __future__ import annotations
@@ -33,22 +34,20 @@ ADAPTER_TOLERANCE = 1e-3
 LOGIT_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The DP2 x EP2 LoRA run and the PEFT reference of the same recipe."""
+def train_against_peft(root: Path, variant: str, modules: list[str], parameters: list[str] | None, **settings):
+    """A DP2 x EP2 LoRA run of `variant` from an adapter PEFT saved (target_modules `modules`,
+    target_parameters `parameters`), and the PEFT reference of the same recipe."""
     from toolkit.tinymodels import make_tiny_model
 
-    root = tmp_path_factory.mktemp("lora-moe")
-    hf = make_tiny_model("mixtral", root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
+    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
     mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
-    source = write_peft_adapter(hf, root / "adapter", ATTENTION, r=2, alpha=4.0, target_parameters=EXPERTS)
+    source = write_peft_adapter(hf, root / "adapter", modules, r=2, alpha=4.0, target_parameters=parameters)
     data = write_uneven_data(root / "data.jsonl", 300)
     cfg = recipe(root, mc, data, parallel={"tp": 1, "pp": 1, "ep": 2, "zero_stage": 1}, moe={"router_dtype": "fp64"},
-                 peft={"enabled": True, "init_from": str(source)}, save_every=STEPS)
+                 peft={"enabled": True, "init_from": str(source)}, **settings)
     launch(2, cfg)
 
-    tokenizer = AutoTokenizer.from_pretrained(hf)
-    step_loss = moe_step_loss(tokenizer.pad_token_id, "megatron")
+    step_loss = moe_step_loss(AutoTokenizer.from_pretrained(hf).pad_token_id, "megatron")
 
     def keep(step, model):
         if step == STEPS:
@@ -58,6 +57,37 @@ def trained(tmp_path_factory):
                                  prepare=route_in_fp64)
     return dict(root=root, hf=hf, source=source, cfg=cfg, run=root / "run", losses=losses, norms=norms,
                 routing=step_loss.routing, reference_adapter=root / "reference-adapter")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Mixtral: LoRA on attention and every routed expert."""
+    return train_against_peft(tmp_path_factory.mktemp("lora-moe"), "mixtral", ATTENTION, EXPERTS, save_every=STEPS)
+
+
+def assert_matches_peft_training(trained) -> None:
+    """Routing, losses and gradient norms as PEFT's training; the export holds PEFT's keys, trained
+    as PEFT trained them, and PeftModel.from_pretrained on it gives the reference's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    metrics = read_metrics(trained["run"])
+    for m, routing in zip(metrics, trained["routing"], strict=True):
+        moe_layers = [layer for layer in m["tokens_per_expert"] if any(layer)]  # a dense layer logs zeros
+        assert moe_layers == routing, f"step {m['step']} routed otherwise than the reference"
+    loss, norm = differences(metrics, trained["losses"], trained["norms"])
+    print(f"max |loss - PEFT reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    exported = trained["run"] / "adapter"
+    assert_adapter_trained_as_reference(tensors(exported), tensors(trained["reference_adapter"]),
+                                        tensors(trained["source"]))
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(7)).tolist()
+    logits = [hf_logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32),
+                                                  adapter).eval(), tokens)
+              for adapter in (exported, trained["reference_adapter"])]
+    worst = float((logits[0] - logits[1]).abs().max())
+    print(f"PeftModel.from_pretrained(our adapter) vs the PEFT reference's trained model: max |logit diff| {worst:.1e}")
+    assert worst < LOGIT_TOLERANCE, worst
 
 
 def tensors(adapter_dir):
@@ -101,28 +131,17 @@ def hf_logits(model, tokens):
 
 @pytest.mark.multiprocess
 def test_lora_on_attention_and_experts_at_ep2_matches_peft_and_exports_its_adapter(trained):
-    """Losses, gradient norms and routing as PEFT's get_peft_model training; the exported adapter
-    holds PEFT's keys (target_parameters) and every expert of both EP ranks trained as PEFT's; the
-    router and base experts stayed frozen; PeftModel.from_pretrained gives the reference's logits."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    metrics = read_metrics(trained["run"])
-    for m, routing in zip(metrics, trained["routing"], strict=True):
-        assert m["tokens_per_expert"] == routing, f"step {m['step']} routed otherwise than the reference"
-    loss, norm = differences(metrics, trained["losses"], trained["norms"])
-    print(f"max |loss - PEFT reference| {loss:.1e}, grad norm relative {norm:.1e}")
-    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
-
+    """Mixtral: every expert of both EP ranks trained as PEFT's; the router and base experts frozen."""
+    assert_matches_peft_training(trained)
     exported = trained["run"] / "adapter"
     config = json.loads((exported / "adapter_config.json").read_text())
     assert config["target_parameters"] == EXPERTS and sorted(config["target_modules"]) == sorted(ATTENTION)
-    ours, theirs, start = tensors(exported), tensors(trained["reference_adapter"]), tensors(trained["source"])
-    assert_adapter_trained_as_reference(ours, theirs, start)
 
     # Guard: with one expert of EP rank 1 left at its initial values, the comparison fails.
+    ours, start = tensors(exported), tensors(trained["source"])
     with pytest.raises(AssertionError):
-        assert_adapter_trained_as_reference(with_expert_untrained(ours, start, expert=5), theirs, start)
+        assert_adapter_trained_as_reference(with_expert_untrained(ours, start, expert=5),
+                                            tensors(trained["reference_adapter"]), start)
 
     # Only LoRA tensors trained: the router and the experts' base weights are not in the checkpoint's module states.
     step = trained["run"] / "checkpoints" / f"step_{STEPS:07d}"
@@ -131,14 +150,18 @@ def test_lora_on_attention_and_experts_at_ep2_matches_peft_and_exports_its_adapt
         names = [k for k, v in module.items() if isinstance(v, torch.Tensor)]
         assert names and all(".lora_" in k for k in names), sorted(k for k in names if ".lora_" not in k)[:3]
 
-    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(7)).tolist()
-    base = AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32)
-    loaded = PeftModel.from_pretrained(base, exported).eval()
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32),
-                                          trained["reference_adapter"]).eval()
-    worst = float((hf_logits(loaded, tokens) - hf_logits(reference, tokens)).abs().max())
-    print(f"PeftModel.from_pretrained(our adapter) vs the PEFT reference's trained model: max |logit diff| {worst:.1e}")
-    assert worst < LOGIT_TOLERANCE, worst
+
+@pytest.mark.multiprocess
+def test_lora_on_attention_shared_expert_and_dense_layers_with_experts_frozen_at_ep2(tmp_path):
+    """Qwen2-MoE with a shared expert and a dense MLP every other layer, the experts frozen (no
+    expert parameter trains: DeepSpeed gets no expert group): attention, shared experts and dense
+    MLPs train as PEFT's."""
+    modules = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+    trained = train_against_peft(tmp_path, "qwen2-moe-sparse-step", modules, None)
+    assert_matches_peft_training(trained)
+    keys = tensors(trained["run"] / "adapter")
+    assert any("shared_expert.gate_proj" in k for k in keys) and any("layers.0.mlp.gate_proj" in k for k in keys)
+    assert not any(".mlp.experts." in k for k in keys)
 
 
 @pytest.mark.multiprocess

@@ -233,7 +233,7 @@ def resolve_settings(family: Family, spec: ModelSpec, settings: LoraSettings) ->
     linears, expert_targets = resolve_targets(family, spec, settings)
     targets.check_rank(settings.r, linears)
     smallest = min((min(t.in_features, t.out_features) for t in expert_targets), default=settings.r)
-    if settings.r > smallest:
+    if settings.r <= 0 or settings.r > smallest:
         raise AdapterError(f"LoRA r={settings.r} must be between 1 and {smallest} (the smallest dimension of the experts)")
     return dataclasses.replace(settings, target_modules=tuple(n for linear in linears for n in linear.chosen),
                                target_parameters=tuple(experts.config_names(expert_targets)))

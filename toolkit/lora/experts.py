@@ -12,8 +12,9 @@ columns e, e+E, e+2E, ... of lora_B (get_delta_weight reshapes B to [out, r, E])
 gains scaling * B_e A_e. On gate_up_proj one A_e feeds both gate and up rows: LoRA on the fused
 linear_fc1, exactly what wrapping megatron-core's expert linear_fc1 does.
 
-PEFT nests the wrappers of one module in the order of target_parameters: all but the last are
-saved under `...mlp.experts.base_layer.`, so the order written is the one the keys assume.
+PEFT nests the wrappers of one module in the order the module defines its parameters (measured
+with peft 0.21.2: gate_up_proj inside, whichever order target_parameters lists them), and saves the
+inner one under `...mlp.experts.base_layer.`: the keys follow FUSED's order.
 PEFT refuses lora_dropout with target_parameters; so does this module.
 """
 
@@ -27,7 +28,8 @@ from toolkit.families.table import MOE_LAYER, layer_kind
 
 FUSED_MODULE = "model.layers.*.mlp.experts"  # transformers 5's experts module in every MoE family
 MODULE_PREFIX = "mlp.experts."  # how adapter_config.json's target_parameters name them
-# PEFT's parameter name -> (megatron-core linear of each local expert, its parallel kind), in PEFT's nesting order
+# PEFT's parameter name -> (megatron-core linear of each local expert, its parallel kind), in the order
+# transformers' expert modules define them (PEFT's nesting, innermost first)
 FUSED = {"gate_up_proj": ("linear_fc1", "column"), "down_proj": ("linear_fc2", "row")}
 
 
@@ -74,7 +76,7 @@ def resolve(family: Family, spec: ModelSpec, target_parameters, dropout: float) 
 
 
 def config_names(chosen: list[ExpertTarget]) -> list[str]:
-    """adapter_config.json's target_parameters, in the order the saved keys assume."""
+    """adapter_config.json's target_parameters."""
     return [MODULE_PREFIX + t.name for t in chosen]
 
 

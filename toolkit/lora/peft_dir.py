@@ -32,7 +32,7 @@ class LoraSettings:
     dropout: float
     target_modules: tuple[str, ...]
     use_rslora: bool = False
-    # PEFT's target_parameters: the fused expert weights adapted (toolkit.lora.experts), in PEFT's order
+    # PEFT's target_parameters: the fused expert weights adapted (toolkit.lora.experts)
     target_parameters: tuple[str, ...] = ()
 
     @property
@@ -105,7 +105,7 @@ def write(out: Path, tensors: dict[str, torch.Tensor], settings: LoraSettings, b
         "inference_mode": True,
         "init_lora_weights": True,
     }
-    if settings.target_parameters:  # their order is PEFT's nesting, which the saved keys follow
+    if settings.target_parameters:
         config["target_parameters"] = list(settings.target_parameters)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / WEIGHTS), metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")

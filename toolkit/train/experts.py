@@ -37,11 +37,10 @@ def group_name(ep: int) -> str:
 
 def register_expert_groups(model, ep: int) -> str | None:
     """Tag the experts and give DeepSpeed megatron-core's EP and expert-DP groups. Returns the
-    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights) and where
-    no expert parameter trains. A LoRA expert's A and B are expert parameters (toolkit.lora)."""
-    if ep == 1 or not any(is_expert(p) and p.requires_grad for p in model.parameters()):
-        # LoRA with the experts frozen: nothing of theirs trains, and DeepSpeed refuses expert groups
-        # without a trainable expert (engine.py: "None of the param groups are marked as MoE")
+    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights). A LoRA
+    expert's A and B are expert parameters (toolkit.lora); frozen experts are tagged too, as
+    DeepSpeed broadcasts them over their expert-DP group at start (engine.py _broadcast_model)."""
+    if ep == 1:
         return None
     from deepspeed.utils import groups
     from megatron.core import parallel_state as ps
@@ -58,6 +57,13 @@ def register_expert_groups(model, ep: int) -> str | None:
         registry[name] = group
         ranks[name] = dist.get_process_group_ranks(group)
     return name
+
+
+def trained_expert_group(model, name: str | None) -> str | None:
+    """`name` where an expert parameter trains, else None: LoRA with the experts frozen has no expert
+    in the optimizer, and DeepSpeed refuses an MoE engine without one (engine.py: "None of the param
+    groups are marked as MoE")."""
+    return name if any(is_expert(p) and p.requires_grad for p in model.parameters()) else None
 
 
 def split_expert_group(groups: list[dict], name: str | None) -> list[dict]:
