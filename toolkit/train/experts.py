@@ -61,7 +61,7 @@ def register_expert_groups(model, ep: int) -> str | None:
 
 def trained_expert_group(model, name: str | None) -> str | None:
     """`name` where an expert parameter trains, else None: LoRA with the experts frozen has no expert
-    in the optimizer, and DeepSpeed refuses an MoE engine without one (engine.py: "None of the param
+    in the optimizer, and DeepSpeed refuses an MoE engine without one (stage_1_and_2.py:874: "None of the param
     groups are marked as MoE")."""
     return name if any(is_expert(p) and p.requires_grad for p in model.parameters()) else None
 
