@@ -37,9 +37,10 @@ def group_name(ep: int) -> str:
 
 def register_expert_groups(model, ep: int) -> str | None:
     """Tag the experts and give DeepSpeed megatron-core's EP and expert-DP groups. Returns the
-    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights). A LoRA
-    expert's A and B are expert parameters (toolkit.lora); frozen experts are tagged too, as
-    DeepSpeed broadcasts them over their expert-DP group at start (engine.py _broadcast_model)."""
+    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights) and on a
+    stage of dense layers only. A LoRA expert's A and B are expert parameters (toolkit.lora); frozen
+    experts are tagged too, as DeepSpeed broadcasts them over their expert-DP group at start
+    (engine.py _broadcast_model)."""
     if ep == 1:
         return None
     from deepspeed.utils import groups
