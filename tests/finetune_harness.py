@@ -144,14 +144,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def write_peft_adapter(hf_dir: Path, out: Path, targets, r: int = 4, alpha: float = 8.0, use_rslora: bool = False,
-                       seed: int = 0) -> Path:
+                       seed: int = 0, target_parameters=None) -> Path:
     """An adapter saved by HF PEFT itself for the HF model: PEFT's initialisation, then B drawn
-    non-zero so that the adapter changes the model from the first step."""
+    non-zero so that the adapter changes the model from the first step. `target_parameters`:
+    PEFT's LoRA on fused (3-D) expert weights."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=use_rslora)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=use_rslora,
+                        target_parameters=target_parameters)
     peft = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

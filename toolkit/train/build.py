@@ -322,7 +322,7 @@ def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
     """peft.* resolved against the model: targets the family has, r in range, and an init_from
     adapter that fits and was (if it says so) trained on this very base checkpoint."""
     from toolkit.families import family_named
-    from toolkit.lora import adapter, peft_dir
+    from toolkit.lora import adapter, experts, peft_dir
 
     p = cfg.peft
     if not p.enabled:
@@ -333,8 +333,10 @@ def lora_plan(cfg: TrainConfig, meta: CheckpointMeta) -> LoraPlan | None:
         peft_dir.check_base(Path(p.init_from), Path(cfg.model.checkpoint))
     else:
         names = tuple(n.strip() for n in p.target_modules.split(",") if n.strip())
-        settings = peft_dir.LoraSettings(p.r, p.alpha, p.dropout, names, p.use_rslora)
+        parameters = tuple(n.strip() for n in p.target_parameters.split(",") if n.strip())
+        settings = peft_dir.LoraSettings(p.r, p.alpha, p.dropout, names, p.use_rslora, parameters)
     settings = adapter.resolve_settings(family, spec, settings)
+    experts.check_layout(cfg.parallel.tp, experts.resolve(family, spec, settings.target_parameters, settings.dropout))
     if p.init_from:
         adapter.read_initial(Path(p.init_from), family, spec, settings)
     base = peft_dir.base_reference(Path(cfg.model.checkpoint))

@@ -152,6 +152,9 @@ class PeftConfig:
     alpha: Annotated[float, Bound(gt=0.0)] = 16.0  # the update is scaled by alpha / r
     dropout: Annotated[float, Bound(ge=0.0, lt=1.0)] = 0.0  # on the adapter's input
     target_modules: str = "all-linear"  # PEFT names, comma-separated: q_proj,v_proj
+    # PEFT's target_parameters: a MoE model's fused expert weights, comma-separated (gate_up_proj,down_proj):
+    # one rank-r LoRA per routed expert (docs/guide/lora.md); empty: the experts stay frozen
+    target_parameters: str = ""
     use_rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r
     init_from: str | None = None  # an HF PEFT adapter directory: its config supplies r, alpha, dropout and targets
     # written into the exported adapter_config.json: the HF model AutoPeftModelForCausalLM loads as the base

@@ -37,7 +37,10 @@ def group_name(ep: int) -> str:
 
 def register_expert_groups(model, ep: int) -> str | None:
     """Tag the experts and give DeepSpeed megatron-core's EP and expert-DP groups. Returns the
-    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights)."""
+    group name, or None at EP 1 (experts replicated over DP, reduced like dense weights) and on a
+    stage of dense layers only. A LoRA expert's A and B are expert parameters (toolkit.lora); frozen
+    experts are tagged too, as DeepSpeed broadcasts them over their expert-DP group at start
+    (engine.py _broadcast_model)."""
     if ep == 1:
         return None
     from deepspeed.utils import groups
@@ -55,6 +58,13 @@ def register_expert_groups(model, ep: int) -> str | None:
         registry[name] = group
         ranks[name] = dist.get_process_group_ranks(group)
     return name
+
+
+def trained_expert_group(model, name: str | None) -> str | None:
+    """`name` where an expert parameter trains, else None: LoRA with the experts frozen has no expert
+    in the optimizer, and DeepSpeed refuses an MoE engine without one (stage_1_and_2.py:874: "None of the param
+    groups are marked as MoE")."""
+    return name if any(is_expert(p) and p.requires_grad for p in model.parameters()) else None
 
 
 def split_expert_group(groups: list[dict], name: str | None) -> list[dict]:
@@ -121,5 +131,6 @@ def restore_experts_from_masters(module) -> None:
     from deepspeed.utils import safe_get_full_fp32_param
 
     for param in module.parameters():
-        if is_expert(param) and hasattr(param, "group_name"):
+        # a frozen expert (LoRA's base) has no master: it was loaded from its own checkpoint
+        if is_expert(param) and param.requires_grad and hasattr(param, "group_name"):
             param.data.copy_(safe_get_full_fp32_param(param).to(param.dtype))

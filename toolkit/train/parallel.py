@@ -141,7 +141,7 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
     if not torch.cuda.is_available():
         skip_deepspeed_shm_op()
         allow_deepspeed_fp16()
-    expert_group = experts.register_expert_groups(model, cfg.parallel.ep)
+    expert_group = experts.trained_expert_group(model, experts.register_expert_groups(model, cfg.parallel.ep))
     groups = experts.split_expert_group(param_groups(model, cfg.optim.weight_decay), expert_group)
     if cfg.parallel.ep > 1 and cfg.parallel.pp > 1:
         from megatron.core import parallel_state as ps
