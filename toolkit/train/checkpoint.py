@@ -161,7 +161,8 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
         if dist.get_rank() == 0:
             fault_point("checkpoint-start")  # tests: fill the disk while the run waits here
             shutil.rmtree(tmp, ignore_errors=True)
-            reported.unlink(missing_ok=True)  # an earlier attempt's, at this step
+            for note in root.glob(f".*{DISK_FULL_NOTE}"):  # an earlier run's, told and done with
+                note.unlink(missing_ok=True)
             (tmp / "ranks").mkdir(parents=True)
         dist.barrier()
         lora = adapter is not None
