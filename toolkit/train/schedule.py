@@ -16,6 +16,7 @@ including earlier extensions.
 from __future__ import annotations
 
 import math
+import os
 
 from toolkit.errors import ConfigError
 
@@ -55,7 +56,7 @@ class LRSchedule:
         progress = min(1.0, (step - self.anchor_step) / max(1, self.total_steps - self.anchor_step))
         return floor + (self.anchor_factor - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def continue_as(self, requested: LRSchedule, at_step: int, checkpoint="CHECKPOINT") -> None:
+    def continue_as(self, requested: LRSchedule, at_step: int, checkpoint: str | os.PathLike = "CHECKPOINT") -> None:
         """After a checkpoint of step `at_step` restored this schedule: go on as `requested` asks.
         `checkpoint` (its directory) only names the way out of a refusal."""
         changed = [f"{name} {getattr(self, name)} -> {getattr(requested, name)}"
