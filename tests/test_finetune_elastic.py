@@ -3,6 +3,7 @@ the uninterrupted run's losses and gradient norms (fp32: only the reduction orde
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     refused("keeps its global batch", overrides=["global_batch=8"])
     refused("attention heads are not divisible", overrides=["parallel.tp=3"])
     refused("steps=3 extends a run whose cosine schedule already decayed to optim.min_lr=0 at step 1: its 2 extra "
-            f"steps would train at LR 0. Start a new run_dir from its weights instead \\(model.checkpoint={run}/checkpoints/"
+            f"steps would train at LR 0. Start a new run_dir from its weights instead \\(model.checkpoint={re.escape(str(run))}/checkpoints/"
             "step_0000001/model", overrides=["steps=3"])
     monkeypatch.setenv("WORLD_SIZE", "6")  # DP 3 cannot keep a global batch of 16
     refused("world sizes keeping global_batch 16 at TP 2 x PP 1, micro_batch 2: 2 \\(DP 1\\), 4 \\(DP 2\\), "

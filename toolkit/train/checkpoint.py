@@ -31,6 +31,7 @@ A checkpoint is written under .step_0000010.partial and renamed only after every
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -231,7 +232,16 @@ def _disk_full(error: BaseException, root: Path) -> bool:
 
 
 def _bytes_under(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
+    """What the files under `path` hold; files another rank removes meanwhile (each rank that hits a
+    full disk removes the partial save) count as gone."""
+    total = 0
+    try:
+        for f in Path(path).rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                total += f.stat().st_size if f.is_file() else 0
+    except FileNotFoundError:
+        pass
+    return total
 
 
 def _disk_full_error(root: Path, tmp: Path, final: Path) -> CheckpointError:
