@@ -3,11 +3,13 @@ reads each of the checkpoint's small files once (`toolkit_checkpoint.json`, `hf/
 tracker), and a torch_dist checkpoint's DCP index (`.metadata`, which names every chunk of every
 tensor) once for its checksum and once as the index, not again for every tensor it reads.
 
-The count is of real `open` calls (Python's audit hook), on a real converted checkpoint."""
+The count is of real opens on a real converted checkpoint: Python's `open` (which pathlib and
+DCP's file system reader call) wrapped for the export alone."""
 
 from __future__ import annotations
 
-import sys
+import builtins
+import io
 from collections import Counter
 from pathlib import Path
 
@@ -15,27 +17,27 @@ import pytest
 
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 
-_counting: list[Counter] = []  # the Counter of the test in progress; audit hooks cannot be removed
 
+def counting_opens(monkeypatch) -> Counter:
+    opens, real = Counter(), io.open
 
-def _count_opens(event: str, args: tuple) -> None:
-    if _counting and event == "open" and isinstance(args[0], (str, Path)):
-        _counting[-1][Path(args[0]).resolve()] += 1
+    def counted(file, *args, **kwargs):
+        if isinstance(file, (str, Path)):
+            opens[Path(file).resolve()] += 1
+        return real(file, *args, **kwargs)
 
-
-sys.addaudithook(_count_opens)
+    monkeypatch.setattr(io, "open", counted)
+    monkeypatch.setattr(builtins, "open", counted)
+    return opens
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_an_export_reads_the_checkpoints_metadata_once(tiny_hf, tmp_path, fmt):
+def test_an_export_reads_the_checkpoints_metadata_once(tiny_hf, tmp_path, monkeypatch, fmt):
     converted = Path(hf_to_megatron(tiny_hf["llama"], tmp_path / "mc", fmt=fmt, progress=False,
                                     **({"tp": 2, "pp": 2} if fmt == "torch" else {}))).resolve()
-    opens = Counter()
-    _counting.append(opens)
-    try:
+    with monkeypatch.context() as patch:
+        opens = counting_opens(patch)
         megatron_to_hf(converted, tmp_path / "hf", progress=False)
-    finally:
-        _counting.clear()
     once = {name: opens[converted / name] for name in ("toolkit_checkpoint.json", "hf/config.json",
                                                        "latest_checkpointed_iteration.txt")}
     assert once == dict.fromkeys(once, 1), once
