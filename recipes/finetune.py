@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
     quiet_third_party(args.verbose)
     choose_deepspeed_accelerator()
-    from toolkit.errors import ToolkitError
+    from toolkit.errors import ReportedByAnotherRank, ToolkitError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
 
     try:
         return finetune(run)
+    except ReportedByAnotherRank:  # another rank said it in one line
+        return 2
     except ToolkitError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2

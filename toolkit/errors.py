@@ -17,6 +17,11 @@ class DistributedError(ToolkitError):
     """A worker process of a multi-process run failed."""
 
 
+class ReportedByAnotherRank(ToolkitError):
+    """A failure every rank shares (a full disk under run_dir) that another rank has already said in
+    one line: this rank exits non-zero without a word, so the user reads the line once."""
+
+
 class ConfigError(ToolkitError):
     """A DeepSpeed config, a training recipe or a parallel layout cannot work as asked
     (bad arithmetic, incompatible options, unknown keys)."""

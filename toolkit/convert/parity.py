@@ -138,7 +138,7 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
             info = reinit_expert_tp(info, spec.expert_tp(tp), tp, pp, ep)
         ref = torch.load(job["reference"], weights_only=True)
         model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor, ep if spec.is_moe else 1), dtype).eval()
-        load_converted(model, job["checkpoint"], check_sums=False)  # verify_many reports bad sums itself
+        load_converted(model, job["checkpoint"], check_sums=False, meta=meta)  # verify_many reports bad sums itself
         stages(4, f"forward of {tuple(ref['tokens'].shape)} tokens through {pp} pipeline stage(s)", info.rank)
         logits, outputs = _stage_forward(model, ref["tokens"], spec, dtype)
         first_layer = info.pp_rank * (spec.num_layers // pp)
@@ -167,8 +167,10 @@ def _checked_inputs(hf_dir: str | Path, megatron_dir: str | Path) -> CheckpointM
 
     src = open_hf(hf_dir)
     checked_spec(src.config, src.dir / "config.json", src.tensors)
-    MegatronCheckpoint.open(megatron_dir)
-    return CheckpointMeta.read(Path(megatron_dir))
+    ckpt = MegatronCheckpoint.open(megatron_dir)
+    if ckpt.root != Path(megatron_dir):  # a run or step directory, which export takes: verify wants the model itself
+        return CheckpointMeta.read(Path(megatron_dir))  # its one line: no toolkit_checkpoint.json there
+    return ckpt.meta
 
 
 def verify_many(

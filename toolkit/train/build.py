@@ -197,7 +197,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
         model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, vp_stage=v)
                                       for v in range(cfg.parallel.vpp))
-    load_converted(virtual.chunks(model), cfg.model.checkpoint)
+    load_converted(virtual.chunks(model), cfg.model.checkpoint, meta=meta)  # read and checked in `prepare`
     return model, layout
 
 
