@@ -186,9 +186,12 @@ def hf_reference(hf_dir: Path, data: Path, cfg, steps: int, device: str = "cpu",
     model = model.to(device).train()
     if prepare is not None:
         prepare(model)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trained if p.ndim > 1]
-    no_decay = [p for p in trained if p.ndim <= 1]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trained = [p for _, p in named]
+    # no weight decay on norms and biases, as transformers' Trainer: by name too, since HF stacks the
+    # experts' biases into 2-D tensors (gpt-oss gate_up_proj_bias [experts, 2I]), 1-D per expert in megatron-core
+    decay = [p for n, p in named if p.ndim > 1 and not n.endswith("bias")]
+    no_decay = [p for n, p in named if p.ndim <= 1 or n.endswith("bias")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.get("weight_decay", 0.0)},
                              {"params": no_decay, "weight_decay": 0.0}], lr=optim["lr"],
                             betas=tuple(optim.get("betas", ADAMW_BETAS)), eps=optim.get("eps", ADAMW_EPS))
