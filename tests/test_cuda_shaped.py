@@ -39,7 +39,8 @@ def test_every_family_builds_its_config_with_the_gpu_flags(monkeypatch, variant)
     cuda_present(monkeypatch)
     config = transformer_config(spec, Layout(1, 1), torch.bfloat16)
     assert not config.use_cpu_initialization and config.bias_dropout_fusion  # the GPU flags are on
-    assert config.bias_activation_fusion == (spec.activation == "silu")  # fused where megatron-core has a kernel
+    # fused where megatron-core has a kernel: SwiGLU, not gpt-oss's clamped one (mlp.py:183-212)
+    assert config.bias_activation_fusion == (spec.activation == "silu" and spec.glu_clamp is None)
 
 
 def test_compat_fixes_that_are_not_cpu_specific_apply_with_cuda(monkeypatch):
