@@ -304,10 +304,16 @@ class BatchSource:
         batch, so its token counts (`last_counts`, the loss normaliser) need no collective."""
         rows = self._global_rows(self.consumed)
         self.consumed += self.global_batch
-        self.last_counts = GlobalCounts.of(rows)
+        self.last_counts = self._counts(rows)
         per_rank = self.global_batch // self.dp
         mine = rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return [collate(mine[i : i + self.micro_batch], self.packed) for i in range(0, per_rank, self.micro_batch)]
+        return [self._collate(mine[i : i + self.micro_batch]) for i in range(0, per_rank, self.micro_batch)]
+
+    def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        return collate(rows, self.packed)
+
+    def _counts(self, rows: list[Row]) -> GlobalCounts:
+        return GlobalCounts.of(rows)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}
