@@ -1,0 +1,126 @@
+"""method=dpo matches TRL 1.16's real DPOTrainer step for step (fp32, CPU): losses and TRL's
+rewards/* metrics within 1e-5, gradient norms within 1e-4 relative, for each loss type offered.
+
+The reference (tests/dpo_reference.py) is computed in process once per recipe; each layout is one
+launch of the real recipe. The guard trains TRL with chosen and rejected swapped in the pairs one
+DP rank of DP2 would hold, and shows the comparison then fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.dpo_reference import METRIC_KEYS, trl_reference, write_preference_data
+from tests.finetune_harness import ReferenceCache, launch, read_metrics, recipe, write_peft_adapter
+from toolkit.convert import hf_to_megatron
+
+STEPS = 10
+TOLERANCE = 1e-5  # loss and rewards/*, absolute
+NORM_TOLERANCE = 1e-4  # gradient norm, relative
+GLOBAL_PAIRS = 8
+REFERENCES = ReferenceCache()
+
+# name -> (processes, parallel, loss type, LoRA)
+LAYOUTS = {
+    "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", False),
+    "sigmoid-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "sigmoid", True),
+    "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", False),
+    "robust-lora-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "robust", True),
+}
+LOSS_SETTINGS = {"sigmoid": {"beta": 0.1}, "ipo": {"beta": 0.5}, "robust": {"beta": 0.1, "label_smoothing": 0.2}}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from toolkit.tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("dpo")
+    hf = make_tiny_model("llama-odd-vocab", root / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
+    megatron = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    # B drawn non-zero: the reference (TRL's frozen "ref" copy of a loaded adapter; ours from
+    # keep_starting_adapter) differs from the base model, so a reference taken without it would show
+    adapter = write_peft_adapter(hf, root / "adapter", ["q_proj", "v_proj", "down_proj"], r=4, alpha=8.0)
+    return {"root": root, "hf": hf, "megatron": megatron, "adapter": adapter,
+            "data": write_preference_data(root / "pairs.jsonl", 5 * GLOBAL_PAIRS)}
+
+
+def dpo_recipe(setup, directory: Path, parallel: dict, loss_type: str, lora: bool, data: Path | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    extra = {"peft": {"enabled": True, "init_from": str(setup["adapter"])}} if lora else {}
+    return recipe(directory, setup["megatron"], data or setup["data"], method="dpo",
+                  dpo={"loss_type": loss_type, **LOSS_SETTINGS[loss_type]}, parallel=parallel,
+                  optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0},
+                  global_batch=GLOBAL_PAIRS, micro_batch=2, steps=STEPS, **extra)
+
+
+def reference(setup, cfg: Path, lora: bool):
+    adapter = setup["adapter"] if lora else None
+    return REFERENCES.get(cfg, lambda: trl_reference(setup["hf"], cfg, STEPS, adapter=adapter), setup["hf"], adapter)
+
+
+def differences(metrics: list[dict], ref: list[dict]) -> dict[str, float]:
+    """Worst difference per key over the steps (relative for the gradient norm)."""
+    worst = {}
+    for key in METRIC_KEYS:
+        if key == "grad_norm":
+            worst[key] = max(abs(m[key] - r[key]) / r[key] for m, r in zip(metrics, ref))
+        else:
+            worst[key] = max(abs(m[key] - r[key]) for m, r in zip(metrics, ref))
+    return worst
+
+
+def within_tolerance(worst: dict[str, float]) -> bool:
+    return worst["grad_norm"] < NORM_TOLERANCE and all(v < TOLERANCE for k, v in worst.items()
+                                                       if k in ("loss", "rewards/chosen", "rewards/rejected",
+                                                                "rewards/accuracies", "rewards/margins"))
+
+
+class Runs:
+    def __init__(self, setup, root: Path):
+        self.setup, self.root, self.done = setup, root, {}
+
+    def __call__(self, name):
+        if name not in self.done:
+            nprocs, parallel, loss_type, lora = LAYOUTS[name]
+            cfg = dpo_recipe(self.setup, self.root / name, parallel, loss_type, lora)
+            launch(nprocs, cfg)
+            self.done[name] = (cfg, read_metrics(self.root / name / "run"))
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory):
+    return Runs(setup, tmp_path_factory.mktemp("dpo-runs"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dpo_losses_rewards_and_grad_norms_match_trl(setup, runs, name):
+    cfg, metrics = runs(name)
+    ref = reference(setup, cfg, LAYOUTS[name][3])
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    worst = differences(metrics, ref)
+    print(name, {k: f"{v:.1e}" for k, v in worst.items()})
+    assert within_tolerance(worst), (worst, metrics, ref)
+
+
+@pytest.mark.multiprocess
+def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setup, runs, tmp_path):
+    """TRL trained on data where the pairs DP rank 1 of DP2 holds have chosen and rejected swapped
+    (what a collate that swapped them on one rank would train on) is far outside the tolerance."""
+    cfg, metrics = runs("ipo-DP2")
+    rows = [json.loads(line) for line in setup["data"].read_text().splitlines()]
+    half = GLOBAL_PAIRS // 2
+    for i, row in enumerate(rows):
+        if i % GLOBAL_PAIRS >= half:
+            row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+    swapped = tmp_path / "swapped.jsonl"
+    swapped.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    guard_cfg = dpo_recipe(setup, tmp_path / "guard", LAYOUTS["ipo-DP2"][1], "ipo", False, data=swapped)
+    worst = differences(metrics, trl_reference(setup["hf"], guard_cfg, STEPS))
+    print("guard", {k: f"{v:.1e}" for k, v in worst.items()})
+    assert not within_tolerance(worst)
+    assert worst["loss"] > 100 * TOLERANCE
