@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dpo_reference import METRIC_KEYS, trl_reference, write_preference_data
 from tests.finetune_harness import ReferenceCache, launch, read_metrics, recipe, write_peft_adapter
@@ -124,3 +125,48 @@ def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setu
     print("guard", {k: f"{v:.1e}" for k, v in worst.items()})
     assert not within_tolerance(worst)
     assert worst["loss"] > 100 * TOLERANCE
+
+
+def test_label_smoothing_without_robust_refused_in_one_line(tmp_path):
+    from tests.finetune_harness import assert_refused_in_one_line
+
+    assert_refused_in_one_line(tmp_path, ["method=dpo", "dpo.label_smoothing=0.1"], "loss_type=robust")
+    assert_refused_in_one_line(tmp_path, ["method=dpo", "data.pack=true"], "method=dpo with data.pack")
+
+
+def test_a_record_that_is_not_a_pair_is_refused_naming_its_line(tmp_path):
+    from toolkit.tinymodels import build_tokenizer
+    from toolkit.train.data import DataStats, ReadOptions
+    from toolkit.train.data_sources import DataError, Source, records
+    from toolkit.train.preference import read_pairs
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1=", "response": "2"}\n')
+    columns = {c: c for c in ("prompt", "chosen", "rejected")}
+    with pytest.raises(DataError, match=r"pairs.jsonl:2: method=dpo expects keys \"chosen\" and \"rejected\""):
+        read_pairs(records(Source(str(data)), columns, tmp_path), build_tokenizer(), ReadOptions(16), DataStats())
+
+
+def test_pairs_are_tokenised_as_trl_and_kept_together():
+    """TRL's own collator on TRL's tokenisation gives our rows; a micro-batch is its m chosen then
+    its m rejected rows, and keep_start drops a pair whose prompt fills the length, as TRL does."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from toolkit.tinymodels import build_tokenizer
+    from toolkit.train.data import DataStats, ReadOptions
+    from toolkit.train.preference import PairSource, parse_pair, read_pairs, to_pair_rows
+
+    tok = build_tokenizer()
+    records = [{"prompt": "12=", "chosen": "3", "rejected": "44"}, {"chosen": "5=12", "rejected": "5=9"},
+               {"prompt": "1234567=", "chosen": "1", "rejected": "2"}]
+    stats = DataStats()
+    pairs = read_pairs(enumerate(records), tok, ReadOptions(8), stats)
+    assert stats.dropped_targets_truncated == 1 and len(pairs) == 2
+    batch = PairSource(to_pair_rows(pairs, tok, 7), 2, 2, 1, 0, 0, False).next_global_batch()[0]
+    examples = [vars(parse_pair(tok, r)) for r in records[:2]]
+    trl = DataCollatorForPreference(pad_token_id=tok.pad_token_id)(
+        [{"prompt_ids": e["prompt"], "chosen_ids": e["chosen"], "rejected_ids": e["rejected"]} for e in examples])
+    width = trl["input_ids"].shape[1]
+    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)[:, :width]
+    assert torch.equal(tokens, trl["input_ids"])
+    assert torch.equal(batch["loss_mask"][:, :width - 1], trl["completion_mask"][:, 1:].float())
