@@ -109,23 +109,31 @@ def _truncate(sample: Sample, max_tokens: int, side: str) -> Sample:
     return Sample(sample.tokens[cut], sample.loss_mask[cut])
 
 
+def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats: DataStats):
+    """parse(tokenizer, record), counted in stats; None for a malformed record skipped
+    (data.malformed=skip), else one DataError naming where it is."""
+    stats.lines += 1
+    try:
+        if isinstance(record, Exception):
+            raise record
+        return parse(tokenizer, record)
+    except ChatTemplateError as e:  # the template's fault, not the line's: never skipped
+        raise DataError(f"{where}: {e}") from None
+    except (ValueError, TypeError, KeyError) as e:
+        if opts.malformed == "skip":
+            stats.skipped_malformed += 1
+            return None
+        raise DataError(f"{where}: {e}") from None
+
+
 def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats) -> list[Sample]:
     """Samples of (where, record) pairs; a record that failed to parse arrives as its exception."""
     samples = []
     unk = tokenizer.unk_token_id
     for where, record in named:
-        stats.lines += 1
-        try:
-            if isinstance(record, Exception):
-                raise record
-            sample = parse_line(tokenizer, record)
-        except ChatTemplateError as e:  # the template's fault, not the line's: never skipped
-            raise DataError(f"{where}: {e}") from None
-        except (ValueError, TypeError, KeyError) as e:
-            if opts.malformed == "skip":
-                stats.skipped_malformed += 1
-                continue
-            raise DataError(f"{where}: {e}") from None
+        sample = parse_counted(parse_line, tokenizer, where, record, opts, stats)
+        if sample is None:
+            continue
         if unk is not None:
             found = sample.tokens.count(unk)
             stats.unk_tokens += found

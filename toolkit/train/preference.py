@@ -25,8 +25,8 @@ import torch
 
 from toolkit.train import chat_templates
 from toolkit.train.chat_templates import ChatTemplateError
-from toolkit.train.data import EXAMPLE_CHARS, BatchSource, DataStats, GlobalCounts, ReadOptions, Row, Sample, collate, pad_rows
-from toolkit.train.data_sources import DataError
+from toolkit.train.data import (EXAMPLE_CHARS, BatchSource, DataStats, GlobalCounts, ReadOptions, Row, Sample, collate,
+                                pad_rows, parse_counted)
 
 
 @dataclass
@@ -121,18 +121,9 @@ def _sequences(pair: Pair, opts: ReadOptions) -> tuple[Sample, Sample] | None:
 def read_pairs(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats) -> list[tuple[Sample, Sample]]:
     pairs = []
     for where, record in named:
-        stats.lines += 1
-        try:
-            if isinstance(record, Exception):
-                raise record
-            pair = parse_pair(tokenizer, record)
-        except ChatTemplateError as e:  # the template's fault, not the line's: never skipped
-            raise DataError(f"{where}: {e}") from None
-        except (ValueError, TypeError, KeyError) as e:
-            if opts.malformed == "skip":
-                stats.skipped_malformed += 1
-                continue
-            raise DataError(f"{where}: {e}") from None
+        pair = parse_counted(parse_pair, tokenizer, where, record, opts, stats)
+        if pair is None:
+            continue
         lengths = [len(pair.prompt) + len(c) for c in (pair.chosen, pair.rejected)]
         stats.tokens += sum(lengths)
         if tokenizer.unk_token_id is not None:
