@@ -170,3 +170,27 @@ def test_pairs_are_tokenised_as_trl_and_kept_together():
     tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)[:, :width]
     assert torch.equal(tokens, trl["input_ids"])
     assert torch.equal(batch["loss_mask"][:, :width - 1], trl["completion_mask"][:, 1:].float())
+
+
+def test_memory_prices_the_reference_copy_and_the_doubled_sequences(tmp_path):
+    """method=dpo: a micro-batch of m pairs holds the activations of 2m sequences; a full fine-tune
+    adds a frozen copy of each stage's weights, LoRA none (the adapter is disabled instead)."""
+    from toolkit import modelspec
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import estimate
+    from toolkit.memory.lora import LoraShape
+    from toolkit.memory.params import stage_param_numels
+    from toolkit.plan import Cluster, plan
+    from toolkit.tinymodels import make_tiny_model
+
+    spec = modelspec.read(make_tiny_model("llama", tmp_path / "hf", num_hidden_layers=4))
+    pairs, sequences = (Setup(gpus=8, tp=2, pp=2, micro_batch=m, global_batch=16, precision="bf16") for m in (2, 4))
+    sft, dpo = estimate(spec, sequences, 512), estimate(spec, pairs, 512, dpo=True)
+    for s, (with_ref, without) in enumerate(zip(dpo.stages, sft.stages)):
+        assert with_ref.activations == without.activations
+        assert with_ref.reference == sum(stage_param_numels(spec, 2, 2, s)) * 2  # bf16 weights
+        assert with_ref.gpu == without.gpu + with_ref.reference
+    lora = estimate(spec, pairs, 512, lora=LoraShape(4, ("all-linear",)), dpo=True)
+    assert all(s.reference == 0 for s in lora.stages)
+    assert "DPO reference weights" in "\n".join(dpo.table())
+    assert plan(spec, Cluster(8, 80 << 30, 8), 512, 16, dpo=True).best.memory.peak.reference > 0  # plan prices it too
