@@ -31,6 +31,7 @@ LAYOUTS = {
     "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", False),
     "robust-lora-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "robust", True),
 }
+RESUMED_FROM = "ipo-DP2"
 LOSS_SETTINGS = {"sigmoid": {"beta": 0.1}, "ipo": {"beta": 0.5}, "robust": {"beta": 0.1, "label_smoothing": 0.2}}
 
 
@@ -48,13 +49,14 @@ def setup(tmp_path_factory):
             "data": write_preference_data(root / "pairs.jsonl", 5 * GLOBAL_PAIRS)}
 
 
-def dpo_recipe(setup, directory: Path, parallel: dict, loss_type: str, lora: bool, data: Path | None = None) -> Path:
+def dpo_recipe(setup, directory: Path, parallel: dict, loss_type: str, lora: bool, data: Path | None = None,
+               **overrides) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     extra = {"peft": {"enabled": True, "init_from": str(setup["adapter"])}} if lora else {}
     return recipe(directory, setup["megatron"], data or setup["data"], method="dpo",
                   dpo={"loss_type": loss_type, **LOSS_SETTINGS[loss_type]}, parallel=parallel,
                   optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0},
-                  global_batch=GLOBAL_PAIRS, micro_batch=2, steps=STEPS, **extra)
+                  global_batch=GLOBAL_PAIRS, micro_batch=2, steps=STEPS, **extra, **overrides)
 
 
 def reference(setup, cfg: Path, lora: bool):
@@ -86,7 +88,9 @@ class Runs:
     def __call__(self, name):
         if name not in self.done:
             nprocs, parallel, loss_type, lora = LAYOUTS[name]
-            cfg = dpo_recipe(self.setup, self.root / name, parallel, loss_type, lora)
+            # the IPO run also saves its step-5 checkpoint, which the resume test starts from
+            cfg = dpo_recipe(self.setup, self.root / name, parallel, loss_type, lora,
+                             **({"save_every": 5} if name == RESUMED_FROM else {}))
             launch(nprocs, cfg)
             self.done[name] = (cfg, read_metrics(self.root / name / "run"))
         return self.done[name]
@@ -125,6 +129,29 @@ def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setu
     print("guard", {k: f"{v:.1e}" for k, v in worst.items()})
     assert not within_tolerance(worst)
     assert worst["loss"] > 100 * TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_resume_on_another_layout_goes_on_matching_trl(setup, runs, tmp_path):
+    """The IPO run stopped after its step-5 checkpoint and resumed at TP2 (the layout-independent
+    state; the reference rebuilt from the starting weights) repeats TRL's steps 6-10."""
+    import shutil
+
+    straight_dir = runs.root / RESUMED_FROM
+    cfg, straight = runs(RESUMED_FROM)
+    shutil.copytree(straight_dir / "run", tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step_0000010")
+    (checkpoints / "latest").write_text("step_0000005")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:5]))
+    resumed_cfg = dpo_recipe(setup, tmp_path, {"tp": 2, "pp": 1, "zero_stage": 1}, "ipo", False)
+    launch(2, resumed_cfg, "resume=auto")
+    resumed = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    worst = differences(resumed[5:], reference(setup, cfg, False)[5:])
+    print("resumed at TP2", {k: f"{v:.1e}" for k, v in worst.items()})
+    assert within_tolerance(worst), worst
 
 
 def test_label_smoothing_without_robust_refused_in_one_line(tmp_path):
