@@ -24,12 +24,14 @@ NORM_TOLERANCE = 1e-4  # gradient norm, relative
 GLOBAL_PAIRS = 8
 REFERENCES = ReferenceCache()
 
-# name -> (processes, parallel, loss type, LoRA)
+# name -> (processes, parallel, loss type, LoRA, model)
 LAYOUTS = {
-    "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", False),
-    "sigmoid-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "sigmoid", True),
-    "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", False),
-    "robust-lora-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "robust", True),
+    "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", False, "llama"),
+    "sigmoid-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "sigmoid", True, "llama"),
+    "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", False, "llama"),
+    # Qwen3-MoE's experts split over EP2 (router_aux_loss_coef 0: TRL adds HF's load-balancing loss
+    # over its whole batch, megatron-core per micro-batch; SFT's MoE tests prove that loss)
+    "robust-qwen3moe-DP2xEP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1, "ep": 2}, "robust", False, "qwen3-moe"),
 }
 RESUMED_FROM = "ipo-DP2"
 LOSS_SETTINGS = {"sigmoid": {"beta": 0.1}, "ipo": {"beta": 0.5}, "robust": {"beta": 0.1, "label_smoothing": 0.2}}
@@ -42,26 +44,28 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     hf = make_tiny_model("llama-odd-vocab", root / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
     megatron = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    moe = make_tiny_model("qwen3-moe", root / "hf-moe", dtype="float32", router_aux_loss_coef=0.0)
+    models = {"llama": (hf, megatron), "qwen3-moe": (moe, hf_to_megatron(moe, root / "mc-moe", fmt="torch_dist", progress=False))}
     # B drawn non-zero: the reference (TRL's frozen "ref" copy of a loaded adapter; ours from
     # keep_starting_adapter) differs from the base model, so a reference taken without it would show
     adapter = write_peft_adapter(hf, root / "adapter", ["q_proj", "v_proj", "down_proj"], r=4, alpha=8.0)
-    return {"root": root, "hf": hf, "megatron": megatron, "adapter": adapter,
+    return {"root": root, "hf": hf, "megatron": megatron, "adapter": adapter, "models": models,
             "data": write_preference_data(root / "pairs.jsonl", 5 * GLOBAL_PAIRS)}
 
 
 def dpo_recipe(setup, directory: Path, parallel: dict, loss_type: str, lora: bool, data: Path | None = None,
-               **overrides) -> Path:
+               model: str = "llama", **overrides) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     extra = {"peft": {"enabled": True, "init_from": str(setup["adapter"])}} if lora else {}
-    return recipe(directory, setup["megatron"], data or setup["data"], method="dpo",
+    return recipe(directory, setup["models"][model][1], data or setup["data"], method="dpo",
                   dpo={"loss_type": loss_type, **LOSS_SETTINGS[loss_type]}, parallel=parallel,
                   optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0},
                   global_batch=GLOBAL_PAIRS, micro_batch=2, steps=STEPS, **extra, **overrides)
 
 
-def reference(setup, cfg: Path, lora: bool):
-    adapter = setup["adapter"] if lora else None
-    return REFERENCES.get(cfg, lambda: trl_reference(setup["hf"], cfg, STEPS, adapter=adapter), setup["hf"], adapter)
+def reference(setup, cfg: Path, lora: bool, model: str = "llama"):
+    adapter, hf = setup["adapter"] if lora else None, setup["models"][model][0]
+    return REFERENCES.get(cfg, lambda: trl_reference(hf, cfg, STEPS, adapter=adapter), hf, adapter)
 
 
 def differences(metrics: list[dict], ref: list[dict]) -> dict[str, float]:
@@ -87,9 +91,9 @@ class Runs:
 
     def __call__(self, name):
         if name not in self.done:
-            nprocs, parallel, loss_type, lora = LAYOUTS[name]
+            nprocs, parallel, loss_type, lora, model = LAYOUTS[name]
             # the IPO run also saves its step-5 checkpoint, which the resume test starts from
-            cfg = dpo_recipe(self.setup, self.root / name, parallel, loss_type, lora,
+            cfg = dpo_recipe(self.setup, self.root / name, parallel, loss_type, lora, model=model,
                              **({"save_every": 5} if name == RESUMED_FROM else {}))
             launch(nprocs, cfg)
             self.done[name] = (cfg, read_metrics(self.root / name / "run"))
@@ -105,7 +109,7 @@ def runs(setup, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dpo_losses_rewards_and_grad_norms_match_trl(setup, runs, name):
     cfg, metrics = runs(name)
-    ref = reference(setup, cfg, LAYOUTS[name][3])
+    ref = reference(setup, cfg, LAYOUTS[name][3], LAYOUTS[name][4])
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     worst = differences(metrics, ref)
     print(name, {k: f"{v:.1e}" for k, v in worst.items()})

@@ -79,9 +79,6 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     if meta.model_spec.is_moe and cfg.parallel.dp_engine == "fsdp":
         raise ConfigError(f"parallel.dp_engine=fsdp with a Mixture-of-Experts model ({meta.model_spec.family}) is not "
                           "supported: the experts' expert-data-parallel group is wired for DeepSpeed only")
-    if meta.model_spec.is_moe and cfg.method == "dpo":
-        raise ConfigError(f"method=dpo with a Mixture-of-Experts model ({meta.model_spec.family}) is not supported yet: "
-                          "the router's load-balancing loss in the reference pass is not wired; use a dense model")
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
         check_stages_hold_experts(cfg, meta.model_spec)
