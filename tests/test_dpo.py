@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.dpo_reference import METRIC_KEYS, trl_reference, write_preference_data
-from tests.finetune_harness import ReferenceCache, launch, read_metrics, recipe, write_peft_adapter
+from tests.finetune_harness import ReferenceCache, copy_stopped_at_step_5, launch, read_metrics, recipe, write_peft_adapter
 from toolkit.convert import hf_to_megatron
 
 STEPS = 10
@@ -139,16 +139,8 @@ def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setu
 def test_resume_on_another_layout_goes_on_matching_trl(setup, runs, tmp_path):
     """The IPO run stopped after its step-5 checkpoint and resumed at TP2 (the layout-independent
     state; the reference rebuilt from the starting weights) repeats TRL's steps 6-10."""
-    import shutil
-
-    straight_dir = runs.root / RESUMED_FROM
-    cfg, straight = runs(RESUMED_FROM)
-    shutil.copytree(straight_dir / "run", tmp_path / "run")
-    checkpoints = tmp_path / "run" / "checkpoints"
-    shutil.rmtree(checkpoints / "step_0000010")
-    (checkpoints / "latest").write_text("step_0000005")
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:5]))
+    cfg, _ = runs(RESUMED_FROM)
+    copy_stopped_at_step_5(runs.root / RESUMED_FROM / "run", tmp_path)
     resumed_cfg = dpo_recipe(setup, tmp_path, {"tp": 2, "pp": 1, "zero_stage": 1}, "ipo", False)
     launch(2, resumed_cfg, "resume=auto")
     resumed = read_metrics(tmp_path / "run")
