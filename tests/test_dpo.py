@@ -24,16 +24,21 @@ NORM_TOLERANCE = 1e-4  # gradient norm, relative
 GLOBAL_PAIRS = 8
 REFERENCES = ReferenceCache()
 
-# name -> (processes, parallel, loss type, LoRA, model)
+# name -> (processes, parallel, loss type, LoRA, model). LoRA "new": a new adapter (B = 0), whose
+# reference is the base with the adapter disabled; "loaded": from peft.init_from, B non-zero, whose
+# reference is the base with that starting adapter (TRL's frozen "ref" copy; keep_starting_adapter).
 LAYOUTS = {
-    "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", False, "llama"),
-    "sigmoid-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "sigmoid", True, "llama"),
-    "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", False, "llama"),
+    "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", None, "llama"),
+    "sigmoid-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "sigmoid", "new", "llama"),
+    "sigmoid-lora-loaded-DP1": (1, {"tp": 1, "pp": 1, "zero_stage": 1}, "sigmoid", "loaded", "llama"),
+    "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", None, "llama"),
     # Qwen3-MoE's experts split over EP2 (router_aux_loss_coef 0: TRL adds HF's load-balancing loss
     # over its whole batch, megatron-core per micro-batch; SFT's MoE tests prove that loss)
-    "robust-qwen3moe-DP2xEP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1, "ep": 2}, "robust", False, "qwen3-moe"),
+    "robust-qwen3moe-DP2xEP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1, "ep": 2}, "robust", None, "qwen3-moe"),
 }
 RESUMED_FROM = "ipo-DP2"
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
+SEED = 1234  # the recipe's default seed: a new adapter's initialisation
 LOSS_SETTINGS = {"sigmoid": {"beta": 0.1}, "ipo": {"beta": 0.5}, "robust": {"beta": 0.1, "label_smoothing": 0.2}}
 
 
@@ -48,23 +53,43 @@ def setup(tmp_path_factory):
     models = {"llama": (hf, megatron), "qwen3-moe": (moe, hf_to_megatron(moe, root / "mc-moe", fmt="torch_dist", progress=False))}
     # B drawn non-zero: the reference (TRL's frozen "ref" copy of a loaded adapter; ours from
     # keep_starting_adapter) differs from the base model, so a reference taken without it would show
-    adapter = write_peft_adapter(hf, root / "adapter", ["q_proj", "v_proj", "down_proj"], r=4, alpha=8.0)
-    return {"root": root, "hf": hf, "megatron": megatron, "adapter": adapter, "models": models,
+    loaded = write_peft_adapter(hf, root / "adapter", LORA_TARGETS, r=4, alpha=8.0)
+    adapters = {"loaded": loaded, "new": recipe_initial_adapter(loaded, root / "adapter-new")}
+    return {"root": root, "hf": hf, "megatron": megatron, "adapters": adapters, "models": models,
             "data": write_preference_data(root / "pairs.jsonl", 5 * GLOBAL_PAIRS)}
 
 
-def dpo_recipe(setup, directory: Path, parallel: dict, loss_type: str, lora: bool, data: Path | None = None,
+def recipe_initial_adapter(like: Path, out: Path) -> Path:
+    """The adapter the recipe starts a new LoRA from (toolkit.lora.adapter.peft_init: A drawn from
+    the seed, B zero), saved as PEFT saves one, for TRL to start from the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from toolkit.lora.adapter import peft_init
+
+    shutil.copytree(like, out)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    save_file({k: peft_init(k, tuple(v.shape), SEED) for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def dpo_recipe(setup, directory: Path, parallel: dict, loss_type: str, lora: str | None, data: Path | None = None,
                model: str = "llama", **overrides) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    extra = {"peft": {"enabled": True, "init_from": str(setup["adapter"])}} if lora else {}
+    extra = {}
+    if lora == "loaded":
+        extra = {"peft": {"enabled": True, "init_from": str(setup["adapters"]["loaded"])}}
+    elif lora == "new":
+        extra = {"peft": {"enabled": True, "r": 4, "alpha": 8.0, "target_modules": ",".join(LORA_TARGETS)}}
     return recipe(directory, setup["models"][model][1], data or setup["data"], method="dpo",
                   dpo={"loss_type": loss_type, **LOSS_SETTINGS[loss_type]}, parallel=parallel,
                   optim={"lr": 1e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0},
                   global_batch=GLOBAL_PAIRS, micro_batch=2, steps=STEPS, **extra, **overrides)
 
 
-def reference(setup, cfg: Path, lora: bool, model: str = "llama"):
-    adapter, hf = setup["adapter"] if lora else None, setup["models"][model][0]
+def reference(setup, cfg: Path, lora: str | None, model: str = "llama"):
+    adapter, hf = setup["adapters"][lora] if lora else None, setup["models"][model][0]
     return REFERENCES.get(cfg, lambda: trl_reference(hf, cfg, STEPS, adapter=adapter), hf, adapter)
 
 
@@ -128,7 +153,7 @@ def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setu
             row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
     swapped = tmp_path / "swapped.jsonl"
     swapped.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    guard_cfg = dpo_recipe(setup, tmp_path / "guard", LAYOUTS["ipo-DP2"][1], "ipo", False, data=swapped)
+    guard_cfg = dpo_recipe(setup, tmp_path / "guard", LAYOUTS["ipo-DP2"][1], "ipo", None, data=swapped)
     worst = differences(metrics, trl_reference(setup["hf"], guard_cfg, STEPS))
     print("guard", {k: f"{v:.1e}" for k, v in worst.items()})
     assert not within_tolerance(worst)
@@ -141,11 +166,11 @@ def test_resume_on_another_layout_goes_on_matching_trl(setup, runs, tmp_path):
     state; the reference rebuilt from the starting weights) repeats TRL's steps 6-10."""
     cfg, _ = runs(RESUMED_FROM)
     copy_stopped_at_step_5(runs.root / RESUMED_FROM / "run", tmp_path)
-    resumed_cfg = dpo_recipe(setup, tmp_path, {"tp": 2, "pp": 1, "zero_stage": 1}, "ipo", False)
+    resumed_cfg = dpo_recipe(setup, tmp_path, {"tp": 2, "pp": 1, "zero_stage": 1}, "ipo", None)
     launch(2, resumed_cfg, "resume=auto")
     resumed = read_metrics(tmp_path / "run")
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
-    worst = differences(resumed[5:], reference(setup, cfg, False)[5:])
+    worst = differences(resumed[5:], reference(setup, cfg, None)[5:])
     print("resumed at TP2", {k: f"{v:.1e}" for k, v in worst.items()})
     assert within_tolerance(worst), worst
 
