@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     quiet_third_party(args.verbose)
     choose_deepspeed_accelerator()
-    from toolkit.errors import ToolkitError
+    from toolkit.errors import ReportedByAnotherRank, ToolkitError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -71,6 +71,8 @@ def main(argv=None) -> int:
 
     try:
         return finetune(run)
+    except ReportedByAnotherRank:  # another rank said it in one line
+        return 2
     except ToolkitError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
@@ -116,7 +118,8 @@ def prepare(config_path, overrides) -> Run:
     fsdp = cfg.parallel.dp_engine == "fsdp"
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
                   "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
-                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
+                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {}),
+                  **({"cp": cfg.parallel.cp} if cfg.parallel.cp > 1 else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, *cfg.data.train_file.split(","),
                                           cfg.data.valid_file, cfg.model.optimizer_state)
@@ -165,10 +168,12 @@ def finetune(run: Run) -> int:
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
-    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp,
+                         cp=cfg.parallel.cp)
     peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
     progress = Progress(info.rank == 0, cfg.steps, show_mfu=peak_source != CPU_SOURCE)
-    progress.stage(f"building the model (TP {info.tp} x PP {info.pp} x DP {info.dp}) and loading its weights "
+    cp_named = f" x CP {info.cp}" if info.cp > 1 else ""
+    progress.stage(f"building the model (TP {info.tp} x PP {info.pp}{cp_named} x DP {info.dp}) and loading its weights "
                    f"from {cfg.model.checkpoint}")
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
@@ -229,14 +234,14 @@ def finetune(run: Run) -> int:
 
     vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
+    model_length = build.model_length(cfg)  # data.seq_len, padded under CP to the zig-zag split's multiple
 
     objective = DpoObjective.from_config(cfg) if reference is not None else None
     rows_per_pair = 2 if reference is not None else 1  # a pair is two rows of one micro-batch
 
     def context(batches, counts):
-        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, cfg.data.seq_len,
-                           cfg.micro_batch * rows_per_pair, counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel,
-                           objective)
+        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, model_length, cfg.micro_batch * rows_per_pair,
+                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel, objective)
 
     # wandb.sample_generations: the validation prompts greedily continued at each eval (PP = 1).
     samples = prompts_of(valid_data.rows, cfg.wandb.sample_generations) \

@@ -21,7 +21,7 @@ CONVERTS = "converts"
 # Sizes of the shrunk models. Layers: Gemma 3 keeps 6 so that its pattern (every 6th layer
 # global) has a global layer; 4 elsewhere (2 per pipeline stage at PP 2). Heads: 4, with the
 # original's kind of attention (MHA, one KV head, or GQA with 2 KV heads), all divisible by TP 2
-# or fewer than it. Experts: 16, so top-8 routing still chooses.
+# or fewer than it. Experts: at most 16, so top-8 routing still chooses (Mixtral's 8 stay 8).
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16}
 LAYERS = {"gemma3_text": 6}
@@ -43,7 +43,7 @@ def shrink(published: dict) -> tuple[dict, dict]:
         new["num_key_value_heads"] = HEADS if kv == heads else 1 if kv == 1 else 2
     for key in EXPERT_KEYS:
         if key in cfg:
-            new[key] = EXPERTS
+            new[key] = min(cfg[key], EXPERTS)
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)

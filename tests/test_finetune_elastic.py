@@ -3,6 +3,7 @@ the uninterrupted run's losses and gradient norms (fp32: only the reduction orde
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -127,7 +128,8 @@ def tree_state(root: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.multiprocess
 def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_and_data, tmp_path, monkeypatch):
     """Another model, a missing or truncated shard, a changed global batch, a TP that does not
-    divide the heads: refused by `prepare` (before any process group), the run directory untouched."""
+    divide the heads, `steps` extending a cosine that ended at LR 0: refused by `prepare` (before any
+    process group), the run directory untouched."""
     from recipes.finetune import prepare
     from toolkit.convert import hf_to_megatron
     from toolkit.errors import ToolkitError
@@ -135,7 +137,8 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     from toolkit.train.checkpoint_info import describe
 
     hf, mc, data = model_and_data
-    cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=1)
+    # No warmup: the one step decays the cosine to optim.min_lr=0, so the run is finished at LR 0.
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1}, steps=1, optim__warmup_steps=0)
     launch(2, cfg)
     run = tmp_path / "run"
     shard = next((run / "checkpoints" / "step_0000001" / "train").glob("*.distcp"))
@@ -152,6 +155,9 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
 
     refused("keeps its global batch", overrides=["global_batch=8"])
     refused("attention heads are not divisible", overrides=["parallel.tp=3"])
+    refused("steps=3 extends a run whose cosine schedule already decayed to optim.min_lr=0 at step 1: its 2 extra "
+            f"steps would train at LR 0. Start a new run_dir from its weights instead \\(model.checkpoint={re.escape(str(run))}/checkpoints/"
+            "step_0000001/model", overrides=["steps=3"])
     monkeypatch.setenv("WORLD_SIZE", "6")  # DP 3 cannot keep a global batch of 16
     refused("world sizes keeping global_batch 16 at TP 2 x PP 1, micro_batch 2: 2 \\(DP 1\\), 4 \\(DP 2\\), "
             "8 \\(DP 4\\), 16 \\(DP 8\\)$")

@@ -123,7 +123,9 @@ def _fill(mount: Path, leave: int) -> None:
 @pytest.mark.multiprocess
 def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_model, small_fs, tmp_path):
     """Defect (section 5): raw exceptions from every rank. The run waits at the start of its second
-    save (TOOLKIT_FAULT_PAUSE) while the test fills its disk to a quarter of a checkpoint."""
+    save (TOOLKIT_FAULT_PAUSE) while the test fills its disk to a quarter of a checkpoint. Two ranks:
+    the line comes once (the rank that hit the full disk; the other's collective breaks when it
+    leaves), and every rank exits non-zero."""
     small_disk = small_fs("64m")
     from tests.finetune_harness import wait_for
     from toolkit.train import checkpoint
@@ -132,7 +134,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_mode
     hf, mc, data = chat_model
     cfg = chat_recipe(small_disk, mc, data, steps=4, save_every=2, data__cache_dir=str(tmp_path / "cache"))
     flag = tmp_path / "paused"
-    proc = launch(1, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-start@2:{flag}"}, wait=False)
+    proc = launch(2, cfg, env={"TOOLKIT_FAULT_PAUSE": f"checkpoint-start@2:{flag}"}, wait=False)
     wait_for(flag.exists, proc)
     checkpoints = small_disk / "run" / "checkpoints"
     first = checkpoints / "step_0000002"
@@ -146,7 +148,8 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_mode
     assert f"the disk under {checkpoints} is full: saving step_0000004 needs about " in errors[0], errors
     assert "(the size of step_0000002)" in errors[0] and "latest still names step_0000002" in errors[0], errors
     assert (checkpoints / "latest").read_text() == "step_0000002" and damage(first) is None
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_0000002"], "the partial save is removed"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step_0000004.disk_full", "latest", "step_0000002"], \
+        "the partial save is removed (the note tells the ranks that one of them said it)"
     assert [m["step"] for m in read_metrics(small_disk / "run")] == [1, 2, 3, 4]
     (small_disk / "filler").unlink()
     assert checkpoint.find_resumable(small_disk / "run") == first

@@ -5,7 +5,6 @@ logits (tests/test_lora.py covers training; this covers where the delta enters).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -34,14 +33,42 @@ def test_post_norm_families_with_an_adapter_give_peft_logits_at_tp2(tmp_path, va
     assert worst < LOGIT_TOLERANCE, worst
 
 
-def test_lora_on_a_mixture_of_experts_family_is_refused_in_one_line(tmp_path):
+REFUSED = {
+    # (target_modules, target_parameters, dropout) -> the start of the one-line refusal
+    (("gate",), (), 0.0): r"^LoRA on the Mixture-of-Experts router \(gate\) is not supported",
+    (("q_proj",), ("mlp.gate.weight",), 0.0): r"^target parameter\(s\) mlp.gate.weight are not fused expert weights of mixtral.*router is not supported",
+    (("q_proj",), ("mlp.experts.gate_up_proj",), 0.1): r"^LoRA on the experts \(peft.target_parameters\) needs peft.dropout=0",
+}
+
+
+def test_what_lora_on_a_mixture_of_experts_model_cannot_do_is_refused_in_one_line():
+    """The router stays frozen; experts take no dropout (PEFT's ParamWrapper refuses it too); a dense
+    family has no target_parameters; experts at TP > 1 and a router with an expert bias (GLM-4.5) are
+    refused before any process starts."""
     from toolkit.errors import AdapterError
     from toolkit.families import family_named
     from toolkit.families.spec import read_spec
-    from toolkit.lora import targets
-    from toolkit.tinymodels import make_tiny_model
+    from toolkit.lora import adapter, experts
+    from toolkit.lora.peft_dir import LoraSettings
+    from toolkit.tinymodels import make_config
 
-    hf = make_tiny_model("mixtral", tmp_path / "hf", dtype="float32")
-    spec = read_spec(json.loads((hf / "config.json").read_text()), family_named("mixtral"))
-    with pytest.raises(AdapterError, match=r"^LoRA is not supported yet for Mixture-of-Experts families \(mixtral\)"):
-        targets.resolve(family_named("mixtral"), spec, ["q_proj"])
+    family = family_named("mixtral")
+    spec = read_spec(make_config("mixtral").to_dict(), family)
+    for (modules, parameters, dropout), message in REFUSED.items():
+        with pytest.raises(AdapterError, match=message) as refused:
+            adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, dropout, modules, False, parameters))
+        assert "\n" not in str(refused.value)
+    settings = adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, 0.0, ("all-linear",), False,
+                                                                   ("down_proj", "gate_up_proj")))
+    assert settings.target_parameters == ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    assert settings.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(AdapterError, match=r"^LoRA on the experts \(peft.target_parameters\) at parallel.tp=2"):
+        experts.check_layout(2, experts.resolve(family, spec, settings.target_parameters, 0.0))
+    glm = read_spec(make_config("glm4-moe").to_dict(), family_named("glm4_moe"))
+    with pytest.raises(AdapterError, match=r"^LoRA on glm4_moe is not supported yet: its router's expert bias"):
+        adapter.resolve_settings(family_named("glm4_moe"), glm, LoraSettings(2, 4.0, 0.0, ("q_proj",)))
+    dense = read_spec(make_config("llama").to_dict(), family_named("llama"))
+    with pytest.raises(AdapterError, match=r"^peft.target_parameters \(gate_up_proj\) adapts routed experts"):
+        adapter.resolve_settings(family_named("llama"), dense, LoraSettings(2, 4.0, 0.0, ("q_proj",), False,
+                                                                            ("gate_up_proj",)))
+

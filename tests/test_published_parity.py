@@ -3,14 +3,17 @@ HF's logits in one launch of 8 processes, since process start-up dominates (the 
 with the EP ranks as data-parallel ranks): LongRoPE past and before its switch point (Phi-3,
 Phi-4-mini); MoE models with dense layers (Qwen3-MoE's first two, Qwen2-MoE's every other one);
 the multimodal Gemma 3's language model, against the wrapper's own text-only forward; GLM-4.5 with
-its guards (tests/test_family_glm4_moe.py)."""
+its guards (tests/test_family_glm4_moe.py); gpt-oss with its guards, its experts at expert TP 1
+(tests/test_family_gpt_oss.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.test_convert_parity import assert_parity
+from tests import test_family_gpt_oss as gpt_oss
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
+from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
 from tests.test_gemma3_wrapper import gemma3_wrapper  # noqa: F401
 from tests.test_longrope import longrope_hf  # noqa: F401  (fixtures)
 from tests.test_moe_dense_layers import DENSE_LAYER_VARIANTS, dense_layer_moe  # noqa: F401
@@ -22,7 +25,7 @@ FORMATS = ("torch", "torch_dist")
 
 @pytest.mark.multiprocess
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
-                                                    tmp_path):
+                                                    tiny_gpt_oss, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -30,6 +33,9 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
         ep = 2 if "moe" in src.name else 1
         pairs.append((src, hf_to_megatron(src, tmp_path / f"{src.name}-{fmt}", tp=2, pp=2, ep=ep, fmt=fmt, progress=False)))
     glm, matching = parity_pairs(tiny_glm, tmp_path)
-    reports = verify_many(pairs + glm, tp=2, pp=2, ep=2)
-    assert_parity(reports[:len(pairs) + matching])
-    assert_guards_fail(reports[len(pairs) + matching:])
+    oss, oss_matching = gpt_oss.parity_pairs(tiny_gpt_oss, tmp_path)
+    reports = verify_many(pairs + glm + oss, tp=2, pp=2, ep=2)
+    glm_reports, oss_reports = reports[len(pairs):len(pairs) + len(glm)], reports[len(pairs) + len(glm):]
+    assert_parity(reports[:len(pairs)] + glm_reports[:matching] + oss_reports[:oss_matching])
+    assert_guards_fail(glm_reports[matching:])
+    gpt_oss.assert_guards_fail(oss_reports[oss_matching:])

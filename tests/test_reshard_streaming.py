@@ -9,6 +9,7 @@ import weakref
 import pytest
 
 from toolkit.convert import hf_to_megatron, reslice, torch_format
+from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.metadata import RELEASE, CheckpointMeta
 from toolkit.layouts import Layout
 from toolkit.train.reshard import reshard_model
@@ -37,8 +38,8 @@ def test_resharded_rank_files_equal_a_direct_conversion_one_tensor_resident_at_a
         return shard
 
     monkeypatch.setattr(reslice, "reslice", tracked)
-    meta = CheckpointMeta.read(stored)
-    reshard_model(stored, tmp_path / "resharded", meta, Layout(*new[:2], meta.vocab_divisor, new[2]))
+    source = MegatronCheckpoint.open(stored)
+    reshard_model(source, tmp_path / "resharded", Layout(*new[:2], source.layout.vocab_divisor, new[2]))
     assert built, "nothing was resliced"
     assert not held, f"shards {sorted(set(held))[:5]} were still held when the next was built"
 

@@ -51,6 +51,26 @@ def test_extending_in_warmup_or_constant_schedule_simply_continues():
     assert [flat(s) for s in range(20, 100)] == [1.0] * 80
 
 
+def test_extending_a_cosine_that_decayed_to_zero_is_refused_naming_the_fix():
+    """Defect: a finished cosine with optim.min_lr=0 (the default) ends at LR 0, and `steps=N` on
+    resume went on from there: the extra steps trained at LR 0, silently."""
+    finished = LRSchedule(3e-3, 0.0, 5, 40, "cosine")
+    with pytest.raises(ToolkitError, match=r"steps=60 extends a run whose cosine schedule already decayed to "
+                                           r"optim.min_lr=0 at step 40: its 20 extra steps would train at LR 0") as caught:
+        finished.continue_as(LRSchedule(3e-3, 0.0, 5, 60, "cosine"), at_step=40, checkpoint="ckpt/step_0000040")
+    assert "model.checkpoint=ckpt/step_0000040/model" in str(caught.value) and "\n" not in str(caught.value)
+    # The legitimate resumes go on: the same steps (nothing left to train), a crash mid-schedule,
+    # an extension from mid-decay, and a finished run with a floor above 0 (it stays at min_lr).
+    LRSchedule(3e-3, 0.0, 5, 40, "cosine").continue_as(LRSchedule(3e-3, 0.0, 5, 40, "cosine"), at_step=40)
+    LRSchedule(3e-3, 0.0, 5, 40, "cosine").continue_as(LRSchedule(3e-3, 0.0, 5, 40, "cosine"), at_step=30)
+    mid = LRSchedule(3e-3, 0.0, 5, 40, "cosine")
+    mid.continue_as(LRSchedule(3e-3, 0.0, 5, 60, "cosine"), at_step=39)
+    assert mid(39) > 0
+    floor = LRSchedule(3e-3, 3e-4, 5, 40, "cosine")
+    floor.continue_as(LRSchedule(3e-3, 3e-4, 5, 60, "cosine"), at_step=40)
+    assert floor(50) == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize(
     "requested, match",
     [

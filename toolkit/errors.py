@@ -17,6 +17,11 @@ class DistributedError(ToolkitError):
     """A worker process of a multi-process run failed."""
 
 
+class ReportedByAnotherRank(ToolkitError):
+    """A failure every rank shares (a full disk under run_dir) that another rank has already said in
+    one line: this rank exits non-zero without a word, so the user reads the line once."""
+
+
 class ConfigError(ToolkitError):
     """A DeepSpeed config, a training recipe or a parallel layout cannot work as asked
     (bad arithmetic, incompatible options, unknown keys)."""
@@ -24,3 +29,7 @@ class ConfigError(ToolkitError):
 
 class AdapterError(ToolkitError):
     """A LoRA adapter cannot be built, loaded or exported as asked."""
+
+
+class ParityError(ToolkitError):
+    """`toolkit parity` cannot run as asked: input it does not read, a model that does not fit, a run that failed."""

@@ -337,14 +337,32 @@ def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], comm
     return filling.digests
 
 
-def tensor_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Global shape and dtype of every tensor in a torch_dist checkpoint."""
+class IndexedReader(FileSystemReader):
+    """A torch_dist directory whose DCP index (.metadata, which names every chunk of every tensor)
+    is read once, however many tensors and boxes are read through it: DCP's own reader reads it
+    again for every load."""
+
+    def __init__(self, directory: Path):
+        super().__init__(directory)
+        self._index = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._index is None:
+            self._index = super().read_metadata(*args, **kwargs)
+        return self._index
+
+
+def _reader(source: Path | IndexedReader) -> IndexedReader:
+    return source if isinstance(source, IndexedReader) else IndexedReader(source)
+
+
+def tensor_shapes(source: Path | IndexedReader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor in a torch_dist checkpoint (a directory, or its reader)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = FileSystemReader(directory).read_metadata()
     return {
         k: (tuple(v.size), v.properties.dtype)
-        for k, v in meta.state_dict_metadata.items()
+        for k, v in _reader(source).read_metadata().state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
 
@@ -366,9 +384,10 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the buffer is the box itself, whatever its offset
 
 
-def read_box(directory: Path, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def read_box(source: Path | IndexedReader, key: str, offsets: tuple[int, ...], shape: tuple[int, ...],
+             dtype: torch.dtype) -> torch.Tensor:
     """Part of a stored global tensor, e.g. one layer of a stacked tensor; DCP reads only the
-    chunks that overlap it."""
+    chunks that overlap it. Reading many boxes, pass one IndexedReader."""
     buffer = torch.empty(shape, dtype=dtype)
-    dcp_load({key: buffer}, storage_reader=FileSystemReader(directory), planner=_SliceLoadPlanner(key, offsets), no_dist=True)
+    dcp_load({key: buffer}, storage_reader=_reader(source), planner=_SliceLoadPlanner(key, offsets), no_dist=True)
     return buffer

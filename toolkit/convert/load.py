@@ -9,7 +9,9 @@ layer specs read the same checkpoints: torch_dist through megatron-core's sharde
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -18,29 +20,34 @@ from toolkit.convert.megatron_checkpoint import MegatronCheckpoint, resolve_iter
 from toolkit.convert.metadata import CheckpointMeta, verify_file
 from toolkit.convert.stages import TensorSource, stage_hf_names, stage_tensors
 from toolkit.errors import ConversionError
+from toolkit.families.table import BUFFERS
 from toolkit.layouts import Layout
 
 
-def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True) -> CheckpointMeta:
+def load_converted(model, checkpoint_dir: str | Path, check_sums: bool = True,
+                   meta: CheckpointMeta | None = None) -> CheckpointMeta:
     """Load the checkpoint at `checkpoint_dir` into `model` (parallel_state must be initialised), or
     into each of a list of model chunks (virtual pipeline stages, each with its `vp_stage`).
+    `meta`: its metadata, when the caller has read and checked it already (a training run has).
 
     `check_sums=False` is for `verify`, which reports mismatching files itself and still
     compares the logits (to name the first divergent layer).
     """
     root = Path(checkpoint_dir)
-    meta = CheckpointMeta.read(root)
+    meta = meta or CheckpointMeta.read(root)
     shards = resolve_iteration_dir(root)
     chunks = model if isinstance(model, list) else [model]
     if meta.format == "torch_dist":
         load_dist(chunks, shards)  # one collective read for every chunk: megatron-core checks the coverage
         return meta
+    opened = functools.cache(functools.partial(MegatronCheckpoint.open, root))  # another layout: once for every chunk
     for chunk in chunks:
-        _load_rank_files(chunk, root, meta, shards, check_sums)
+        _load_rank_files(chunk, root, meta, shards, check_sums, opened)
     return meta
 
 
-def _load_rank_files(model, root: Path, meta: CheckpointMeta, shards: Path, check_sums: bool) -> None:
+def _load_rank_files(model, root: Path, meta: CheckpointMeta, shards: Path, check_sums: bool,
+                     opened: Callable[[], MegatronCheckpoint]) -> None:
     from megatron.core import parallel_state as ps
     # A dense model has no expert ranks: EP ranks, if any, are data-parallel ones holding the same files
     moe = meta.model_spec.is_moe
@@ -53,7 +60,7 @@ def _load_rank_files(model, root: Path, meta: CheckpointMeta, shards: Path, chec
             verify_file(root, path, meta.checksums)  # before unpickling anything from it
         state = torch_format.model_entry(torch_format.load_trusted_types(path), path)
     else:
-        state = dict(_reshard(root, Layout(tp, pp, meta.vocab_divisor, ep), *ranks))
+        state = dict(_reshard(opened(), Layout(tp, pp, meta.vocab_divisor, ep), *ranks))
     load_state_by_name(model, state)
 
 
@@ -69,10 +76,9 @@ def pipeline_stage(model) -> tuple[int, int]:
     return pp * ps.get_virtual_pipeline_model_parallel_world_size(), vp_stage * pp + rank
 
 
-def _reshard(root: Path, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int):
+def _reshard(ckpt: MegatronCheckpoint, layout: Layout, tp_rank: int, pp_rank: int, ep_rank: int):
     """This rank's shard of a per-rank checkpoint written for another layout: merge the HF
     tensors this stage (and EP rank) needs from the stored shards, then split them for the new layout."""
-    ckpt = MegatronCheckpoint.open(root)
     wanted = stage_hf_names(ckpt.family, ckpt.spec, layout, pp_rank, ep_rank)
     source = TensorSource(dict(ckpt.hf_tensors(wanted)))
     return stage_tensors(source, ckpt.family, ckpt.spec, layout, tp_rank, pp_rank, ep_rank=ep_rank)
@@ -84,8 +90,9 @@ def load_state_by_name(model, state: dict) -> None:
     target_spec = naming.detect_layer_spec(names)
     moe = naming.router_layers(names)
     dtype = next(model.parameters()).dtype
-    renamed = {
-        naming.to_spec_name(naming.to_canonical(k), target_spec, naming.split_layer(k)[0] in moe): v.to(dtype)
+    renamed = {  # the float32 expert bias as stored: megatron-core keeps it in float32 (router.py)
+        naming.to_spec_name(naming.to_canonical(k), target_spec, naming.split_layer(k)[0] in moe):
+            v if k.endswith(BUFFERS) else v.to(dtype)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }

@@ -18,7 +18,7 @@ import torch
 from toolkit.convert import consistency, dist_format, torch_format
 from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import TOKENIZER_FILES, read_config
-from toolkit.convert.jsonfile import read_json_object, read_utf8
+from toolkit.convert.jsonfile import parse_json_object, read_file_bytes, read_utf8
 from toolkit.convert.stages import row_instances
 from toolkit.convert.metadata import (
     HF_DIR,
@@ -76,6 +76,8 @@ class MegatronCheckpoint:
     tokenizer_files: list[Path]
     meta: CheckpointMeta | None
     verified: set = field(default_factory=set, repr=False, compare=False)  # files whose checksum was checked
+    # torch_dist: DCP's index of the shards, read once for every tensor (toolkit.convert.dist_format)
+    dist_reader: dist_format.IndexedReader | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def open(cls, root: str | Path, hf_config: str | Path | None = None) -> "MegatronCheckpoint":
@@ -94,7 +96,8 @@ class MegatronCheckpoint:
         meta = CheckpointMeta.read(root)
         spec = meta.model_spec
         config_path = root / HF_DIR / "config.json"
-        family, config_spec = checked_spec(read_json_object(config_path), config_path)
+        config_bytes = read_file_bytes(config_path)  # read once: checked here, copied as they are by an export
+        family, config_spec = checked_spec(parse_json_object(config_bytes, config_path), config_path)
         consistency.check_spec_matches_config(spec, config_spec, root / META_FILE, config_path)
         if meta.vocab_size != spec.vocab_size:
             raise ConversionError(f"{root / META_FILE} says vocab_size={meta.vocab_size} but its spec says "
@@ -106,7 +109,7 @@ class MegatronCheckpoint:
             consistency.check_rank_layout(found, meta.layout, shards)
         meta.layout.check(spec)
         tokenizer = sorted(p for p in (root / HF_DIR).iterdir() if p.name != "config.json" and p.is_file())
-        return cls(root, shards, meta.format, family, spec, meta.layout, config_path.read_bytes(), tokenizer, meta)
+        return cls(root, shards, meta.format, family, spec, meta.layout, config_bytes, tokenizer, meta)
 
     @classmethod
     def _megatron_lm(cls, root: Path, shards: Path, hf_config: str | Path | None) -> "MegatronCheckpoint":
@@ -120,18 +123,23 @@ class MegatronCheckpoint:
             raise ConversionError(f"--hf-config {hf_config} does not exist")
         config_dir = hf_config if hf_config.is_dir() else hf_config.parent
         config_path = config_dir / "config.json" if hf_config.is_dir() else hf_config
-        cfg = read_json_object(config_path) if config_path.is_file() else read_config(config_dir)
+        if config_path.is_file():
+            config_bytes = read_file_bytes(config_path)
+            cfg = parse_json_object(config_bytes, config_path)
+        else:
+            cfg = read_config(config_dir)
+            config_bytes = config_path.read_bytes()
         family, spec = checked_spec(cfg, config_path)
         tokenizer = [config_dir / n for n in TOKENIZER_FILES if (config_dir / n).is_file()] if hf_config.is_dir() else []
         if (shards / "metadata.json").is_file():  # torch_dist: global tensors, written at any layout
-            layout = Layout(1, 1, _stored_vocab_rows(shards))  # the padded vocabulary as stored
-            return cls(root, shards, "torch_dist", family, spec, layout, config_path.read_bytes(), tokenizer, None)
+            reader = dist_format.IndexedReader(shards)
+            layout = Layout(1, 1, _stored_vocab_rows(reader, shards))  # the padded vocabulary as stored
+            return cls(root, shards, "torch_dist", family, spec, layout, config_bytes, tokenizer, None, dist_reader=reader)
         args = torch_format.stored_args(shards)
         tp, pp, ep = torch_format.discover_layout(shards, second_is_expert=_expert_parallel_at_pp1(args))
         # Megatron-LM pads the vocab to a multiple of make_vocab_size_divisible_by x TP (arguments.py)
         divisor = getattr(args, "make_vocab_size_divisible_by", None) or 1
-        return cls(root, shards, "torch", family, spec, Layout(tp, pp, divisor, ep), config_path.read_bytes(), tokenizer,
-                   None)
+        return cls(root, shards, "torch", family, spec, Layout(tp, pp, divisor, ep), config_bytes, tokenizer, None)
 
     def hf_tensors(self, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor of the HF model (or only `wanted` ones), one at a time."""
@@ -185,7 +193,9 @@ class MegatronCheckpoint:
         geo = self.layout.geometry(self.spec)
         for path in sorted(p for p in self.shards.rglob("*") if p.is_file()):
             self._verified(path)  # DCP reads pieces of every file: check them all first
-        stored = _model_tensors(dist_format.tensor_shapes(self.shards))
+        if self.dist_reader is None:
+            self.dist_reader = dist_format.IndexedReader(self.shards)
+        stored = _model_tensors(dist_format.tensor_shapes(self.dist_reader))
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
         stacked = dist_format.stacks_layers(self.spec.moe_layers)
@@ -200,7 +210,7 @@ class MegatronCheckpoint:
                 shape, dtype = stored[key]
                 # the stacked (layer, expert) dims
                 index = [i for i in (layer if stacked else None, expert) if i is not None]
-                box = dist_format.read_box(self.shards, key, (*index, *(0,) * (len(shape) - len(index))),
+                box = dist_format.read_box(self.dist_reader, key, (*index, *(0,) * (len(shape) - len(index))),
                                            (*(1,) * len(index), *shape[len(index):]), dtype)
                 yield from zip(names, merge_shards(row.split, [box.reshape(shape[len(index):])], geo))
 
@@ -209,8 +219,8 @@ def _model_tensors(stored: dict) -> dict:
     return {k: v for k, v in stored.items() if not k.startswith(OPTIMIZER_PREFIX)}
 
 
-def _stored_vocab_rows(shards: Path) -> int:
-    stored = dist_format.tensor_shapes(shards)
+def _stored_vocab_rows(reader: dist_format.IndexedReader, shards: Path) -> int:
+    stored = dist_format.tensor_shapes(reader)
     for key in VOCAB_KEYS:
         if key in stored:
             return stored[key][0][0]

@@ -124,7 +124,7 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
     """Runs on every rank: load each checkpoint at TP x PP (x EP) and compare with its HF reference."""
     from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model
-    from toolkit.runtime.distributed import init_parallel
+    from toolkit.runtime.distributed import init_parallel, reinit_expert_tp
 
     info = init_parallel(tp, pp, ep=ep)
     stages = stages or Stages("verify", VERIFY_STAGES, enabled=False)
@@ -134,9 +134,11 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
         meta = CheckpointMeta.read(Path(job["checkpoint"]))
         dtype = getattr(torch, job["dtype"])
         spec = meta.model_spec
+        if spec.is_moe:  # experts with biases run at expert TP 1 (ModelSpec.expert_tp): their own groups
+            info = reinit_expert_tp(info, spec.expert_tp(tp), tp, pp, ep)
         ref = torch.load(job["reference"], weights_only=True)
         model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor, ep if spec.is_moe else 1), dtype).eval()
-        load_converted(model, job["checkpoint"], check_sums=False)  # verify_many reports bad sums itself
+        load_converted(model, job["checkpoint"], check_sums=False, meta=meta)  # verify_many reports bad sums itself
         stages(4, f"forward of {tuple(ref['tokens'].shape)} tokens through {pp} pipeline stage(s)", info.rank)
         logits, outputs = _stage_forward(model, ref["tokens"], spec, dtype)
         first_layer = info.pp_rank * (spec.num_layers // pp)
@@ -165,8 +167,10 @@ def _checked_inputs(hf_dir: str | Path, megatron_dir: str | Path) -> CheckpointM
 
     src = open_hf(hf_dir)
     checked_spec(src.config, src.dir / "config.json", src.tensors)
-    MegatronCheckpoint.open(megatron_dir)
-    return CheckpointMeta.read(Path(megatron_dir))
+    ckpt = MegatronCheckpoint.open(megatron_dir)
+    if ckpt.root != Path(megatron_dir):  # a run or step directory, which export takes: verify wants the model itself
+        return CheckpointMeta.read(Path(megatron_dir))  # its one line: no toolkit_checkpoint.json there
+    return ckpt.meta
 
 
 def verify_many(

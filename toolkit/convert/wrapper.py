@@ -81,12 +81,22 @@ class LanguageModelView:
 
 
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:
-    """An HF checkpoint directory as the converter reads it: a wrapper as its language model."""
+    """An HF checkpoint directory as the converter reads it: a wrapper as its language model, a
+    model with fused experts per expert (toolkit/convert/fused_experts.py)."""
     from toolkit.convert.hf_source import HFCheckpoint
+
+    from toolkit.convert.fused_experts import fused_view
+    from toolkit.families import family_for
 
     src = HFCheckpoint(directory)
     wrapper = wrapper_for(src.config)
-    return LanguageModelView(src, wrapper) if wrapper else src
+    if wrapper:
+        return LanguageModelView(src, wrapper)
+    try:  # experts stored fused (gpt-oss) are read one expert at a time
+        fused = family_for(src.config.get("model_type")).fused_experts
+    except ConversionError:
+        return src  # an unknown model_type: refused later, by the reader of its config
+    return fused_view(src, fused)
 
 
 def open_wrapper(directory) -> LanguageModelView:

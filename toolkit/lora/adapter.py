@@ -16,7 +16,7 @@ import torch
 
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
-from toolkit.lora import peft_dir, targets
+from toolkit.lora import experts, peft_dir, targets
 from toolkit.lora.layers import ColumnParallelLora, RowParallelLora
 from toolkit.lora.peft_dir import LoraSettings, peft_key
 from toolkit.lora.shards import placements
@@ -32,6 +32,7 @@ class Piece:
     axis: int
     index: torch.Tensor
     param: torch.nn.Parameter | None = None
+    expert: bool = False  # a routed expert's: held by one EP rank, replicated over its expert-DP group
 
     def take(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.index_select(self.axis, self.index).clone()
@@ -60,13 +61,16 @@ class Adapter:
 
 
 def save_adapter(adapter: Adapter, out) -> None:
-    """Collective: every rank's pieces (one DP replica's) to rank 0, which writes the PEFT directory."""
+    """Collective: every rank's pieces (one DP replica's) to rank 0, which writes the PEFT directory.
+    Under expert parallelism DP rank 0 holds one EP rank's experts only: an expert's pieces come
+    from expert-DP rank 0 of each EP rank instead."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    local = adapter.local_pieces()
+    replica = {False: ps.get_data_parallel_rank() == 0, True: ps.get_expert_data_parallel_rank() == 0}
+    local = [values for piece, values in zip(adapter.pieces, adapter.local_pieces()) if replica[piece.expert]]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local if ps.get_data_parallel_rank() == 0 else [])
+    dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
         whole = assemble(piece for pieces in gathered for piece in pieces)
         peft_dir.write(out, whole, adapter.settings, adapter.base, adapter.base_name)
@@ -92,13 +96,13 @@ def peft_init(key: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     return weight
 
 
-def expected_shapes(linears, spec: ModelSpec, r: int) -> dict[str, tuple[int, int]]:
+def expected_shapes(linears, spec: ModelSpec, r: int, expert_targets=()) -> dict[str, tuple[int, int]]:
     """Every PEFT key (and its whole shape) an adapter for these targets holds."""
-    shapes = {}
+    shapes = experts.expected_shapes(list(expert_targets), spec, r)
     for linear in linears:
         for t in linear.parts:
             if t.name in linear.chosen:
-                for layer in range(spec.num_layers):
+                for layer in linear.layers(spec):
                     shapes[peft_key(t.module_at(layer), "A")] = (r, t.in_features)
                     shapes[peft_key(t.module_at(layer), "B")] = (t.out_features, r)
     return shapes
@@ -147,24 +151,31 @@ def apply_lora(model, family: Family, spec: ModelSpec, layout: Layout, tp_rank: 
                base_name: str | None = None) -> Adapter:
     """Freeze every base weight and wrap the targeted linears of this rank's layers; LoRA weights
     come from `initial` (whole PEFT tensors) or PEFT's initialisation."""
-    linears = targets.resolve(family, spec, list(settings.target_modules))
+    linears, expert_targets = resolve_targets(family, spec, settings)
+    experts.check_layout(layout.tp, expert_targets)
     for param in model.parameters():
         param.requires_grad_(False)
     dtype = next(model.parameters()).dtype
     adapter = Adapter(settings, base, base_name)
+
+    def values(piece: Piece) -> torch.Tensor:
+        whole = initial[piece.key] if initial is not None else peft_init(piece.key, piece.shape, seed)
+        return piece.take(whole).to(dtype)
+
     for local, layer in enumerate(layout.stage_layers(spec, pp_rank)):
+        if expert_targets and layer in experts.moe_layers(spec):
+            _wrap_experts(model.decoder.layers[local].mlp.experts, expert_targets, layer, spec, settings, values, adapter)
         for linear in linears:
+            if layer not in linear.layers(spec):
+                continue
             found = _layer_pieces(linear, layer, spec, layout, tp_rank, settings.r)
-            values = {}
-            for name, (a, b, _) in found.items():
-                values[name] = [(p.take(initial[p.key]) if initial is not None else p.take(peft_init(p.key, p.shape, seed)))
-                                .to(dtype) for p in (a, b)]
+            taken = {name: (values(a), values(b)) for name, (a, b, _) in found.items()}
             parent, attr = _submodule_parent(model.decoder.layers[local], linear.module)
             if hasattr(getattr(parent, attr), "layer_norm_weight"):  # TE's TELayerNormColumnParallelLinear
                 raise AdapterError(f"{linear.module} has its input norm fused into it (the Transformer Engine spec): "
                                    "LoRA needs the local spec, where the adapter sees the normalised input")
-            a_vals = {n: v[0] for n, v in values.items()}
-            b_vals = {n: v[1] for n, v in values.items()}
+            a_vals = {n: v[0] for n, v in taken.items()}
+            b_vals = {n: v[1] for n, v in taken.items()}
             if linear.parallel == targets.ROW:
                 wrapper = RowParallelLora(getattr(parent, attr), a_vals, b_vals, settings.scaling, settings.dropout)
             else:
@@ -178,18 +189,59 @@ def apply_lora(model, family: Family, spec: ModelSpec, layout: Layout, tp_rank: 
     return adapter
 
 
+def _wrap_experts(module, expert_targets, layer: int, spec: ModelSpec, settings: LoraSettings, values,
+                  adapter: Adapter) -> None:
+    """Wrap each local expert's linears of one MoE layer (megatron-core's SequentialMLP) with its
+    expert's slice of the fused PEFT tensors (toolkit.lora.experts). The LoRA weights are tagged
+    as expert parameters (allreduce=False), so that DeepSpeed reduces them over expert-DP only."""
+    from megatron.core import parallel_state as ps
+
+    r, count = settings.r, spec.num_experts
+    local_experts = module.local_experts
+    first = ps.get_expert_model_parallel_rank() * len(local_experts)
+    for index, expert_module in enumerate(local_experts):
+        rows, cols = experts.expert_rows(first + index, count, r)
+        for t in expert_targets:
+            a = Piece(t.key(layer, "A"), (count * r, t.in_features), 0, rows, expert=True)
+            b = Piece(t.key(layer, "B"), (t.out_features, count * r), 1, cols, expert=True)
+            base = getattr(expert_module, t.linear)
+            if t.parallel == targets.ROW:
+                wrapper = RowParallelLora(base, {t.name: values(a)}, {t.name: values(b)}, settings.scaling, 0.0)
+            else:
+                wrapper = ColumnParallelLora(base, {t.name: values(a)}, {t.name: values(b)},
+                                             {t.name: torch.arange(t.out_features)}, settings.scaling, 0.0)
+            setattr(expert_module, t.linear, wrapper)
+            a.param, b.param = wrapper.lora_A[t.name], wrapper.lora_B[t.name]
+            for piece in (a, b):
+                piece.param.allreduce = False  # megatron-core's tag on expert parameters
+            adapter.pieces += [a, b]
+
+
+def resolve_targets(family: Family, spec: ModelSpec, settings: LoraSettings):
+    """(dense linears, routed expert targets) of the settings."""
+    if spec.moe_expert_bias:
+        raise AdapterError(f"LoRA on {family.name} is not supported yet: its router's expert bias (aux-loss-free "
+                           "balancing) has not been proven to stay as the base model's while the adapter trains")
+    expert_targets = experts.resolve(family, spec, settings.target_parameters, settings.dropout)
+    return targets.resolve(family, spec, list(settings.target_modules), allow_none=bool(expert_targets)), expert_targets
+
+
 def resolve_settings(family: Family, spec: ModelSpec, settings: LoraSettings) -> LoraSettings:
     """Refuse unknown target names and an r out of range, before any process starts; returns the
     settings with the target names spelled out (`all-linear` as the family's names, which is what
     adapter_config.json must list for PEFT to find the modules)."""
-    linears = targets.resolve(family, spec, list(settings.target_modules))
+    linears, expert_targets = resolve_targets(family, spec, settings)
     targets.check_rank(settings.r, linears)
-    return dataclasses.replace(settings, target_modules=tuple(n for linear in linears for n in linear.chosen))
+    smallest = min((min(t.in_features, t.out_features) for t in expert_targets), default=settings.r)
+    if settings.r <= 0 or settings.r > smallest:
+        raise AdapterError(f"LoRA r={settings.r} must be between 1 and {smallest} (the smallest dimension of the experts)")
+    return dataclasses.replace(settings, target_modules=tuple(n for linear in linears for n in linear.chosen),
+                               target_parameters=tuple(experts.config_names(expert_targets)))
 
 
 def read_initial(adapter_dir, family: Family, spec: ModelSpec, settings: LoraSettings) -> dict[str, torch.Tensor]:
     """An HF PEFT adapter's whole tensors, checked against the model and the settings."""
     tensors = peft_dir.read_tensors(adapter_dir)
-    linears = targets.resolve(family, spec, list(settings.target_modules))
-    check_tensors(tensors, expected_shapes(linears, spec, settings.r), adapter_dir)
+    linears, expert_targets = resolve_targets(family, spec, settings)
+    check_tensors(tensors, expected_shapes(linears, spec, settings.r, expert_targets), adapter_dir)
     return tensors

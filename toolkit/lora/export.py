@@ -16,7 +16,7 @@ import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.errors import AdapterError
-from toolkit.lora import peft_dir
+from toolkit.lora import experts, peft_dir
 
 ADAPTER_SUBDIR = "adapter"  # where a LoRA run's checkpoint keeps it (toolkit.train.checkpoint)
 
@@ -30,12 +30,25 @@ def adapter_in(step_dir: Path) -> Path:
     return adapter_dir
 
 
-def merger(adapter_dir: Path):
-    """transform(hf_name, tensor) for megatron_to_hf: W + scaling * B @ A in fp32 on adapted weights."""
+def merger(adapter_dir: Path, base: Path):
+    """transform(hf_name, tensor) for megatron_to_hf: W + scaling * B @ A in fp32 on adapted weights;
+    on a routed expert's weight its expert's rows of the fused delta (toolkit.lora.experts)."""
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.families import family_named
+
     settings = peft_dir.read_settings(adapter_dir)
     tensors = peft_dir.read_tensors(adapter_dir)
+    spec = CheckpointMeta.read(base).model_spec
+    family = family_named(spec.family)
+    expert_slices = experts.merge_slices(family, spec, experts.resolve(family, spec, settings.target_parameters,
+                                                                       settings.dropout))
 
     def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in expert_slices:
+            target, layer, expert, rows = expert_slices[name]
+            delta = experts.merge_delta(tensors[target.key(layer, "A")], tensors[target.key(layer, "B")], expert,
+                                        spec.num_experts, settings.r, settings.scaling)
+            return tensor.float() + delta[rows]
         module = name.removesuffix(".weight")
         a = tensors.get(peft_dir.peft_key(module, "A"))
         if a is None or not name.endswith(".weight"):
@@ -59,4 +72,4 @@ def export_adapter(step_dir: str | os.PathLike, out_dir: str | os.PathLike, *, m
 
     base = Path(json.loads((adapter_dir / peft_dir.BASE).read_text())["checkpoint"])
     peft_dir.check_base(adapter_dir, base)
-    return megatron_to_hf(base, out_dir, overwrite=overwrite, progress=progress, transform=merger(adapter_dir))
+    return megatron_to_hf(base, out_dir, overwrite=overwrite, progress=progress, transform=merger(adapter_dir, base))

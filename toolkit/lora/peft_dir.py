@@ -2,6 +2,7 @@
 
     adapter_config.json          peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path, ...
     adapter_model.safetensors    base_model.model.<HF module>.lora_A.weight / .lora_B.weight
+                                 (and the fused experts' target_parameters: toolkit.lora.experts)
     toolkit_base.json            ours: the megatron base checkpoint the adapter was trained on, and its checksum
 """
 
@@ -31,6 +32,8 @@ class LoraSettings:
     dropout: float
     target_modules: tuple[str, ...]
     use_rslora: bool = False
+    # PEFT's target_parameters: the fused expert weights adapted (toolkit.lora.experts)
+    target_parameters: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -75,7 +78,7 @@ def read_settings(adapter_dir: Path) -> LoraSettings:
     # is then refused when its tensors are checked against every layer's.
     modules = sorted({m.rsplit(".", 1)[-1] for m in modules})
     return LoraSettings(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), tuple(modules),
-                        bool(cfg.get("use_rslora", False)))
+                        bool(cfg.get("use_rslora", False)), tuple(cfg.get("target_parameters") or ()))
 
 
 def read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
@@ -102,6 +105,8 @@ def write(out: Path, tensors: dict[str, torch.Tensor], settings: LoraSettings, b
         "inference_mode": True,
         "init_lora_weights": True,
     }
+    if settings.target_parameters:
+        config["target_parameters"] = list(settings.target_parameters)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / WEIGHTS), metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     (out / BASE).write_text(json.dumps(base, indent=2) + "\n")

@@ -34,6 +34,12 @@ class Target:
         return self.hf_module.replace("*", str(layer))
 
 
+def router_names(family: Family) -> set[str]:
+    """PEFT names of a Mixture-of-Experts router (`gate`), which LoRA does not adapt."""
+    return {name.removesuffix(".weight").rsplit(".", 1)[-1] for row in family.rows
+            if row.megatron.endswith("mlp.router.weight") for name in row.hf}
+
+
 @dataclass(frozen=True)
 class LinearTargets:
     """A megatron-core linear and the PEFT targets LoRA adapts inside it."""
@@ -48,11 +54,17 @@ class LinearTargets:
         """The megatron-core module path inside a layer: self_attention.linear_qkv."""
         return self.row.megatron.removeprefix("decoder.layers.*.").removesuffix(".weight")
 
+    def layers(self, spec: ModelSpec) -> list[int]:
+        """The layers holding this linear: a dense MLP only on the dense layers of a model that
+        mixes them with Mixture-of-Experts layers, a shared expert only on the MoE ones."""
+        return [layer for layer in range(spec.num_layers) if self.row.on_layer(layer, spec.moe_layers)]
+
 
 def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
     linears = []
     for row in family.rows_for(spec):
-        if not (row.per_layer and row.megatron.endswith(".weight")):
+        # routed experts are PEFT target_parameters of the fused HF expert weights (toolkit.lora.experts)
+        if not (row.per_layer and row.megatron.endswith(".weight")) or row.per_expert:
             continue
         if row.split is Split.ROW:
             parallel = ROW
@@ -73,18 +85,19 @@ def available(family: Family, spec: ModelSpec) -> list[str]:
     return [t.name for linear in linear_rows(family, spec) for t in linear.parts]
 
 
-def resolve(family: Family, spec: ModelSpec, target_modules: list[str]) -> list[LinearTargets]:
+def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_none: bool = False) -> list[LinearTargets]:
     """The linears to wrap and their chosen parts; refuses a name the family does not have."""
-    if spec.is_moe:
-        raise AdapterError(f"LoRA is not supported yet for Mixture-of-Experts families ({family.name}): the experts "
-                           "have no LoRA layer, and adapters have not been proven on the MoE trainer path")
     names = available(family, spec)
     wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
+    router = sorted(wanted & router_names(family))
+    if router:
+        raise AdapterError(f"LoRA on the Mixture-of-Experts router ({router[0]}) is not supported: the router is "
+                           "kept frozen so that routing stays the base model's; leave it out of peft.target_modules")
     unknown = sorted(wanted - set(names))
     if unknown:
         raise AdapterError(f"target module(s) {', '.join(unknown)} not in the {family.name} family "
                            f"(it has: {', '.join(names)}, or {ALL_LINEAR})")
-    if not wanted:
+    if not wanted and not allow_none:
         raise AdapterError("no target modules given")
     chosen = []
     for linear in linear_rows(family, spec):
@@ -97,6 +110,8 @@ def resolve(family: Family, spec: ModelSpec, target_modules: list[str]) -> list[
 def check_rank(r: int, linears: list[LinearTargets]) -> None:
     """r must be positive and no larger than the smallest dimension of any adapted module."""
     targets = [t for linear in linears for t in linear.parts if t.name in linear.chosen]
+    if not targets:
+        return
     smallest = min(min(t.in_features, t.out_features) for t in targets)
     if r <= 0 or r > smallest:
         name = min(targets, key=lambda t: min(t.in_features, t.out_features)).name

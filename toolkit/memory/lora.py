@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from toolkit.errors import ConfigError
 from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.lora import targets
@@ -33,6 +34,8 @@ class LoraShape:
 
     def linears(self, spec: ModelSpec) -> list[targets.LinearTargets]:
         """The adapted linears; refuses a name the family lacks and an r out of range."""
+        if spec.is_moe:  # the experts' adapters and the layer kinds are not counted here yet
+            raise ConfigError(f"the memory of LoRA on a Mixture-of-Experts model ({spec.family}) is not estimated yet")
         linears = targets.resolve(family_named(spec.family), spec, list(self.target_modules))
         targets.check_rank(self.r, linears)
         return linears

@@ -31,6 +31,7 @@ A checkpoint is written under .step_0000010.partial and renamed only after every
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -45,7 +46,8 @@ import torch.distributed as dist
 from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
-from toolkit.errors import ToolkitError
+from toolkit.errors import ReportedByAnotherRank, ToolkitError
+from toolkit.families.table import BUFFERS
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
@@ -54,7 +56,7 @@ from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
 # Layout keys that checkpoints of earlier versions (or of runs without the feature) lack.
-LAYOUT_DEFAULTS = {"vpp": 1}
+LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1}
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
@@ -68,6 +70,8 @@ class CheckpointError(ToolkitError):
 # After a failed write, less free space than this on the run's filesystem means it failed because
 # the disk is full (torch.save reports "file write failed" without the errno).
 DISK_FULL_BYTES = 1 << 20
+# Beside a step's partial save: a rank has said that the disk filled during it (toolkit.train.checkpoint.save).
+DISK_FULL_NOTE = ".disk_full"
 
 
 def step_name(step: int) -> str:
@@ -126,6 +130,9 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
         local_experts = meta.model_spec.num_experts // ep
         for _, stage, chunk in written:
             weights = {naming.to_canonical(name): masters[param] for name, param in chunk.named_parameters()}
+            # the expert bias is a buffer, not a parameter: as the model holds it, in float32 as megatron-core keeps it
+            weights.update({naming.to_canonical(name): buffer.detach().to("cpu", torch.float32)
+                            for name, buffer in chunk.named_buffers() if name.endswith(BUFFERS)})
             path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
                                           stage, ps.get_expert_model_parallel_rank())
             digests.append((str(path.relative_to(step_dir / "model")),
@@ -150,10 +157,13 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_name(step)
     tmp = root / f".{step_name(step)}.partial"
+    reported = root / f".{step_name(step)}{DISK_FULL_NOTE}"
     try:
         if dist.get_rank() == 0:
             fault_point("checkpoint-start")  # tests: fill the disk while the run waits here
             shutil.rmtree(tmp, ignore_errors=True)
+            for note in root.glob(f".*{DISK_FULL_NOTE}"):  # an earlier run's, told and done with
+                note.unlink(missing_ok=True)
             (tmp / "ranks").mkdir(parents=True)
         dist.barrier()
         lora = adapter is not None
@@ -185,10 +195,28 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
             _prune(root, keep_last, step)
     except Exception as e:  # noqa: BLE001 - any writer's failure on a full disk is the same story
         if not _disk_full(e, root):
+            if reported.exists():  # a collective broke because the rank that hit the full disk has left
+                raise ReportedByAnotherRank(f"{final.name}: the disk is full") from None
             raise
-        raise _disk_full_error(root, tmp, final) from None
+        error = _disk_full_error(root, tmp, final)  # removes the partial save, which frees room for the note
+        if not _first_to_report(reported):
+            raise ReportedByAnotherRank(f"{final.name}: the disk is full") from None
+        raise error from None
     dist.barrier()
     return final
+
+
+def _first_to_report(note: Path) -> bool:
+    """Several ranks may hit the full disk, and the others then fail in a collective that rank left:
+    the first to create `note` on the shared checkpoint directory says the one line (the note
+    outlives it, so that the ranks whose collective breaks when it exits know to stay silent)."""
+    try:
+        os.close(os.open(note, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no room even for the note: better a line from each rank than none
+        return True
 
 
 def _disk_full(error: BaseException, root: Path) -> bool:
@@ -204,7 +232,16 @@ def _disk_full(error: BaseException, root: Path) -> bool:
 
 
 def _bytes_under(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
+    """What the files under `path` hold; files another rank removes meanwhile (each rank that hits a
+    full disk removes the partial save) count as gone."""
+    total = 0
+    try:
+        for f in Path(path).rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                total += f.stat().st_size if f.is_file() else 0
+    except FileNotFoundError:
+        pass
+    return total
 
 
 def _disk_full_error(root: Path, tmp: Path, final: Path) -> CheckpointError:
@@ -348,7 +385,8 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
         _check_same_model(path, meta)
     saved = {k: state.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
-    same_layout = saved == layout
+    # cp is in a layout only when > 1: a CP checkpoint resumed without CP (or with another) is another layout
+    same_layout = saved == layout and state.get("cp", 1) == layout.get("cp", 1)
     if not same_layout:
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "
@@ -365,7 +403,7 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         raise CheckpointError(f"{path} was trained with global_batch {state['global_batch']}, this run asks for "
                               f"{global_batch}: a resumed run keeps its global batch (set global_batch={state['global_batch']})")
     if "lr_schedule" in state:  # checkpoints of earlier versions carry none: the config's is used
-        LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step)
+        LRSchedule.from_state(state["lr_schedule"]).continue_as(requested_schedule, step, checkpoint=path)
     return same_layout
 
 
@@ -403,7 +441,7 @@ def resume(path: Path, engine, source, schedule, requested_schedule, shards, sam
         _resume_from_train_state(path, state, engine, source, schedule, shards, same_layout)
     else:  # a LoRA checkpoint, or one of an earlier version: DeepSpeed's files, on their own layout
         _resume_deepspeed(path, engine, source, lora)
-    schedule.continue_as(requested_schedule, step)
+    schedule.continue_as(requested_schedule, step, checkpoint=path)
     return step
 
 

@@ -53,7 +53,7 @@ def describe(path: Path) -> dict:
     state = json.loads((step_dir / "train_state.json").read_text())
     meta = CheckpointMeta.read(step_dir / "model")
     train_dir = step_dir / elastic.STATE_DIR
-    elastic.check_files(train_dir)
+    train = elastic.check_files(train_dir)  # its index, read once for the check and the shapes
     samples, seq_len = state.get("consumed_samples"), state.get("seq_len")
     return {
         "checkpoint": str(step_dir),
@@ -65,7 +65,7 @@ def describe(path: Path) -> dict:
         "model": {k: meta.spec.get(k) for k in ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                                "vocab_size")},
         "tensors": {k: [list(shape), str(dtype).removeprefix("torch.")]
-                    for k, (shape, dtype) in tensor_shapes(train_dir).items()},
+                    for k, (shape, dtype) in tensor_shapes(train).items()},
         "resumable": resumable_layouts(meta, state.get("global_batch")),
     }
 

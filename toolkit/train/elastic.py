@@ -35,11 +35,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from toolkit.errors import ToolkitError
+
+if TYPE_CHECKING:
+    from toolkit.convert.dist_format import IndexedReader
 
 STATE_DIR = "train"
 # (name in the checkpoint, DeepSpeed's optimizer-state key; None = the fp32 master weight)
@@ -206,14 +210,16 @@ def _set_zero3(param, local: torch.Tensor, key) -> None:
         safe_set_local_optimizer_state(param, local, key)
 
 
-def check_files(directory: Path) -> None:
+def check_files(directory: Path) -> IndexedReader:
     """Before any process starts: the index and every byte range it points to are on disk, so a
-    missing or truncated shard is one line, not a hang or a half-loaded model."""
-    from torch.distributed.checkpoint import FileSystemReader
+    missing or truncated shard is one line, not a hang or a half-loaded model. Returns the checked
+    directory's reader (toolkit.convert.dist_format.IndexedReader), its index read once."""
+    from toolkit.convert.dist_format import IndexedReader
 
     directory = Path(directory)
     try:
-        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+        reader = IndexedReader(directory)
+        storage = reader.read_metadata().storage_data
     except (OSError, ValueError, EOFError, RuntimeError) as e:
         raise ElasticStateError(f"{directory} has no readable torch_dist index ({type(e).__name__}): "
                                 "incomplete checkpoint") from None
@@ -226,3 +232,4 @@ def check_files(directory: Path) -> None:
             raise ElasticStateError(f"{path} is missing: the checkpoint is incomplete")
         if path.stat().st_size < size:
             raise ElasticStateError(f"{path} is truncated ({path.stat().st_size} of at least {size} bytes)")
+    return reader

@@ -43,14 +43,15 @@ def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bo
     checkpoint's). Everything is checked before anything is written."""
     step_dir = resolve(Path(source))
     state = checkpoint._train_state(step_dir)
-    meta = _checked_source(step_dir, state)
+    model = _checked_source(step_dir, state)  # opened and validated once, passed along
+    meta = model.meta
     layout = Layout(tp, pp, meta.vocab_divisor, meta.ep if ep is None else ep)
     layout.check(meta.model_spec)  # TP dividing the heads, PP the layers: one line otherwise
     refuse_output_overlapping_inputs(out, step_dir)
     with atomic_directory(out, overwrite=overwrite) as tmp:
         target = tmp / checkpoint.CHECKPOINTS / step_dir.name
         _copy_files(step_dir / elastic.STATE_DIR, target / elastic.STATE_DIR)
-        reshard_model(step_dir / "model", target / "model", meta, layout)
+        reshard_model(model, target / "model", layout)
         resharded = {**state, "tp": tp, "pp": pp, "dp": None, "zero_stage": None,
                      **({"ep": layout.ep} if meta.model_spec.is_moe else {})}
         (target / "train_state.json").write_text(json.dumps(resharded, indent=2))
@@ -58,7 +59,7 @@ def reshard(source: str | Path, out: str | Path, tp: int, pp: int, overwrite: bo
     return Path(out)
 
 
-def _checked_source(step_dir: Path, state: dict) -> CheckpointMeta:
+def _checked_source(step_dir: Path, state: dict) -> MegatronCheckpoint:
     if (step_dir / checkpoint.ADAPTER_EXPORT).is_dir():
         raise CheckpointError(f"{step_dir} is a LoRA checkpoint: an adapter resumes on its own layout only, "
                               "there is nothing to reshard")
@@ -66,11 +67,11 @@ def _checked_source(step_dir: Path, state: dict) -> CheckpointMeta:
         raise CheckpointError(f"{step_dir} was written by an earlier version without a layout-independent state "
                               "(train/): it cannot be resharded")
     elastic.check_files(step_dir / elastic.STATE_DIR)  # a missing or truncated shard: one line
-    meta = CheckpointMeta.read(step_dir / "model")
-    if meta.format != "torch":  # what checkpoint._write_model writes; resliced as per-rank files
-        raise CheckpointError(f"{step_dir / 'model'} is in the {meta.format} format, not the per-rank torch files "
+    model = MegatronCheckpoint.open(step_dir / "model")
+    if model.fmt != "torch":  # what checkpoint._write_model writes; resliced as per-rank files
+        raise CheckpointError(f"{step_dir / 'model'} is in the {model.fmt} format, not the per-rank torch files "
                               "a fine-tuning checkpoint holds: it cannot be resharded")
-    return meta
+    return model
 
 
 def _copy_files(source: Path, target: Path) -> None:
@@ -82,17 +83,17 @@ def _copy_files(source: Path, target: Path) -> None:
             shutil.copyfile(path, destination)
 
 
-def reshard_model(source: Path, target: Path, meta: CheckpointMeta, layout: Layout) -> None:
+def reshard_model(source: MegatronCheckpoint, target: Path, layout: Layout) -> None:
     """Each rank file of the new layout, tensor by tensor, each copied from the stored shards as it
     is written (toolkit.convert.reslice)."""
-    spec = meta.model_spec
+    meta, spec = source.meta, source.spec
     args = megatron_args(spec, layout, "torch")
     layers = spec.num_layers // layout.pp
-    resharder = Resharder(MegatronCheckpoint.open(source), layout)
+    resharder = Resharder(source, layout)
     sums = torch_format.write_rank_files(target / RELEASE, layout, resharder.rank_tensors, resharder.shapes, layers,
                                          LAYER_SPEC, args, len(layout.local_experts(spec, 0)))
     new = CheckpointMeta(**{**meta.__dict__, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
                             "checksums": {str(path.relative_to(target)): digest for path, digest in sums.items()}})
     new.write(target)
     (target / TRACKER).write_text(RELEASE)
-    shutil.copytree(source / HF_DIR, target / HF_DIR)
+    shutil.copytree(source.root / HF_DIR, target / HF_DIR)

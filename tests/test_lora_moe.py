@@ -1,0 +1,203 @@
+"""LoRA on a Mixture-of-Experts model at expert parallelism matches HF PEFT itself, step for step,
+and exports as an HF PEFT adapter that PeftModel.from_pretrained loads.
+
+Mixtral (6 experts, top-2) at DP2 x EP2, the adapter on the attention (target_modules) and on
+every routed expert (target_parameters gate_up_proj and down_proj: one rank-r LoRA per expert, PEFT's
+ParamWrapper on transformers 5's fused expert weights; toolkit/lora/experts.py), the router and
+the base experts frozen. The reference is peft.get_peft_model with the same LoraConfig and initial
+weights (an adapter PEFT saved, B non-zero) on the HF model, trained single-process with AdamW
+(tests/finetune_harness.py), with megatron-core's aux loss and the routers in fp64 on both sides
+(tests/moe_reference.py), so every token is routed as the reference routes it. One launch; the
+rest (export, PeftModel logits, --merge, guards) runs in this process. A second launch trains
+Qwen2-MoE's attention, shared expert and dense layers with the experts frozen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference, launch,
+                                    read_metrics, recipe, write_peft_adapter, write_uneven_data)
+from tests.moe_reference import moe_step_loss, route_in_fp64
+from toolkit.convert import hf_to_megatron
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+AUX_LOSS_COEF = 0.1  # raised, so that a wrong aux gradient shows (as tests/test_moe_finetune.py)
+# The trained adapter against the PEFT reference's after 10 steps, per tensor: |ours - theirs| / |theirs's change|.
+ADAPTER_TOLERANCE = 1e-3
+LOGIT_TOLERANCE = 1e-4
+
+
+def train_against_peft(root: Path, variant: str, modules: list[str], parameters: list[str] | None, **settings):
+    """A DP2 x EP2 LoRA run of `variant` from an adapter PEFT saved (target_modules `modules`,
+    target_parameters `parameters`), and the PEFT reference of the same recipe."""
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    source = write_peft_adapter(hf, root / "adapter", modules, r=2, alpha=4.0, target_parameters=parameters)
+    data = write_uneven_data(root / "data.jsonl", 300)
+    cfg = recipe(root, mc, data, parallel={"tp": 1, "pp": 1, "ep": 2, "zero_stage": 1}, moe={"router_dtype": "fp64"},
+                 peft={"enabled": True, "init_from": str(source)}, **settings)
+    launch(2, cfg)
+
+    step_loss = moe_step_loss(AutoTokenizer.from_pretrained(hf).pad_token_id, "megatron")
+
+    def keep(step, model):
+        if step == STEPS:
+            model.save_pretrained(root / "reference-adapter")
+
+    losses, norms = hf_reference(hf, data, cfg, STEPS, adapter=source, step_loss=step_loss, on_step=keep,
+                                 prepare=route_in_fp64)
+    return dict(root=root, hf=hf, source=source, cfg=cfg, run=root / "run", losses=losses, norms=norms,
+                routing=step_loss.routing, reference_adapter=root / "reference-adapter")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Mixtral: LoRA on attention and every routed expert."""
+    return train_against_peft(tmp_path_factory.mktemp("lora-moe"), "mixtral", ATTENTION, EXPERTS, save_every=STEPS)
+
+
+def assert_matches_peft_training(trained) -> None:
+    """Routing, losses and gradient norms as PEFT's training; the export holds PEFT's keys, trained
+    as PEFT trained them, and PeftModel.from_pretrained on it gives the reference's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    metrics = read_metrics(trained["run"])
+    for m, routing in zip(metrics, trained["routing"], strict=True):
+        moe_layers = [layer for layer in m["tokens_per_expert"] if any(layer)]  # a dense layer logs zeros
+        assert moe_layers == routing, f"step {m['step']} routed otherwise than the reference"
+    loss, norm = differences(metrics, trained["losses"], trained["norms"])
+    print(f"max |loss - PEFT reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    exported = trained["run"] / "adapter"
+    assert_adapter_trained_as_reference(tensors(exported), tensors(trained["reference_adapter"]),
+                                        tensors(trained["source"]))
+    tokens = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(7)).tolist()
+    logits = [hf_logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32),
+                                                  adapter).eval(), tokens)
+              for adapter in (exported, trained["reference_adapter"])]
+    worst = float((logits[0] - logits[1]).abs().max())
+    print(f"PeftModel.from_pretrained(our adapter) vs the PEFT reference's trained model: max |logit diff| {worst:.1e}")
+    assert worst < LOGIT_TOLERANCE, worst
+
+
+def tensors(adapter_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+
+
+def adapter_difference(ours: dict, theirs: dict, start: dict) -> dict[str, float]:
+    """Per tensor: |ours - theirs| / |theirs - start| (L2): how far from the reference's training."""
+    assert sorted(ours) == sorted(theirs), (sorted(set(ours) ^ set(theirs)))[:4]
+    return {k: float((ours[k] - theirs[k]).norm() / (theirs[k] - start[k]).norm()) for k in ours}
+
+
+def assert_adapter_trained_as_reference(ours: dict, theirs: dict, start: dict) -> None:
+    worst = adapter_difference(ours, theirs, start)
+    name = max(worst, key=worst.get)
+    print(f"adapter vs PEFT reference's after {STEPS} steps: worst relative {worst[name]:.1e} ({name})")
+    assert worst[name] < ADAPTER_TOLERANCE, (name, worst[name])
+
+
+def with_expert_untrained(adapter: dict, start: dict, expert: int, experts: int = 6, r: int = 2) -> dict:
+    """`adapter` with one expert's A and B (toolkit.lora.experts.expert_rows) back at `start`."""
+    from toolkit.lora.experts import expert_rows
+
+    rows, cols = expert_rows(expert, experts, r)
+    out = {}
+    for key, tensor in adapter.items():
+        out[key] = tensor.clone()
+        if ".mlp.experts." in key and ".lora_A." in key:
+            out[key][rows] = start[key][rows]
+        elif ".mlp.experts." in key:
+            out[key][:, cols] = start[key][:, cols]
+    return out
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(tokens)).logits
+
+
+@pytest.mark.multiprocess
+def test_lora_on_attention_and_experts_at_ep2_matches_peft_and_exports_its_adapter(trained):
+    """Mixtral: every expert of both EP ranks trained as PEFT's; the router and base experts frozen."""
+    assert_matches_peft_training(trained)
+    exported = trained["run"] / "adapter"
+    config = json.loads((exported / "adapter_config.json").read_text())
+    assert config["target_parameters"] == EXPERTS and sorted(config["target_modules"]) == sorted(ATTENTION)
+
+    # Guard: with one expert of EP rank 1 left at its initial values, the comparison fails.
+    ours, start = tensors(exported), tensors(trained["source"])
+    with pytest.raises(AssertionError):
+        assert_adapter_trained_as_reference(with_expert_untrained(ours, start, expert=5),
+                                            tensors(trained["reference_adapter"]), start)
+
+    # Only LoRA tensors trained: the router and the experts' base weights are not in the checkpoint's module states.
+    step = trained["run"] / "checkpoints" / f"step_{STEPS:07d}"
+    for states in (step / "ds").glob("*model_states.pt"):
+        module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+        names = [k for k, v in module.items() if isinstance(v, torch.Tensor)]
+        assert names and all(".lora_" in k for k in names), sorted(k for k in names if ".lora_" not in k)[:3]
+
+
+@pytest.mark.multiprocess
+def test_lora_on_attention_shared_expert_and_dense_layers_with_experts_frozen_at_ep2(tmp_path):
+    """Qwen2-MoE with a shared expert and a dense MLP every other layer, the experts frozen (no
+    expert parameter trains: DeepSpeed gets no expert group): attention, shared experts and dense
+    MLPs train as PEFT's."""
+    modules = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+    trained = train_against_peft(tmp_path, "qwen2-moe-sparse-step", modules, None)
+    assert_matches_peft_training(trained)
+    keys = tensors(trained["run"] / "adapter")
+    assert any("shared_expert.gate_proj" in k for k in keys) and any("layers.0.mlp.gate_proj" in k for k in keys)
+    assert not any(".mlp.experts." in k for k in keys)
+
+
+@pytest.mark.multiprocess
+def test_merged_export_equals_peft_merge_and_unload_on_experts(trained, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.cli import main as cli
+
+    step = trained["run"] / "checkpoints" / f"step_{STEPS:07d}"
+    assert cli(["convert", "megatron-to-hf", "--adapter", "--merge", str(step), str(tmp_path / "merged")]) == 0
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32),
+                                     trained["run"] / "adapter")
+    expected = peft.merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32).state_dict()
+    assert sorted(ours) == sorted(expected)
+    worst = max(float((ours[k] - expected[k]).abs().max()) for k in ours)
+    print(f"max |merged - merge_and_unload()|: {worst:.1e}")
+    assert worst < 1e-6, worst
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
+                 "model.layers.1.self_attn.q_proj.weight"):
+        assert not torch.equal(ours[name], base[name]), f"the merge left {name} unchanged"
+
+
+def test_resume_leaves_frozen_base_experts_alone():
+    """On resume the trainable experts are copied back from DeepSpeed's fp32 masters; LoRA's frozen
+    base experts have none (safe_get_full_fp32_param gives None) and keep their loaded weights.
+    (Measured by hand: a DP2 x EP2 expert-LoRA run resumed from step 5 repeats the straight run's
+    losses, gradient norms and adapter bit for bit.)"""
+    from toolkit.train.experts import restore_experts_from_masters
+
+    frozen = torch.nn.Linear(3, 3)
+    for param in frozen.parameters():
+        param.requires_grad_(False)
+        param.allreduce, param.group_name = False, "ep_size_2"  # megatron-core's and toolkit.train.experts' tags
+    before = [p.clone() for p in frozen.parameters()]
+    restore_experts_from_masters(frozen)
+    assert all(torch.equal(a, b) for a, b in zip(before, frozen.parameters()))

@@ -1,0 +1,129 @@
+"""LoRA on the routed experts, as HF PEFT's `target_parameters` expresses it for transformers 5's
+fused expert weights.
+
+transformers 5 keeps a MoE layer's experts as two 3-D parameters of `model.layers.*.mlp.experts`
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 alike; none transposed):
+    gate_up_proj [E, 2I, H]  rows [gate; up] of each expert, = megatron-core's local expert linear_fc1
+    down_proj    [E, H, I]                                    = megatron-core's local expert linear_fc2
+PEFT's ParamWrapper (peft/tuners/lora/layer.py) gives each such parameter one pair
+    lora_A [E * r, in], lora_B [out, E * r]
+which is one rank-r LoRA per expert: expert e's A is rows e*r .. e*r+r-1 of lora_A, its B the
+columns e, e+E, e+2E, ... of lora_B (get_delta_weight reshapes B to [out, r, E]), and its weight
+gains scaling * B_e A_e. On gate_up_proj one A_e feeds both gate and up rows: LoRA on the fused
+linear_fc1, exactly what wrapping megatron-core's expert linear_fc1 does.
+
+PEFT nests the wrappers of one module in the order the module defines its parameters (measured
+with peft 0.21.2: gate_up_proj inside, whichever order target_parameters lists them), and saves the
+inner one under `...mlp.experts.base_layer.`: the keys follow FUSED's order.
+PEFT refuses lora_dropout with target_parameters; so does this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.errors import AdapterError
+from toolkit.families import Family, ModelSpec
+from toolkit.families.table import MOE_LAYER, layer_kind
+
+FUSED_MODULE = "model.layers.*.mlp.experts"  # transformers 5's experts module in every MoE family
+MODULE_PREFIX = "mlp.experts."  # how adapter_config.json's target_parameters name them
+# PEFT's parameter name -> (megatron-core linear of each local expert, its parallel kind), in the order
+# transformers' expert modules define them (PEFT's nesting, innermost first)
+FUSED = {"gate_up_proj": ("linear_fc1", "column"), "down_proj": ("linear_fc2", "row")}
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    name: str  # gate_up_proj or down_proj
+    linear: str  # linear_fc1 or linear_fc2 of each local expert
+    parallel: str
+    in_features: int
+    out_features: int
+    wrappers_after: int  # PEFT's wrappers nested outside this one (its `base_layer.` depth)
+
+    def key(self, layer: int, which: str) -> str:
+        module = FUSED_MODULE.replace("*", str(layer)) + ".base_layer" * self.wrappers_after
+        return f"base_model.model.{module}.lora_{which}.weight"
+
+
+def parameter_names(target_parameters) -> list[str]:
+    """`mlp.experts.gate_up_proj` or `gate_up_proj` -> gate_up_proj."""
+    return [name.strip().rsplit(".", 1)[-1] for name in target_parameters if name.strip()]
+
+
+def resolve(family: Family, spec: ModelSpec, target_parameters, dropout: float) -> list[ExpertTarget]:
+    """The fused expert parameters to adapt, in PEFT's order; refuses what PEFT cannot load."""
+    given = [name.strip() for name in target_parameters if name.strip()]
+    names = parameter_names(given)
+    if not names:
+        return []
+    if not spec.is_moe:
+        raise AdapterError(f"peft.target_parameters ({', '.join(given)}) adapts routed experts, which the "
+                           f"{family.name} family does not have")
+    unknown = [g for g, n in zip(given, names) if n not in FUSED]
+    if unknown:
+        raise AdapterError(f"target parameter(s) {', '.join(unknown)} are not fused expert weights of {family.name} "
+                           f"(it has: {', '.join(MODULE_PREFIX + n for n in FUSED)}); LoRA on the router is not "
+                           "supported")
+    if dropout:
+        raise AdapterError(f"LoRA on the experts (peft.target_parameters) needs peft.dropout=0: PEFT adds it to the "
+                           f"fused weight, where no dropout of the input can be applied (got {dropout})")
+    chosen = [n for n in FUSED if n in names]
+    ffn, hidden = spec.moe_ffn_hidden_size, spec.hidden_size
+    shapes = {"gate_up_proj": (hidden, 2 * ffn), "down_proj": (ffn, hidden)}
+    return [ExpertTarget(n, *FUSED[n], *shapes[n], len(chosen) - 1 - i) for i, n in enumerate(chosen)]
+
+
+def config_names(chosen: list[ExpertTarget]) -> list[str]:
+    """adapter_config.json's target_parameters."""
+    return [MODULE_PREFIX + t.name for t in chosen]
+
+
+def moe_layers(spec: ModelSpec) -> list[int]:
+    return [layer for layer in range(spec.num_layers) if layer_kind(spec.moe_layers, layer) == MOE_LAYER]
+
+
+def expected_shapes(chosen: list[ExpertTarget], spec: ModelSpec, r: int) -> dict[str, tuple[int, int]]:
+    experts = spec.num_experts
+    return {key: shape for t in chosen for layer in moe_layers(spec)
+            for key, shape in ((t.key(layer, "A"), (experts * r, t.in_features)),
+                               (t.key(layer, "B"), (t.out_features, experts * r)))}
+
+
+def expert_rows(expert: int, experts: int, r: int):
+    """(rows of lora_A, columns of lora_B) holding global expert `expert`'s A and B (see the docstring)."""
+    import torch
+
+    return torch.arange(expert * r, (expert + 1) * r), expert + experts * torch.arange(r)
+
+
+def merge_delta(a, b, expert: int, experts: int, r: int, scaling: float):
+    """Expert `expert`'s scaling * B_e A_e in fp32, as PEFT's get_delta_weight."""
+    rows, cols = expert_rows(expert, experts, r)
+    return scaling * (b.float()[:, cols] @ a.float()[rows])
+
+
+def check_layout(tp: int, chosen: list[ExpertTarget]) -> None:
+    if chosen and tp > 1:
+        raise AdapterError(f"LoRA on the experts (peft.target_parameters) at parallel.tp={tp} is not supported; "
+                           "use tp=1 with parallel.ep")
+
+
+def merge_slices(family: Family, spec: ModelSpec, chosen: list[ExpertTarget]) -> dict[str, tuple]:
+    """HF checkpoint tensor name (one expert's w1 / gate_proj ...) -> (target, layer, expert, its
+    rows of the fused weight), read from the family table's expert rows (`#` the expert)."""
+    by_linear = {t.linear: t for t in chosen}
+    found = {}
+    for row in family.rows_for(spec):
+        linear = row.megatron.rsplit(".", 2)[-2] if row.per_expert else None
+        if linear not in by_linear:
+            continue
+        sizes = [spec.size_of(shape[0]) for shape in row.shapes]
+        for layer in moe_layers(spec):
+            for expert in range(spec.num_experts):
+                start = 0
+                for name, size in zip(row.hf_names(layer, expert), sizes):
+                    found[name] = (by_linear[linear], layer, expert, slice(start, start + size))
+                    start += size
+    return found
