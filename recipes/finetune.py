@@ -16,6 +16,9 @@ Who owns what:
                  data order, checkpoint markers, metrics and the export to HF
   toolkit.lora    with peft.enabled=true: LoRA around megatron-core's linears, the base frozen
                  (applied in step 3b), the adapter saved and exported as an HF PEFT directory
+  method=dpo     preference pairs (toolkit.train.preference) and TRL's DPO losses and metrics
+                 (toolkit.train.preference_loss) against a frozen reference (toolkit.train.reference,
+                 step 3c), whose log-probs a forward-only pass computes before each step
 """
 
 from __future__ import annotations
@@ -156,6 +159,9 @@ def finetune(run: Run) -> int:
     from toolkit.train.expert_load import ExpertLoad
     from toolkit.train.step import StepContext, evaluate, train_step
     from toolkit.train.generations import TABLE_KEY, prompts_of, sample_rows, wandb_table
+    from toolkit.lora.layers import keep_starting_adapter
+    from toolkit.train.preference_loss import DpoObjective, named_metrics
+    from toolkit.train.reference import Reference
 
     cfg, meta, dp, run_dir = run.cfg, run.meta, run.dp, Path(run.cfg.run_dir)
     spec = meta.model_spec
@@ -177,6 +183,13 @@ def finetune(run: Run) -> int:
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None
+    # 3c. method=dpo: the reference, a frozen copy of the starting weights sharded like the policy,
+    #     or with LoRA the policy with its adapter off (from peft.init_from: with the adapter it starts from).
+    reference = None
+    if cfg.method == "dpo":
+        if adapter is not None and run.lora.init_from is not None:
+            keep_starting_adapter(model)
+        reference = Reference.build(model, meta, cfg, lora=adapter is not None)
     fsdp = cfg.parallel.dp_engine == "fsdp"
     mark_tied_output_replica(model, spec.tied_embeddings)
     if not fsdp:  # FSDP replaces the parameters; toolkit.train.fsdp sums these after its reduce-scatter
@@ -223,9 +236,12 @@ def finetune(run: Run) -> int:
     padded_tokens = cfg.global_batch * cfg.data.seq_len
     model_length = build.model_length(cfg)  # data.seq_len, padded under CP to the zig-zag split's multiple
 
+    objective = DpoObjective.from_config(cfg) if reference is not None else None
+    rows_per_pair = 2 if reference is not None else 1  # a pair is two rows of one micro-batch
+
     def context(batches, counts):
-        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, model_length, cfg.micro_batch,
-                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel)
+        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, model_length, cfg.micro_batch * rows_per_pair,
+                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel, objective)
 
     # wandb.sample_generations: the validation prompts greedily continued at each eval (PP = 1).
     samples = prompts_of(valid_data.rows, cfg.wandb.sample_generations) \
@@ -241,6 +257,8 @@ def finetune(run: Run) -> int:
         lr = engine.get_lr()[0]
         began = time.perf_counter()
         ctx = context(batches, train_data.last_counts)
+        if reference is not None:
+            reference.attach(batches, ctx)  # the reference's log-probs, one forward-only pass
         loss, grad_norm, stop = train_step(engine, model, batches, ctx, spec.tied_embeddings,
                                            lambda: preemption.requested)
         seconds = time.perf_counter() - began
@@ -249,12 +267,18 @@ def finetune(run: Run) -> int:
                    "padded_tokens_per_s": padded_tokens / seconds,
                    "tflops_per_device": flops_per_token(spec, cfg.data.seq_len) * ctx.real_tokens / seconds / info.world_size / 1e12}
         metrics["mfu"] = metrics["tflops_per_device"] / peak if peak else None
+        if reference is not None:  # TRL's rewards/* and logps/*, means over the global batch's pairs
+            metrics.update(named_metrics(ctx.sums, ctx.global_tokens))
         metrics["peak_memory_bytes"] = peak_memory_bytes(info.device)  # rank 0's, as every figure logged here
         if fp16_watch is not None:
             metrics.update(fp16_watch.after_step(step))  # loss scale, skipped steps; stops after too many in a row
         media = {}
         if valid_data is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            metrics["eval_loss"] = evaluate(model, valid_data, context)
+            if reference is None:
+                metrics["eval_loss"] = evaluate(model, valid_data, context)
+            else:
+                metrics["eval_loss"], sums = evaluate(model, valid_data, context, reference)
+                metrics.update(named_metrics(sums, 1.0, prefix="eval_"))
             if samples:  # every rank decodes (TP gathers, ZeRO-3 / FSDP gathers); rank 0 logs
                 rows = sample_rows(model, samples, step, run.tokenizer, cfg.wandb.sample_new_tokens, cfg.data.seq_len,
                                    spec.vocab_size, info.device)

@@ -139,6 +139,19 @@ def wait_for(condition, proc, seconds: float = 600) -> None:
         time.sleep(0.2)
 
 
+def copy_stopped_at_step_5(run_dir: Path, out_dir: Path) -> None:
+    """out_dir/run: a copy of a 10-step run (saved at steps 5 and 10) as if it had stopped after its
+    step-5 checkpoint: step 10 and its metrics never written."""
+    import shutil
+
+    shutil.copytree(run_dir, out_dir / "run")
+    checkpoints = out_dir / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step_0000010")
+    (checkpoints / "latest").write_text("step_0000005")
+    metrics = out_dir / "run" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:5]))
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.finetune_harness import (GRAD_NORM_TOLERANCE_BF16, LOSS_TOLERANCE_BF16, ReferenceCache, hf_reference, launch,
-                                    read_metrics, recipe, write_peft_adapter, write_uneven_data)
+from tests.finetune_harness import (GRAD_NORM_TOLERANCE_BF16, LOSS_TOLERANCE_BF16, ReferenceCache, copy_stopped_at_step_5,
+                                    hf_reference, launch, read_metrics, recipe, write_peft_adapter, write_uneven_data)
 from toolkit.convert import hf_to_megatron
 
 STEPS = 10
@@ -256,8 +256,6 @@ def assert_merged_equals_peft_merge(hf, adapter_dir, merged_dir):
 def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, runs, tmp_path):
     """A run resumed from its step-5 checkpoint repeats the uninterrupted losses and gradient
     norms exactly; the checkpoint holds the adapter (and its optimizer state), not the base."""
-    import shutil
-
     nprocs, parallel, adapter, overrides = LAYOUTS[RESUMED_FROM]
     straight_dir, resumed_dir = runs(RESUMED_FROM)[1], tmp_path / "resumed"
     straight = read_metrics(straight_dir / "run")
@@ -271,13 +269,7 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, r
         tensors = [k for k, v in module.items() if isinstance(v, torch.Tensor)]  # _extra_state entries are None
         assert tensors and all(".lora_" in k for k in tensors), sorted(tensors)[:3]
 
-    # The same run stopped after its step-5 checkpoint: step 10 and its metrics never written.
-    shutil.copytree(straight_dir / "run", resumed_dir / "run")
-    checkpoints = resumed_dir / "run" / "checkpoints"
-    shutil.rmtree(checkpoints / "step_0000010")
-    (checkpoints / "latest").write_text("step_0000005")
-    metrics = resumed_dir / "run" / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:5]))
+    copy_stopped_at_step_5(straight_dir / "run", resumed_dir)
     launch(nprocs, lora_recipe(setup, resumed_dir, parallel, adapter, **overrides), "resume=auto")
     resumed = read_metrics(resumed_dir / "run")
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))

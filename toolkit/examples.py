@@ -63,3 +63,50 @@ def exact_match(hf_dir: str | Path, pairs: list[tuple[str, str]], batch: int = 1
             text = tokenizer.decode(row, skip_special_tokens=True).replace(" ", "")
             correct += text == expected
     return correct / len(pairs)
+
+
+def write_preference_task(directory: str | Path, n_train: int = 512, n_valid: int = 64, seed: int = 0) -> tuple[Path, Path, list[dict]]:
+    """method=dpo's example: the same prompts, the reversed digits preferred to the digits copied
+    ({"prompt": "123456=", "chosen": "654321", "rejected": "123456"}). A random model likes either
+    about equally; DPO learns the preference, which holds on prompts it never saw.
+    train.jsonl and valid.jsonl in `directory`; also returns the held-out records."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    train, valid = reversal_split(n_train, n_valid, seed)
+    paths = (directory / "train.jsonl", directory / "valid.jsonl")
+    chunks = [[{"prompt": p, "chosen": r, "rejected": p[:-1]} for p, r in chunk] for chunk in (train, valid)]
+    for path, chunk in zip(paths, chunks):
+        path.write_text("".join(json.dumps(record) + "\n" for record in chunk))
+    return paths[0], paths[1], chunks[1]
+
+
+def preference_accuracy(hf_dir: str | Path, records: list[dict], reference: str | Path | None = None) -> float:
+    """Share of records whose chosen completion the HF model at hf_dir scores higher than the rejected
+    one (summed log-probabilities, plain transformers); with `reference`, minus that model's scores
+    (DPO's implicit reward, TRL's rewards/accuracies)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.train.preference import parse_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+
+    def scores(model_dir):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        out = []
+        for record in records:
+            pair = parse_pair(tokenizer, record)
+            logps = []
+            for completion in (pair.chosen, pair.rejected):
+                ids = torch.tensor([pair.prompt + completion])
+                with torch.no_grad():
+                    logits = model(input_ids=ids).logits[0, :-1].float()
+                token_logps = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+                logps.append(float(token_logps[len(pair.prompt) - 1:].sum()))
+            out.append(logps)
+        return out
+
+    policy = scores(hf_dir)
+    if reference is not None:
+        policy = [[c - rc, r - rr] for (c, r), (rc, rr) in zip(policy, scores(reference))]
+    return sum(c > r for c, r in policy) / len(policy)

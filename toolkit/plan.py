@@ -93,23 +93,24 @@ class Plan:
 
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: int | None = None,
          precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True,
-         lora: LoraShape | None = None, vpp: int = 1, dp_engine: str = "deepspeed") -> Plan:
+         lora: LoraShape | None = None, vpp: int = 1, dp_engine: str = "deepspeed", dpo: bool = False) -> Plan:
     """With `lora`, the layouts of a LoRA fine-tune (toolkit.memory.lora), and advice that says
     whether full fine-tuning would fit too. `vpp`: virtual stages per pipeline rank of every layout
     with PP > 1 (interleaved 1F1B); layouts that break its rules are left out. dp_engine="fsdp":
     PyTorch FSDP2 layouts (the recipe's parallel.dp_engine=fsdp: PP = 1, no offload; its step time
-    taken as ZeRO-3's)."""
+    taken as ZeRO-3's). `dpo`: method=dpo's memory (toolkit.memory.estimate: pairs per micro-batch, the
+    reference copy of a full fine-tune); the step time is not yet priced for its reference pass."""
     global_batch = global_batch or default_global_batch(cluster.gpus)
     if dp_engine == "fsdp":
         check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
     candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora,
-                                  vpp, dp_engine))
+                                  vpp, dp_engine, dpo=dpo))
     fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
     result = Plan(cluster, fitting, None if fitting else smallest, [])
-    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora, vpp)
+    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora, vpp, dpo=dpo)
     if lora is not None:
-        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, vpp=vpp)
+        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, vpp=vpp, dpo=dpo)
         result.advice.append(_lora_versus_full(result, full, lora))
     return result
 
@@ -165,7 +166,7 @@ def context_parallel_sizes(spec: ModelSpec, seq_len: int, dp: int, lora: LoraSha
 
 
 def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None, vpp=1,
-                dp_engine="deepspeed"):
+                dp_engine="deepspeed", dpo=False):
     fsdp = dp_engine == "fsdp"
     offloads = OFFLOADS if allow_offload and not fsdp else OFFLOADS[:1]
     zero_stages = (3,) if fsdp else _zero_stages(schedule)  # FSDP: the ZeRO-3 Setup only sizes the batch
@@ -182,7 +183,7 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
             except ConfigError:
                 continue
             for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
-                memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine, cp=cp)
+                memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine, cp=cp, dpo=dpo)
                 yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
                                                                      cluster.gpus_per_node, cluster.hardware, lora, cp))
 
@@ -194,7 +195,8 @@ def _fits(c: Candidate, cluster: Cluster) -> bool:
     return cluster.host_memory_per_node is None or host <= cluster.host_memory_per_node
 
 
-def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan, lora=None, vpp=1) -> list[str]:
+def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan, lora=None, vpp=1,
+            dpo=False) -> list[str]:
     budget = f"{cluster.gpus} x {cluster.gpu_memory / GIB:.0f} GiB"
     if result.fits_without_offload:
         return [f"{len(result.ranked)} layouts fit in {budget}"]
@@ -209,18 +211,19 @@ def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: P
         advice.append(f"offload fits: {len(offloaded)} layouts, best ZeRO-{offloaded[0].setup.zero} with "
                       f"{offloaded[0].setup.offload_optimizer}/{offloaded[0].setup.offload_param} offload "
                       f"(needs ~{host:.0f} GiB host memory per node)")
-    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora, vpp)
+    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora, vpp, dpo=dpo)
     if more:
         advice.append(f"more GPUs: {more} GPUs fit without offload")
     return advice
 
 
-def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None, vpp=1) -> int | None:
+def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None, vpp=1, dpo=False) -> int | None:
     """The smallest multiple of a node that fits without offload (recompute included)."""
     node = cluster.gpus_per_node
     for gpus in range(cluster.gpus + node, cluster.gpus * MAX_GPU_MULTIPLE + 1, node):
         bigger = Cluster(gpus, cluster.gpu_memory, node, cluster.host_memory_per_node, cluster.hardware)
-        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False, lora, vpp):
+        for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False, lora, vpp,
+                             dpo=dpo):
             if c.setup.micro_batch == 1 and c.recompute == "full" and _fits(c, bigger):
                 return gpus
     return None

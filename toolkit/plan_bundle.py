@@ -81,7 +81,8 @@ def runnable(result: Plan) -> Candidate:
                       "or a shorter --seq-len")
 
 
-def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp_engine: str = "deepspeed") -> dict:
+def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp_engine: str = "deepspeed",
+                   dpo: bool = False) -> dict:
     """The recipe keys of layout `c` (toolkit.train.config's names)."""
     s = c.setup
     parallel = {"tp": s.tp, "pp": s.pp, "zero_stage": s.zero,
@@ -107,10 +108,12 @@ def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp
     }
     if lora is not None:
         mapping["peft"] = {"enabled": True, "r": lora.r, "target_modules": ",".join(lora.target_modules)}
+    if dpo:
+        mapping["method"] = "dpo"
     return mapping
 
 
-def make(result: Plan, spec, seq_len: int, paths: Paths, lora=None, dp_engine: str = "deepspeed") -> Bundle:
+def make(result: Plan, spec, seq_len: int, paths: Paths, lora=None, dp_engine: str = "deepspeed", dpo: bool = False) -> Bundle:
     """The bundle of the best runnable layout of `result`, priced on the recipe's own Setup."""
     from toolkit.train.build import ds_config, ds_setup
     from toolkit.train.config import config_from_mapping
@@ -118,14 +121,15 @@ def make(result: Plan, spec, seq_len: int, paths: Paths, lora=None, dp_engine: s
     if result.best is None:
         raise ConfigError("nothing fits: no bundle to write (the notes above say what would)")
     c = runnable(result)
-    mapping = recipe_mapping(c, spec, seq_len, paths, lora, dp_engine)
+    mapping = recipe_mapping(c, spec, seq_len, paths, lora, dp_engine, dpo)
     cfg = config_from_mapping(mapping)
     setup = ds_setup(cfg, c.setup.dp // cfg.parallel.cp)
     differ = [f for f in PRICED_FIELDS if getattr(setup, f) != getattr(c.setup, f)]
     if differ:  # a bug here, never the user's: the bundle would run something plan did not price
         raise AssertionError(f"recipe.yaml would run another layout than plan priced: {differ}")
     memory = estimate(spec, setup, seq_len, c.recompute, GPU, cfg.parallel.sequence_parallel, lora=lora,
-                      ep=cfg.parallel.ep, dp_engine=dp_engine, cp=cfg.parallel.cp)
+                      ep=cfg.parallel.ep, dp_engine=dp_engine, cp=cfg.parallel.cp,
+                      dpo=cfg.method == "dpo")
     deepspeed = None if dp_engine == "fsdp" else ds_config(cfg, spec, c.setup.dp // cfg.parallel.cp)
     return Bundle(result, c, mapping, memory, deepspeed, seq_len, paths)
 

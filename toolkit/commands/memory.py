@@ -32,6 +32,8 @@ def register(sub) -> None:
                    help="gpu: Transformer Engine kernels (default); cpu: megatron-core's local spec")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB: say whether the layout fits")
     add_lora_args(p)
+    p.add_argument("--dpo", action="store_true", help="method=dpo: micro-batch counts pairs (two sequences each); a "
+                   "full fine-tune holds a frozen reference copy of the weights (LoRA: the adapter disabled, no copy)")
     add_dp_engine_arg(p)
     p.set_defaults(func=_run)
 
@@ -75,8 +77,9 @@ def _run(args) -> int:
     args.seq_len = sequence_length(args.seq_len, spec)
     args.lora = lora_shape(args, spec)
     est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
-                   args.sequence_parallel, lora=args.lora, ep=args.ep, dp_engine=args.dp_engine, cp=args.cp)
+                   args.sequence_parallel, lora=args.lora, ep=args.ep, dp_engine=args.dp_engine, cp=args.cp, dpo=args.dpo)
     lora = f", LoRA r={args.lora.r} on {' '.join(args.lora.target_modules)}" if args.lora else ""
+    lora += ", DPO (micro-batch in pairs)" if args.dpo else ""
     ep = f" (EP {args.ep})" if args.ep > 1 else ""
     ep += f" (DP {setup.dp // args.cp} x CP {args.cp})" if args.cp > 1 else ""
     engine = "FSDP" if args.dp_engine == "fsdp" else f"ZeRO-{setup.zero}"
@@ -102,7 +105,7 @@ def _suggest(spec, setup, args, limit) -> None:
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
         est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora,
-                       ep=args.ep, dp_engine=args.dp_engine, cp=args.cp)
+                       ep=args.ep, dp_engine=args.dp_engine, cp=args.cp, dpo=args.dpo)
         if est.fits(limit):
             print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return

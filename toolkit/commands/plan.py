@@ -54,6 +54,8 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty -o DIR")
     add_dp_engine_arg(p)
     add_lora_args(p)
+    p.add_argument("--dpo", action="store_true", help="price method=dpo: pairs per micro-batch and, for a full "
+                   "fine-tune, the frozen reference copy of the weights")
     p.set_defaults(func=_run)
 
 
@@ -74,7 +76,7 @@ def _run(args) -> int:
                       parse_size(args.host_memory) if args.host_memory else None)
     lora = lora_shape(args, spec)
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
-                  allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine)
+                  allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine, dpo=args.dpo)
     batch = args.global_batch or default_global_batch(gpus)
     print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
           f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")
@@ -99,7 +101,7 @@ def _write(args, spec, result, lora) -> None:
                           "drop --schedule deepspeed")
     paths = plan_bundle.paths_for(args.model, out, args.data)
     plan_bundle.refuse_overlap(paths, out)
-    bundle = plan_bundle.make(result, spec, args.seq_len, paths, lora, args.dp_engine)
+    bundle = plan_bundle.make(result, spec, args.seq_len, paths, lora, args.dp_engine, args.dpo)
     command = "toolkit " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else f"toolkit plan --model {args.model} ..."
     plan_bundle.write(bundle, out, command, args.overwrite, args.top)
     s = bundle.candidate.setup

@@ -13,6 +13,8 @@ unsplit layer's B A x on every rank.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,15 @@ class LoraLinear(torch.nn.Module):
         self.lora_B = torch.nn.ParameterDict({name: torch.nn.Parameter(t) for name, t in b.items()})
         self.scaling = scaling
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        # method=dpo's reference pass (`as_reference`): the base alone, or with the adapter it started from
+        self.reference_mode = False
+        self.starting: tuple[dict, dict] | None = None
+
+    def weights(self) -> tuple[dict, dict]:
+        """(A, B) by target: the trained adapter, or in the reference pass the frozen starting one."""
+        if self.reference_mode and self.starting is not None:
+            return self.starting
+        return self.lora_A, self.lora_B
 
     def __getattr__(self, name):
         """megatron-core reads attributes of its linears (config, sequence_parallel, ...): the base's."""
@@ -43,6 +54,8 @@ class LoraLinear(torch.nn.Module):
             return getattr(self._modules["base"], name)
 
     def forward(self, x, *args, **kwargs):
+        if self.reference_mode and self.starting is None:  # the adapter disabled: the base model
+            return self.base(x, *args, **kwargs)
         post_norm = getattr(self.base, "post_layernorm", None)
         if post_norm is not None:  # Gemma 3 / OLMo 2 (toolkit/layers.py): the delta enters before the norm
             return post_norm(self.add_delta(self.base.forward_before_norm(x), self.dropout(x))), None
@@ -64,8 +77,8 @@ class ColumnParallelLora(LoraLinear):
     def add_delta(self, out, x):
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-        deltas = [F.linear(copy_to_tensor_model_parallel_region(F.linear(x, self.lora_A[name])), self.lora_B[name])
-                  for name in self.targets]
+        a, b = self.weights()
+        deltas = [F.linear(copy_to_tensor_model_parallel_region(F.linear(x, a[name])), b[name]) for name in self.targets]
         delta = torch.cat(deltas, dim=-1) * self.scaling
         return out.index_add(-1, self.positions.to(out.device), delta.to(out.dtype))
 
@@ -79,7 +92,31 @@ class RowParallelLora(LoraLinear):
     def add_delta(self, out, x):
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
+        a, b = self.weights()
         for name in self.targets:
-            u = reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A[name]))
-            out = out + (F.linear(u, self.lora_B[name]) * self.scaling).to(out.dtype)
+            u = reduce_from_tensor_model_parallel_region(F.linear(x, a[name]))
+            out = out + (F.linear(u, b[name]) * self.scaling).to(out.dtype)
         return out
+
+
+def keep_starting_adapter(model) -> None:
+    """Frozen copies of every LoRA pair as it starts (an adapter from peft.init_from): method=dpo's
+    reference is the model with it, as TRL copies a loaded adapter to a "ref" adapter. Before
+    DeepSpeed partitions the parameters; the copies are small (the adapter's size)."""
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            module.starting = tuple({n: p.detach().clone() for n, p in d.items()} for d in (module.lora_A, module.lora_B))
+
+
+@contextlib.contextmanager
+def as_reference(model):
+    """The model as method=dpo's reference: each LoRA linear without its adapter (TRL with a new
+    adapter: adapters disabled), or with its frozen starting adapter (keep_starting_adapter)."""
+    wrapped = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for m in wrapped:
+        m.reference_mode = True
+    try:
+        yield
+    finally:
+        for m in wrapped:
+            m.reference_mode = False

@@ -37,6 +37,7 @@ class StageMemory:
     activations: int
     temporaries: int  # logits, attention buffer, recompute working set
     reserve: int
+    reference: int | None = None  # method=dpo: the frozen reference copy's weights (0 with LoRA); None: not DPO
 
     @property
     def buffers(self) -> int:
@@ -44,12 +45,16 @@ class StageMemory:
 
     @property
     def gpu(self) -> int:
-        return self.states.params + self.states.grads + self.states.optimizer + self.activations + self.buffers + self.reserve
+        return (self.states.params + self.states.grads + self.states.optimizer + self.activations + self.buffers
+                + self.reserve + (self.reference or 0))
 
     def rows(self) -> list[tuple[str, int]]:
-        return [("parameters", self.states.params), ("gradients", self.states.grads),
+        rows = [("parameters", self.states.params), ("gradients", self.states.grads),
                 ("optimizer states", self.states.optimizer), ("activations", self.activations),
                 ("buffers and temporaries", self.buffers), ("runtime reserve (assumed)", self.reserve)]
+        if self.reference is not None:
+            rows.insert(1, ("DPO reference weights", self.reference))
+        return rows
 
 
 @dataclass(frozen=True)
@@ -99,14 +104,18 @@ class Estimate:
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
              sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None,
-             ep: int = 1, dp_engine: str = "deepspeed", cp: int = 1) -> Estimate:
+             ep: int = 1, dp_engine: str = "deepspeed", cp: int = 1, dpo: bool = False) -> Estimate:
     """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`); with
     `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora); with
     `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep); with
     dp_engine="fsdp", PyTorch FSDP2 instead of DeepSpeed (setup.zero unused). With `cp`, context
     parallelism: `setup` is DeepSpeed's view of the run (toolkit.train.build.ds_setup), whose DP is
     DP x CP (ZeRO partitions over it) and whose global batch counts each CP rank's share of a
-    sequence; the activations are per rank's seq_len / CP tokens (toolkit.memory.activations)."""
+    sequence; the activations are per rank's seq_len / CP tokens (toolkit.memory.activations).
+    With `dpo`, of method=dpo: setup.micro_batch counts pairs, so twice as many sequences per
+    forward, and a full fine-tune holds a frozen copy of its stage's weights as the reference
+    (LoRA: none, the adapter is disabled instead). The reference's forward-only pass keeps no
+    activations."""
     if cp > 1 and (setup.dp % cp or seq_len % (2 * cp)):
         raise ConfigError(f"CP {cp} needs DP x CP ({setup.dp}) divisible by CP and a sequence length ({seq_len}) "
                           f"divisible by 2 x CP")
@@ -120,9 +129,14 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
         raise ConfigError(f"sequence length {seq_len} is not divisible by TP {setup.tp}, which sequence parallelism splits it over")
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
-    shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel, cp)
+    shape = Shape(seq_len, setup.micro_batch * (2 if dpo else 1), setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel,
+                  cp)
     stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
                    for s in range(setup.pp))
+    if dpo:
+        stages = tuple(replace(s, reference=0 if lora is not None else
+                               sum(stage_param_numels(spec, setup.tp, setup.pp, s.stage, ep)) * WEIGHT_BYTES[setup.precision])
+                       for s in stages)
     return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep, dp_engine, cp)
 
 

@@ -259,7 +259,7 @@ class DataRows:
 def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
     """Every rank reads the same data (the library caches it under data.cache_dir) and reaches the same
     verdict: data that cannot train is one DataError here, before any process group."""
-    from toolkit.train import chat_templates, data, data_sources
+    from toolkit.train import chat_templates, data, data_sources, preference
 
     d = cfg.data
     chat_templates.apply(tokenizer, d.chat_template)
@@ -268,36 +268,50 @@ def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
     opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
     cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
 
+    dpo = cfg.method == "dpo"  # preference pairs (toolkit.train.preference), two rows each
+    read_records = preference.read_pairs if dpo else data.read_samples
+
     def read(source, stats):
-        samples = data.read_samples(data_sources.records(source, opts.columns, cache), tokenizer, opts, stats)
+        samples = read_records(data_sources.records(source, opts.columns, cache), tokenizer, opts, stats)
         data.refuse_unreadable(source.name, stats, d.max_unk_share, tokenizer)
         data.refuse_empty(source.name, samples, stats)
         return samples
 
+    def to_rows(samples, stats):
+        if dpo:
+            return preference.to_pair_rows(samples, tokenizer, d.seq_len)
+        return data.to_rows(samples, tokenizer, d.seq_len, d.pack, stats)
+
     stats = data.DataStats()
     train_sources = data_sources.sources(d.train_file, d.weights, d.split)
     samples = data.mix([(s, read(s, stats)) for s in train_sources], cfg.seed, stats)
-    train = data.to_rows(samples, tokenizer, d.seq_len, d.pack, stats)
+    train = to_rows(samples, stats)
     if len(train) < cfg.global_batch:
+        unit = "pairs" if dpo else "packed rows" if d.pack else "samples"
         raise data.DataError(
-            f"{d.train_file} gives {len(train)} {'packed rows' if d.pack else 'samples'}, fewer than one global batch "
+            f"{d.train_file} gives {len(train)} {unit}, fewer than one global batch "
             f"of {cfg.global_batch}: every step would repeat samples; add data or lower global_batch")
     valid = None
     if d.valid_file or d.valid_split:
         source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
-        valid = data.to_rows(read(source, data.DataStats()), tokenizer, d.seq_len, d.pack, data.DataStats())
+        valid = to_rows(read(source, data.DataStats()), data.DataStats())
     return DataRows(train, valid, stats)
 
 
 def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):
     """This DP rank's view of the rows, in the deterministic order (toolkit.train.data.BatchSource)."""
     cp = dict(cp=info.cp, cp_rank=info.cp_rank, length=model_length(cfg))
-    train = BatchSource(rows.train, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle,
-                        cfg.data.pack, **cp)
-    valid = None
-    if rows.valid is not None:
-        valid = BatchSource(rows.valid, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack,
-                            **cp)
+    if cfg.method == "dpo":  # pairs: chosen and rejected of a pair in one micro-batch on one DP rank (CP refused)
+        from toolkit.train.preference import PairSource
+
+        def source(rows, seed, shuffle):
+            return PairSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, seed, shuffle)
+    else:
+        def source(rows, seed, shuffle):
+            return BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, seed, shuffle, cfg.data.pack,
+                               **cp)
+    train = source(rows.train, cfg.seed, cfg.data.shuffle)
+    valid = source(rows.valid, 0, False) if rows.valid is not None else None
     return train, valid, rows.stats
 
 

@@ -91,6 +91,8 @@ class DataColumns:
     response: str = "response"  # trained, with the prompt
     messages: str = "messages"  # a list of {"role", "content"}, rendered with the chat template
     text: str = "text"  # every token trained
+    chosen: str = "chosen"  # method=dpo: the preferred completion (text, or messages)
+    rejected: str = "rejected"  # method=dpo: the other one
 
 
 @dataclass
@@ -173,6 +175,17 @@ class LossScaleConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference fine-tuning (method: dpo; toolkit.train.preference): TRL's DPOTrainer losses."""
+
+    # sigmoid: DPO (-log sigmoid(beta * margin)); ipo: IPO's squared loss on length-normalised
+    # log-ratios (beta is its tau); robust: rDPO, whose label_smoothing is the chance a label is flipped
+    loss_type: Literal["sigmoid", "ipo", "robust"] = "sigmoid"
+    beta: Annotated[float, Bound(gt=0.0)] = 0.1  # how far the policy may move from the reference
+    label_smoothing: Annotated[float, Bound(ge=0.0, lt=0.5)] = 0.0  # loss_type=robust only (TRL's)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -181,10 +194,14 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    # sft: next-token loss on the responses; dpo: preference pairs {"prompt", "chosen", "rejected"}
+    # against a frozen reference (the starting weights, or the base with the LoRA adapter disabled)
+    method: Literal["sft", "dpo"] = "sft"
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # training precision (fp32 master weights with bf16/fp16)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
-    micro_batch: PositiveInt = 1  # sequences per forward on one data-parallel rank
-    global_batch: PositiveInt = 8  # sequences per optimizer step, over every micro-batch and DP rank
+    micro_batch: PositiveInt = 1  # sequences (method=dpo: pairs, two sequences each) per forward on one DP rank
+    global_batch: PositiveInt = 8  # sequences (method=dpo: pairs) per optimizer step, over every micro-batch and DP rank
     steps: PositiveInt = 100  # optimizer steps in all (a resume with more steps extends the run)
     seed: Annotated[int, Bound(integer=True, ge=0)] = 1234  # data order, LoRA initialisation, dropout
     log_every: PositiveInt = 10  # steps between metric lines
@@ -396,6 +413,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("data.train_file is required")
     _validate_optimizer_state(cfg)
     _validate_sample_generations(cfg)
+    _validate_dpo(cfg)
     _validate_run_dir(cfg.run_dir)
 
 
@@ -409,6 +427,23 @@ def _validate_sample_generations(cfg: TrainConfig) -> None:
         raise ConfigError("wandb.sample_generations is set but wandb.enabled is false: set wandb.enabled=true")
     if cfg.data.valid_file is None and cfg.data.valid_split is None:
         raise ConfigError("wandb.sample_generations needs a validation set: set data.valid_file or data.valid_split")
+
+
+def _validate_dpo(cfg: TrainConfig) -> None:
+    if cfg.method != "dpo":
+        return
+    if cfg.dpo.label_smoothing and cfg.dpo.loss_type != "robust":
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing:g} with dpo.loss_type={cfg.dpo.loss_type}: "
+                          "label smoothing is the flip rate of loss_type=robust (rDPO), as in TRL 1.16, whose sigmoid "
+                          "loss has none; set dpo.loss_type=robust or dpo.label_smoothing=0")
+    refused = {"data.pack=true": cfg.data.pack, "parallel.dp_engine=fsdp": cfg.parallel.dp_engine == "fsdp",
+               f"parallel.cp={cfg.parallel.cp}": cfg.parallel.cp > 1,  # a sequence's log-prob would span CP ranks
+               "wandb.sample_generations": bool(cfg.wandb.sample_generations),
+               "model.optimizer_state": cfg.model.optimizer_state is not None}
+    for what, given in refused.items():
+        if given:
+            raise ConfigError(f"method=dpo with {what} is not supported: a preference pair is two unpacked rows "
+                              "trained through DeepSpeed; leave it unset")
 
 
 def _validate_run_dir(run_dir: str) -> None:

@@ -109,23 +109,31 @@ def _truncate(sample: Sample, max_tokens: int, side: str) -> Sample:
     return Sample(sample.tokens[cut], sample.loss_mask[cut])
 
 
+def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats: DataStats):
+    """parse(tokenizer, record), counted in stats; None for a malformed record skipped
+    (data.malformed=skip), else one DataError naming where it is."""
+    stats.lines += 1
+    try:
+        if isinstance(record, Exception):
+            raise record
+        return parse(tokenizer, record)
+    except ChatTemplateError as e:  # the template's fault, not the line's: never skipped
+        raise DataError(f"{where}: {e}") from None
+    except (ValueError, TypeError, KeyError) as e:
+        if opts.malformed == "skip":
+            stats.skipped_malformed += 1
+            return None
+        raise DataError(f"{where}: {e}") from None
+
+
 def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats) -> list[Sample]:
     """Samples of (where, record) pairs; a record that failed to parse arrives as its exception."""
     samples = []
     unk = tokenizer.unk_token_id
     for where, record in named:
-        stats.lines += 1
-        try:
-            if isinstance(record, Exception):
-                raise record
-            sample = parse_line(tokenizer, record)
-        except ChatTemplateError as e:  # the template's fault, not the line's: never skipped
-            raise DataError(f"{where}: {e}") from None
-        except (ValueError, TypeError, KeyError) as e:
-            if opts.malformed == "skip":
-                stats.skipped_malformed += 1
-                continue
-            raise DataError(f"{where}: {e}") from None
+        sample = parse_counted(parse_line, tokenizer, where, record, opts, stats)
+        if sample is None:
+            continue
         if unk is not None:
             found = sample.tokens.count(unk)
             stats.unk_tokens += found
@@ -307,15 +315,21 @@ class BatchSource:
         batch, so its token counts (`last_counts`, the loss normaliser) need no collective."""
         rows = self._global_rows(self.consumed)
         self.consumed += self.global_batch
-        self.last_counts = GlobalCounts.of(rows)
+        self.last_counts = self._counts(rows)
         per_rank = self.global_batch // self.dp
         mine = rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        batches = [collate(mine[i : i + self.micro_batch], self.packed) for i in range(0, per_rank, self.micro_batch)]
+        batches = [self._collate(mine[i : i + self.micro_batch]) for i in range(0, per_rank, self.micro_batch)]
         if self.cp == 1:
             return batches
         from toolkit.context_parallel import pad_batch, split_batch
 
         return [split_batch(pad_batch(b, self.length), self.cp, self.cp_rank) for b in batches]
+
+    def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        return collate(rows, self.packed)
+
+    def _counts(self, rows: list[Row]) -> GlobalCounts:
+        return GlobalCounts.of(rows)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}

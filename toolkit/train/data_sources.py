@@ -28,7 +28,7 @@ class DataError(ToolkitError):
 
 
 BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
-OUR_COLUMNS = ("prompt", "response", "messages", "text")
+OUR_COLUMNS = ("prompt", "response", "messages", "text", "chosen", "rejected")
 
 
 @dataclass(frozen=True)

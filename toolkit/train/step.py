@@ -26,22 +26,27 @@ class StepContext:
     real_tokens: int = 0  # non-padding input tokens of the global batch (throughput)
     moe: bool = False  # Mixture-of-Experts: padding is left out of the router's load-balancing loss
     sequence_parallel: bool = False
+    # objective(output, batch, ctx) -> (loss to backpropagate, {"loss_sum": ..., "sums": [k]}); None: the
+    # token cross-entropy (toolkit.train.loss). method=dpo: toolkit.train.preference_loss.DpoObjective.
+    objective: Callable | None = None
+    sums: list[float] | None = None  # after run_schedule: the objective's "sums" over the global batch
 
 
-def reduce_step_totals(loss_sum: torch.Tensor | None, stop_requested: bool, device) -> tuple[float, bool]:
+def reduce_step_totals(loss_sum: torch.Tensor | None, stop_requested: bool, device, width: int = 1):
     """The step's one collective of our own: (sum of the global batch's token losses, whether any
     rank was asked to stop), summed over all ranks at once. Only the last pipeline stage's first TP
     rank holds a loss sum (TP ranks hold the same one); the other ranks add zero. On the compute
-    device (NCCL refuses host tensors); one host sync, here, per step."""
+    device (NCCL refuses host tensors); one host sync, here, per step. With width > 1, `loss_sum`
+    is a vector of that many sums (the first the loss's) and the first item returned is their list."""
     from megatron.core import parallel_state as ps
 
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    totals = torch.zeros(width + 1, dtype=torch.float64, device=device)
     if loss_sum is not None and ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        totals[0] = loss_sum
-    totals[1] = float(stop_requested)
+        totals[:width] = loss_sum
+    totals[width] = float(stop_requested)
     dist.all_reduce(totals)
-    loss_total, stops = totals.tolist()
-    return loss_total, stops > 0
+    values = totals.tolist()
+    return (values[0] if width == 1 else values[:width]), values[width] > 0
 
 
 def _forward_step_func(model_call, ctx: StepContext, device):
@@ -58,6 +63,8 @@ def _forward_step_func(model_call, ctx: StepContext, device):
         logits = model_call(model)(tokens, positions, None if mask is None else mask.to(device), **extra)
 
         def loss_func(output):
+            if ctx.objective is not None:
+                return ctx.objective(output, batch, ctx)
             losses = loss_lib.token_losses(output, batch["labels"].to(device), ctx.vocab_mask)
             scaled, total = loss_lib.scaled_loss(losses, batch["loss_mask"].to(device), ctx.num_microbatches, ctx.dp, ctx.global_tokens)
             return scaled, {"loss_sum": total}
@@ -79,10 +86,9 @@ def routing_padding_mask(padding: torch.Tensor, ctx: StepContext) -> torch.Tenso
     return padding
 
 
-def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool,
-                 stop_requested: Callable[[], bool] = lambda: False) -> tuple[float, bool]:
-    """Run the micro-batches; returns (the global-batch mean loss, whether any rank was asked to
-    stop: `stop_requested()` is read after the last backward), the same on every rank."""
+def schedule_outputs(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool) -> list[dict]:
+    """megatron-core's pipeline schedule over the micro-batches: the loss function's dicts, one per
+    micro-batch, on the last stage (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(module.parameters()).device
@@ -91,7 +97,7 @@ def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forw
         call = lambda chunk: functools.partial(model_call, stage=module.index(chunk))  # noqa: E731
     else:
         model, data, call = module, iter(batches), lambda chunk: model_call
-    outputs = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=_forward_step_func(call, ctx, device),
         data_iterator=data,
         model=model,
@@ -100,7 +106,20 @@ def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forw
         micro_batch_size=ctx.micro_batch,
         forward_only=forward_only,
     )
+
+
+def run_schedule(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool,
+                 stop_requested: Callable[[], bool] = lambda: False) -> tuple[float, bool]:
+    """Run the micro-batches; returns (the global-batch mean loss, whether any rank was asked to
+    stop: `stop_requested()` is read after the last backward), the same on every rank."""
+    device = next(module.parameters()).device
+    outputs = schedule_outputs(model_call, module, batches, ctx, forward_only)
     # Tensors summed without a host sync per micro-batch; outputs is empty off the last stage.
+    width = getattr(ctx.objective, "width", 0)  # an objective with metrics of its own (the loss sum first)
+    if width:  # every rank reduces the same width; only the last stage has outputs
+        sums = torch.stack([o["sums"].double() for o in outputs]).sum(dim=0) if outputs else None
+        ctx.sums, stop = reduce_step_totals(sums, stop_requested(), device, width=width)
+        return ctx.sums[0] / max(ctx.global_tokens, 1), stop
     loss_sum = torch.stack([o["loss_sum"].double() for o in outputs]).sum() if outputs else None
     loss_total, stop = reduce_step_totals(loss_sum, stop_requested(), device)
     return loss_total / max(ctx.global_tokens, 1), stop
@@ -130,13 +149,21 @@ def eval_loss(module, batches, ctx: StepContext) -> float:
     return loss
 
 
-def evaluate(module, source, make_context) -> float:
-    """Token-weighted mean loss over every full global batch of the validation set (at least one)."""
+def evaluate(module, source, make_context, reference=None) -> float | tuple[float, list[float]]:
+    """Token-weighted mean loss over every full global batch of the validation set (at least one).
+    With `reference` (method=dpo): each batch's reference log-probs first, and the result is
+    (mean loss over pairs, the objective's sums as means over those pairs)."""
     source.consumed = 0
     total = tokens = 0.0
+    sums = None
     for _ in range(max(1, len(source.rows) // source.global_batch)):
         batches = source.next_global_batch()
         ctx = make_context(batches, source.last_counts)
+        if reference is not None:
+            reference.attach(batches, ctx)
         total += eval_loss(module, batches, ctx) * ctx.global_tokens
         tokens += ctx.global_tokens
-    return total / max(tokens, 1.0)
+        if ctx.sums is not None:
+            sums = ctx.sums if sums is None else [a + b for a, b in zip(sums, ctx.sums)]
+    mean = total / max(tokens, 1.0)
+    return mean if reference is None else (mean, [v / max(tokens, 1.0) for v in sums])
