@@ -74,6 +74,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         **family_named(spec.family).megatron,
         **moe_settings(spec),
     )
+    transformer.update(mla_settings(spec))  # its kv_channels replaces the one above
     gpt = dict(
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tied_embeddings,
@@ -85,6 +86,30 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         seq_len_interpolation_factor=spec.rope_linear_factor,
     )
     return MegatronSettings(transformer, gpt)
+
+
+def mla_settings(spec: ModelSpec) -> dict:
+    """Multi-latent attention (toolkit/families/mla.py) as MLATransformerConfig's fields: the q / kv
+    LoRA norms are its q_layernorm / kv_layernorm (built where qk_layernorm), RoPE (rope_type "rope")
+    or YaRN ("yarn", toolkit/families/yarn.py) built by MLASelfAttention itself from these fields,
+    not by GPTModel (gpt_model.py:159). kv_channels is unused by MLA's projections (they take the
+    head dims below); v_head_dim, as Megatron-LM's DeepSeek-V3 recipes set it."""
+    if not spec.mla:
+        return {}
+    m = spec.mla
+    return dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=m["q_lora_rank"],
+        kv_lora_rank=m["kv_lora_rank"],
+        qk_head_dim=m["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=m["qk_rope_head_dim"],
+        v_head_dim=m["v_head_dim"],
+        kv_channels=m["v_head_dim"],
+        rotary_base=spec.rope_theta,
+        rotary_percent=spec.rotary_percent,
+        **({"rope_type": "yarn", **spec.yarn} if spec.yarn else {"rope_type": "rope", "rotary_scaling_factor": 1.0}),
+    )
 
 
 def moe_settings(spec: ModelSpec) -> dict:

@@ -58,6 +58,21 @@ GLM4_MOE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, he
                 n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                 use_qk_norm=True, attention_bias=True, num_hidden_layers=4, vocab_size=251,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+# DeepSeek-V3 with every feature on: GLM-4.5's MoE layout above (12 experts in 4 groups, 2 kept, top-4,
+# 2 shared experts, a dense first layer, scaling 2.5), multi-latent attention with a low-rank query of
+# 48, a KV latent of 32, per head 16 + 8 query / key dims and 12 value dims (every size distinct), YaRN
+# (factor 4 over 16 original positions, so the test sequences reach past them) with mscale 0.7 and
+# mscale_all_dim 1 (cos and sin scaled by their ratio, the softmax by the latter's square). The second
+# variant: a full-rank query (q_lora_rank null, as DeepSeek-V2-Lite) and plain RoPE.
+DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                   moe_intermediate_size=24, n_routed_experts=12, num_experts_per_tok=4, n_group=4, topk_group=2,
+                   n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   num_hidden_layers=4, vocab_size=251, max_position_embeddings=64,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 0.7, "mscale_all_dim": 1.0})
+DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # Expert biases of this spread move the sigmoid scores' ranking, so they decide routing for some tokens
 EXPERT_BIAS_STD = 0.2
@@ -131,6 +146,8 @@ VARIANTS = {
     "qwen2-moe-sparse-step": ("Qwen2MoeConfig", {**QWEN2_MOE, "decoder_sparse_step": 2}),
     "glm4-moe": ("Glm4MoeConfig", GLM4_MOE),
     "glm4-moe-air": ("Glm4MoeConfig", GLM4_MOE_AIR),
+    "deepseek-v3": ("DeepseekV3Config", DEEPSEEK_V3),
+    "deepseek-v3-full-q": ("DeepseekV3Config", DEEPSEEK_V3_FULL_Q),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),

@@ -17,6 +17,7 @@ from toolkit.errors import ConversionError
 from toolkit.families.longrope import check_factor_counts, read_longrope
 from toolkit.families.router import read_moe
 from toolkit.families.table import Family
+from toolkit.families.yarn import read_yarn
 
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the
 # other llama3 parameters are its hard-coded defaults (rotary_pos_embedding.py:92-99).
@@ -86,6 +87,30 @@ class ModelSpec:
     # LongRoPE (toolkit/longrope.py): short_factor, long_factor, original_max_position_embeddings,
     # attention_factor; None without
     longrope: dict | None = field(default=None, hash=False)
+    # Multi-latent attention (toolkit/families/mla.py): q_lora_rank (None: a full q_proj), kv_lora_rank,
+    # qk_nope_head_dim, qk_rope_head_dim, v_head_dim; None: the usual attention
+    mla: dict | None = field(default=None, hash=False)
+    # YaRN (toolkit/families/yarn.py), as MLATransformerConfig's fields; None without
+    yarn: dict | None = field(default=None, hash=False)
+
+    @property
+    def q_lora(self) -> bool:
+        """Multi-latent attention with a low-rank query (q_a_proj, q_a_layernorm, q_b_proj)."""
+        return bool(self.mla) and self.mla["q_lora_rank"] is not None
+
+    @property
+    def q_full(self) -> bool:
+        """Multi-latent attention with a full-rank query (q_proj)."""
+        return bool(self.mla) and self.mla["q_lora_rank"] is None
+
+    def _mla_sizes(self) -> dict:
+        if not self.mla:
+            return {}
+        m, heads = self.mla, self.num_heads
+        return {"q_lora": m["q_lora_rank"] or 0, "kv_lora": m["kv_lora_rank"],
+                "kv_down": m["kv_lora_rank"] + m["qk_rope_head_dim"],
+                "q_heads": heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]),
+                "kv_up": heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), "v_size": heads * m["v_head_dim"]}
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -102,6 +127,7 @@ class ModelSpec:
             "2moe_ffn": 2 * self.moe_ffn_hidden_size,
             "shared_ffn": self.moe_shared_ffn_hidden_size,
             "one": 1,
+            **self._mla_sizes(),
         }[symbol]
 
     @property
@@ -155,6 +181,8 @@ def _rope(cfg: dict, family: Family) -> dict:
         return {"rope_theta": float(theta), "rope_linear_factor": _linear_factor(params, source)}
     if rope_type == "longrope":
         return {"rope_theta": float(theta), "longrope": read_longrope(cfg, params, source)}
+    if rope_type == "yarn":
+        return {"rope_theta": float(theta), "yarn": read_yarn(params, source)}
     for key, fixed in MCORE_LLAMA3_FIXED.items():
         if float(params.get(key, fixed)) != fixed:
             raise ConversionError(

@@ -31,6 +31,9 @@ class Row:
     # A ModelSpec flag the row depends on where the config decides whether the tensor exists
     # (GLM-4.5's attention_bias, use_qk_norm); None: always there
     when: str | None = None
+    # megatron-core's torch_dist key where it is not the canonical name (the local MLA spec keys its
+    # norms by their own modules: toolkit/families/mla.py); None: the canonical name
+    dist: str | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -52,6 +55,9 @@ class Row:
     def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
         return _fill(self.megatron, layer, expert)
 
+    def dist_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return _fill(self.dist or self.megatron, layer, expert)
+
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
         return tuple(_fill(n, layer, expert) for n in self.hf)
 
@@ -63,8 +69,8 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
-        when: str | None = None) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when)
+        when: str | None = None, dist: str | None = None) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist)
 
 
 # megatron-core buffers a family table maps (TopKRouter's aux-loss-free expert bias, router.py:173)
