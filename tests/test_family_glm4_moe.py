@@ -34,10 +34,14 @@ def tiny_glm(tmp_path_factory):
     return fp32_and_bf16_models(tmp_path_factory.mktemp("glm4-moe"), VARIANTS, 60, 70)
 
 
-def _hf_router(config, weight, bias, x):
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+def hf_router(config, weight, bias, x):
+    """HF's routing weights per token and expert: the family's own TopkRouter class (Glm4MoeTopkRouter,
+    DeepseekV3TopkRouter)."""
+    import importlib
 
-    router = Glm4MoeTopkRouter(config)
+    name = type(config).__name__.removesuffix("Config")
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    router = getattr(module, f"{name}TopkRouter")(config)
     with torch.no_grad():
         router.weight.copy_(weight)
         router.e_score_correction_bias.copy_(bias)
@@ -45,7 +49,7 @@ def _hf_router(config, weight, bias, x):
     return torch.zeros(x.shape[0], config.n_routed_experts).scatter(1, indices, weights)
 
 
-def _mcore_router(spec, weight, bias, x):
+def mcore_router(spec, weight, bias, x):
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
     settings = settings_for(spec).transformer
@@ -68,9 +72,9 @@ def test_megatron_cores_sigmoid_router_gives_hf_routing_weights(changes):
     torch.manual_seed(0)
     x, weight = torch.randn(512, config.hidden_size), torch.randn(config.n_routed_experts, config.hidden_size) * 0.15
     bias = torch.randn(config.n_routed_experts) * 0.2
-    hf = _hf_router(config, weight, bias, x)
-    assert torch.allclose(_mcore_router(spec, weight, bias, x), hf, rtol=0, atol=1e-6)
-    unbiased = _hf_router(config, weight, torch.zeros_like(bias), x)
+    hf = hf_router(config, weight, bias, x)
+    assert torch.allclose(mcore_router(spec, weight, bias, x), hf, rtol=0, atol=1e-6)
+    unbiased = hf_router(config, weight, torch.zeros_like(bias), x)
     assert ((unbiased > 0) != (hf > 0)).any(), "the bias must change which experts are chosen"
 
 

@@ -2,14 +2,16 @@
 HF's logits in one launch of 8 processes, since process start-up dominates (the dense models run
 with the EP ranks as data-parallel ranks): LongRoPE past and before its switch point (Phi-3,
 Phi-4-mini); MoE models with dense layers (Qwen3-MoE's first two, Qwen2-MoE's every other one);
-the multimodal Gemma 3's language model, against the wrapper's own text-only forward; GLM-4.5 with
-its guards (tests/test_family_glm4_moe.py)."""
+the multimodal Gemma 3's language model, against the wrapper's own text-only forward; GLM-4.5 and
+DeepSeek-V3 with their guards (tests/test_family_glm4_moe.py, tests/test_family_deepseek_v3.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests import test_family_deepseek_v3 as deepseek
 from tests.test_convert_parity import assert_parity
+from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
 from tests.test_gemma3_wrapper import gemma3_wrapper  # noqa: F401
 from tests.test_longrope import longrope_hf  # noqa: F401  (fixtures)
@@ -22,7 +24,7 @@ FORMATS = ("torch", "torch_dist")
 
 @pytest.mark.multiprocess
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
-                                                    tmp_path):
+                                                    tiny_deepseek, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -30,6 +32,9 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
         ep = 2 if "moe" in src.name else 1
         pairs.append((src, hf_to_megatron(src, tmp_path / f"{src.name}-{fmt}", tp=2, pp=2, ep=ep, fmt=fmt, progress=False)))
     glm, matching = parity_pairs(tiny_glm, tmp_path)
-    reports = verify_many(pairs + glm, tp=2, pp=2, ep=2)
-    assert_parity(reports[:len(pairs) + matching])
-    assert_guards_fail(reports[len(pairs) + matching:])
+    ds, ds_matching = deepseek.parity_pairs(tiny_deepseek, tmp_path)
+    reports = verify_many(pairs + glm + ds, tp=2, pp=2, ep=2)
+    ours, glms, deepseeks = reports[:len(pairs)], reports[len(pairs):len(pairs) + len(glm)], reports[len(pairs) + len(glm):]
+    assert_parity(ours + glms[:matching] + deepseeks[:ds_matching])
+    assert_guards_fail(glms[matching:])
+    deepseek.assert_guards_fail(deepseeks[ds_matching:])

@@ -17,9 +17,6 @@ from typing import Container
 TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    # multi-latent attention's q / kv LoRA norms (gpt_layer_specs.py:236-244 TE, :366-392 local)
-    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
-    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 LOCAL_TO_TE = {v: k for k, v in TE_TO_LOCAL.items()}
 # Modules whose `_extra_state` appears in a GPT layer's state dict (TE FP8 metadata; None locally).

@@ -68,8 +68,8 @@ def shard_ranges(split: SplitKind, src, names: Sequence[str], tp: int, rank: int
     """The bytes of build_shard(split, src, names, tp, rank, geo) as ranges of the HF files, or
     None where the split kind does not describe them or a range would be small."""
     pieces = split.row_pieces(src, names, tp, rank, geo)
-    if pieces is None:
-        return None
+    if pieces is None or any(src.tensors[p.name].stored for p in pieces if p.name is not None):
+        return None  # a tensor converted on reading (FP8 dequantized) is built, never byte-copied
     template = src.tensors[next(p.name for p in pieces if p.name is not None)]
     row_bytes = math.prod(template.shape[1:]) * template.itemsize
     ranges = _merged([r for piece in pieces for r in _piece_ranges(src, piece, row_bytes)])

@@ -81,10 +81,14 @@ class LanguageModelView:
 
 
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:
-    """An HF checkpoint directory as the converter reads it: a wrapper as its language model."""
+    """An HF checkpoint directory as the converter reads it: a wrapper as its language model, FP8
+    weights with block scales dequantized to bf16 (toolkit/convert/fp8.py)."""
+    from toolkit.convert import fp8
     from toolkit.convert.hf_source import HFCheckpoint
 
     src = HFCheckpoint(directory)
+    if fp8.is_fp8(src.config):
+        return fp8.Fp8View(src)
     wrapper = wrapper_for(src.config)
     return LanguageModelView(src, wrapper) if wrapper else src
 

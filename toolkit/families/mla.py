@@ -39,19 +39,19 @@ HF_LORA_NORM_EPS = 1e-6
 
 A = L + "self_attn."
 S = M + "self_attention."
-# Canonical names (TE's, as every table) with, where megatron-core's local MLA spec keys its
-# torch_dist tensors otherwise (it has no sharded_state_dict_keys_map), that key (Row.dist)
+# Canonical names (the pre-norms TE's, as every table; the q / kv norms their local modules', as other
+# families' q / k norms) with, where megatron-core's local MLA spec keys its torch_dist tensors
+# otherwise (it has no sharded_state_dict_keys_map, so the pre-norms keep their module names), that key
+# (Row.dist)
 MLA_ROWS = (
     row(S + "linear_qkv.layer_norm_weight", L + "input_layernorm.weight", Split.REPLICATED, ("hidden",),
         dist=M + "input_layernorm.weight"),
     row(S + "linear_q_down_proj.weight", A + "q_a_proj.weight", Split.COLUMN, ("q_lora", "hidden"), when="q_lora"),
-    row(S + "linear_q_up_proj.layer_norm_weight", A + "q_a_layernorm.weight", Split.REPLICATED, ("q_lora",),
-        when="q_lora", dist=S + "q_layernorm.weight"),
+    row(S + "q_layernorm.weight", A + "q_a_layernorm.weight", Split.REPLICATED, ("q_lora",), when="q_lora"),
     row(S + "linear_q_up_proj.weight", A + "q_b_proj.weight", Split.COLUMN, ("q_heads", "q_lora"), when="q_lora"),
     row(S + "linear_q_proj.weight", A + "q_proj.weight", Split.COLUMN, ("q_heads", "hidden"), when="q_full"),
     row(S + "linear_kv_down_proj.weight", A + "kv_a_proj_with_mqa.weight", Split.COLUMN, ("kv_down", "hidden")),
-    row(S + "linear_kv_up_proj.layer_norm_weight", A + "kv_a_layernorm.weight", Split.REPLICATED, ("kv_lora",),
-        dist=S + "kv_layernorm.weight"),
+    row(S + "kv_layernorm.weight", A + "kv_a_layernorm.weight", Split.REPLICATED, ("kv_lora",)),
     row(S + "linear_kv_up_proj.weight", A + "kv_b_proj.weight", Split.COLUMN, ("kv_up", "kv_lora")),
     row(S + "linear_proj.weight", A + "o_proj.weight", Split.ROW, ("hidden", "v_size")),
     row(M + "mlp.linear_fc1.layer_norm_weight", L + "post_attention_layernorm.weight", Split.REPLICATED, ("hidden",),
