@@ -1,4 +1,5 @@
-"""DeepSeek-V3 / V3.1 / R1 (DeepseekV3ForCausalLM), and Kimi-K2, which reuses the architecture:
+"""DeepSeek-V3 / V3.1 / R1 (DeepseekV3ForCausalLM), and Kimi-K2 (model_type kimi_k2, read through
+DeepseekV3Config), which reuses the architecture:
 multi-latent attention (toolkit/families/mla.py) with YaRN or plain RoPE (toolkit/families/yarn.py),
 and GLM-4.5's MoE layout (toolkit/families/sigmoid_router.py): sigmoid scores with an expert bias,
 group-limited top-k, routed_scaling_factor, ungated shared experts, dense layers below
@@ -19,7 +20,10 @@ EMBEDDING_AND_HEAD = tuple(BY_NAME[n] for n in ("embedding.word_embeddings.weigh
 
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
-    model_types=("deepseek_v3",),
+    # Kimi-K2 ships model_type "kimi_k2" with auto_map to DeepSeek's own DeepseekV3Config (Moonshot's
+    # deployment guide: frameworks without it may set "deepseek_v3"); transformers 5.23 has no kimi_k2
+    model_types=("deepseek_v3", "kimi_k2"),
+    config_class_of={"kimi_k2": "deepseek_v3"},
     architecture="DeepseekV3ForCausalLM",
     rows=EMBEDDING_AND_HEAD + MLA_ROWS + DEEPSEEK_MOE_ROWS,
     rope_types=("default", "yarn"),

@@ -140,6 +140,9 @@ class Family:
     # (`model.layers.<num_hidden_layers + i>.*`, GLM-4.5 / DeepSeek-V3), which HF's model ignores on
     # load: the converter leaves them out and says so
     mtp_key: str | None = None
+    # model_type -> the one of transformers' config classes that reads it, where transformers has none of
+    # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
+    config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
 
     def rows_for(self, spec) -> tuple[Row, ...]:
         """The rows of `spec` (a ModelSpec): with tied embeddings the output layer is the embedding,
