@@ -144,3 +144,33 @@ def assert_guards_fail(reports) -> None:
     print({r.checkpoint.rsplit("/", 1)[-1]: f"{r.max_logit_diff:.2e}" for r in reports})
     for piece, report in zip(GUARDS, reports):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
+    """DeepSeek-V3's published MTP layer (num_nextn_predict_layers=1, model.layers.<num_hidden_layers>.*),
+    which HF's DeepseekV3ForCausalLM ignores on load, is left out saying so, never silently."""
+    src = tmp_path / "published"
+    shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
+    mtp = {k.replace("layers.3.", "layers.4."): v.clone() for k, v in load_all(src).items() if k.startswith("model.layers.3.")}
+    edit_tensors(src, lambda t: t.update(mtp))
+    edit_config(src, num_nextn_predict_layers=1)
+    out = hf_to_megatron(src, tmp_path / "out", ep=2, **LOCAL)
+    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {len(mtp)} tensors from model.layers.4.) "
+            "are left out") in capfd.readouterr().err
+    assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_deepseek["deepseek-v3-bf16"]))
+
+
+def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path):
+    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, and the
+    export keeps the model_type as published."""
+    import json
+
+    src = tmp_path / "kimi"
+    shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
+    edit_config(src, model_type="kimi_k2")
+    cfg = json.loads((src / "config.json").read_text())
+    assert spec_from_config(cfg)[1] == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
+    back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL), tmp_path / "back", progress=False)
+    assert json.loads((back / "config.json").read_text())["model_type"] == "kimi_k2"
+    original = load_all(src)
+    assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())

@@ -9,7 +9,7 @@ and themselves over `factor` with the same linear ramp between the correction di
   HF:            get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) where both are set,
                  else get_mscale(factor); `attention_factor` where the config gives one
   megatron-core: get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), always
-                 (_yarn_get_concentration_factor, yarn_rotary_pos_embedding.py:258-271; get_mscale(s, 0) = 1)
+                 (_yarn_get_concentration_factor, yarn_rotary_pos_embedding.py:259-271; get_mscale(s, 0) = 1)
 (get_mscale(s, m) = 0.1 m ln s + 1 for s > 1). They agree where both mscales are set, and where
 mscale_all_dim is not and mscale is 1 (or unset); the other cases and an explicit attention_factor
 are refused. The softmax scale get_mscale(factor, mscale_all_dim)**2 / sqrt(qk head dim) is the same
