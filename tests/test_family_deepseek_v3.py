@@ -1,7 +1,8 @@
 """DeepSeek-V3 / Kimi-K2 (deepseek_v3): multi-latent attention with a low-rank or a full query, YaRN with
 mscale / mscale_all_dim or plain RoPE, and GLM-4.5's router layout (sigmoid scores with an expert bias,
 group-limited top-k, routed scaling, shared experts, a dense first layer) (toolkit/families/deepseek_v3.py,
-mla.py, yarn.py).
+mla.py, yarn.py). Its router is checked token by token against DeepseekV3TopkRouter in
+tests/test_family_glm4_moe.py.
 
 HF is the reference: megatron-core's own MLASelfAttention (local spec) loading our checkpoints at TP2 x PP2 x
 EP2 gives HF's logits within 1e-4 in fp32 (in the one launch of tests/test_published_parity.py), both variants,
@@ -17,9 +18,9 @@ import torch
 
 from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
-from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
-from tests.test_family_glm4_moe import hf_router, mcore_router
+from tests.test_family_glm4_moe import add_mtp_layer, family_parity_pairs
+from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
@@ -49,18 +50,6 @@ def test_settings_are_megatron_cores_mla_and_yarn_fields():
         "moe_router_topk_scaling_factor": 2.5, "moe_layer_freq": [0, 1, 1, 1]}
     full = settings_for(spec_from_config(make_config("deepseek-v3-full-q").to_dict())[1]).transformer
     assert (full["q_lora_rank"], full["rope_type"], full["rotary_scaling_factor"]) == (None, "rope", 1.0)
-
-
-def test_megatron_cores_router_gives_deepseek_v3s_routing_weights():
-    """DeepseekV3TopkRouter (HF) and megatron-core's router function with our settings: the same experts
-    and weights for 512 tokens (the same router as GLM-4.5's, checked on DeepSeek-V3's own class)."""
-    config = make_config("deepseek-v3")
-    spec = spec_from_config(config.to_dict())[1]
-    torch.manual_seed(0)
-    x, weight = torch.randn(512, config.hidden_size), torch.randn(config.n_routed_experts, config.hidden_size) * 0.15
-    bias = torch.randn(config.n_routed_experts) * 0.2
-    hf = hf_router(config, weight, bias, x)
-    assert torch.allclose(mcore_router(spec, weight, bias, x), hf, rtol=0, atol=1e-6)
 
 
 REFUSALS = (
@@ -134,16 +123,11 @@ def parity_pairs(tiny_deepseek, tmp_path) -> tuple[list, int]:
     """(hf, megatron) pairs for the TP2 x PP2 x EP2 parity launch of tests/test_published_parity.py: the
     low-rank-query YaRN model as per-rank torch files, the full-query RoPE one as torch_dist, then one guard
     per piece, which must be far off HF's logits; and how many of them must match."""
-    pairs = [(tiny_deepseek[v], hf_to_megatron(tiny_deepseek[v], tmp_path / f"ds-{v}-{fmt}", tp=2, pp=2, ep=2,
-                                               fmt=fmt, **LOCAL))
-             for v, fmt in zip(VARIANTS, ("torch", "torch_dist"))]
-    return pairs + [(tiny_deepseek["deepseek-v3"], _dropped(tiny_deepseek, tmp_path, piece)) for piece in GUARDS], len(pairs)
+    return family_parity_pairs(tiny_deepseek, VARIANTS, GUARDS, _dropped, tmp_path, layer_spec="local")
 
 
 def assert_guards_fail(reports) -> None:
-    print({r.checkpoint.rsplit("/", 1)[-1]: f"{r.max_logit_diff:.2e}" for r in reports})
-    for piece, report in zip(GUARDS, reports):
-        assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+    glm4_moe_guards_fail(reports, GUARDS)
 
 
 def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
@@ -151,11 +135,9 @@ def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
     which HF's DeepseekV3ForCausalLM ignores on load, is left out saying so, never silently."""
     src = tmp_path / "published"
     shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
-    mtp = {k.replace("layers.3.", "layers.4."): v.clone() for k, v in load_all(src).items() if k.startswith("model.layers.3.")}
-    edit_tensors(src, lambda t: t.update(mtp))
-    edit_config(src, num_nextn_predict_layers=1)
+    mtp = add_mtp_layer(src, 4)
     out = hf_to_megatron(src, tmp_path / "out", ep=2, **LOCAL)
-    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {len(mtp)} tensors from model.layers.4.) "
+    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {mtp} tensors from model.layers.4.) "
             "are left out") in capfd.readouterr().err
     assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_deepseek["deepseek-v3-bf16"]))
 
