@@ -75,14 +75,17 @@ def test_fp8_weights_convert_to_the_reference_bf16_at_tp2_pp2_ep2(fp8_model, tmp
 
 
 def test_dequantizing_a_slice_reads_its_blocks_scales():
-    """What a TP split reads: rows 40..100 and columns 130..300 of a 300 x 300 weight in 128 x 128 blocks."""
+    """What a TP split reads: rows 40..100 (inside a block row) or 100..300 (across three) and columns 130..300
+    of a 300 x 300 weight in 128 x 128 blocks."""
     torch.manual_seed(0)
     x = (torch.randn(300, 300) * 40).to(torch.float8_e4m3fn)
     s = torch.rand(3, 3) + 0.5
     whole = dequantize(x, s, (128, 128))
     part = dequantize(x[40:100, 130:300], s[0:1, 1:3], (128, 128), 40, 130)
     assert torch.equal(part, whole[40:100, 130:300])
+    assert torch.equal(dequantize(x[100:300, 130:300], s[0:3, 1:3], (128, 128), 100, 130), whole[100:300, 130:300])
     assert torch.equal(whole[127, 128], (x[127, 128].float() * s[0, 1]).bfloat16())
+    assert torch.equal(whole[299, 299], (x[299, 299].float() * s[2, 2]).bfloat16())
 
 
 def test_what_is_not_dequantized_exactly_is_refused_in_one_line(fp8_model, tmp_path):

@@ -58,11 +58,17 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
                col0: int = 0) -> torch.Tensor:
     """bf16(float32(weight) * scale of its block) for `weight`, the FP8 slice starting at (row0, col0)
     of its tensor, and `scale`, the scale rows and columns of the blocks from row0 // rows and
-    col0 // columns on."""
+    col0 // columns on. One block row at a time, so the float32 temporaries stay a block row's."""
     rows, cols = weight.shape
-    r = (torch.arange(row0, row0 + rows) // block[0]) - row0 // block[0]
-    c = (torch.arange(col0, col0 + cols) // block[1]) - col0 // block[1]
-    return (weight.to(torch.float32) * scale.to(torch.float32)[r][:, c]).to(torch.bfloat16)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    col_blocks = (torch.arange(col0, col0 + cols) // block[1]) - col0 // block[1]
+    start = 0
+    while start < rows:
+        stop = min(rows, start + block[0] - (row0 + start) % block[0])  # to the end of this block row
+        row_scale = scale[(row0 + start) // block[0] - row0 // block[0]].to(torch.float32)[col_blocks]
+        out[start:stop] = (weight[start:stop].to(torch.float32) * row_scale).to(torch.bfloat16)
+        start = stop
+    return out
 
 
 class Fp8View:
