@@ -8,7 +8,7 @@ q_lora_rank 1536, kv_lora_rank 512, dense FFN 18432, experts of 2048, one shared
 and experts and a small vocabulary, written straight to safetensors (random float8_e4m3fn bytes, float32
 scales, no model instantiated), one file per layer; converted by the CLI at TP2 x PP1 x EP2 (torch) in a
 subprocess while /proc is sampled (benchmarks/convert_bench.py run_sampled). The expert bias is stored in
-bf16: the float32 one of the published files is refused (docs/frontier_families.md).
+bf16 (the published files' is float32, a few KiB: no difference to memory).
 """
 
 from __future__ import annotations

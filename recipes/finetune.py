@@ -113,7 +113,8 @@ def prepare(config_path, overrides) -> Run:
     fsdp = cfg.parallel.dp_engine == "fsdp"
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
                   "zero_stage": None if fsdp else cfg.parallel.zero_stage, "vpp": cfg.parallel.vpp,
-                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {})}
+                  **({"ep": cfg.parallel.ep} if meta.model_spec.is_moe else {}), **({"dp_engine": "fsdp"} if fsdp else {}),
+                  **({"cp": cfg.parallel.cp} if cfg.parallel.cp > 1 else {})}
     run_dir = Path(cfg.run_dir)
     checkpoint.refuse_outputs_over_inputs(run_dir, cfg.model.checkpoint, *cfg.data.train_file.split(","),
                                           cfg.data.valid_file, cfg.model.optimizer_state)
@@ -159,10 +160,12 @@ def finetune(run: Run) -> int:
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
     # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
-    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp)
+    info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp,
+                         cp=cfg.parallel.cp)
     peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
     progress = Progress(info.rank == 0, cfg.steps, show_mfu=peak_source != CPU_SOURCE)
-    progress.stage(f"building the model (TP {info.tp} x PP {info.pp} x DP {info.dp}) and loading its weights "
+    cp_named = f" x CP {info.cp}" if info.cp > 1 else ""
+    progress.stage(f"building the model (TP {info.tp} x PP {info.pp}{cp_named} x DP {info.dp}) and loading its weights "
                    f"from {cfg.model.checkpoint}")
 
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
@@ -216,9 +219,10 @@ def finetune(run: Run) -> int:
 
     vocab_mask = padded_vocab_mask(spec.vocab_size, layout.padded_vocab(spec.vocab_size), cfg.parallel.tp, info.tp_rank, info.device)
     padded_tokens = cfg.global_batch * cfg.data.seq_len
+    model_length = build.model_length(cfg)  # data.seq_len, padded under CP to the zig-zag split's multiple
 
     def context(batches, counts):
-        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, cfg.data.seq_len, cfg.micro_batch,
+        return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, model_length, cfg.micro_batch,
                            counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel)
 
     # wandb.sample_generations: the validation prompts greedily continued at each eval (PP = 1).

@@ -1,10 +1,9 @@
 """Helpers for the fine-tuning tests: a tiny model, data with unequal lengths, launching the
-recipe under torchrun, and the independent single-process HF reference."""
+recipe under torchrun; the independent single-process HF reference is toolkit/parity/reference.py."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import signal
@@ -15,6 +14,11 @@ from pathlib import Path
 
 import torch
 import yaml
+
+# The HF + torch AdamW reference lives in the library (toolkit parity runs it for users): one copy.
+from toolkit.parity.reference import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, differences,  # noqa: F401
+                                      document_loss, hf_reference, peft_model, reference_lr_factor,
+                                      reference_rows, reference_samples)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -139,44 +143,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def reference_lr_factor(step: int, warmup: int, total: int, floor: float, kind: str = "cosine") -> float:
-    """Linear warmup, then cosine to `floor` (or constant), written out independently of
-    toolkit.train.schedule: the factor of the base LR for the step after `step` completed ones."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if kind == "constant":
-        return 1.0
-    t = min(step - warmup, total - warmup) / max(1, total - warmup)
-    return floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2
-
-
-def reference_samples(tokenizer, data: Path, max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(tokens, targets mask) per JSONL line, tokenised here character by character (the tiny
-    tokenizer has one token per character): prompt masked, response + EOS counted, truncated."""
-    samples = []
-    for line in data.read_text().splitlines():
-        record = json.loads(line)
-        prompt = tokenizer.convert_tokens_to_ids(list(record["prompt"]))
-        response = tokenizer.convert_tokens_to_ids(list(record["response"])) + [tokenizer.eos_token_id]
-        samples.append(((prompt + response)[:max_tokens], ([0] * len(prompt) + [1] * len(response))[:max_tokens]))
-    return samples
-
-
-def reference_rows(samples, length: int, pack: bool) -> list[list[tuple[list[int], list[int]]]]:
-    """Each training row as its list of documents: one sample per row, or greedy packing in
-    file order where a sample never spans two rows."""
-    if not pack:
-        return [[s] for s in samples]
-    rows, current, used = [], [], 0
-    for tokens, mask in samples:
-        if used + len(tokens) > length:
-            rows.append(current)
-            current, used = [], 0
-        current.append((tokens, mask))
-        used += len(tokens)
-    return rows + ([current] if current else [])
-
-
 def write_peft_adapter(hf_dir: Path, out: Path, targets, r: int = 4, alpha: float = 8.0, use_rslora: bool = False,
                        seed: int = 0) -> Path:
     """An adapter saved by HF PEFT itself for the HF model: PEFT's initialisation, then B drawn
@@ -196,88 +162,7 @@ def write_peft_adapter(hf_dir: Path, out: Path, targets, r: int = 4, alpha: floa
     return out
 
 
-def peft_model(model, adapter_dir: Path):
-    """HF PEFT's own LoRA on `model`: get_peft_model with the adapter's config, its weights loaded."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    config = LoraConfig.from_pretrained(adapter_dir)
-    config.inference_mode = False  # save_pretrained stores True, which would freeze the adapter too
-    peft = get_peft_model(model, config)
-    result = set_peft_model_state_dict(peft, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
-    assert not result.unexpected_keys, result.unexpected_keys
-    return peft
-
-
-def hf_reference(hf_dir: Path, data: Path, cfg_path: Path, steps: int, device: str = "cpu",
-                 adapter: Path | None = None, step_loss=None, on_step=None,
-                 prepare=None) -> tuple[list[float], list[float]]:
-    """Single-process HF transformers + torch.optim.AdamW on the unconverted weights, over the
-    same global batches: loss = sum of token losses over the global batch / its token count.
-    With `adapter` (an HF PEFT directory) the model is HF PEFT's LoRA from that adapter, and
-    only its LoRA weights train.
-
-    Independent of the product's data and schedule code: its own tokenisation and masking, its
-    own packing, one forward per document (no padding, positions from 0), its own LR formula.
-    `step_loss(model, rows, cfg, device)` -> (objective to back-propagate, reported loss) replaces
-    that forward (tests/moe_reference.py: padded micro-batches with the router's auxiliary loss).
-    `on_step(step, model)` is called after each optimizer step (step from 1), e.g. to keep weights.
-    `prepare(model)` is called once before training (tests/moe_reference.py: routers in fp64)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cfg = yaml.safe_load(cfg_path.read_text())
-    data_cfg, optim = cfg["data"], cfg["optim"]
-    assert data_cfg.get("shuffle") is False, "the reference reads the file in order"
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1)
-    rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = peft_model(model, adapter)
-    model = model.to(device).train()
-    if prepare is not None:
-        prepare(model)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trained if p.ndim > 1]
-    no_decay = [p for p in trained if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=optim["lr"])
-    floor = optim.get("min_lr", 0.0) / optim["lr"]
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: reference_lr_factor(s, optim["warmup_steps"], cfg["steps"], floor, optim["schedule"]))
-    batch = cfg["global_batch"]
-    losses, norms = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        global_rows = [rows[i % len(rows)] for i in range(step * batch, (step + 1) * batch)]
-        objective, loss = (step_loss or document_loss)(model, global_rows, cfg, device)
-        objective.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, optim["clip_grad"])))
-        opt.step()
-        sched.step()
-        losses.append(float(loss))
-        if on_step is not None:
-            on_step(step + 1, model)
-    return losses, norms
-
-
-def document_loss(model, global_rows, cfg, device):
-    """Sum of token losses over the global batch / its token count, one forward per document."""
-    total, count = 0.0, 0
-    for row in global_rows:
-        for tokens, mask in row:
-            logits = model(input_ids=torch.tensor([tokens], device=device)).logits[0, :-1].float()
-            targets = torch.tensor(mask[1:], dtype=torch.float32, device=device)
-            token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:], device=device), reduction="none")
-            total = total + (token_loss * targets).sum()
-            count += int(targets.sum())
-    loss = total / count
-    return loss, loss
-
-
 STEPS = 10
-LOSS_TOLERANCE_FP32 = 1e-5
-GRAD_NORM_TOLERANCE = 1e-4  # relative
 # bf16 rounds weights and activations: a loss within 2e-2 of the fp32 reference over 10 steps, and
 # the gradient norm within 2e-2 relative (measured up to 6.1e-3: PP2 untied; 2.2e-3 Gemma 3 at TP2
 # with SP; 2.8e-3 FSDP; 4.7e-3 LoRA at PP2). A wrong loss scale (x2) stays within the loss bar (2.4e-3) and is 1.0 off
@@ -344,15 +229,6 @@ def parity_setup(root: Path, models: dict):
         return cache.get(cfg_path, lambda: hf_reference(built[name][0], data, cfg_path, steps), built[name][0])
 
     return root, data, built, reference
-
-
-def differences(metrics: list[dict], ref_losses: list[float], ref_norms: list[float]) -> tuple[float, float]:
-    """(max |loss - reference|, max |grad norm - reference| / max(1, reference)) over the logged steps,
-    which must be steps 1, 2, ... and as many as the reference's."""
-    assert [m["step"] for m in metrics] == list(range(1, len(ref_losses) + 1)), [m["step"] for m in metrics]
-    loss = max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses))
-    norm = max(abs(m["grad_norm"] - r) / max(1.0, r) for m, r in zip(metrics, ref_norms))
-    return loss, norm
 
 
 def run_against_reference(setup, tmp_path: Path, nprocs: int, model: str, pack: bool = False, script: Path = RECIPE,

@@ -8,6 +8,11 @@
 * `loss-factor:<F>`: every micro-batch's loss is multiplied by F before backward
   (toolkit.train.loss.scaled_loss), a wrong loss scale: the gradients are F times the right ones,
   which Adam and clipping hide from the losses (tests/test_finetune_parity.py, tests/test_fp16.py).
+* `cp-positions-from-zero`: under context parallelism every CP rank's RoPE positions start at 0
+  (megatron-core's get_pos_emb_on_this_cp_rank replaced by the first s/CP positions): each rank's
+  chunks rotated as if they began the sequence, the bug users of other trainers report.
+* `cp-loss-mean`: the loss averaged over the CP ranks instead of summed (each micro-batch's loss
+  divided by CP): every gradient CP times too small (tests/test_context_parallel.py).
 
 Patched here, in the worker, so the product has no test switch."""
 
@@ -35,7 +40,32 @@ def scale_the_loss(factor: str) -> None:
     loss.scaled_loss = scaled_by_factor
 
 
-DEFECTS = {"no-tp-sum": leave_out_of_tp_sum, "loss-factor": scale_the_loss}
+def rope_positions_from_zero(_: str) -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    from toolkit.runtime import cpu_compat
+
+    def first_positions(pos_emb, seq_dim, cp_group):
+        return pos_emb.narrow(seq_dim, 0, pos_emb.shape[seq_dim] // cp_group.size())
+
+    cpu_compat._PATCHES["context_parallel_rope"] = lambda: None  # it would put the right ones back
+    rope_utils.get_pos_emb_on_this_cp_rank = rotary_pos_embedding.get_pos_emb_on_this_cp_rank = first_positions
+
+
+def loss_mean_over_cp(_: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    scaled_loss = loss.scaled_loss
+
+    def averaged(*args, **kwargs):
+        scaled, total = scaled_loss(*args, **kwargs)
+        return scaled / ps.get_context_parallel_world_size(), total
+
+    loss.scaled_loss = averaged
+
+
+DEFECTS = {"no-tp-sum": leave_out_of_tp_sum, "loss-factor": scale_the_loss, "cp-positions-from-zero": rope_positions_from_zero,
+           "cp-loss-mean": loss_mean_over_cp}
 
 if __name__ == "__main__":
     name, _, argument = os.environ["DEFECT"].partition(":")

@@ -161,7 +161,7 @@ def replace_with_dir(relative: str):
         (edit_meta(lambda m: m.pop("tp")), "missing key 'tp'"),
         (edit_meta(lambda m: m.update(tp="2")), "'tp' must be int"),
         (edit_meta(lambda m: m.update(checksums=[])), "'checksums' must be dict"),
-        (edit_meta(lambda m: m["spec"].update(attention_sinks=8)), "unknown key 'attention_sinks'"),
+        (edit_meta(lambda m: m["spec"].update(attention_chunk_size=8)), "unknown key 'attention_chunk_size'"),
         (edit_meta(lambda m: m["spec"].update(num_layers="6")), "'num_layers' must be int"),
         (lambda c: shutil.rmtree(c / "hf"), "hf/config.json"),
         (replace_with_dir("hf/config.json"), "hf/config.json"),

@@ -94,7 +94,7 @@ def test_what_is_not_dequantized_exactly_is_refused_in_one_line(fp8_model, tmp_p
     for f in fp8_model.iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     quantization = json.loads((src / "config.json").read_text())["quantization_config"]
-    for changes, line in (({"quant_method": "compressed-tensors"}, "quantization_config.quant_method='compressed-tensors'"),
+    for changes, line in (({"fmt": "e5m2"}, "quantization_config.fmt='e5m2' is not supported"),
                           ({"weight_block_size": [16]}, "weight_block_size=\\[16\\]: expected two positive integers")):
         edit_config(src, quantization_config={**quantization, **changes})
         convert_fails(src, tmp_path / "out", line, layer_spec="local")

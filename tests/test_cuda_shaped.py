@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -61,6 +62,14 @@ def test_compat_fixes_that_are_not_cpu_specific_apply_with_cuda(monkeypatch):
     # the router's gating linear, as megatron-core's MoE router calls it (moe_utils.py:1225)
     x, w = torch.randn(3, 8), torch.randn(4, 8)
     assert torch.allclose(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
+    # the expert bias's token counts with a padding mask (router.py:542, EXPERT_BIAS_MASK_SPOT), as the
+    # router calls it: 5 tokens (the last two padding), 4 experts, top-1
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    router = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
+    routing_map = torch.nn.functional.one_hot(torch.tensor([0, 2, 2, 1, 3]), 4).bool()
+    TopKRouter._apply_expert_bias(router, routing_map, torch.tensor([False, False, False, True, True]))
+    assert router.local_tokens_per_expert.tolist() == [1, 0, 2, 0]
 
 
 def test_more_local_ranks_than_gpus_is_refused_in_one_line(monkeypatch):

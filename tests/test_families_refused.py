@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.test_convert_bad_input import convert_fails, edit_config
 
 
@@ -15,3 +17,16 @@ def test_multimodal_gemma3_without_its_text_config_is_refused_in_one_line(hf_cop
     edit_config(src, model_type="gemma3")
     convert_fails(src, tmp_path / "out", "^[^\n]*" + re.escape("config.json: model_type 'gemma3' without a 'text_config' "
                                                               "object: not a multimodal checkpoint") + "[^\n]*$")
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("qwen3_next", "its gated DeltaNet layers need megatron-core's GatedDeltaNet"),
+    ("llama4_text", "Llama 4's chunked local attention (attention_chunk_size"),
+    ("llama4", "Llama 4's chunked local attention (attention_chunk_size")])
+def test_frontier_families_megatron_core_cannot_express_are_refused_with_the_reason(hf_copy, tmp_path, model_type,
+                                                                                  reason):
+    """Issue 26: Qwen3-Next and Llama 4 are refused in one line naming the missing piece (README repeats it)."""
+    src = hf_copy("llama")
+    edit_config(src, model_type=model_type)
+    convert_fails(src, tmp_path / "out", "^[^\n]*" + re.escape(f"model_type {model_type!r} is not supported: {reason}")
+                  + "[^\n]*$")

@@ -60,7 +60,6 @@ REFUSALS = (
     ({"kv_lora_rank": 31}, "qk_rope_head_dim 39 is not divisible by --tp 2"),
 )
 YARN_REFUSALS = (
-    ({"mscale_all_dim": None}, "mscale=0.7 without mscale_all_dim"),
     ({"mscale": None}, "mscale_all_dim=1.0 without mscale"),
     ({"attention_factor": 1.5}, "an explicit YaRN attention factor"),
     ({"truncate": False}, "always rounds YaRN's correction range"),

@@ -34,7 +34,8 @@ def test_unscaled_rope_factor_is_megatron_cores_default():
     assert megatron_args(spec, Layout(), "torch").rope_scaling_factor == default
 
 
-@pytest.mark.parametrize("variant", ["llama3-scaled", "qwen2", "mistral", "qwen3-tied", "gemma3", "olmo2", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("variant", ["llama3-scaled", "qwen2", "mistral", "qwen3-tied", "gemma3", "olmo2", "mixtral", "qwen3-moe",
+                                     "gpt-oss"])
 def test_stored_args_and_the_built_transformer_config_agree(variant):
     """Every TransformerConfig field Megatron-LM also keeps in `args` has the same value in both."""
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -305,7 +305,7 @@ class _Held:
 
 
 def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict | None = None, ep: int = 1,
-           vpp: int = 1):
+           vpp: int = 1, cp: int = 1):
     from toolkit.layouts import Layout
     from toolkit.model import build_gpt_model, transformer_config
     from toolkit.train.virtual import schedule_settings
@@ -316,7 +316,7 @@ def _model(spec, tp, pp, dtype, recompute, sequence_parallel=False, lora: dict |
     torch.manual_seed(SEED)
     layout = Layout(tp, pp, ep=ep)
     config = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel, **extra,
-                                **schedule_settings(pp, vpp))
+                                **schedule_settings(pp, vpp), context_parallel_size=cp)
     if vpp > 1:  # the recipe's chunks (toolkit.train.build), one per virtual stage
         return [build_gpt_model(spec, layout, dtype, config=config, vp_stage=v) for v in range(vpp)]
     model = build_gpt_model(spec, layout, dtype, config=config)
@@ -350,6 +350,34 @@ def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequen
     return total
 
 
+def context_parallel_saved_bytes(cases: list[dict]) -> list[dict]:
+    """Bytes saved for backward by one forward at CP (the launch's world size) of each case, this
+    rank's chunks of a SEQ-token micro-batch (toolkit.context_parallel), for 2 and 4 layers."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.context_parallel import chunk_positions
+
+    cp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 2
+    switch_layout(1, 1, cp=cp)
+    rank = ps.get_context_parallel_rank()
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    out = []
+    for case in cases:
+        saved = {}
+        for n in (2, 4):
+            spec = tiny_spec(n, case["variant"])
+            model = _model(spec, 1, 1, dtypes[case["precision"]], case["recompute"], cp=cp)
+            live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
+            mine = chunk_positions(SEQ, cp, rank)
+            tokens = _batches(spec, 1, case["micro"], seed=7)[0][:, mine]
+            with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+                loss = model(tokens, mine[None].expand(case["micro"], -1), None, labels=tokens).float().mean()
+            saved[n] = live.total
+            loss.backward()
+        out.append({**case, "cp": cp, "saved": saved})
+    return out
+
+
 def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int, vpp: int = 1) -> int:
     """Peak saved-for-backward bytes on this rank's stage during one 1F1B (or interleaved) step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -376,7 +404,7 @@ def pipeline_peak_bytes(spec, dtype, micro: int, micro_batches: int, vpp: int = 
 # the launch
 
 
-def switch_layout(tp: int, pp: int, ep: int = 1, vpp: int = 1):
+def switch_layout(tp: int, pp: int, ep: int = 1, vpp: int = 1, cp: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -384,7 +412,7 @@ def switch_layout(tp: int, pp: int, ep: int = 1, vpp: int = 1):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    info = init_parallel(tp, pp, ep=ep, vpp=vpp)
+    info = init_parallel(tp, pp, ep=ep, vpp=vpp, cp=cp)
     model_parallel_cuda_manual_seed(SEED)
     return info
 

@@ -14,7 +14,8 @@ import sys
 from toolkit import __version__
 from toolkit.errors import ToolkitError
 
-COMMAND_MODULES = ("convert", "quickstart", "ds_config", "memory", "plan", "plot", "slurm", "wandb_summary", "ckpt")
+COMMAND_MODULES = ("convert", "quickstart", "ds_config", "memory", "plan", "plot", "slurm", "wandb_summary", "ckpt",
+                   "parity")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,3 +24,7 @@ class ConfigError(ToolkitError):
 
 class AdapterError(ToolkitError):
     """A LoRA adapter cannot be built, loaded or exported as asked."""
+
+
+class ParityError(ToolkitError):
+    """`toolkit parity` cannot run as asked: input it does not read, a model that does not fit, a run that failed."""

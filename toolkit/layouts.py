@@ -100,9 +100,9 @@ class Layout:
             raise ConversionError(f"{ep} needs a Mixture-of-Experts model; {spec.family} has no experts")
         if spec.num_experts % self.ep:
             raise ConversionError(f"{spec.num_experts} experts cannot be split evenly over {ep}")
-        if spec.moe_ffn_hidden_size % self.tp:
+        if spec.moe_ffn_hidden_size % spec.expert_tp(self.tp):
             raise ConversionError(f"the experts' FFN width {spec.moe_ffn_hidden_size} is not divisible by {tp} "
-                                  "(expert tensor parallelism is the TP size)")
+                                  "(expert tensor parallelism is the TP size where the experts have no biases)")
         if spec.moe_shared_ffn_hidden_size % self.tp:
             raise ConversionError(f"the shared expert's FFN width {spec.moe_shared_ffn_hidden_size} is not divisible "
                                   f"by {tp}")

@@ -45,10 +45,24 @@ def _activation(name: str):
     return {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[name]
 
 
+def glu_settings(spec: ModelSpec) -> dict:
+    """The gated MLP: HF's activation, or gpt-oss's clamped SwiGLU as megatron-core's quick_gelu GLU
+    with a clamp and an offset (mlp.py:219-226; toolkit/families/gpt_oss.py)."""
+    if spec.glu_clamp is None:
+        return {"activation_func": _activation(spec.activation)}
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return {"activation_func": quick_gelu, "activation_func_clamp_value": spec.glu_clamp,
+            "glu_linear_offset": spec.glu_offset}
+
+
 @dataclass(frozen=True)
 class MegatronSettings:
     transformer: dict  # TransformerConfig fields that describe the architecture
     gpt: dict  # GPTModel arguments that describe the architecture (the padded vocab is the layout's)
+    # Attributes megatron-core reads from the TransformerConfig that are none of its fields (GPTModel's
+    # yarn_*, gpt_model.py:172-190), set on the config once built, as Megatron-Bridge's providers do
+    config_attributes: dict
 
 
 def settings_for(spec: ModelSpec) -> MegatronSettings:
@@ -62,8 +76,9 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
-        activation_func=_activation(spec.activation),
-        add_bias_linear=False,
+        **glu_settings(spec),
+        add_bias_linear=spec.linear_bias,
+        **({"softmax_type": "learnable"} if spec.attention_sinks else {}),
         add_qkv_bias=spec.qkv_bias,
         # HF: a token attends to `window` tokens including itself; megatron: (left, right) extra tokens.
         window_size=(spec.window_size - 1, 0) if spec.window_size else None,
@@ -78,14 +93,15 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
     gpt = dict(
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope",
+        # GPTModel's own YaRN; multi-latent attention builds its own (mla_settings)
+        position_embedding_type="yarn" if spec.yarn and not spec.mla else "rope",
         rotary_base=spec.rope_theta,
         rotary_percent=spec.rotary_percent,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or MCORE_ROPE_SCALING_FACTOR,
         seq_len_interpolation_factor=spec.rope_linear_factor,
     )
-    return MegatronSettings(transformer, gpt)
+    return MegatronSettings(transformer, gpt, dict(spec.yarn or {}) if not spec.mla else {})
 
 
 def mla_settings(spec: ModelSpec) -> dict:
@@ -108,8 +124,21 @@ def mla_settings(spec: ModelSpec) -> dict:
         kv_channels=m["v_head_dim"],
         rotary_base=spec.rope_theta,
         rotary_percent=spec.rotary_percent,
-        **({"rope_type": "yarn", **spec.yarn} if spec.yarn else {"rope_type": "rope", "rotary_scaling_factor": 1.0}),
+        **(mla_yarn(spec.yarn) if spec.yarn else {"rope_type": "rope", "rotary_scaling_factor": 1.0}),
     )
+
+
+def mla_yarn(yarn: dict) -> dict:
+    """YaRN (toolkit/families/yarn.py's `yarn_*` attributes) as MLATransformerConfig's fields, which
+    MLASelfAttention passes to YarnRotaryEmbedding (multi_latent_attention.py:138-149). mscale None where
+    HF uses get_mscale(factor) alone, as megatron-core's _yarn_get_concentration_factor does; the softmax
+    scale takes get_mscale(factor, mscale_all_dim)**2 (:125-126), 1 for mscale_all_dim 0, as HF's
+    yarn_apply_mscale where mscale_all_dim is unset (the case with mscale_all_dim alone is refused:
+    toolkit/families/mla.py)."""
+    return {"rope_type": "yarn", "rotary_scaling_factor": yarn["yarn_rotary_scaling_factor"],
+            "original_max_position_embeddings": yarn["yarn_original_max_position_embeddings"],
+            "beta_fast": yarn["yarn_beta_fast"], "beta_slow": yarn["yarn_beta_slow"], "mscale": yarn["yarn_mscale"],
+            "mscale_all_dim": yarn["yarn_mscale_all_dim"] or 0.0}
 
 
 def moe_settings(spec: ModelSpec) -> dict:
@@ -162,9 +191,12 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
     import torch
 
     settings = settings_for(spec)
-    named = {ARG_NAMES.get(k, k): v for k, v in {**settings.transformer, **settings.gpt}.items() if k != "activation_func"}
+    named = {ARG_NAMES.get(k, k): v for k, v in {**settings.transformer, **settings.gpt, **settings.config_attributes}.items()
+             if k != "activation_func"}
     named["untie_embeddings_and_output_weights"] = not named.pop("share_embeddings_and_output_weights")
-    if spec.activation != "silu":  # Megatron-LM's `swiglu` means a gated silu; it has no flag for this one
+    if spec.glu_clamp is not None:  # Megatron-LM's --quick-geglu (with the clamp and offset named as the config's)
+        named["gated_linear_unit"], named["quick_geglu"] = named.pop("swiglu"), True
+    elif spec.activation != "silu":  # Megatron-LM's `swiglu` means a gated silu; it has no flag for this one
         named["gated_linear_unit"], named["activation"] = named.pop("swiglu"), spec.activation
     dtype = getattr(torch, spec.dtype, torch.float32)
     return argparse.Namespace(
@@ -179,7 +211,7 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=spec.expert_tp(layout.tp),
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         params_dtype=dtype,

@@ -76,7 +76,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.tp,
+        expert_tensor_parallel_size=spec.expert_tp(layout.tp),
         # a family's own block spec (toolkit/layers.py) builds local modules, SequentialMLP experts included
         moe_grouped_gemm=spec.is_moe and layer_spec == "te" and not family_named(spec.family).layer,
         params_dtype=dtype,
@@ -85,7 +85,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         # Fused kernels are CUDA-only (apex / TE); the unfused paths are numerically the reference.
-        bias_activation_fusion=on_gpu and spec.activation in FUSED_ACTIVATIONS,
+        # (gpt-oss's clamped GLU fuses only with the experts' probabilities, not in a plain MLP: mlp.py:183-212)
+        bias_activation_fusion=on_gpu and spec.activation in FUSED_ACTIVATIONS and spec.glu_clamp is None,
         masked_softmax_fusion=False,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
@@ -94,12 +95,25 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         **(aux_loss.config_fields() if aux_loss and spec.is_moe else {}),
     )
     kwargs.update(overrides)
-    return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
+    config = (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
+    for name, value in settings_for(spec).config_attributes.items():
+        setattr(config, name, value)
+    return config
 
 
 def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     """megatron-core's layer spec for `config` (its q/k norm and normalization included), or the
-    family's own block spec."""
+    family's own block spec. Under context parallelism the local spec's attention is the toolkit's
+    (toolkit.context_parallel); Transformer Engine's does CP itself."""
+    built = _layer_spec_module(layer_spec, config, spec)
+    if config.context_parallel_size > 1 and layer_spec == "local":
+        from toolkit.context_parallel import with_context_parallel_attention
+
+        return with_context_parallel_attention(built)
+    return built
+
+
+def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     family = family_named(spec.family) if spec else None

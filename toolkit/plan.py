@@ -5,8 +5,10 @@ A layout is valid when `toolkit.dsconfig.build` accepts it (so `plan` can never 
 the builder would refuse); it fits when `toolkit.memory.estimate` stays within the GPU memory
 (and the host memory, if given). TP stays inside a node. For an MoE model every EP that divides
 DP and the number of experts is tried (the throughput model does not price EP's all-to-all yet,
-so equal-speed layouts keep the smaller EP first). When nothing fits, the result says so and
-says what would: offload, more GPUs, or recompute.
+so equal-speed layouts keep the smaller EP first). At sequences of CP_MIN_SEQ tokens or more, every
+context-parallel size (parallel.cp: powers of two dividing DP x CP and the sequence's 2·CP chunks)
+is tried too: each rank then holds seq / CP tokens of activations. When nothing fits, the result
+says so and says what would: offload, more GPUs, or recompute.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ OFFLOADS = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
 MAX_PP = 16
 # How far `plan` looks for "more GPUs would fit": node counts up to this multiple.
 MAX_GPU_MULTIPLE = 64
+# Context parallelism is enumerated from this sequence length on (shorter ones fit without it).
+CP_MIN_SEQ = 8192
+MAX_CP = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Candidate:
             f"DP{s.dp} {'FSDP' if self.memory.dp_engine == 'fsdp' else f'ZeRO-{s.zero}'}"
             + (f" grads {t.dp_comm:.2f}s" if s.dp > 1 else ""),
             *([f"EP{self.memory.ep}"] if self.memory.ep > 1 else []),
+            *([f"CP{self.memory.cp} (DP{s.dp // self.memory.cp} x CP{self.memory.cp})"] if self.memory.cp > 1 else []),
             f"mb {s.micro_batch}, recompute {self.recompute}",
         ]
         if self.offloaded:
@@ -147,6 +153,17 @@ def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None 
     return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep]
 
 
+def context_parallel_sizes(spec: ModelSpec, seq_len: int, dp: int, lora: LoraShape | None = None,
+                           dp_engine: str = "deepspeed") -> list[int]:
+    """CP sizes the recipe can run (parallel.cp) for a long sequence: powers of two dividing `dp`
+    (DeepSpeed's DP x CP) whose 2·CP chunks divide the sequence; 1 alone for a short sequence or
+    where the recipe refuses CP (sliding windows, LongRoPE, MoE, LoRA, FSDP)."""
+    if (seq_len < CP_MIN_SEQ or spec.window_size or spec.longrope or spec.is_moe or lora is not None
+            or dp_engine == "fsdp"):
+        return [1]
+    return [cp for cp in (1 << i for i in range(MAX_CP.bit_length())) if not dp % cp and not seq_len % (2 * cp)]
+
+
 def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None, vpp=1,
                 dp_engine="deepspeed"):
     fsdp = dp_engine == "fsdp"
@@ -154,17 +171,20 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
     zero_stages = (3,) if fsdp else _zero_stages(schedule)  # FSDP: the ZeRO-3 Setup only sizes the batch
     tp_pp = [(tp, pp) for tp, pp in layouts(spec, cluster.gpus, cluster.gpus_per_node) if pp == 1 or not fsdp]
     for (tp, pp), zero, offload, micro in itertools.product(tp_pp, zero_stages, offloads, MICRO_BATCHES):
-        setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1, zero=zero, precision=precision, micro_batch=micro,
-                      global_batch=global_batch, offload_optimizer=offload[0], offload_param=offload[1],
-                      schedule=schedule, optimizer=OptimizerSettings())
-        try:
-            build(setup, spec)
-        except ConfigError:
-            continue
-        for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
-            memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine)
-            yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
-                                                                 cluster.gpus_per_node, cluster.hardware, lora))
+        # DeepSpeed's view of a CP run (toolkit.train.build.ds_setup): DP x CP ranks, each CP rank's
+        # share of a sequence counted as a sample
+        for cp in context_parallel_sizes(spec, seq_len, cluster.gpus // (tp * pp), lora, dp_engine):
+            setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1, zero=zero, precision=precision,
+                          micro_batch=micro, global_batch=global_batch * cp, offload_optimizer=offload[0],
+                          offload_param=offload[1], schedule=schedule, optimizer=OptimizerSettings())
+            try:
+                build(setup, spec)
+            except ConfigError:
+                continue
+            for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
+                memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine, cp=cp)
+                yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
+                                                                     cluster.gpus_per_node, cluster.hardware, lora, cp))
 
 
 def _fits(c: Candidate, cluster: Cluster) -> bool:

@@ -90,6 +90,8 @@ def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp
         parallel["vpp"] = s.vpp
     if c.memory.ep > 1:
         parallel["ep"] = c.memory.ep
+    if c.memory.cp > 1:
+        parallel["cp"] = c.memory.cp
     if spec.is_moe and s.tp > 1:  # megatron-core trains MoE at TP > 1 only with sequence parallelism
         parallel["sequence_parallel"] = True
     if dp_engine == "fsdp":
@@ -100,7 +102,7 @@ def recipe_mapping(c: Candidate, spec, seq_len: int, paths: Paths, lora=None, dp
         "parallel": parallel,
         "precision": s.precision,
         "micro_batch": s.micro_batch,
-        "global_batch": s.global_batch,
+        "global_batch": s.global_batch // c.memory.cp,  # the Setup counts each CP rank's share of a sequence
         "run_dir": paths.run_dir,
     }
     if lora is not None:
@@ -118,13 +120,13 @@ def make(result: Plan, spec, seq_len: int, paths: Paths, lora=None, dp_engine: s
     c = runnable(result)
     mapping = recipe_mapping(c, spec, seq_len, paths, lora, dp_engine)
     cfg = config_from_mapping(mapping)
-    setup = ds_setup(cfg, c.setup.dp)
+    setup = ds_setup(cfg, c.setup.dp // cfg.parallel.cp)
     differ = [f for f in PRICED_FIELDS if getattr(setup, f) != getattr(c.setup, f)]
     if differ:  # a bug here, never the user's: the bundle would run something plan did not price
         raise AssertionError(f"recipe.yaml would run another layout than plan priced: {differ}")
     memory = estimate(spec, setup, seq_len, c.recompute, GPU, cfg.parallel.sequence_parallel, lora=lora,
-                      ep=cfg.parallel.ep, dp_engine=dp_engine)
-    deepspeed = None if dp_engine == "fsdp" else ds_config(cfg, spec, c.setup.dp)
+                      ep=cfg.parallel.ep, dp_engine=dp_engine, cp=cfg.parallel.cp)
+    deepspeed = None if dp_engine == "fsdp" else ds_config(cfg, spec, c.setup.dp // cfg.parallel.cp)
     return Bundle(result, c, mapping, memory, deepspeed, seq_len, paths)
 
 
@@ -178,12 +180,13 @@ def plan_text(bundle: Bundle, out: Path, command: str, top: int = 10) -> str:
     if c is not bundle.plan.best:
         lines.append("- the faster layouts above it offload to CPU, which the recipe does not do")
     lines += ["", f"## Ranked layouts (best {min(top, len(bundle.plan.ranked))} of {len(bundle.plan.ranked)})", "",
-              "| # | TP | PP | DP | ZeRO | EP | micro-batch | recompute | offload | GiB/GPU | tok/s/GPU |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | TP | PP | DP | CP | ZeRO | EP | micro-batch | recompute | offload | GiB/GPU | tok/s/GPU |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(bundle.plan.ranked[:top], 1):
         rs = r.setup
         offload = "none" if not r.offloaded else f"{rs.offload_optimizer}/{rs.offload_param}"
-        lines.append(f"| {i}{' (this)' if r is c else ''} | {rs.tp} | {rs.pp} | {rs.dp} | {rs.zero} | {r.memory.ep} | "
+        lines.append(f"| {i}{' (this)' if r is c else ''} | {rs.tp} | {rs.pp} | {rs.dp // r.memory.cp} | {r.memory.cp} | {rs.zero} | "
+                     f"{r.memory.ep} | "
                      f"{rs.micro_batch} | {r.recompute} | {offload} | {r.memory.gpu_bytes / GIB:.1f} | "
                      f"{r.time.tokens_per_gpu_s:,.0f} |")
     lines += ["", "## Memory per GPU (the recipe's Setup)", "", "```", *memory.table(cluster.gpus_per_node), "```", ""]

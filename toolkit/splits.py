@@ -15,6 +15,7 @@ back, the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_
                 contiguous chunk of the TP=1 tensor.
     HF_QKV      QKV from one HF tensor [q; k; v] (Phi-3's qkv_proj)
     HF_GATE_UP  GATE_UP from one HF tensor [gate; up] (Phi-3's gate_up_proj)
+    UNSPLIT_*   that kind's whole tensor on every TP rank (experts at expert TP 1)
 
 A source is anything with `shape(name)` and `read(name, rows=slice|None, cols=slice|None)`, so a
 rank's shard is read straight from the HF file without loading the whole tensor.
@@ -78,6 +79,7 @@ class SplitKind:
 
     name = ""
     dim = 0  # the dimension TP splits
+    over_tp = True  # whether each TP rank holds a part (False: the whole tensor on every rank)
 
     def build(self, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
         """The megatron tensor held by TP rank `rank` of `tp`, read from HF tensors `names`."""
@@ -115,6 +117,7 @@ class SplitKind:
 
 class Replicated(SplitKind):
     name = "REPLICATED"
+    over_tp = False
 
     def build(self, src, names, tp, rank, geo):
         return src.read(names[0])
@@ -342,6 +345,37 @@ def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) 
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+class Unsplit(SplitKind):
+    """`inner`'s tensor whole on every TP rank: the experts of a model whose MoE layers have biases,
+    which megatron-core runs only at expert tensor parallelism 1 (transformer_config.py:1588)."""
+
+    over_tp = False
+
+    def __init__(self, inner: SplitKind):
+        self.inner, self.name, self.dim = inner, f"UNSPLIT_{inner.name}", inner.dim
+
+    def build(self, src, names, tp, rank, geo):
+        return self.inner.build(src, names, 1, 0, geo)
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        return self.inner.row_pieces(src, names, 1, 0, geo)
+
+    def merge(self, shards, geo):
+        return self.inner.merge(shards[:1], geo)
+
+    def shape(self, hf_shapes, geo, tp):
+        return self.inner.shape(hf_shapes, geo, 1)
+
+    def segments(self, size, tp, rank):
+        return [slice(0, size)]
+
+    def whole_size(self, shard_size, tp):
+        return shard_size
+
+    def resized(self, size, geo):
+        return self.inner.resized(size, geo)
+
+
 class Split:
     """The split kinds the family tables name (one instance of each class)."""
 
@@ -353,6 +387,8 @@ class Split:
     GATE_UP = FusedGateUp()
     HF_QKV = HFFusedQKV()
     HF_GATE_UP = HFFusedGateUp()
+    UNSPLIT_GATE_UP = Unsplit(GATE_UP)
+    UNSPLIT_ROW = Unsplit(ROW)
 
 
 def build_shard(split: SplitKind, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:

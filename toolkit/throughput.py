@@ -70,18 +70,22 @@ class StepTime:
 
 
 def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_per_node: int,
-              hw: Hardware = Hardware(), lora: LoraShape | None = None) -> StepTime:
-    tokens = setup.samples_per_step * seq_len
+              hw: Hardware = Hardware(), lora: LoraShape | None = None, cp: int = 1) -> StepTime:
+    """With `cp`, context parallelism: `setup` is DeepSpeed's view (DP x CP ranks, each CP rank's
+    seq_len / CP tokens counted as a sample); attention still costs each token the whole sequence,
+    and the K/V exchange over CP is added to the TP/PP communication."""
+    local = seq_len // cp
+    tokens = setup.samples_per_step * local
     flops = tokens * setup.pp * _slowest_stage_flops_per_token(spec, setup, seq_len, recompute, lora)
-    micro_tokens = setup.micro_batch * seq_len
+    micro_tokens = setup.micro_batch * local
     efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     compute = flops / (setup.gpus * matmul_tflops(hw.gpu, setup.precision, tf32=False) * 1e12 * efficiency)
     m = setup.micro_batches
     bubble = (setup.pp - 1) / (setup.vpp * m + setup.pp - 1)  # interleaving divides the bubble by VPP
     n = total_params(spec)
     trained = n if lora is None else sum(adapter_numels(spec, lora, 1, 1))
-    comm = (_tp_comm(spec, setup, seq_len, hw, gpus_per_node), _pp_comm(spec, setup, seq_len, hw, gpus_per_node),
-            _dp_comm(n, trained, setup, hw, gpus_per_node))
+    comm = (_tp_comm(spec, setup, local, hw, gpus_per_node) + _cp_comm(spec, setup, local, cp, hw),
+            _pp_comm(spec, setup, local, hw, gpus_per_node), _dp_comm(n, trained, setup, hw, gpus_per_node))
     offload = _offload(n, trained, setup, hw)
     step = StepTime(compute, bubble, comm[0] + comm[1], comm[2], offload, 0.0)
     return StepTime(compute, bubble, comm[0] + comm[1], comm[2], offload, tokens / step.total / setup.gpus)
@@ -106,6 +110,16 @@ def _slowest_stage_flops_per_token(spec, setup, seq_len, recompute="none", lora=
 
 def _bytes(setup: Setup) -> int:
     return 4 if setup.precision == "fp32" else 2
+
+
+def _cp_comm(spec, setup, local: int, cp: int, hw) -> float:
+    """Each layer's K and V of the other CP ranks received in forward, and their gradients sent back
+    in backward, per micro-batch (CP groups span nodes at worst: the inter-node bandwidth)."""
+    if cp == 1:
+        return 0.0
+    kv = 2 * spec.num_kv_heads * spec.head_dim // setup.tp
+    per_micro = 2 * spec.num_layers // setup.pp * setup.micro_batch * local * kv * (cp - 1) * _bytes(setup)
+    return setup.micro_batches * per_micro / hw.inter_node
 
 
 def _tp_comm(spec, setup, seq_len, hw, gpus_per_node) -> float:

@@ -75,6 +75,18 @@ DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                                     "mscale": 0.7, "mscale_all_dim": 1.0})
 DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
+# gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
+# 1.5 that the larger weights (initializer_range 0.1) cross often, windows of 8 (shorter than the test
+# sequences) on every other layer, YaRN interpolating all but the fastest frequency (16 original
+# positions, factor 32, truncate false as published) with its attention factor 1 + 0.1 ln 32; the
+# sinks, the router and its bias randomised far from HF's init (SINK_STD, ROUTER_STD).
+GPT_OSS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+               num_local_experts=8, num_experts_per_tok=3, num_hidden_layers=4, vocab_size=251, sliding_window=8,
+               swiglu_limit=1.5, initializer_range=0.1, max_position_embeddings=512,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+# Attention-sink logits of this spread take a good share of each softmax (HF initialises them at 0.02)
+SINK_STD = 1.5
 # Expert biases of this spread move the sigmoid scores' ranking, so they decide routing for some tokens
 EXPERT_BIAS_STD = 0.2
 # Router weights this large give logits of about unit spread: routing depends on them, and
@@ -158,6 +170,7 @@ VARIANTS = {
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
     "gemma3": ("Gemma3TextConfig", GEMMA3),
     "olmo2": ("Olmo2Config", OLMO2),
+    "gpt-oss": ("GptOssConfig", GPT_OSS),
 }
 
 
@@ -218,14 +231,21 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) 
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(low, high)
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # a MoE router, a shared expert's gate
-                param.normal_(0.0, ROUTER_STD)
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
+                param.normal_(0.0, ROUTER_STD)  # a MoE router, a shared expert's gate
+            elif name.endswith("self_attn.sinks"):  # gpt-oss's attention sinks
+                param.normal_(0.0, SINK_STD)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
+    # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
+    # bias of DeepSeek-V3 / GLM-4.5) stay float32, so a bf16 model holds a float32 tensor, as published.
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if any(kept in name for kept in getattr(model, "_keep_in_fp32_modules_strict", None) or ()):
+            tensor.data = tensor.data.float()
     directory = Path(directory)
     model.save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)

@@ -26,6 +26,8 @@ def register(sub) -> None:
     p.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (TP > 1)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism of an MoE model (the recipe's parallel.ep; divides DP and the experts)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism (the recipe's parallel.cp): each sequence split over CP of the DP ranks")
     p.add_argument("--kernels", choices=("gpu", "cpu"), default="gpu",
                    help="gpu: Transformer Engine kernels (default); cpu: megatron-core's local spec")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB: say whether the layout fits")
@@ -59,19 +61,24 @@ def lora_shape(args, spec):
 
 
 def _run(args) -> int:
+    from dataclasses import replace
+
     from toolkit import modelspec
     from toolkit.commands.ds_config import sequence_length, training_setup
     from toolkit.memory import CPU_LOCAL, GPU, estimate
     from toolkit.units import parse_size, size
 
     setup = training_setup(args)
+    if args.cp > 1 and setup.global_batch is not None:  # DeepSpeed's view: each CP rank's share counts as a sample
+        setup = replace(setup, global_batch=setup.global_batch * args.cp)
     spec = modelspec.read(args.model)
     args.seq_len = sequence_length(args.seq_len, spec)
     args.lora = lora_shape(args, spec)
     est = estimate(spec, setup, args.seq_len, args.recompute, GPU if args.kernels == "gpu" else CPU_LOCAL,
-                   args.sequence_parallel, lora=args.lora, ep=args.ep, dp_engine=args.dp_engine)
+                   args.sequence_parallel, lora=args.lora, ep=args.ep, dp_engine=args.dp_engine, cp=args.cp)
     lora = f", LoRA r={args.lora.r} on {' '.join(args.lora.target_modules)}" if args.lora else ""
     ep = f" (EP {args.ep})" if args.ep > 1 else ""
+    ep += f" (DP {setup.dp // args.cp} x CP {args.cp})" if args.cp > 1 else ""
     engine = "FSDP" if args.dp_engine == "fsdp" else f"ZeRO-{setup.zero}"
     print(f"TP {setup.tp} x PP {setup.pp} x DP {setup.dp}{ep}, {engine}, {setup.precision}, micro-batch "
           f"{setup.micro_batch} x {setup.micro_batches} per step, sequence {args.seq_len}, recompute {args.recompute}{lora}")
@@ -95,11 +102,11 @@ def _suggest(spec, setup, args, limit) -> None:
     kernels = GPU if args.kernels == "gpu" else CPU_LOCAL
     for recompute in ("selective", "full")[("none", "selective", "full").index(args.recompute):]:
         est = estimate(spec, setup, args.seq_len, recompute, kernels, args.sequence_parallel, lora=args.lora,
-                       ep=args.ep, dp_engine=args.dp_engine)
+                       ep=args.ep, dp_engine=args.dp_engine, cp=args.cp)
         if est.fits(limit):
             print(f"note: the same layout fits with --recompute {recompute} ({size(est.gpu_bytes)})")
             return
-    result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step,
+    result = plan(spec, Cluster(setup.gpus, limit, args.gpus_per_node), args.seq_len, setup.samples_per_step // args.cp,
                   setup.precision, setup.schedule, lora=args.lora, dp_engine=args.dp_engine)
     for line in result.advice:
         print(f"note: {line}")

@@ -103,8 +103,9 @@ def _write(args, spec, result, lora) -> None:
     command = "toolkit " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["plan"] else f"toolkit plan --model {args.model} ..."
     plan_bundle.write(bundle, out, command, args.overwrite, args.top)
     s = bundle.candidate.setup
-    print(f"wrote {out}/{{{plan_bundle.RECIPE},{plan_bundle.JOB},{plan_bundle.PLAN}}}: TP {s.tp} x PP {s.pp} x DP {s.dp}, "
+    print(f"wrote {out}/{{{plan_bundle.RECIPE},{plan_bundle.JOB},{plan_bundle.PLAN}}}: TP {s.tp} x PP {s.pp} x DP {s.dp // bundle.memory.cp}, "
           f"ZeRO-{s.zero}, micro_batch {s.micro_batch}, parallel.recompute={bundle.recipe['parallel']['recompute'] or 'null'}"
           + (f", parallel.ep={bundle.memory.ep}" if bundle.memory.ep > 1 else "")
+          + (f", parallel.cp={bundle.memory.cp}" if bundle.memory.cp > 1 else "")
           + f", {bundle.memory.gpu_bytes / GIB:.1f} GiB per GPU; run: {plan_bundle.launch_command(bundle, out)}",
           file=sys.stderr)

@@ -32,11 +32,13 @@ SCALE_SUFFIX = "_scale_inv"
 FP8 = "F8_E4M3"
 # The dtype the weights are dequantized to (DeepSeek's fp8_cast_bf16.py: torch.set_default_dtype(bfloat16))
 DEQUANTIZED = "BF16"
-ACCEPTED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+ACCEPTED = {"fmt": "e4m3", "activation_scheme": "dynamic"}
 
 
 def is_fp8(cfg: dict) -> bool:
-    return isinstance(cfg.get("quantization_config"), dict)
+    """config.json declares FP8 weights (gpt-oss's MXFP4 is toolkit/convert/fused_experts.py's)."""
+    quantization = cfg.get("quantization_config")
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "fp8"
 
 
 def block_size(cfg: dict) -> tuple[int, int]:
@@ -45,7 +47,7 @@ def block_size(cfg: dict) -> tuple[int, int]:
     for key, value in ACCEPTED.items():
         if q.get(key, value) != value:
             raise ConversionError(f"config.json quantization_config.{key}={q.get(key)!r} is not supported: only FP8 "
-                                  f"weights with block scales ({', '.join(f'{k}={v!r}' for k, v in ACCEPTED.items())}) are "
+                                  f"weights with block scales (quant_method='fp8', {', '.join(f'{k}={v!r}' for k, v in ACCEPTED.items())}) are "
                                   "dequantized on conversion")
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):

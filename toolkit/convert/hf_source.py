@@ -149,6 +149,23 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def _kept_in_float32(name: str, entry: TensorEntry) -> bool:
+    """A buffer HF keeps in float32 among weights of another dtype (_keep_in_fp32_modules_strict:
+    published GLM-4.5 and DeepSeek-V3 checkpoints store the expert bias so)."""
+    return entry.dtype == "F32" and name.endswith(HF_FLOAT32_BUFFERS)
+
+
+def weights_dtype(tensors: dict[str, TensorEntry]) -> torch.dtype:
+    """The one dtype of the weights (check_weight_dtypes), the float32 buffers aside."""
+    kept = [e for n, e in tensors.items() if not _kept_in_float32(n, e)]
+    return (kept or list(tensors.values()))[0].torch_dtype
+
+
+def float32_buffers(tensors: dict[str, TensorEntry]) -> bool:
+    """Whether the checkpoint stores HF's float32 buffers in float32 among weights of another dtype."""
+    return any(_kept_in_float32(n, e) for n, e in tensors.items()) and weights_dtype(tensors) != torch.float32
+
+
 def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | None) -> None:
     """Floating-point weights only, all of the dtype config.json declares (or of one dtype when
     it declares none): a header that relabels bf16 bytes as int16 or float16 is refused."""
@@ -160,12 +177,9 @@ def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | Non
         if entry.dtype not in FLOAT_DTYPES:
             raise ConversionError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; only floating-point "
                                   f"weights ({', '.join(FLOAT_DTYPES)}) can be converted")
+        if _kept_in_float32(name, entry):
+            continue  # converted as stored: rounding the expert bias would change which experts are chosen
         expected = expected or entry.dtype
-        if entry.dtype != expected and name.endswith(HF_FLOAT32_BUFFERS):
-            raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} as HF keeps it (the model's "
-                                  f"_keep_in_fp32_modules_strict) while the weights are {expected}: checkpoints of mixed "
-                                  "dtypes are not converted yet (the writers keep one dtype, and rounding the expert bias "
-                                  "would change which experts are chosen)")
         if entry.dtype != expected:
             declared = f"config.json says dtype {config_dtype}" if config_dtype else f"other tensors are {expected}"
             raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} but {declared}: the header or "

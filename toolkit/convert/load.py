@@ -18,6 +18,7 @@ from toolkit.convert.megatron_checkpoint import MegatronCheckpoint, resolve_iter
 from toolkit.convert.metadata import CheckpointMeta, verify_file
 from toolkit.convert.stages import TensorSource, stage_hf_names, stage_tensors
 from toolkit.errors import ConversionError
+from toolkit.families.table import BUFFERS
 from toolkit.layouts import Layout
 
 
@@ -84,8 +85,9 @@ def load_state_by_name(model, state: dict) -> None:
     target_spec = naming.detect_layer_spec(names)
     moe = naming.router_layers(names)
     dtype = next(model.parameters()).dtype
-    renamed = {
-        naming.to_spec_name(naming.to_canonical(k), target_spec, naming.split_layer(k)[0] in moe): v.to(dtype)
+    renamed = {  # the float32 expert bias as stored: megatron-core keeps it in float32 (router.py)
+        naming.to_spec_name(naming.to_canonical(k), target_spec, naming.split_layer(k)[0] in moe):
+            v if k.endswith(BUFFERS) else v.to(dtype)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }

@@ -124,7 +124,7 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
     """Runs on every rank: load each checkpoint at TP x PP (x EP) and compare with its HF reference."""
     from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model
-    from toolkit.runtime.distributed import init_parallel
+    from toolkit.runtime.distributed import init_parallel, reinit_expert_tp
 
     info = init_parallel(tp, pp, ep=ep)
     stages = stages or Stages("verify", VERIFY_STAGES, enabled=False)
@@ -134,6 +134,8 @@ def worker(jobs: list[dict], tp: int, pp: int, stages: Stages | None = None, ep:
         meta = CheckpointMeta.read(Path(job["checkpoint"]))
         dtype = getattr(torch, job["dtype"])
         spec = meta.model_spec
+        if spec.is_moe:  # experts with biases run at expert TP 1 (ModelSpec.expert_tp): their own groups
+            info = reinit_expert_tp(info, spec.expert_tp(tp), tp, pp, ep)
         ref = torch.load(job["reference"], weights_only=True)
         model = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor, ep if spec.is_moe else 1), dtype).eval()
         load_converted(model, job["checkpoint"], check_sums=False)  # verify_many reports bad sums itself

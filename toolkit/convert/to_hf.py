@@ -12,6 +12,7 @@ import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert.consistency import expected_hf_tensors
+from toolkit.convert.hf_source import HF_FLOAT32_BUFFERS
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.progress import progress_bar
 from toolkit.errors import ConversionError
@@ -61,6 +62,14 @@ class SafetensorsShardWriter:
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _in_export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor in the checkpoint's dtype, but HF's float32 buffers (the expert bias) as stored:
+    HF keeps them in float32 whatever the weights' dtype, and rounding them changes the routing."""
+    if dtype is None or not tensor.is_floating_point() or name.endswith(HF_FLOAT32_BUFFERS):
+        return tensor
+    return tensor.to(dtype)
+
+
 def export_bytes(ckpt: MegatronCheckpoint, dtype: torch.dtype | None, wrapped=None) -> int:
     """About what the exported HF directory takes on disk: the weights in the export dtype plus
     the copied config and tokenizer files (and a wrapper's other tensors and files)."""
@@ -94,6 +103,20 @@ def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
                   and not f.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
+def _hf_layout(ckpt: MegatronCheckpoint, transform):
+    """(HF name, tensor) as HF stores them: `transform`ed, and experts fused per layer where the family
+    stores them so (toolkit/convert/fused_experts.py), read one layer's experts at a time."""
+    def read(wanted=None):
+        return ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors(wanted))
+
+    fused = ckpt.family.fused_experts
+    if fused is None:
+        return read()
+    from toolkit.convert.fused_experts import fused_layers
+
+    return fused_layers(fused, ckpt.spec.num_experts, expected_hf_tensors(ckpt.family, ckpt.spec), read)
+
+
 def megatron_to_hf(
     megatron_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -125,9 +148,8 @@ def megatron_to_hf(
     with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype, wrapped)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
-            for name, tensor in ckpt.hf_tensors():
-                tensor = tensor if transform is None else transform(name, tensor)
-                writer.add(prefix + name, tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
+            for name, tensor in _hf_layout(ckpt, transform):
+                writer.add(prefix + name, _in_export_dtype(name, tensor, dtype))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():
                 writer.add(name, wrapped.whole.read(name))  # the stored bytes, never cast

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.hf_config import checked_spec
-from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype
+from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, float32_buffers, weights_dtype
 from toolkit.convert.wrapper import open_hf
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
@@ -34,6 +36,7 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_t
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
+from toolkit.families.table import BUFFERS
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
@@ -85,9 +88,12 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar
         return stage_megatron_shapes(family, spec, layout, pp_rank)
 
     local_experts = len(layout.local_experts(spec, 0))
-    dtype = next(iter(src.tensors.values())).torch_dtype  # one dtype (check_weight_dtypes), never cast
+    dtype = weights_dtype(src.tensors)  # one dtype (check_weight_dtypes), never cast
+    # megatron-core keeps the expert bias in float32 too (router.py _maintain_float32_expert_bias)
+    buffers = {suffix: torch.float32 for suffix in BUFFERS} if float32_buffers(src.tensors) else None
     return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, len(layout.stage_layers(spec, 0)),
-                                         layer_spec, args, local_experts, dtype=dtype, file_threads=FILE_THREADS)
+                                         layer_spec, args, local_experts, dtype=dtype, suffix_dtypes=buffers,
+                                         file_threads=FILE_THREADS)
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
@@ -155,6 +161,11 @@ def hf_to_megatron(
     layout.check(spec)
     check_tensors(src, family, spec)
     check_weight_dtypes(src.tensors, config_dtype(src.config))
+    if getattr(src, "dequantized", None):
+        print(f"note: the experts' MXFP4 weights ({len(src.dequantized)} tensors, e.g. {src.dequantized[0]!r} with its "
+              "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
+              "the converted checkpoint and its export are bf16, their config.json without quantization_config",
+              file=sys.stderr)
     left_out = mtp_tensors(src, family, spec)
     if left_out:
         print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "

@@ -19,7 +19,7 @@ import pickle
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -82,14 +82,18 @@ def save_rank_file(path: Path, model: dict, args: argparse.Namespace, layer_spec
 
 def stream_rank_file(path: Path, shapes: dict[str, tuple[int, ...]], items: Iterator[tuple[str, object]],
                      args: argparse.Namespace, layer_spec: str, num_stage_layers: int, local_experts: int = 0,
-                     dtype: torch.dtype | None = None) -> str:
+                     dtype: torch.dtype | None = None, suffix_dtypes: Mapping[str, torch.dtype] | None = None) -> str:
     """Write one rank file as `items` yields (canonical name, tensor or its byte ranges) in the
     order of `shapes`, holding one tensor at a time
     (toolkit.convert.torch_stream); returns its checksum. The bytes are those save_rank_file would
-    write. `dtype`: every tensor's (None: the first item's, which must then be a tensor)."""
+    write. `dtype`: every tensor's (None: the first item's, which must then be a tensor) but those
+    whose names end with a key of `suffix_dtypes` (the float32 expert bias among bf16 weights)."""
     first = [next(items)]  # handed on, not kept
     dtype = first[0][1].dtype if dtype is None else dtype
-    placeholders = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+    def dtype_of(name: str) -> torch.dtype:
+        return next((d for suffix, d in (suffix_dtypes or {}).items() if name.endswith(suffix)), dtype)
+
+    placeholders = {name: torch.empty(shape, dtype=dtype_of(name)) for name, shape in shapes.items()}
 
     def in_order():
         expected = iter(placeholders)
@@ -121,6 +125,7 @@ def write_rank_files(
     local_experts: int = 0,
     *,
     dtype: torch.dtype | None = None,
+    suffix_dtypes: Mapping[str, torch.dtype] | None = None,
     file_threads: int = 1,
 ) -> dict[Path, str]:
     """One file per (TP, PP, EP) rank, each written tensor by tensor; returns {path: checksum}.
@@ -136,7 +141,7 @@ def write_rank_files(
     def write(path: Path) -> str:
         tp_rank, pp_rank, ep_rank = jobs[path]
         return stream_rank_file(path, stage_shapes(pp_rank), iter(build_stage(tp_rank, pp_rank, ep_rank)), args,
-                                layer_spec, num_stage_layers, local_experts, dtype)
+                                layer_spec, num_stage_layers, local_experts, dtype, suffix_dtypes)
 
     with ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="rank-file") as pool:
         return dict(zip(jobs, pool.map(write, jobs)))

@@ -17,11 +17,12 @@ LAYER_TYPES = {"sliding_attention": "1", "full_attention": "0"}
 # Gemma3TextConfig derives layer_types (from sliding_window_pattern, or its default of every 6th
 # layer global) and rope_parameters per layer type (from rope_theta / rope_local_base_freq, or
 # its defaults 1e6 / 1e4): the values read here are always the class's (toolkit/families/hf_values.py).
-def _layer_types(cfg: dict) -> list:
+def layer_types(cfg: dict, family: str = "gemma3") -> list:
+    """config.json's layer_types (Gemma 3, gpt-oss), each a sliding-window or a full-attention layer."""
     types = cfg["layer_types"]
     for i, t in enumerate(types):
         if t not in LAYER_TYPES:
-            raise ConversionError(f"gemma3 with layer_types[{i}]={t!r} cannot be mapped exactly to megatron-core")
+            raise ConversionError(f"{family} with layer_types[{i}]={t!r} cannot be mapped exactly to megatron-core")
     return types
 
 
@@ -35,7 +36,7 @@ def _local_rope_theta(cfg: dict) -> float:
 
 def read(cfg: dict) -> dict:
     return {
-        "window_layers": "".join(LAYER_TYPES[t] for t in _layer_types(cfg)),
+        "window_layers": "".join(LAYER_TYPES[t] for t in layer_types(cfg)),
         "window_rope_theta": _local_rope_theta(cfg),
         "softmax_scale": float(cfg["query_pre_attn_scalar"]) ** -0.5,
     }

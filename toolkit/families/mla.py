@@ -79,6 +79,7 @@ def read_mla(cfg: dict) -> dict:
         raise ConversionError(f"rms_norm_eps={cfg.get('rms_norm_eps')!r} cannot be mapped exactly to megatron-core: HF's "
                               f"q_a_layernorm and kv_a_layernorm keep eps {HF_LORA_NORM_EPS} whatever it says, "
                               "megatron-core's q/kv norms take layernorm_epsilon")
+    _refuse_yarn_otherwise(cfg)
     sizes = {key: cfg.get(key) for key in ("q_lora_rank", *SIZES)}
     for key, value in sizes.items():
         if not (type(value) is int and value >= 1) and not (key == "q_lora_rank" and value is None):
@@ -87,3 +88,20 @@ def read_mla(cfg: dict) -> dict:
     if sizes["qk_rope_head_dim"] % 2:
         raise ConversionError(f"qk_rope_head_dim={sizes['qk_rope_head_dim']} is odd: RoPE rotates pairs")
     return sizes
+
+
+def _refuse_yarn_otherwise(cfg: dict) -> None:
+    """YaRN as MLASelfAttention builds it (toolkit/megatron_settings.py mla_yarn): it always rounds the
+    correction range (no correction_range_round_to_int, multi_latent_attention.py:138-149), and takes the
+    softmax's mscale_all_dim and the cos / sin ratio from the same two fields."""
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type") != "yarn":
+        return
+    if params.get("truncate", True) is not True:
+        raise ConversionError(f"rope_parameters.truncate={params['truncate']!r}: megatron-core 0.16.1's multi-latent "
+                              "attention always rounds YaRN's correction range (truncate=true)")
+    if params.get("mscale_all_dim") and not params.get("mscale"):
+        raise ConversionError(f"rope_parameters.mscale_all_dim={params['mscale_all_dim']!r} without mscale cannot be "
+                              "mapped exactly to megatron-core 0.16.1's multi-latent attention: HF then scales cos and "
+                              "sin by get_mscale(factor) and the softmax by get_mscale(factor, mscale_all_dim)**2, "
+                              "megatron-core takes both from mscale and mscale_all_dim together")

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 from toolkit.errors import ConversionError
 from toolkit.families.longrope import check_factor_counts, read_longrope
+from toolkit.families.yarn import read_yarn
 from toolkit.families.router import read_moe
 from toolkit.families.table import Family
-from toolkit.families.yarn import read_yarn
 
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the
 # other llama3 parameters are its hard-coded defaults (rotary_pos_embedding.py:92-99).
@@ -87,11 +87,18 @@ class ModelSpec:
     # LongRoPE (toolkit/longrope.py): short_factor, long_factor, original_max_position_embeddings,
     # attention_factor; None without
     longrope: dict | None = field(default=None, hash=False)
+    # gpt-oss (toolkit/families/gpt_oss.py): a learnable sink logit per head in every softmax
+    # (megatron-core softmax_type='learnable'); biases on o_proj, the router and the experts
+    # (add_bias_linear); the experts' SwiGLU clamped at glu_clamp with (up + glu_offset); YaRN RoPE
+    # as megatron-core's `yarn_*` config attributes (None: no YaRN)
+    attention_sinks: bool = False
+    linear_bias: bool = False
+    glu_clamp: float | None = None
+    glu_offset: float = 0.0
+    yarn: dict | None = field(default=None, hash=False)
     # Multi-latent attention (toolkit/families/mla.py): q_lora_rank (None: a full q_proj), kv_lora_rank,
     # qk_nope_head_dim, qk_rope_head_dim, v_head_dim; None: the usual attention
     mla: dict | None = field(default=None, hash=False)
-    # YaRN (toolkit/families/yarn.py), as MLATransformerConfig's fields; None without
-    yarn: dict | None = field(default=None, hash=False)
 
     @property
     def q_lora(self) -> bool:
@@ -120,6 +127,7 @@ class ModelSpec:
             "q_size": self.num_heads * self.head_dim,
             "kv_size": self.num_kv_heads * self.head_dim,
             "head_dim": self.head_dim,
+            "heads": self.num_heads,
             "qkv_size": (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
             "2ffn": 2 * self.ffn_hidden_size,
             "experts": self.num_experts,
@@ -129,6 +137,11 @@ class ModelSpec:
             "one": 1,
             **self._mla_sizes(),
         }[symbol]
+
+    def expert_tp(self, tp: int) -> int:
+        """Expert tensor parallelism at TP `tp`: TP (megatron-core's default), or 1 where the experts
+        have biases, which megatron-core supports only there (transformer_config.py:1588)."""
+        return 1 if self.is_moe and self.linear_bias else tp
 
     @property
     def rotary_dim(self) -> int:
@@ -182,7 +195,7 @@ def _rope(cfg: dict, family: Family) -> dict:
     if rope_type == "longrope":
         return {"rope_theta": float(theta), "longrope": read_longrope(cfg, params, source)}
     if rope_type == "yarn":
-        return {"rope_theta": float(theta), "yarn": read_yarn(params, source)}
+        return {"rope_theta": float(theta), "yarn": read_yarn(cfg, params, source)}
     for key, fixed in MCORE_LLAMA3_FIXED.items():
         if float(params.get(key, fixed)) != fixed:
             raise ConversionError(

@@ -105,6 +105,24 @@ class CustomLayer:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """HF tensors holding every expert of a layer at once, as gpt-oss stores them: `gate_up`
+    [experts, hidden, 2 x ffn] with gate and up interleaved on the last dimension (gate = [..., 0::2]),
+    `down` [experts, ffn, hidden], both applied as x @ W; their biases [experts, 2 x ffn] (interleaved
+    alike) and [experts, hidden]. Or the weights in MXFP4: `<name>_blocks` [experts, out, in / 32, 16]
+    and `<name>_scales` [experts, out, in / 32] (toolkit/convert/fused_experts.py). The family's rows
+    name each expert's tensors under `per_expert` (`*` the layer, `#` the expert) as gate_proj / up_proj /
+    down_proj `.weight` ([out, in], as nn.Linear) and `.bias`."""
+
+    prefix: str  # of the fused tensors, `*` for the layer
+    per_expert: str
+    gate_up: str
+    down: str
+    gate_up_bias: str
+    down_bias: str
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -143,6 +161,8 @@ class Family:
     # model_type -> the one of transformers' config classes that reads it, where transformers has none of
     # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
+    # Experts stored fused per layer (gpt-oss), read and written per expert by the converter
+    fused_experts: FusedExperts | None = None
 
     def rows_for(self, spec) -> tuple[Row, ...]:
         """The rows of `spec` (a ModelSpec): with tied embeddings the output layer is the embedding,

@@ -22,6 +22,12 @@ rank's sequence shard and gathers it again in backward, tensor_parallel/layers.p
 input full recompute keeps. Attention and MLP internals are split by TP already; the RoPE tables,
 the causal mask and the logits (the output layer gathers the sequence) stay whole. Measured at
 TP 2 in tests/test_memory_measured.py too.
+
+Context parallelism (parallel.cp, toolkit/context_parallel.py) gives each rank seq / CP tokens:
+every per-token term is divided by CP. Attention is not: each rank's queries see the whole
+sequence's keys. The local spec's CP attention all-gathers K and V, so its unfused attention keeps
+k and v (repeated per query head) over the whole sequence and [s/CP, s] scores and mask; TE's ring
+(GPU) keeps only its own q, k, v, output and LSE, and two K/V blocks in flight (temporaries).
 """
 
 from __future__ import annotations
@@ -62,10 +68,15 @@ class Shape:
     tp: int
     act_bytes: int
     sequence_parallel: bool = False
+    cp: int = 1  # context parallelism: this rank holds seq / CP of each sequence
+
+    @property
+    def local_seq(self) -> int:
+        return self.seq // self.cp
 
     @property
     def tokens(self) -> int:
-        return self.seq * self.batch
+        return self.local_seq * self.batch
 
     def hidden_tokens(self, spec: ModelSpec) -> int:
         """Elements of one [s, b, h] tensor on this rank (sequence-sharded under SP)."""
@@ -117,15 +128,15 @@ def _linear_inputs(spec: ModelSpec, shape: Shape) -> int:
 def _attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     heads, q, kv = spec.num_heads // shape.tp, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     t, b = shape.tokens, shape.act_bytes
-    rope = 4 * shape.seq * spec.rotary_dim * b  # cos and sin for q and k, over the rotated dims only
+    rope = 4 * shape.local_seq * spec.rotary_dim * b  # cos and sin for q and k, over the rotated dims only
     if kernels.flash_attention:
         lse = FP32 * heads * t
         return b * t * (2 * q + 2 * kv) // shape.tp + lse + rope
-    # q and k, v repeated to every query head (GQA), fp32 softmax, the probabilities cast back
-    # for the second matmul (the same tensor in fp32), and the causal mask.
-    scores = heads * shape.batch * shape.seq**2
+    # q and k, v repeated to every query head (GQA; under CP over the whole gathered sequence), fp32
+    # softmax, the probabilities cast back for the second matmul (the same tensor in fp32), and the mask.
+    scores = heads * shape.batch * shape.local_seq * shape.seq
     probs = b * scores if b != FP32 else 0
-    return b * t * 3 * q // shape.tp + FP32 * scores + probs + BOOL * shape.seq**2 + rope
+    return b * t * (1 + 2 * shape.cp) * q // shape.tp + FP32 * scores + probs + BOOL * shape.local_seq * shape.seq + rope
 
 
 def _selective_attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
@@ -133,7 +144,7 @@ def _selective_attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int
     keeps the whole fused qkv output alive."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     kept = shape.act_bytes * shape.tokens * (q + kv + (q + 2 * kv)) // shape.tp
-    mask = 0 if kernels.flash_attention else BOOL * shape.seq**2
+    mask = 0 if kernels.flash_attention else BOOL * shape.local_seq * shape.seq
     return kept + mask
 
 
@@ -195,7 +206,11 @@ def logits_temporary(shape: Shape, padded_vocab: int) -> int:
 
 
 def attention_buffer(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
-    """Unfused attention reuses one global [b*heads, s, s] buffer for the QK^T product."""
+    """Unfused attention reuses one global [b*heads, s, s] buffer for the QK^T product ([s/CP, s]
+    under CP, with the gathered K and V); TE's CP ring holds two K/V blocks (sending, receiving)."""
     if kernels.flash_attention:
-        return 0
-    return shape.act_bytes * shape.batch * spec.num_heads // shape.tp * shape.seq**2
+        kv = spec.num_kv_heads * spec.head_dim
+        return 2 * shape.act_bytes * shape.tokens * 2 * kv // shape.tp if shape.cp > 1 else 0
+    gathered = 2 * shape.act_bytes * shape.batch * shape.seq * spec.num_kv_heads * spec.head_dim // shape.tp
+    return shape.act_bytes * shape.batch * spec.num_heads // shape.tp * shape.local_seq * shape.seq + \
+        (gathered if shape.cp > 1 else 0)

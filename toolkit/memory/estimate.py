@@ -62,6 +62,7 @@ class Estimate:
     lora: LoraShape | None = None
     ep: int = 1
     dp_engine: str = "deepspeed"
+    cp: int = 1  # context parallelism (setup.dp is then DP x CP)
 
     @property
     def peak(self) -> StageMemory:
@@ -98,11 +99,17 @@ class Estimate:
 
 def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none", kernels: Kernels = GPU,
              sequence_parallel: bool = False, reserve: int | None = None, lora: LoraShape | None = None,
-             ep: int = 1, dp_engine: str = "deepspeed") -> Estimate:
+             ep: int = 1, dp_engine: str = "deepspeed", cp: int = 1) -> Estimate:
     """Memory per GPU for every pipeline stage of `setup` (the heaviest one is `.peak`); with
     `lora`, of a LoRA fine-tune: the base frozen, the adapter trained (toolkit.memory.lora); with
     `ep`, an MoE model's experts split over EP ranks carved out of DP (parallel.ep); with
-    dp_engine="fsdp", PyTorch FSDP2 instead of DeepSpeed (setup.zero unused)."""
+    dp_engine="fsdp", PyTorch FSDP2 instead of DeepSpeed (setup.zero unused). With `cp`, context
+    parallelism: `setup` is DeepSpeed's view of the run (toolkit.train.build.ds_setup), whose DP is
+    DP x CP (ZeRO partitions over it) and whose global batch counts each CP rank's share of a
+    sequence; the activations are per rank's seq_len / CP tokens (toolkit.memory.activations)."""
+    if cp > 1 and (setup.dp % cp or seq_len % (2 * cp)):
+        raise ConfigError(f"CP {cp} needs DP x CP ({setup.dp}) divisible by CP and a sequence length ({seq_len}) "
+                          f"divisible by 2 x CP")
     check_ep(spec, setup, ep, lora)
     check_fsdp(spec, setup, dp_engine, lora, ep)
     if recompute not in act.RECOMPUTE:
@@ -113,10 +120,10 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
         raise ConfigError(f"sequence length {seq_len} is not divisible by TP {setup.tp}, which sequence parallelism splits it over")
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
-    shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel)
+    shape = Shape(seq_len, setup.micro_batch, setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel, cp)
     stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
                    for s in range(setup.pp))
-    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep, dp_engine)
+    return Estimate(setup, seq_len, recompute, kernels, stages, lora, ep, dp_engine, cp)
 
 
 DP_ENGINES = ("deepspeed", "fsdp")

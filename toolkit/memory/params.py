@@ -9,7 +9,6 @@ import math
 from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
-from toolkit.splits import Split
 
 EMBEDDING_PREFIX = "embedding."
 LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
@@ -33,7 +32,7 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
         if row.is_buffer or part != "all" and row.per_expert != (part == "experts"):
             continue
         numel = sum(math.prod(padded_vocab if s == "vocab" else spec.size_of(s) for s in shape) for shape in row.shapes)
-        if row.split is not Split.REPLICATED:
+        if row.split.over_tp:
             numel //= tp
         if row.per_layer:
             layers = sum(row.on_layer(n, spec.moe_layers) for n in Layout(tp, pp).stage_layers(spec, stage))

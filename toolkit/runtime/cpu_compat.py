@@ -47,6 +47,9 @@ UPSTREAM_SPOTS = {
     "'torch.cuda.FloatTensor', else TypeError); optimizer/clip_grads.py:103 (get_grad_norm_fp32, from "
     "ChainedOptimizer.step) makes its norm tensor with device='cuda'; distrib_optimizer.py:1089: get_parameter_state_dp_zero (saving the fully_reshardable format) calls .cuda(). Needed only to build and step "
     "megatron-core's own DistributedOptimizer (the test that reads its checkpoints); our trainer uses DeepSpeed's",
+    "context_parallel_rope": "models/common/embeddings/rope_utils.py:62-64: get_pos_emb_on_this_cp_rank (each CP "
+    "rank's RoPE chunks) builds its index with pin_memory=True and .cuda(); imported by name into "
+    "rotary_pos_embedding.py:26 and yarn_rotary_pos_embedding.py:13",
     "uneven_gather": "tensor_parallel/mappings.py:150: _gather_along_first_dim with output_split_sizes is a list "
     "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
     "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
@@ -54,6 +57,11 @@ UPSTREAM_SPOTS = {
 # Applied on every machine, GPUs included (apply_upstream_fixes): an upstream bug, not a CPU one.
 TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
                 "transformer_engine`; RouterGatingLinearFunction reads it at :1192/:1225 (NameError without TE)")
+
+EXPERT_BIAS_MASK_SPOT = ("transformer/moe/router.py:541-542: TopKRouter._apply_expert_bias (the expert bias's token "
+                         "counts, DeepSeek-V3 / GLM-4.5) does routing_map [tokens, experts] & ~padding_mask [tokens], "
+                         "which cannot broadcast: every training forward with a padding mask fails (upstream issue "
+                         "NVIDIA/Megatron-LM#6111, fixed by #6114 after 0.16.1)")
 
 APPLIED: list[str] = []
 _log = logging.getLogger(__name__)
@@ -72,6 +80,8 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_cuda_device(kwargs.get("device")):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):  # pinned host memory needs CUDA, and is only for host-to-GPU copies
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.cuda:
             return args[0]
         return func(*args, **kwargs)
@@ -237,6 +247,14 @@ def _uneven_gather():
     mappings._gather_along_first_dim = gather
 
 
+def _context_parallel_rope():
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    patched = _run_on_cpu(rope_utils.get_pos_emb_on_this_cp_rank)
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # imported by name
+        module.get_pos_emb_on_this_cp_rank = patched
+
+
 def _distributed_optimizer():
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
@@ -266,12 +284,30 @@ _PATCHES = {
     "moe_dispatcher_stream": _moe_dispatcher_stream,
     "uneven_gather": _uneven_gather,
     "distributed_optimizer": _distributed_optimizer,
+    "context_parallel_rope": _context_parallel_rope,
 }
+
+
+def mask_expert_bias_counts_per_token() -> None:
+    """See EXPERT_BIAS_MASK_SPOT: the counts as upstream's fix makes them, the flattened padding mask
+    broadcast over the experts (padding tokens count for no expert). Idempotent, and right with a
+    megatron-core that has the fix too, since the mask it passes is the same [tokens] one."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 def apply_upstream_fixes() -> None:
     """The fixes for megatron-core bugs that are not about the CPU: applied on every device."""
     define_te_general_gemm()
+    mask_expert_bias_counts_per_token()
 
 
 def apply(force: bool = False) -> list[str]:

@@ -31,6 +31,8 @@ class ParallelInfo:
     pp_rank: int
     dp_rank: int
     device: torch.device
+    cp: int = 1  # context-parallel size: the CP ranks of a DP rank read the same rows, each its chunks
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -86,20 +88,35 @@ def init_process_group() -> torch.device:
     return device
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: int = 1) -> ParallelInfo:
-    """Initialise the process group and megatron-core's TP/PP/DP groups; DP = world / (TP*PP).
-    Expert parallelism (EP) is carved out of DP, with expert TP = TP (megatron-core's default).
-    `vpp` > 1: that many virtual stages (model chunks) per pipeline rank."""
+def reinit_expert_tp(info: "ParallelInfo", etp: int, tp: int, pp: int, ep: int) -> "ParallelInfo":
+    """megatron-core's groups rebuilt with expert TP `etp` where they have another one (every rank
+    calls this with the same arguments: building groups is collective)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() == etp:
+        return info
+    ps.destroy_model_parallel()
+    return init_parallel(tp, pp, ep=ep, etp=etp)
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: int = 1, cp: int = 1,
+                  etp: int | None = None) -> ParallelInfo:
+    """Initialise the process group and megatron-core's TP/PP/CP/DP groups; DP = world / (TP*PP*CP).
+    Expert parallelism (EP) is carved out of DP, with expert TP `etp`, by default TP (megatron-core's
+    default; ModelSpec.expert_tp says which a model needs).
+    `vpp` > 1: that many virtual stages (model chunks) per pipeline rank. `cp` > 1: megatron-core's
+    context-parallel groups (the sequence split over CP ranks, toolkit.context_parallel)."""
     device = init_process_group()
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // (tp * pp)) % ep:
-        raise DistributedError(f"world size {world} is not divisible by TP*PP*EP = {tp}*{pp}*{ep}")
+    if world % (tp * pp * cp) or (world // (tp * pp * cp)) % ep:
+        raise DistributedError(f"world size {world} is not divisible by TP*PP*CP*EP = {tp}*{pp}*{cp}*{ep}")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                                     context_parallel_size=cp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
                                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     model_parallel_cuda_manual_seed(seed)
     return ParallelInfo(
@@ -107,11 +124,13 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: 
         world_size=world,
         tp=tp,
         pp=pp,
-        dp=world // (tp * pp),
+        dp=world // (tp * pp * cp),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         device=device,
+        cp=cp,
+        cp_rank=ps.get_context_parallel_rank(),
     )
 
 

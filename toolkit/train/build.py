@@ -11,6 +11,7 @@ import torch
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import RECIPE_NAMES, Layout
 from toolkit import model as model_builder
+from toolkit.context_parallel import TE_CP_COMM_TYPE, padded_length
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
@@ -79,11 +80,28 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     if meta.model_spec.is_moe and cfg.parallel.dp_engine == "fsdp":
         raise ConfigError(f"parallel.dp_engine=fsdp with a Mixture-of-Experts model ({meta.model_spec.family}) is not "
                           "supported: the experts' expert-data-parallel group is wired for DeepSpeed only")
+    if cfg.parallel.cp > 1:
+        check_context_parallel_family(cfg, meta.model_spec)
     if meta.model_spec.is_moe:
         check_expert_layout(cfg, dp, meta.model_spec.family)
-        check_stages_hold_experts(cfg, meta.model_spec)
         recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
+
+
+def check_context_parallel_family(cfg: TrainConfig, spec) -> None:
+    """The attention the CP path covers (toolkit.context_parallel): full causal attention with
+    megatron-core's RoPE. Sliding windows, LongRoPE's own rotary module and Mixture-of-Experts
+    layers (whose expert groups would have to span CP) are refused, before any process group; so is
+    packing on the Transformer Engine spec, whose CP attention takes only the causal mask."""
+    cp = cfg.parallel.cp
+    for problem, what in ((spec.window_size, f"{spec.family}'s sliding-window attention"),
+                          (spec.longrope, f"{spec.family}'s LongRoPE (the toolkit's rotary module takes no CP chunks)"),
+                          (spec.is_moe, f"a Mixture-of-Experts model ({spec.family})")):
+        if problem:
+            raise ConfigError(f"parallel.cp={cp} with {what} is not supported yet; use parallel.cp=1")
+    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled)[0] == "te":
+        raise ConfigError(f"parallel.cp={cp} with data.pack=true on the Transformer Engine spec is not supported: "
+                          "TE's context-parallel attention takes a causal mask only, not the documents' mask")
 
 
 def master_dtype(cfg: TrainConfig) -> torch.dtype:
@@ -109,23 +127,6 @@ def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
                           "parameters over the expert-data-parallel group; use zero_stage=1 or 2")
 
 
-def check_stages_hold_experts(cfg: TrainConfig, spec) -> None:
-    """Under expert parallelism every pipeline stage must hold a MoE layer: DeepSpeed refuses an
-    engine with expert groups but no expert parameters (engine.py: "None of the param groups are
-    marked as MoE"), and a stage left out of them hangs the step (measured: TP2 x PP2 x DP2 x EP2
-    with Qwen3-MoE mlp_only_layers [0, 1])."""
-    pp, ep = cfg.parallel.pp, cfg.parallel.ep
-    if ep == 1 or spec.moe_layers is None:
-        return
-    per_stage = spec.num_layers // pp
-    for stage in range(pp):
-        if "1" not in spec.moe_layers[stage * per_stage:(stage + 1) * per_stage]:
-            raise ConfigError(f"parallel.pp={pp} parallel.ep={ep}: pipeline stage {stage} (layers {stage * per_stage}-"
-                              f"{(stage + 1) * per_stage - 1}) holds only dense layers ({spec.family}'s mlp_only_layers / "
-                              "decoder_sparse_step), which expert parallelism cannot train; choose a parallel.pp whose "
-                              "every stage holds a Mixture-of-Experts layer, or parallel.ep=1")
-
-
 def recipe_aux_loss(cfg: TrainConfig, spec):
     """The router's load-balancing loss the recipe trains with: moe.aux_loss's formula, with the HF
     config's router_aux_loss_coef (toolkit/moe_aux.py)."""
@@ -136,10 +137,11 @@ def recipe_aux_loss(cfg: TrainConfig, spec):
 
 def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
     """DP for this world size, refusing a world or batch that doesn't divide."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by TP*PP = {tp}*{pp}; {valid_world_sizes(cfg)}")
-    dp = world_size // (tp * pp)
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
+    if world_size % (tp * pp * cp):
+        named = f"TP*PP*CP = {tp}*{pp}*{cp}" if cp > 1 else f"TP*PP = {tp}*{pp}"
+        raise ConfigError(f"world size {world_size} is not divisible by {named}; {valid_world_sizes(cfg)}")
+    dp = world_size // (tp * pp * cp)
     if cfg.global_batch % (cfg.micro_batch * dp):
         raise ConfigError(f"global_batch {cfg.global_batch} is not divisible by micro_batch {cfg.micro_batch} x DP {dp} "
                           f"(world size {world_size}); {valid_world_sizes(cfg)}")
@@ -148,20 +150,21 @@ def data_parallel_size(cfg: TrainConfig, world_size: int) -> int:
 
 def valid_world_sizes(cfg: TrainConfig) -> str:
     """The world sizes that keep the global batch at this TP x PP and micro-batch."""
-    tp, pp, micro = cfg.parallel.tp, cfg.parallel.pp, cfg.micro_batch
+    tp, pp, cp, micro = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.micro_batch
     per_step = cfg.global_batch // micro if cfg.global_batch % micro == 0 else 0
     dps = [d for d in range(1, per_step + 1) if per_step % d == 0]
     if not dps:
         return f"global_batch {cfg.global_batch} is not a multiple of micro_batch {micro} at any world size"
-    sizes = ", ".join(f"{d * tp * pp} (DP {d})" for d in dps)
-    return f"world sizes keeping global_batch {cfg.global_batch} at TP {tp} x PP {pp}, micro_batch {micro}: {sizes}"
+    sizes = ", ".join(f"{d * tp * pp * cp} (DP {d})" for d in dps)
+    cp_named = f" x CP {cp}" if cp > 1 else ""
+    return f"world sizes keeping global_batch {cfg.global_batch} at TP {tp} x PP {pp}{cp_named}, micro_batch {micro}: {sizes}"
 
 
-def build_model(meta: CheckpointMeta, cfg: TrainConfig):
-    from toolkit.convert.load import load_converted
-    from toolkit.model import build_gpt_model, transformer_config
+def model_config(spec, cfg: TrainConfig, layout: Layout, layer_spec: str):
+    """The TransformerConfig the recipe builds for the model `spec` (a ModelSpec) with `layer_spec`
+    ("te" or "local"), and the routers' aux loss of a MoE model."""
+    from toolkit.model import transformer_config
 
-    layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
     settings = {}  # TransformerConfig settings the recipe chooses
     if cfg.parallel.recompute == "full":
         settings = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -170,14 +173,25 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     settings.update(virtual.schedule_settings(cfg.parallel.pp, cfg.parallel.vpp))
     if cfg.parallel.overlap_p2p_comm:  # the interleaved schedule only (config refuses it otherwise)
         settings.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    dtype = master_dtype(cfg)
-    spec, aux_loss = meta.model_spec, None
+    if cfg.parallel.cp > 1:  # TE's attention takes the CP settings; the local spec's is swapped (toolkit.model)
+        settings.update(context_parallel_size=cfg.parallel.cp, cp_comm_type=TE_CP_COMM_TYPE)
+    dtype, aux_loss = master_dtype(cfg), None
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
         settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher, moe_router_dtype=cfg.moe.router_dtype)
-    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
     config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
                                 **settings)
+    return config, aux_loss
+
+
+def build_model(meta: CheckpointMeta, cfg: TrainConfig):
+    from toolkit.convert.load import load_converted
+    from toolkit.model import build_gpt_model
+
+    layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
+    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
+    config, aux_loss = model_config(meta.model_spec, cfg, layout, layer_spec)
+    spec, dtype = meta.model_spec, master_dtype(cfg)
     if cfg.parallel.vpp == 1:
         model = build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, aux_loss=aux_loss)
     else:  # interleaved pipeline: this rank's chunks, one module for DeepSpeed (MoE is refused with VPP)
@@ -195,15 +209,19 @@ def ds_setup(cfg: TrainConfig, dp: int):
     from toolkit.dsconfig.settings import SCHEDULE_MEGATRON
 
     o = cfg.optim
+    # Under CP, DeepSpeed's data-parallel group is DP x CP (toolkit.train.parallel.MegatronCoreMPU)
+    # and it checks global batch = micro batch x accumulation x its group's size: each CP rank's
+    # chunks of a row count as one of its samples.
+    cp = cfg.parallel.cp
     return Setup(
-        gpus=dp * cfg.parallel.tp * cfg.parallel.pp,
+        gpus=dp * cp * cfg.parallel.tp * cfg.parallel.pp,
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
         vpp=cfg.parallel.vpp,
         zero=cfg.parallel.zero_stage,
         precision=cfg.precision,
         micro_batch=cfg.micro_batch,
-        global_batch=cfg.global_batch,
+        global_batch=cfg.global_batch * cp,
         schedule=SCHEDULE_MEGATRON,
         gradient_clipping=o.clip_grad,
         steps_per_print=10**9,  # our trainer logs
@@ -273,12 +291,20 @@ def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
 
 def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):
     """This DP rank's view of the rows, in the deterministic order (toolkit.train.data.BatchSource)."""
+    cp = dict(cp=info.cp, cp_rank=info.cp_rank, length=model_length(cfg))
     train = BatchSource(rows.train, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, cfg.seed, cfg.data.shuffle,
-                        cfg.data.pack)
+                        cfg.data.pack, **cp)
     valid = None
     if rows.valid is not None:
-        valid = BatchSource(rows.valid, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack)
+        valid = BatchSource(rows.valid, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, 0, False, cfg.data.pack,
+                            **cp)
     return train, valid, rows.stats
+
+
+def model_length(cfg: TrainConfig) -> int:
+    """Tokens per row the model runs on: data.seq_len, padded under CP to the zig-zag split's multiple."""
+    p = cfg.parallel
+    return padded_length(cfg.data.seq_len, p.cp, p.tp, p.sequence_parallel)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ToolkitError
+from toolkit.families.table import BUFFERS
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
@@ -54,7 +55,7 @@ from toolkit.train.schedule import LRSchedule
 
 LATEST = "latest"
 # Layout keys that checkpoints of earlier versions (or of runs without the feature) lack.
-LAYOUT_DEFAULTS = {"vpp": 1}
+LAYOUT_DEFAULTS = {"vpp": 1, "cp": 1}
 DS_TAG = "ds"
 STEP_DIR = re.compile(r"step_(\d+)")
 # What a run writes inside RUN_DIR.
@@ -126,6 +127,9 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
         local_experts = meta.model_spec.num_experts // ep
         for _, stage, chunk in written:
             weights = {naming.to_canonical(name): masters[param] for name, param in chunk.named_parameters()}
+            # the expert bias is a buffer, not a parameter: as the model holds it, in float32 as megatron-core keeps it
+            weights.update({naming.to_canonical(name): buffer.detach().to("cpu", torch.float32)
+                            for name, buffer in chunk.named_buffers() if name.endswith(BUFFERS)})
             path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
                                           stage, ps.get_expert_model_parallel_rank())
             digests.append((str(path.relative_to(step_dir / "model")),
@@ -348,7 +352,8 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
         _check_same_model(path, meta)
     saved = {k: state.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
-    same_layout = saved == layout
+    # cp is in a layout only when > 1: a CP checkpoint resumed without CP (or with another) is another layout
+    same_layout = saved == layout and state.get("cp", 1) == layout.get("cp", 1)
     if not same_layout:
         if lora:
             raise CheckpointError(f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that "

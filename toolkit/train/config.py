@@ -47,6 +47,9 @@ class ParallelConfig:
     recompute: Literal["selective", "full"] | None = None
     # megatron-core sequence parallelism (TP > 1): norms and residuals hold seq_len / TP tokens per rank
     sequence_parallel: bool = False
+    # context parallelism: the sequence split zig-zag over CP ranks (2·CP chunks), attention across
+    # them (toolkit/context_parallel.py); gradients reduced over DP x CP. World = TP x PP x CP x DP
+    cp: PositiveInt = 1
     # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
     ep: PositiveInt = 1
     # virtual pipeline stages (interleaved 1F1B): model chunks per pipeline rank (toolkit/train/virtual.py)
@@ -372,6 +375,7 @@ def validate(cfg: TrainConfig) -> None:
             "megatron-core's schedule (and reports no gradient norm); ZeRO-1 costs nothing extra at DP=1"
         )
     _validate_sequence_parallel(cfg)
+    _validate_context_parallel(cfg)
     _validate_virtual_pipeline(cfg)
     _validate_fsdp(cfg)
     _validate_overlap(cfg)
@@ -444,12 +448,25 @@ def _validate_sequence_parallel(cfg: TrainConfig) -> None:
     tp = cfg.parallel.tp
     if tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1: it splits the sequence over the TP ranks")
-    if cfg.data.seq_len % tp:
+    if cfg.data.seq_len % tp and cfg.parallel.cp == 1:  # under CP the batches are padded to the split's multiple
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} is not divisible by parallel.tp {tp}, "
                           "which sequence parallelism splits it over")
     if cfg.peft.enabled:
         raise ConfigError("peft.enabled with parallel.sequence_parallel is not supported: the LoRA linears "
                           "do not gather the sequence-parallel input")
+
+
+def _validate_context_parallel(cfg: TrainConfig) -> None:
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    for problem, what in ((cfg.parallel.vpp > 1, f"parallel.vpp={cfg.parallel.vpp} (the interleaved schedule)"),
+                          (cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp (FSDP would shard over DP alone, "
+                                                            "not DP x CP)"),
+                          (cfg.peft.enabled, "peft.enabled (LoRA)"),
+                          (cfg.wandb.sample_generations > 0, "wandb.sample_generations (decoding runs whole sequences)")):
+        if problem:
+            raise ConfigError(f"parallel.cp={cp} with {what} is not supported yet; use parallel.cp=1")
 
 
 def _validate_fsdp(cfg: TrainConfig) -> None:

@@ -270,11 +270,14 @@ class BatchSource:
     """
 
     def __init__(self, rows: list[Row], global_batch: int, micro_batch: int, dp: int, dp_rank: int,
-                 seed: int, shuffle: bool, packed: bool):
+                 seed: int, shuffle: bool, packed: bool, cp: int = 1, cp_rank: int = 0, length: int | None = None):
+        """`cp` > 1: each micro-batch padded to `length` tokens and cut to this CP rank's chunks
+        (toolkit.context_parallel); every CP rank of a DP rank reads the same rows."""
         if global_batch % (micro_batch * dp):
             raise DataError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} x DP {dp}")
         self.rows, self.global_batch, self.micro_batch = rows, global_batch, micro_batch
         self.dp, self.dp_rank, self.seed, self.shuffle, self.packed = dp, dp_rank, seed, shuffle, packed
+        self.cp, self.cp_rank, self.length = cp, cp_rank, length
         self.consumed = 0
         self.last_counts = GlobalCounts(0, 0)
         self._orders: dict[int, list[int]] = {}
@@ -307,7 +310,12 @@ class BatchSource:
         self.last_counts = GlobalCounts.of(rows)
         per_rank = self.global_batch // self.dp
         mine = rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return [collate(mine[i : i + self.micro_batch], self.packed) for i in range(0, per_rank, self.micro_batch)]
+        batches = [collate(mine[i : i + self.micro_batch], self.packed) for i in range(0, per_rank, self.micro_batch)]
+        if self.cp == 1:
+            return batches
+        from toolkit.context_parallel import pad_batch, split_batch
+
+        return [split_batch(pad_batch(b, self.length), self.cp, self.cp_rank) for b in batches]
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}

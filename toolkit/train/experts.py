@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 
@@ -42,10 +43,12 @@ def register_expert_groups(model, ep: int) -> str | None:
     from deepspeed.utils import groups
     from megatron.core import parallel_state as ps
 
+    experts = [param for param in model.parameters() if is_expert(param)]
+    if not experts:  # a pipeline stage of dense layers only: its weights are reduced over all of DP
+        return None
     name = group_name(ep)
-    for param in model.parameters():
-        if is_expert(param):
-            param.group_name = name
+    for param in experts:
+        param.group_name = name
     for registry, ranks, group in (
             (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ps.get_expert_model_parallel_group()),
             (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, ps.get_expert_data_parallel_group())):
@@ -67,6 +70,26 @@ def split_expert_group(groups: list[dict], name: str | None) -> list[dict]:
         if experts:
             out.append({**group, "params": experts, "name": name, "moe": True})
     return out
+
+
+def align_group_count(groups: list[dict], pipeline_group) -> list[dict]:
+    """As many param groups on every pipeline stage: DeepSpeed's ZeRO all-reduces each group's
+    gradient norm over the TP x PP group (stage_1_and_2.py:2695, one call per group), so a stage
+    of dense layers only (no expert groups) would wait on the others' extra calls forever. Its
+    dense groups are split (a parameter moved into a group of the same settings) until it has
+    as many; the global norm, a sum over groups, is unchanged."""
+    device = next(p for g in groups for p in g["params"]).device  # NCCL takes the rank's GPU tensors only
+    count = torch.tensor([len(groups)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pipeline_group)
+    groups = list(groups)
+    while len(groups) < int(count):
+        index = max(range(len(groups)), key=lambda i: 0 if groups[i].get("moe") else len(groups[i]["params"]))
+        group = groups[index]
+        if group.get("moe") or len(group["params"]) < 2:
+            raise RuntimeError(f"cannot split the param groups {[len(g['params']) for g in groups]} into {int(count)}")
+        groups[index] = {**group, "params": group["params"][:-1]}
+        groups.append({**group, "params": group["params"][-1:], "name": f"{group.get('name', 'dense')}_split"})
+    return groups
 
 
 @contextlib.contextmanager

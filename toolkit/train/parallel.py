@@ -30,6 +30,31 @@ class MegatronCoreMPU:
 
         return ps.get_model_parallel_group()
 
+    # DeepSpeed averages gradients and partitions ZeRO states over its "data parallel" group: under
+    # context parallelism that is DP x CP (each CP rank's gradient is its chunks' part; the loss is
+    # scaled by CP in megatron-core's schedule, so the average over DP x CP is the sum over CP).
+    # Without CP, megatron-core's DP group itself, as before.
+    @staticmethod
+    def _with_cp() -> dict:
+        from megatron.core import parallel_state as ps
+
+        return {"with_context_parallel": ps.get_context_parallel_world_size() > 1}
+
+    def get_data_parallel_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(**self._with_cp())
+
+    def get_data_parallel_world_size(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size(**self._with_cp())
+
+    def get_data_parallel_rank(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(**self._with_cp())
+
     def get_model_parallel_rank(self):
         return dist.get_rank(group=self.get_model_parallel_group())
 
@@ -117,10 +142,15 @@ def build_engine(model, cfg: TrainConfig, ds_config: dict, schedule):
         skip_deepspeed_shm_op()
         allow_deepspeed_fp16()
     expert_group = experts.register_expert_groups(model, cfg.parallel.ep)
+    groups = experts.split_expert_group(param_groups(model, cfg.optim.weight_decay), expert_group)
+    if cfg.parallel.ep > 1 and cfg.parallel.pp > 1:
+        from megatron.core import parallel_state as ps
+
+        groups = experts.align_group_count(groups, ps.get_pipeline_model_parallel_group())
     with experts.moe_engine(expert_group):
         engine, _, _, _ = deepspeed.initialize(
             model=model,
-            model_parameters=experts.split_expert_group(param_groups(model, cfg.optim.weight_decay), expert_group),
+            model_parameters=groups,
             config=ds_config,
             mpu=MegatronCoreMPU(),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
