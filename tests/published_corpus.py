@@ -23,11 +23,13 @@ CONVERTS = "converts"
 # original's kind of attention (MHA, one KV head, or GQA with 2 KV heads), all divisible by TP 2
 # or fewer than it. Experts: at most 16, so top-8 routing still chooses (Mixtral's 8 stay 8).
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-         "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16}
+         "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16,
+         # multi-latent attention (DeepSeek-V3, Kimi-K2): every size distinct, as the tiny test models
+         "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}
 LAYERS = {"gemma3_text": 6}
 HEADS = 4
 EXPERTS = 16
-EXPERT_KEYS = ("num_experts", "num_local_experts")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def shrink(published: dict) -> tuple[dict, dict]:
@@ -75,7 +77,13 @@ def config(name: str) -> dict:
 
 
 def converting() -> list[str]:
-    return [name for name, entry in index().items() if entry["outcome"] == CONVERTS]
+    """The entries that convert and are verified against HF's logits."""
+    return [name for name, entry in index().items() if entry["outcome"] == CONVERTS and "unverified" not in entry]
+
+
+def converting_unverified() -> list[str]:
+    """The entries that convert but that HF's model cannot be the reference of here (index.json "unverified" says why)."""
+    return [name for name, entry in index().items() if entry["outcome"] == CONVERTS and "unverified" in entry]
 
 
 def refused() -> list[str]:
@@ -84,14 +92,35 @@ def refused() -> list[str]:
 
 def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> Path:
     """A random model of the shrunk config (less the keys in `leave_out`), in the published dtype,
-    with that config.json itself (not transformers' re-save of it) beside the weights."""
+    with that config.json itself (not transformers' re-save of it) beside the weights. Where the config
+    has an FP8 quantization_config, the weights are stored as published: FP8 with block scales
+    (toolkit/tinymodels.py quantize_fp8) and the expert bias in float32 (HF's _keep_in_fp32_modules_strict)."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.tinymodels import save_random_model
+    from toolkit.families import family_for
+    from toolkit.tinymodels import quantize_fp8, save_random_model
 
     cfg = {k: v for k, v in config(name).items() if k not in leave_out}
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    model_config = CONFIG_MAPPING[cfg["model_type"]].from_dict(json.loads(json.dumps(cfg)))
+    model_type = family_for(cfg["model_type"]).config_class_of.get(cfg["model_type"], cfg["model_type"])
+    # as its own model_type: transformers lays out the saved experts by it (Kimi-K2's kimi_k2 has no layout)
+    model_config = CONFIG_MAPPING[model_type].from_dict(json.loads(json.dumps({**cfg, "model_type": model_type})))
     save_random_model(model_config, directory, dtype=dtype)
+    if isinstance(cfg.get("quantization_config"), dict):
+        quantize_fp8(directory, tuple(cfg["quantization_config"]["weight_block_size"]))
+        _expert_bias_in_float32(directory)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return directory
+
+
+def _expert_bias_in_float32(directory: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    tensors.update((k, v.float()) for k, v in tensors.items() if k.endswith("e_score_correction_bias"))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def convert_options(name: str) -> dict:
+    """hf_to_megatron options an entry converts (or is refused) with, beyond the layout: index.json "convert"."""
+    return index()[name].get("convert", {})

@@ -35,10 +35,14 @@ def tiny_glm(tmp_path_factory):
     return fp32_and_bf16_models(tmp_path_factory.mktemp("glm4-moe"), VARIANTS, 60, 70)
 
 
-def _hf_router(config, weight, bias, x):
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+def hf_router(config, weight, bias, x):
+    """HF's routing weights per token and expert: the family's own TopkRouter class (Glm4MoeTopkRouter,
+    DeepseekV3TopkRouter)."""
+    import importlib
 
-    router = Glm4MoeTopkRouter(config)
+    name = type(config).__name__.removesuffix("Config")
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    router = getattr(module, f"{name}TopkRouter")(config)
     with torch.no_grad():
         router.weight.copy_(weight)
         router.e_score_correction_bias.copy_(bias)
@@ -46,7 +50,7 @@ def _hf_router(config, weight, bias, x):
     return torch.zeros(x.shape[0], config.n_routed_experts).scatter(1, indices, weights)
 
 
-def _mcore_router(spec, weight, bias, x):
+def mcore_router(spec, weight, bias, x):
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
     settings = settings_for(spec).transformer
@@ -58,20 +62,23 @@ def _mcore_router(spec, weight, bias, x):
     return probs
 
 
-@pytest.mark.parametrize("changes", [{}, {"n_group": 1, "topk_group": 1}, {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 2},
-                                     {"routed_scaling_factor": 1.0},
-                                     {"num_experts_per_tok": 1, "norm_topk_prob": False, "n_group": 1, "topk_group": 1}])
-def test_megatron_cores_sigmoid_router_gives_hf_routing_weights(changes):
-    """DeepSeek-V3's router as HF computes it (Glm4MoeTopkRouter) and megatron-core's router function with
-    our settings: the same experts and weights for 512 tokens, with a bias that changes the selection."""
-    config = make_config("glm4-moe", **changes)
+@pytest.mark.parametrize("variant, changes", [
+    ("glm4-moe", {}), ("glm4-moe", {"n_group": 1, "topk_group": 1}),
+    ("glm4-moe", {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 2}), ("glm4-moe", {"routed_scaling_factor": 1.0}),
+    ("glm4-moe", {"num_experts_per_tok": 1, "norm_topk_prob": False, "n_group": 1, "topk_group": 1}),
+    ("deepseek-v3", {})])
+def test_megatron_cores_sigmoid_router_gives_hf_routing_weights(variant, changes):
+    """DeepSeek-V3's router as HF computes it (Glm4MoeTopkRouter, DeepseekV3TopkRouter) and megatron-core's
+    router function with our settings: the same experts and weights for 512 tokens, with a bias that changes
+    the selection."""
+    config = make_config(variant, **changes)
     spec = spec_from_config(config.to_dict())[1]
     torch.manual_seed(0)
     x, weight = torch.randn(512, config.hidden_size), torch.randn(config.n_routed_experts, config.hidden_size) * 0.15
     bias = torch.randn(config.n_routed_experts) * 0.2
-    hf = _hf_router(config, weight, bias, x)
-    assert torch.allclose(_mcore_router(spec, weight, bias, x), hf, rtol=0, atol=1e-6)
-    unbiased = _hf_router(config, weight, torch.zeros_like(bias), x)
+    hf = hf_router(config, weight, bias, x)
+    assert torch.allclose(mcore_router(spec, weight, bias, x), hf, rtol=0, atol=1e-6)
+    unbiased = hf_router(config, weight, torch.zeros_like(bias), x)
     assert ((unbiased > 0) != (hf > 0)).any(), "the bias must change which experts are chosen"
 
 
@@ -139,16 +146,32 @@ def parity_pairs(tiny_glm, tmp_path) -> tuple[list, int]:
     (process start-up dominates, so one launch for all): the full model as per-rank torch files, the
     Air-like one as torch_dist, then one guard per piece, which must be far off HF's logits; and
     how many of them must match."""
-    pairs = [(tiny_glm[v], hf_to_megatron(tiny_glm[v], tmp_path / f"{v}-{fmt}", tp=2, pp=2, ep=2, fmt=fmt,
-                                          progress=False))
-             for v, fmt in zip(VARIANTS, ("torch", "torch_dist"))]
-    return pairs + [(tiny_glm["glm4-moe"], _dropped(tiny_glm, tmp_path, piece)) for piece in GUARDS], len(pairs)
+    return family_parity_pairs(tiny_glm, VARIANTS, GUARDS, _dropped, tmp_path)
 
 
-def assert_guards_fail(reports) -> None:
+def family_parity_pairs(models: dict, variants, guards, dropped, tmp_path, **convert) -> tuple[list, int]:
+    """The first variant as per-rank torch files, the second as torch_dist, then `dropped(models, tmp_path,
+    piece)` for each guard, all at TP2 x PP2 x EP2; and how many of them must match."""
+    pairs = [(models[v], hf_to_megatron(models[v], tmp_path / f"{v}-{fmt}", tp=2, pp=2, ep=2, fmt=fmt, progress=False,
+                                        **convert))
+             for v, fmt in zip(variants, ("torch", "torch_dist"))]
+    return pairs + [(models[variants[0]], dropped(models, tmp_path, piece)) for piece in guards], len(pairs)
+
+
+def assert_guards_fail(reports, guards=GUARDS) -> None:
     print({r.checkpoint.rsplit("/", 1)[-1]: f"{r.max_logit_diff:.2e}" for r in reports})
-    for piece, report in zip(GUARDS, reports):
+    for piece, report in zip(guards, reports):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+def add_mtp_layer(src, num_layers: int) -> int:
+    """Store a copy of the last decoder layer as the multi-token-prediction layer after it, as published
+    (model.layers.<num_layers>.*, num_nextn_predict_layers=1); returns how many tensors it holds."""
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    layer = {k.replace(last, mtp): v.clone() for k, v in load_all(src).items() if k.startswith(last)}
+    edit_tensors(src, lambda t: t.update(layer))
+    edit_config(src, num_nextn_predict_layers=1)
+    return len(layer)
 
 
 def test_mtp_layer_is_left_out_with_a_line_and_only_the_expert_bias_may_be_float32(tiny_glm, tmp_path, capfd):
@@ -159,11 +182,9 @@ def test_mtp_layer_is_left_out_with_a_line_and_only_the_expert_bias_may_be_float
     shutil.copytree(tiny_glm["glm4-moe-bf16"], src)
     stored = {k: v.dtype for k, v in load_all(src).items()}
     assert {k for k, d in stored.items() if d == torch.float32} == {k for k in stored if k.endswith("e_score_correction_bias")}
-    mtp = {k.replace("layers.3.", "layers.4."): v.clone() for k, v in load_all(src).items() if k.startswith("model.layers.3.")}
-    edit_tensors(src, lambda t: t.update(mtp))
-    edit_config(src, num_nextn_predict_layers=1)
+    mtp = add_mtp_layer(src, 4)
     out = hf_to_megatron(src, tmp_path / "out", tp=2, ep=2, progress=False)
-    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {len(mtp)} tensors from model.layers.4.) "
+    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {mtp} tensors from model.layers.4.) "
             "are left out") in capfd.readouterr().err
     assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_glm["glm4-moe-bf16"]))
     edit_config(src, num_nextn_predict_layers=0)

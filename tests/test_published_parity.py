@@ -4,14 +4,16 @@ with the EP ranks as data-parallel ranks): LongRoPE past and before its switch p
 Phi-4-mini); MoE models with dense layers (Qwen3-MoE's first two, Qwen2-MoE's every other one);
 the multimodal Gemma 3's language model, against the wrapper's own text-only forward; GLM-4.5 with
 its guards (tests/test_family_glm4_moe.py); gpt-oss with its guards, its experts at expert TP 1
-(tests/test_family_gpt_oss.py)."""
+(tests/test_family_gpt_oss.py); DeepSeek-V3 with its guards (tests/test_family_deepseek_v3.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests import test_family_deepseek_v3 as deepseek
 from tests.test_convert_parity import assert_parity
 from tests import test_family_gpt_oss as gpt_oss
+from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
 from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
 from tests.test_gemma3_wrapper import gemma3_wrapper  # noqa: F401
@@ -25,7 +27,7 @@ FORMATS = ("torch", "torch_dist")
 
 @pytest.mark.multiprocess
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
-                                                    tiny_gpt_oss, tmp_path):  # noqa: F811
+                                                    tiny_gpt_oss, tiny_deepseek, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -34,8 +36,12 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
         pairs.append((src, hf_to_megatron(src, tmp_path / f"{src.name}-{fmt}", tp=2, pp=2, ep=ep, fmt=fmt, progress=False)))
     glm, matching = parity_pairs(tiny_glm, tmp_path)
     oss, oss_matching = gpt_oss.parity_pairs(tiny_gpt_oss, tmp_path)
-    reports = verify_many(pairs + glm + oss, tp=2, pp=2, ep=2)
-    glm_reports, oss_reports = reports[len(pairs):len(pairs) + len(glm)], reports[len(pairs) + len(glm):]
-    assert_parity(reports[:len(pairs)] + glm_reports[:matching] + oss_reports[:oss_matching])
+    ds, ds_matching = deepseek.parity_pairs(tiny_deepseek, tmp_path)
+    reports = verify_many(pairs + glm + oss + ds, tp=2, pp=2, ep=2)
+    glm_reports = reports[len(pairs):len(pairs) + len(glm)]
+    oss_reports = reports[len(pairs) + len(glm):len(pairs) + len(glm) + len(oss)]
+    ds_reports = reports[len(pairs) + len(glm) + len(oss):]
+    assert_parity(reports[:len(pairs)] + glm_reports[:matching] + oss_reports[:oss_matching] + ds_reports[:ds_matching])
     assert_guards_fail(glm_reports[matching:])
     gpt_oss.assert_guards_fail(oss_reports[oss_matching:])
+    deepseek.assert_guards_fail(ds_reports[ds_matching:])

@@ -79,7 +79,18 @@ class Layout:
             )
         if spec.ffn_hidden_size % self.tp:
             raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by {tp}")
+        for key, size in self._mla_down_projections(spec):
+            if size % self.tp:
+                raise ConversionError(f"{key} {size} is not divisible by {tp} (megatron-core's local multi-latent "
+                                      "attention splits its down projection's rows over TP)")
         self._check_experts(spec, names)
+
+    @staticmethod
+    def _mla_down_projections(spec: ModelSpec) -> list[tuple[str, int]]:
+        if not spec.mla:
+            return []
+        kv = ("kv_lora_rank + qk_rope_head_dim", spec.size_of("kv_down"))
+        return [("q_lora_rank", spec.size_of("q_lora")), kv] if spec.q_lora else [kv]
 
     def _check_experts(self, spec: ModelSpec, names: dict[str, str]) -> None:
         tp, ep = names["tp"].format(self.tp), names["ep"].format(self.ep)

@@ -89,17 +89,56 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         **family_named(spec.family).megatron,
         **moe_settings(spec),
     )
+    transformer.update(mla_settings(spec))  # its kv_channels replaces the one above
     gpt = dict(
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="yarn" if spec.yarn else "rope",
+        # GPTModel's own YaRN; multi-latent attention builds its own (mla_settings)
+        position_embedding_type="yarn" if spec.yarn and not spec.mla else "rope",
         rotary_base=spec.rope_theta,
         rotary_percent=spec.rotary_percent,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or MCORE_ROPE_SCALING_FACTOR,
         seq_len_interpolation_factor=spec.rope_linear_factor,
     )
-    return MegatronSettings(transformer, gpt, dict(spec.yarn or {}))
+    return MegatronSettings(transformer, gpt, dict(spec.yarn or {}) if not spec.mla else {})
+
+
+def mla_settings(spec: ModelSpec) -> dict:
+    """Multi-latent attention (toolkit/families/mla.py) as MLATransformerConfig's fields: the q / kv
+    LoRA norms are its q_layernorm / kv_layernorm (built where qk_layernorm), RoPE (rope_type "rope")
+    or YaRN ("yarn", toolkit/families/yarn.py) built by MLASelfAttention itself from these fields,
+    not by GPTModel (gpt_model.py:159). kv_channels is unused by MLA's projections (they take the
+    head dims below); v_head_dim, as Megatron-LM's DeepSeek-V3 recipes set it."""
+    if not spec.mla:
+        return {}
+    m = spec.mla
+    return dict(
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=m["q_lora_rank"],
+        kv_lora_rank=m["kv_lora_rank"],
+        qk_head_dim=m["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=m["qk_rope_head_dim"],
+        v_head_dim=m["v_head_dim"],
+        kv_channels=m["v_head_dim"],
+        rotary_base=spec.rope_theta,
+        rotary_percent=spec.rotary_percent,
+        **(mla_yarn(spec.yarn) if spec.yarn else {"rope_type": "rope", "rotary_scaling_factor": 1.0}),
+    )
+
+
+def mla_yarn(yarn: dict) -> dict:
+    """YaRN (toolkit/families/yarn.py's `yarn_*` attributes) as MLATransformerConfig's fields, which
+    MLASelfAttention passes to YarnRotaryEmbedding (multi_latent_attention.py:138-149). mscale None where
+    HF uses get_mscale(factor) alone, as megatron-core's _yarn_get_concentration_factor does; the softmax
+    scale takes get_mscale(factor, mscale_all_dim)**2 (:125-126), 1 for mscale_all_dim 0, as HF's
+    yarn_apply_mscale where mscale_all_dim is unset (the case with mscale_all_dim alone is refused:
+    toolkit/families/mla.py)."""
+    return {"rope_type": "yarn", "rotary_scaling_factor": yarn["yarn_rotary_scaling_factor"],
+            "original_max_position_embeddings": yarn["yarn_original_max_position_embeddings"],
+            "beta_fast": yarn["yarn_beta_fast"], "beta_slow": yarn["yarn_beta_slow"], "mscale": yarn["yarn_mscale"],
+            "mscale_all_dim": yarn["yarn_mscale_all_dim"] or 0.0}
 
 
 def moe_settings(spec: ModelSpec) -> dict:

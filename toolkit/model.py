@@ -65,7 +65,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
                        aux_loss: AuxLoss | None = None, layer_spec: str | None = None, **overrides):
     """`aux_loss`: the routers' load-balancing loss of a Mixture-of-Experts model (none by default);
     `layer_spec`: "te" or "local", by default running_layer_spec()."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     layer_spec = layer_spec or running_layer_spec()
@@ -95,7 +95,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         **(aux_loss.config_fields() if aux_loss and spec.is_moe else {}),
     )
     kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
+    config = (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
     for name, value in settings_for(spec).config_attributes.items():
         setattr(config, name, value)
     return config
@@ -129,10 +129,16 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
         local = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
                                                            normalization=config.normalization)
     elif layer_spec == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **experts)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention, **experts)
     else:
         local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
-                                                         qk_layernorm=config.qk_layernorm, **experts)
+                                                         qk_layernorm=config.qk_layernorm,
+                                                         multi_latent_attention=config.multi_latent_attention, **experts)
+    if config.multi_latent_attention and layer_spec == "local":
+        from toolkit.mla_attention import with_mla_core_attention
+
+        local = with_mla_core_attention(local)
     if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
         from toolkit.layers import sequence_parallel_block_spec
 
@@ -149,20 +155,23 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from toolkit.mla_attention import buildable_mla
+
     if aux_loss:
         aux_loss.check(layout.pp)
     config = config or transformer_config(spec, layout, dtype, aux_loss)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec_module(layer_spec or running_layer_spec(), config, spec)
-        if layer_spec is None or isinstance(layer_spec, str) else layer_spec,
-        vocab_size=layout.padded_vocab(spec.vocab_size),
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-        parallel_output=True,
-        **settings_for(spec).gpt,
-        **({} if vp_stage is None else {"vp_stage": vp_stage}),
-    )
+    with buildable_mla(config):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec_module(layer_spec or running_layer_spec(), config, spec)
+            if layer_spec is None or isinstance(layer_spec, str) else layer_spec,
+            vocab_size=layout.padded_vocab(spec.vocab_size),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+            parallel_output=True,
+            **settings_for(spec).gpt,
+            **({} if vp_stage is None else {"vp_stage": vp_stage}),
+        )
     layer = family_named(spec.family).layer
     if layer:
         from toolkit.layers import adapt_model

@@ -58,6 +58,22 @@ GLM4_MOE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, he
                 n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                 use_qk_norm=True, attention_bias=True, num_hidden_layers=4, vocab_size=251,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+# DeepSeek-V3 with every feature on: GLM-4.5's MoE layout above (12 experts in 4 groups, 2 kept, top-4,
+# 2 shared experts, a dense first layer, scaling 2.5), multi-latent attention with a low-rank query of
+# 48, a KV latent of 32, per head 16 + 8 query / key dims and 12 value dims (every size distinct), YaRN
+# (factor 4 over 16 original positions, so the test sequences reach past them) with mscale 0.7 and
+# mscale_all_dim 1 (cos and sin scaled by their ratio, the softmax by the latter's square). The second
+# variant: a full-rank query (q_lora_rank null, as DeepSeek-V2-Lite) and plain RoPE. Weights of std 0.05
+# (not 0.02) sharpen attention enough that dropping YaRN's mscales moves the logits 0.19 (2e-3 at 0.02).
+DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                   moe_intermediate_size=24, n_routed_experts=12, num_experts_per_tok=4, n_group=4, topk_group=2,
+                   n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   num_hidden_layers=4, vocab_size=251, max_position_embeddings=64, initializer_range=0.05,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 0.7, "mscale_all_dim": 1.0})
+DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
 # 1.5 that the larger weights (initializer_range 0.1) cross often, windows of 8 (shorter than the test
@@ -143,6 +159,8 @@ VARIANTS = {
     "qwen2-moe-sparse-step": ("Qwen2MoeConfig", {**QWEN2_MOE, "decoder_sparse_step": 2}),
     "glm4-moe": ("Glm4MoeConfig", GLM4_MOE),
     "glm4-moe-air": ("Glm4MoeConfig", GLM4_MOE_AIR),
+    "deepseek-v3": ("DeepseekV3Config", DEEPSEEK_V3),
+    "deepseek-v3-full-q": ("DeepseekV3Config", DEEPSEEK_V3_FULL_Q),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),
@@ -251,3 +269,39 @@ def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", s
                           mm_tokens_per_image=4)
     torch.manual_seed(seed)
     return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)
+
+
+# DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
+# keep the embeddings, norms, routers and head as they are
+FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(directory: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Rewrite a saved tiny model as DeepSeek-V3 publishes its weights: each projection float8_e4m3fn with a
+    float32 `weight_scale_inv` per block (its largest magnitude over 448, as DeepSeek's act_quant scales),
+    the last blocks cut at the tensor's edge; config.json with DeepSeek-V3's quantization_config."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(FP8_QUANTIZED)]:
+        weight = tensors[name].float()
+        grid = [-(-size // b) for size, b in zip(weight.shape, block)]
+        scale = torch.empty(grid, dtype=torch.float32)
+        quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+                scale[i, j] = weight[rows, cols].abs().max().clamp(min=1e-12) / FP8_MAX
+                quantized[rows, cols] = (weight[rows, cols] / scale[i, j]).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale_inv"] = quantized, scale
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(block)}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory

@@ -82,12 +82,10 @@ def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dic
         for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(1), spec.moe_layers):
             shape = megatron_shape(row.split, [hf[n] for n in row.hf_names(layer, expert)], geo)
             shape = (spec.num_experts, *shape) if row.per_expert else shape
-            if not row.per_layer:
-                out[row.megatron] = shape
-            elif stacked:
-                out[dist_format.layer_key(row.megatron_name(0, 0))] = (spec.num_layers, *shape)
+            if row.per_layer and stacked:
+                out[dist_format.row_key(row, 0, stacked)] = (spec.num_layers, *shape)
             else:
-                out[dist_format.layer_key(row.megatron_name(layer, 0), stacked)] = shape
+                out[dist_format.row_key(row, layer, stacked)] = shape
     if spec.is_moe:
         out.update((alias, out[key]) for key in list(out) if (alias := dist_format.te_moe_alias(key, spec.moe_layers)))
     return out

@@ -118,6 +118,12 @@ def layer_key(canonical_layer_name: str, stacked: bool = True) -> str:
     return STACKED_PREFIX + suffix if stacked else naming.layer_name(layer, suffix)
 
 
+def row_key(row, layer: int | None, stacked: bool) -> str:
+    """The torch_dist key of a family row's tensor on global layer `layer` (Row.dist where megatron-core
+    keys it otherwise than its canonical name)."""
+    return layer_key(row.dist_name(layer, 0), stacked) if row.per_layer else row.dist_name()
+
+
 def stacks_layers(moe_layers: str | None) -> bool:
     """Whether per-layer tensors are stacked over the layers: not where MoE and dense layers mix
     (ModelSpec.moe_layers), which megatron-core keys each on its own (transformer_block.py:830-868)."""
@@ -192,14 +198,16 @@ def _chunk_bytes(chunk: Chunk):
 
 
 def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False,
-                        moe_layers: str | None = None) -> dict[str, object]:
+                        moe_layers: str | None = None,
+                        attention: tuple[str, ...] = naming.MOE_ATTENTION_EXTRA_STATE) -> dict[str, object]:
     """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None]); an
     expert's is keyed by (layer, expert), as ShardedObject.unique_key writes offsets and shape.
     Keyed per layer where `moe_layers` mixes dense layers in (offset 0 of shape 1 then,
-    transformer/utils.py _get_extra_state_offsets)."""
+    transformer/utils.py _get_extra_state_offsets). `attention`: the attention's linears
+    (naming.attention_linears)."""
     if moe_layers is not None:
-        return _per_layer_extra_state_objects(num_experts, shared_expert, moe_layers)
-    modules = naming.MOE_ATTENTION_EXTRA_STATE if num_experts else naming.EXTRA_STATE_MODULES
+        return _per_layer_extra_state_objects(num_experts, shared_expert, moe_layers, attention)
+    modules = attention if num_experts else attention + naming.MLP_EXTRA_STATE
     modules += naming.SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     objects = {
         f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}": [None]
@@ -215,15 +223,16 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     return objects
 
 
-def _per_layer_extra_state_objects(num_experts: int, shared_expert: bool, moe_layers: str) -> dict[str, object]:
+def _per_layer_extra_state_objects(num_experts: int, shared_expert: bool, moe_layers: str,
+                                   attention: tuple[str, ...]) -> dict[str, object]:
     objects = {}
     for layer, kind in enumerate(moe_layers):
         prefix = naming.layer_name(layer, "")
         if kind == "0":
-            objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in naming.EXTRA_STATE_MODULES)
+            objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in attention + naming.MLP_EXTRA_STATE)
             continue
         shared = naming.SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
-        objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in naming.MOE_ATTENTION_EXTRA_STATE + shared)
+        objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in attention + shared)
         objects.update((f"{prefix}{EXPERTS_PREFIX}linear_fc{k}._extra_state/shard_{e}_{num_experts}", [None])
                        for k in (1, 2) for e in range(num_experts))
     return objects

@@ -54,6 +54,9 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     offset: int  # of the tensor's first byte in the file
+    # The dtype of the bytes in the file where reading converts them to `dtype` (FP8 weights dequantized
+    # to bf16: toolkit/convert/fp8.py), so they are never copied as they are; None: stored as `dtype`
+    stored: str | None = None
 
     @property
     def itemsize(self) -> int:

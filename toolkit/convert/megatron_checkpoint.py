@@ -204,7 +204,7 @@ class MegatronCheckpoint:
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
-                key = dist_format.layer_key(row.megatron_name(layer, 0), stacked) if row.per_layer else row.megatron
+                key = dist_format.row_key(row, layer, stacked)
                 if key not in stored:
                     raise ConversionError(f"{self.shards} has no tensor {key!r}")
                 shape, dtype = stored[key]

@@ -29,6 +29,7 @@ EXTRA_STATE_MODULES = (
 LAYER_SPECS = ("te", "local")
 # Attention modules with `_extra_state` in a Mixture-of-Experts layer; the experts add their own.
 MOE_ATTENTION_EXTRA_STATE = EXTRA_STATE_MODULES[:2]
+MLP_EXTRA_STATE = EXTRA_STATE_MODULES[2:]  # a dense layer's, after its attention's
 # A shared expert (SharedExpertMLP) is an MLP of its own linears, under either spec.
 SHARED_EXPERT_EXTRA_STATE = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 SHARED_EXPERT_PREFIX = "mlp.shared_experts."
@@ -77,18 +78,32 @@ def to_canonical(name: str) -> str:
     return layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
 
 
+def attention_linears(names) -> tuple[str, ...]:
+    """The attention's linear modules among canonical layer tensor `names`, in order of appearance:
+    those with an `_extra_state` (linear_qkv and linear_proj; multi-latent attention's down / up
+    projections and linear_proj)."""
+    found = (_ATTENTION_LINEAR.match(split_layer(n)[1]) for n in names)
+    return tuple(dict.fromkeys(m.group(1) for m in found if m))
+
+
+_ATTENTION_LINEAR = re.compile(r"^(self_attention\.linear_\w+)\.(weight|bias|layer_norm_weight)$")
+
+
 def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shared_expert: bool = False,
-                      moe_layers: Container[int] | None = None) -> list[str]:
+                      moe_layers: Container[int] | None = None,
+                      attention: tuple[str, ...] = MOE_ATTENTION_EXTRA_STATE) -> list[str]:
     """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files).
-    `moe_layers`: the (stage-local) layers with experts, where dense ones are mixed in; None: all."""
+    `moe_layers`: the (stage-local) layers with experts, where dense ones are mixed in; None: all.
+    `attention`: the attention's linears (attention_linears)."""
     shared = SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     if layer_spec == "te":
-        moe = [*MOE_ATTENTION_EXTRA_STATE, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
+        moe = [*attention, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
     else:
-        moe = [*MOE_ATTENTION_EXTRA_STATE, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
-                                                       for i in range(local_experts) for k in (1, 2)]
+        moe = [*attention, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
+                                       for i in range(local_experts) for k in (1, 2)]
+    dense = [*attention, *MLP_EXTRA_STATE]
     return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers)
-            for module in (moe if local_experts and (moe_layers is None or layer in moe_layers) else EXTRA_STATE_MODULES)]
+            for module in (moe if local_experts and (moe_layers is None or layer in moe_layers) else dense)]
 
 
 def router_layers(names) -> set[int]:

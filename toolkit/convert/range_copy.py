@@ -68,8 +68,11 @@ def shard_ranges(split: SplitKind, src, names: Sequence[str], tp: int, rank: int
     """The bytes of build_shard(split, src, names, tp, rank, geo) as ranges of the HF files, or
     None where the split kind does not describe them or a range would be small."""
     pieces = split.row_pieces(src, names, tp, rank, geo)
-    if pieces is None or any(p.name is not None and src.tensors[p.name].file is None for p in pieces):
-        return None  # a tensor with no bytes of its own in a file (toolkit/convert/fused_experts.py): built
+    if pieces is None or any(p.name is not None and (src.tensors[p.name].file is None or src.tensors[p.name].stored)
+                             for p in pieces):
+        # a tensor with no bytes of its own in a file (toolkit/convert/fused_experts.py), or converted on
+        # reading (FP8 dequantized, toolkit/convert/fp8.py): built, never byte-copied
+        return None
     template = src.tensors[next(p.name for p in pieces if p.name is not None)]
     row_bytes = math.prod(template.shape[1:]) * template.itemsize
     ranges = _merged([r for piece in pieces for r in _piece_ranges(src, piece, row_bytes)])

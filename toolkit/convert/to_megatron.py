@@ -111,7 +111,7 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
             load = lambda split=row.split, names=names: build_shard(split, src, names, 1, 0, geo)  # noqa: E731
             ranges = lambda split=row.split, names=names: shard_ranges(split, src, names, 1, 0, geo)  # noqa: E731
             stack = [(spec.num_layers, layer)] * (row.per_layer and stacked) + [(spec.num_experts, expert)] * row.per_expert
-            key = dist_format.layer_key(row.megatron_name(layer, 0), stacked) if row.per_layer else row.megatron
+            key = dist_format.row_key(row, layer, stacked)
             chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
                                             (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
                                             dtype, load, ranges))
@@ -153,6 +153,10 @@ def hf_to_megatron(
     refuse_output_overlapping_inputs(out_dir, hf_dir)
     src = open_hf(hf_dir)  # a multimodal checkpoint as its language model (toolkit/convert/wrapper.py)
     family, spec = checked_spec(src.config, src.dir / "config.json", src.tensors)
+    if spec.mla and layer_spec == "te":
+        raise ConversionError(f"{family.name} (multi-latent attention) converts for megatron-core's local layer spec only: "
+                              "pass --layer-spec local (its TE spec replicates linear_q_down_proj / linear_kv_down_proj "
+                              "and folds the q / kv norms into the up projections, a layout not written yet)")
     layout = Layout(tp, pp, vocab_divisor, ep)
     layout.check(spec)
     check_tensors(src, family, spec)
@@ -181,8 +185,9 @@ def hf_to_megatron(
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
-                objects = dist_format.extra_state_objects(spec.num_layers, spec.num_experts,
-                                                          spec.moe_shared_ffn_hidden_size > 0, spec.moe_layers)
+                objects = dist_format.extra_state_objects(
+                    spec.num_layers, spec.num_experts, spec.moe_shared_ffn_hidden_size > 0, spec.moe_layers,
+                    naming.attention_linears(r.megatron_name(0) for r in family.rows_for(spec) if r.per_layer))
                 hashed = dist_format.write(release, chunks, objects, common, bar.update)
             checksums = checksum_tree(tmp, known=hashed)
         (tmp / TRACKER).write_text(RELEASE)

@@ -82,7 +82,9 @@ class LanguageModelView:
 
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     """An HF checkpoint directory as the converter reads it: a wrapper as its language model, a
-    model with fused experts per expert (toolkit/convert/fused_experts.py)."""
+    model with fused experts per expert (toolkit/convert/fused_experts.py), FP8 weights with block scales
+    dequantized to bf16 (toolkit/convert/fp8.py)."""
+    from toolkit.convert import fp8
     from toolkit.convert.hf_source import HFCheckpoint
 
     from toolkit.convert.fused_experts import fused_view
@@ -92,10 +94,12 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     wrapper = wrapper_for(src.config)
     if wrapper:
         return LanguageModelView(src, wrapper)
-    try:  # experts stored fused (gpt-oss) are read one expert at a time
+    try:  # experts stored fused (gpt-oss) are read one expert at a time, their own quantization with them
         fused = family_for(src.config.get("model_type")).fused_experts
     except ConversionError:
-        return src  # an unknown model_type: refused later, by the reader of its config
+        fused = None  # an unknown model_type: refused later, by the reader of its config
+    if fused is None and fp8.is_fp8(src.config):
+        return fp8.Fp8View(src)
     return fused_view(src, fused)
 
 

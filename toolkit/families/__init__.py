@@ -65,7 +65,7 @@ def read_config(cfg: dict, source: str = "config.json") -> tuple[Family, ModelSp
     """Family and ModelSpec of a config.json read through transformers' config class (every key
     the file leaves out at that class's default), and which keys were read or defaulted."""
     family = family_for(cfg.get("model_type"))
-    values = config_values(cfg, source)
+    values = config_values(cfg, source, family.config_class_of.get(cfg.get("model_type")))
     return family, read_spec(values, family), values.reading()
 
 

@@ -10,37 +10,24 @@ load: the converter leaves it out too, with a line saying so (Family.mtp_key).""
 
 from dataclasses import replace
 
-from toolkit.families.experts import ATTENTION_ROWS, DENSE_LAYER_ROWS, GATE_PROJ_EXPERT_ROWS, shared_expert_rows
-from toolkit.families.llama import LLAMA, L, M
+from toolkit.families.experts import ATTENTION_ROWS
+from toolkit.families.llama import LLAMA
 from toolkit.families.qwen2 import QWEN2
 from toolkit.families.qwen3_moe import QK_NORMS
-from toolkit.families.router import Router
-from toolkit.families.sigmoid_router import first_dense_layers, read_sigmoid_routing
-from toolkit.families.table import MOE_LAYER, Family, row
-from toolkit.splits import Split
+from toolkit.families.sigmoid_router import DEEPSEEK_MOE_ROWS, DEEPSEEK_ROUTER
+from toolkit.families.table import Family
 
-S = L + "mlp.shared_experts."
 QKV_BIAS = tuple(replace(r, when="qkv_bias") for r in QWEN2.rows if r.megatron.endswith("linear_qkv.bias"))
-EXPERT_BIAS = row(M + "mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias", Split.REPLICATED,
-                  ("experts",), kind=MOE_LAYER)
 
 GLM4_MOE = Family(
     name="glm4_moe",
     model_types=("glm4_moe",),
     architecture="Glm4MoeForCausalLM",
-    rows=ATTENTION_ROWS + QKV_BIAS + tuple(replace(r, when="qk_norm") for r in QK_NORMS) + GATE_PROJ_EXPERT_ROWS
-    + (EXPERT_BIAS,) + shared_expert_rows(S + "gate_proj.weight", S + "up_proj.weight", S + "down_proj.weight")
-    + DENSE_LAYER_ROWS,
+    rows=ATTENTION_ROWS + QKV_BIAS + tuple(replace(r, when="qk_norm") for r in QK_NORMS) + DEEPSEEK_MOE_ROWS,
     qkv_bias="attention_bias",
     partial_rotary=True,
     refuse_flags=tuple(f for f in LLAMA.refuse_flags if f != "attention_bias"),
     read=lambda cfg: {"qk_norm": bool(cfg.get("use_qk_norm", False))},
     mtp_key="num_nextn_predict_layers",
-    router=Router(
-        experts_keys=("n_routed_experts",),
-        ffn_key="moe_intermediate_size",
-        renormalise_key="norm_topk_prob",
-        layers=first_dense_layers,
-        read=read_sigmoid_routing,
-    ),
+    router=DEEPSEEK_ROUTER,
 )

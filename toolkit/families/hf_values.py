@@ -75,13 +75,14 @@ class ConfigReading:
         return out + [f"    {k} = {self.defaults[k]!r}" for k in sorted(self.defaults)]
 
 
-def config_values(cfg: dict, source: str = "config.json") -> ConfigValues:
-    """Build transformers' config class for cfg['model_type'] from the dict (its type checks
-    included: a refusal there is a ConversionError naming `source`) and return its values."""
+def config_values(cfg: dict, source: str = "config.json", model_type: str | None = None) -> ConfigValues:
+    """Build transformers' config class for cfg['model_type'] (or `model_type`'s, Family.config_class_of)
+    from the dict (its type checks included: a refusal there is a ConversionError naming `source`) and
+    return its values."""
     from transformers import CONFIG_MAPPING
     from transformers.utils import logging
 
-    config_class = CONFIG_MAPPING[cfg["model_type"]]
+    config_class = CONFIG_MAPPING[model_type or cfg["model_type"]]
     for key in SIZE_KEYS:  # before the class divides by them (a ZeroDivisionError there names no key)
         value = cfg.get(key)
         if type(value) is int and value < 1:

@@ -26,7 +26,11 @@ width. Layers below first_k_dense_replace are dense MLPs of width intermediate_s
 from __future__ import annotations
 
 from toolkit.errors import ConversionError
-from toolkit.families.router import positive
+from toolkit.families.experts import DENSE_LAYER_ROWS, GATE_PROJ_EXPERT_ROWS, shared_expert_rows
+from toolkit.families.llama import L, M
+from toolkit.families.router import Router, positive
+from toolkit.families.table import MOE_LAYER, row
+from toolkit.splits import Split
 
 # HF ranks groups by the sum of their top-2 scores (a constant in both families' routers)
 HF_GROUP_SCORE_TOPK = 2
@@ -66,3 +70,15 @@ def read_sigmoid_routing(cfg: dict) -> dict:
                 num_groups=groups if limited else None, group_topk=group_topk if limited else None,
                 scaling_factor=None if scaling == 1.0 else float(scaling),
                 shared_ffn_hidden_size=positive(cfg, "n_shared_experts") * positive(cfg, "moe_intermediate_size"))
+
+
+SHARED = L + "mlp.shared_experts."
+EXPERT_BIAS = row(M + "mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias", Split.REPLICATED,
+                  ("experts",), kind=MOE_LAYER)
+# DeepSeek-V3's MoE layout, as GLM-4.5 names it too: the router with its bias, routed experts, the
+# fused shared experts, dense MLPs below first_k_dense_replace
+DEEPSEEK_MOE_ROWS = (GATE_PROJ_EXPERT_ROWS + (EXPERT_BIAS,)
+                     + shared_expert_rows(SHARED + "gate_proj.weight", SHARED + "up_proj.weight",
+                                          SHARED + "down_proj.weight") + DENSE_LAYER_ROWS)
+DEEPSEEK_ROUTER = Router(experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size",
+                         renormalise_key="norm_topk_prob", layers=first_dense_layers, read=read_sigmoid_routing)

@@ -96,6 +96,28 @@ class ModelSpec:
     glu_clamp: float | None = None
     glu_offset: float = 0.0
     yarn: dict | None = field(default=None, hash=False)
+    # Multi-latent attention (toolkit/families/mla.py): q_lora_rank (None: a full q_proj), kv_lora_rank,
+    # qk_nope_head_dim, qk_rope_head_dim, v_head_dim; None: the usual attention
+    mla: dict | None = field(default=None, hash=False)
+
+    @property
+    def q_lora(self) -> bool:
+        """Multi-latent attention with a low-rank query (q_a_proj, q_a_layernorm, q_b_proj)."""
+        return bool(self.mla) and self.mla["q_lora_rank"] is not None
+
+    @property
+    def q_full(self) -> bool:
+        """Multi-latent attention with a full-rank query (q_proj)."""
+        return bool(self.mla) and self.mla["q_lora_rank"] is None
+
+    def _mla_sizes(self) -> dict:
+        if not self.mla:
+            return {}
+        m, heads = self.mla, self.num_heads
+        return {"q_lora": m["q_lora_rank"] or 0, "kv_lora": m["kv_lora_rank"],
+                "kv_down": m["kv_lora_rank"] + m["qk_rope_head_dim"],
+                "q_heads": heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]),
+                "kv_up": heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), "v_size": heads * m["v_head_dim"]}
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -113,6 +135,7 @@ class ModelSpec:
             "2moe_ffn": 2 * self.moe_ffn_hidden_size,
             "shared_ffn": self.moe_shared_ffn_hidden_size,
             "one": 1,
+            **self._mla_sizes(),
         }[symbol]
 
     def expert_tp(self, tp: int) -> int:

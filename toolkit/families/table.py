@@ -31,6 +31,9 @@ class Row:
     # A ModelSpec flag the row depends on where the config decides whether the tensor exists
     # (GLM-4.5's attention_bias, use_qk_norm); None: always there
     when: str | None = None
+    # megatron-core's torch_dist key where it is not the canonical name (the local MLA spec keys its
+    # norms by their own modules: toolkit/families/mla.py); None: the canonical name
+    dist: str | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -52,6 +55,9 @@ class Row:
     def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
         return _fill(self.megatron, layer, expert)
 
+    def dist_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return _fill(self.dist or self.megatron, layer, expert)
+
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
         return tuple(_fill(n, layer, expert) for n in self.hf)
 
@@ -63,8 +69,8 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
-        when: str | None = None) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when)
+        when: str | None = None, dist: str | None = None) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist)
 
 
 # megatron-core buffers a family table maps (TopKRouter's aux-loss-free expert bias, router.py:173)
@@ -152,6 +158,9 @@ class Family:
     # (`model.layers.<num_hidden_layers + i>.*`, GLM-4.5 / DeepSeek-V3), which HF's model ignores on
     # load: the converter leaves them out and says so
     mtp_key: str | None = None
+    # model_type -> the one of transformers' config classes that reads it, where transformers has none of
+    # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
+    config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
     # Experts stored fused per layer (gpt-oss), read and written per expert by the converter
     fused_experts: FusedExperts | None = None
 

@@ -1,0 +1,157 @@
+"""DeepSeek-V3 / Kimi-K2 (deepseek_v3): multi-latent attention with a low-rank or a full query, YaRN with
+mscale / mscale_all_dim or plain RoPE, and GLM-4.5's router layout (sigmoid scores with an expert bias,
+group-limited top-k, routed scaling, shared experts, a dense first layer) (toolkit/families/deepseek_v3.py,
+mla.py, yarn.py). Its router is checked token by token against DeepseekV3TopkRouter in
+tests/test_family_glm4_moe.py.
+
+HF is the reference: megatron-core's own MLASelfAttention (local spec) loading our checkpoints at TP2 x PP2 x
+EP2 gives HF's logits within 1e-4 in fp32 (in the one launch of tests/test_published_parity.py), both variants,
+one per format. Each piece has a guard in that launch: the checkpoint converted with it dropped (YaRN's
+mscale / mscale_all_dim, YaRN itself, the group limit, the expert bias) fails the parity check."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import fp32_and_bf16_models
+from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
+from tests.test_convert_roundtrip import load_all
+from tests.test_family_glm4_moe import add_mtp_layer, family_parity_pairs
+from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
+from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.families import spec_from_config
+from toolkit.megatron_settings import settings_for
+from toolkit.tinymodels import make_config, make_tiny_model
+
+VARIANTS = ("deepseek-v3", "deepseek-v3-full-q")
+LOCAL = {"layer_spec": "local", "progress": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    """variant -> fp32 model (parity), `<variant>-bf16` (round trips in the HF dtype)."""
+    return fp32_and_bf16_models(tmp_path_factory.mktemp("deepseek-v3"), VARIANTS, 80, 90)
+
+
+def test_settings_are_megatron_cores_mla_and_yarn_fields():
+    settings = settings_for(spec_from_config(make_config("deepseek-v3").to_dict())[1]).transformer
+    assert {k: settings[k] for k in ("multi_latent_attention", "qk_layernorm", "q_lora_rank", "kv_lora_rank",
+                                     "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "kv_channels", "rope_type",
+                                     "rotary_base", "rotary_scaling_factor", "original_max_position_embeddings",
+                                     "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "moe_router_num_groups",
+                                     "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_layer_freq")} == {
+        "multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_head_dim": 16,
+        "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "kv_channels": 12, "rope_type": "yarn", "rotary_base": 10000.0,
+        "rotary_scaling_factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.7, "mscale_all_dim": 1.0, "moe_router_num_groups": 4, "moe_router_group_topk": 2,
+        "moe_router_topk_scaling_factor": 2.5, "moe_layer_freq": [0, 1, 1, 1]}
+    full = settings_for(spec_from_config(make_config("deepseek-v3-full-q").to_dict())[1]).transformer
+    assert (full["q_lora_rank"], full["rope_type"], full["rotary_scaling_factor"]) == (None, "rope", 1.0)
+
+
+REFUSALS = (
+    ({"attention_bias": True}, "MLASelfAttention has no biases"),
+    ({"rope_interleave": False}, "always de-interleaves the rotary dimensions"),
+    ({"num_key_value_heads": 2}, "multi-latent attention has a key and value per head"),
+    ({"rms_norm_eps": 1e-5}, "q_a_layernorm and kv_a_layernorm keep eps 1e-06"),
+    ({"kv_lora_rank": 31}, "qk_rope_head_dim 39 is not divisible by --tp 2"),
+)
+YARN_REFUSALS = (
+    ({"mscale": None}, "mscale_all_dim=1.0 without mscale"),
+    ({"attention_factor": 1.5}, "an explicit YaRN attention factor"),
+    ({"truncate": False}, "always rounds YaRN's correction range"),
+)
+
+
+def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(tmp_path):
+    src = make_tiny_model("deepseek-v3", tmp_path / "src", seed=1)
+    convert_fails(src, tmp_path / "out", "converts for megatron-core's local layer spec only: pass --layer-spec local",
+                  layer_spec="te")
+    published = make_config("deepseek-v3").to_dict()
+    for changes, line in REFUSALS:
+        edit_config(src, **changes)
+        convert_fails(src, tmp_path / "out", line, tp=2, layer_spec="local")
+        edit_config(src, **published)
+    for changes, line in YARN_REFUSALS:
+        rope = {k: v for k, v in {**published["rope_parameters"], **changes}.items() if v is not None}
+        edit_config(src, rope_parameters=rope)
+        convert_fails(src, tmp_path / "out", line, layer_spec="local")
+    edit_config(src, **published)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_deepseek, tmp_path, fmt):
+    """Both variants (low-rank and full query), bf16, at TP2 x PP2 x EP2."""
+    from transformers import AutoModelForCausalLM
+
+    for variant in VARIANTS:
+        src = tiny_deepseek[f"{variant}-bf16"]
+        original = load_all(src)
+        out = hf_to_megatron(src, tmp_path / f"m-{variant}", tp=2, pp=2, ep=2, fmt=fmt, **LOCAL)
+        back = megatron_to_hf(out, tmp_path / f"h-{variant}", progress=False)
+        restored = load_all(back)
+        assert set(restored) == set(original), variant
+        assert all(torch.equal(restored[k], original[k]) for k in original), variant
+        model = AutoModelForCausalLM.from_pretrained(back)
+        assert (model.model.layers[0].self_attn.q_proj is None) == (variant == "deepseek-v3"), variant
+
+
+GUARDS = ("yarn-mscale", "yarn", "group-limit", "expert-bias")
+
+
+def _dropped(tiny_deepseek, tmp_path, piece: str):
+    """A copy of the fp32 low-rank-query model with one piece dropped, converted at TP2 x PP2 x EP2."""
+    src = tmp_path / f"ds-no-{piece}"
+    shutil.copytree(tiny_deepseek["deepseek-v3"], src)
+    rope = make_config("deepseek-v3").to_dict()["rope_parameters"]
+    if piece == "yarn-mscale":
+        edit_config(src, rope_parameters={k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")})
+    elif piece == "yarn":
+        edit_config(src, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]})
+    elif piece == "group-limit":
+        edit_config(src, n_group=1, topk_group=1)
+    else:
+        edit_tensors(src, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
+    return hf_to_megatron(src, tmp_path / f"ds-m-no-{piece}", tp=2, pp=2, ep=2, **LOCAL)
+
+
+def parity_pairs(tiny_deepseek, tmp_path) -> tuple[list, int]:
+    """(hf, megatron) pairs for the TP2 x PP2 x EP2 parity launch of tests/test_published_parity.py: the
+    low-rank-query YaRN model as per-rank torch files, the full-query RoPE one as torch_dist, then one guard
+    per piece, which must be far off HF's logits; and how many of them must match."""
+    return family_parity_pairs(tiny_deepseek, VARIANTS, GUARDS, _dropped, tmp_path, layer_spec="local")
+
+
+def assert_guards_fail(reports) -> None:
+    glm4_moe_guards_fail(reports, GUARDS)
+
+
+def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
+    """DeepSeek-V3's published MTP layer (num_nextn_predict_layers=1, model.layers.<num_hidden_layers>.*),
+    which HF's DeepseekV3ForCausalLM ignores on load, is left out saying so, never silently."""
+    src = tmp_path / "published"
+    shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
+    mtp = add_mtp_layer(src, 4)
+    out = hf_to_megatron(src, tmp_path / "out", ep=2, **LOCAL)
+    assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {mtp} tensors from model.layers.4.) "
+            "are left out") in capfd.readouterr().err
+    assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_deepseek["deepseek-v3-bf16"]))
+
+
+def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path):
+    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, and the
+    export keeps the model_type as published."""
+    import json
+
+    src = tmp_path / "kimi"
+    shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
+    edit_config(src, model_type="kimi_k2")
+    cfg = json.loads((src / "config.json").read_text())
+    assert spec_from_config(cfg)[1] == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
+    back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL), tmp_path / "back", progress=False)
+    assert json.loads((back / "config.json").read_text())["model_type"] == "kimi_k2"
+    original = load_all(src)
+    assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())
