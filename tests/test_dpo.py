@@ -31,12 +31,15 @@ LAYOUTS = {
     "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", None, "llama"),
     "sigmoid-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "sigmoid", "new", "llama"),
     "sigmoid-lora-loaded-DP1": (1, {"tp": 1, "pp": 1, "zero_stage": 1}, "sigmoid", "loaded", "llama"),
-    "ipo-DP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1}, "ipo", None, "llama"),
+    "ipo-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "ipo", None, "llama"),
+    "ipo-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "ipo", "new", "llama"),
+    "robust-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "robust", None, "llama"),
+    "robust-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "robust", "new", "llama"),
     # Qwen3-MoE's experts split over EP2 (router_aux_loss_coef 0: TRL adds HF's load-balancing loss
     # over its whole batch, megatron-core per micro-batch; SFT's MoE tests prove that loss)
     "robust-qwen3moe-DP2xEP2": (2, {"tp": 1, "pp": 1, "zero_stage": 1, "ep": 2}, "robust", None, "qwen3-moe"),
 }
-RESUMED_FROM = "ipo-DP2"
+RESUMED_FROM = "ipo-TP2xPP2xDP2"
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 SEED = 1234  # the recipe's default seed: a new adapter's initialisation
 LOSS_SETTINGS = {"sigmoid": {"beta": 0.1}, "ipo": {"beta": 0.5}, "robust": {"beta": 0.1, "label_smoothing": 0.2}}
@@ -145,7 +148,7 @@ def test_dpo_losses_rewards_and_grad_norms_match_trl(setup, runs, name):
 def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setup, runs, tmp_path):
     """TRL trained on data where the pairs DP rank 1 of DP2 holds have chosen and rejected swapped
     (what a collate that swapped them on one rank would train on) is far outside the tolerance."""
-    cfg, metrics = runs("ipo-DP2")
+    cfg, metrics = runs(RESUMED_FROM)  # DP2: rank 1 holds the second half of each global batch
     rows = [json.loads(line) for line in setup["data"].read_text().splitlines()]
     half = GLOBAL_PAIRS // 2
     for i, row in enumerate(rows):
@@ -153,7 +156,7 @@ def test_guard_chosen_and_rejected_swapped_on_one_rank_fails_the_comparison(setu
             row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
     swapped = tmp_path / "swapped.jsonl"
     swapped.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    guard_cfg = dpo_recipe(setup, tmp_path / "guard", LAYOUTS["ipo-DP2"][1], "ipo", None, data=swapped)
+    guard_cfg = dpo_recipe(setup, tmp_path / "guard", LAYOUTS[RESUMED_FROM][1], "ipo", None, data=swapped)
     worst = differences(metrics, trl_reference(setup["hf"], guard_cfg, STEPS))
     print("guard", {k: f"{v:.1e}" for k, v in worst.items()})
     assert not within_tolerance(worst)
