@@ -217,7 +217,7 @@ def assert_native_layout(result: dict) -> None:
     assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"]
 
 
-def _routing_reference(pad_id: int):
+def _routing_reference():
     """tests.finetune_harness.hf_reference's `step_loss` for GLM-4.5 (no load-balancing loss: HF's has
     none and neither does the recipe, router_aux_loss_coef being absent): one forward per document
     (every token of it is routed, as the trainer routes every non-padding input), and per step the tokens HF's routers send to each expert of each MoE layer,
@@ -257,8 +257,6 @@ def test_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
     0.16.1 failed on every such forward, toolkit/runtime/cpu_compat.py EXPERT_BIAS_MASK_SPOT), and
     the expert bias as loaded (neither side updates it). Guard: the reference with the expert bias
     zeroed routes otherwise and is far off the run."""
-    from transformers import AutoTokenizer
-
     from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
                                         launch, read_metrics, recipe, write_uneven_data)
     from tests.test_convert_bad_input import edit_tensors
@@ -269,8 +267,7 @@ def test_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
     cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "ep": 2}, export_hf=True)
     launch(2, cfg)
     metrics = read_metrics(tmp_path / "run")
-    pad = AutoTokenizer.from_pretrained(hf).eos_token_id
-    reference = _routing_reference(pad)
+    reference = _routing_reference()
     losses, norms = hf_reference(hf, data, cfg, STEPS, step_loss=reference)
     loss, norm = differences(metrics, losses, norms)
     print(f"GLM-4.5 DP2xEP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
@@ -283,7 +280,7 @@ def test_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
     assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
 
     edit_tensors(hf, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
-    unbiased = _routing_reference(pad)
+    unbiased = _routing_reference()
     off = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=unbiased))
     print(f"guard, HF without the expert bias: {off[0]:.1e} / {off[1]:.1e}")
     assert unbiased.routing != reference.routing and off[0] > 100 * LOSS_TOLERANCE_FP32
