@@ -124,10 +124,11 @@ def row_key(row, layer: int | None, stacked: bool) -> str:
     return layer_key(row.dist_name(layer, 0), stacked) if row.per_layer else row.dist_name()
 
 
-def stacks_layers(moe_layers: str | None) -> bool:
+def stacks_layers(moe_layers: str | None, linear_layers: str | None = None) -> bool:
     """Whether per-layer tensors are stacked over the layers: not where MoE and dense layers mix
-    (ModelSpec.moe_layers), which megatron-core keys each on its own (transformer_block.py:830-868)."""
-    return moe_layers is None
+    (ModelSpec.moe_layers), nor attention and gated delta net layers (ModelSpec.linear_layers), which
+    megatron-core keys each on its own (transformer_block.py:830-868)."""
+    return moe_layers is None and linear_layers is None
 
 
 def stacked_key(canonical_layer_name: str) -> str:

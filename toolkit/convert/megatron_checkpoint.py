@@ -176,11 +176,11 @@ class MegatronCheckpoint:
         geo = self.layout.geometry(self.spec)
         layers, experts = self.layout.stage_layers(self.spec, pp_rank), self.layout.local_experts(self.spec, ep_rank)
         rows = [r for r in self._rows() if r.per_expert or ep_rank == 0]
-        if wanted is not None and not any(_needed(r, layers, experts, wanted, self.spec.moe_layers) for r in rows):
+        if wanted is not None and not any(_needed(r, layers, experts, wanted, self.spec.moe_layers, self.spec.linear_layers) for r in rows):
             return
         stage = self.stage(pp_rank, ep_rank)
         for row in rows:
-            for layer, local, expert, local_expert in row_instances(row, layers, experts, self.spec.moe_layers):
+            for layer, local, expert, local_expert in row_instances(row, layers, experts, self.spec.moe_layers, self.spec.linear_layers):
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
@@ -198,9 +198,9 @@ class MegatronCheckpoint:
         stored = _model_tensors(dist_format.tensor_shapes(self.dist_reader))
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
-        stacked = dist_format.stacks_layers(self.spec.moe_layers)
+        stacked = dist_format.stacks_layers(self.spec.moe_layers, self.spec.linear_layers)
         for row in self._rows():
-            for layer, _, expert, _ in row_instances(row, every_layer, every_expert, self.spec.moe_layers):
+            for layer, _, expert, _ in row_instances(row, every_layer, every_expert, self.spec.moe_layers, self.spec.linear_layers):
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
@@ -227,9 +227,9 @@ def _stored_vocab_rows(reader: dist_format.IndexedReader, shards: Path) -> int:
     raise ConversionError(f"{shards} holds neither {VOCAB_KEYS[0]!r} nor {VOCAB_KEYS[1]!r}: not a GPT model checkpoint")
 
 
-def _needed(row, layers, experts, wanted: set[str], moe_layers: str | None) -> bool:
+def _needed(row, layers, experts, wanted: set[str], moe_layers: str | None, linear_layers: str | None = None) -> bool:
     return any(wanted.intersection(row.hf_names(layer, expert))
-               for layer, _, expert, _ in row_instances(row, layers, experts, moe_layers))
+               for layer, _, expert, _ in row_instances(row, layers, experts, moe_layers, linear_layers))
 
 
 def _expert_parallel_at_pp1(args) -> bool:

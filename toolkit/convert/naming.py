@@ -19,6 +19,10 @@ TE_TO_LOCAL = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 LOCAL_TO_TE = {v: k for k, v in TE_TO_LOCAL.items()}
+# A gated delta net layer's input norm (Qwen3-Next), fused into its in_proj by the TE spec
+# (experimental_attention_variant_module_specs.py:66-73); local to canonical is the layer's kind's
+# (to_canonical, which keeps the attention layers' name: a model's own names say no more)
+TE_TO_LOCAL["self_attention.in_proj.layer_norm_weight"] = "input_layernorm.weight"
 # Modules whose `_extra_state` appears in a GPT layer's state dict (TE FP8 metadata; None locally).
 EXTRA_STATE_MODULES = (
     "self_attention.linear_qkv",

@@ -101,10 +101,10 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     from toolkit.convert import dist_format
 
     geo = layout.geometry(spec)
-    stacked = dist_format.stacks_layers(spec.moe_layers)
+    stacked = dist_format.stacks_layers(spec.moe_layers, spec.linear_layers)
     chunks = []
     for row in family.rows_for(spec):
-        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers, spec.linear_layers):
             names = row.hf_names(layer, expert)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
             dtype = src.tensors[names[0]].torch_dtype
@@ -122,7 +122,7 @@ def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
     """Tensors the per-rank writer builds (for the progress bar)."""
     experts = layout.local_experts(spec, 0)
     per_rank = sum(1 for r in family.rows_for(spec)
-                   for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers))
+                   for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers, spec.linear_layers))
     tied_output_copy = spec.tied_embeddings and layout.pp > 1  # the last stage's output layer
     return layout.tp * layout.ep * (per_rank + tied_output_copy)
 

@@ -31,9 +31,6 @@ FAMILIES: tuple[Family, ...] = _declared_families()
 _LLAMA4 = ("Llama 4's chunked local attention (attention_chunk_size, on every RoPE layer) has no megatron-core 0.16.1 "
            "counterpart, and converting without it would change the logits past the first chunk")
 REFUSED: dict[str, str] = {
-    "qwen3_next": "its gated DeltaNet layers need megatron-core's GatedDeltaNet (ssm/gated_delta_net.py), which 0.16.1 "
-                  "builds only with the `fla` package (flash-linear-attention's Triton kernels, line 103), so the "
-                  "conversion cannot be proven against HF's logits here yet",
     "llama4_text": _LLAMA4,
     "llama4": _LLAMA4,
 }

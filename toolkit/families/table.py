@@ -34,14 +34,18 @@ class Row:
     # megatron-core's torch_dist key where it is not the canonical name (the local MLA spec keys its
     # norms by their own modules: toolkit/families/mla.py); None: the canonical name
     dist: str | None = None
+    # The kind of token mixer the row belongs to where a model mixes them (LINEAR_ATTENTION: Qwen3-Next's
+    # gated delta net layers, FULL_ATTENTION: its attention layers); None: every layer
+    attention: str | None = None
 
     @property
     def per_layer(self) -> bool:
         return "*" in self.megatron
 
-    def on_layer(self, layer: int, moe_layers: str | None) -> bool:
-        """Whether layer `layer` holds this row's tensor; `moe_layers` as ModelSpec.moe_layers."""
-        return self.kind is None or self.kind == layer_kind(moe_layers, layer)
+    def on_layer(self, layer: int, moe_layers: str | None, linear_layers: str | None = None) -> bool:
+        """Whether layer `layer` holds this row's tensor; `moe_layers`, `linear_layers` as ModelSpec's."""
+        return ((self.kind is None or self.kind == layer_kind(moe_layers, layer))
+                and (self.attention is None or self.attention == attention_kind(linear_layers, layer)))
 
     @property
     def per_expert(self) -> bool:
@@ -69,8 +73,8 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
-        when: str | None = None, dist: str | None = None) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist)
+        when: str | None = None, dist: str | None = None, attention: str | None = None) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist, attention)
 
 
 # megatron-core buffers a family table maps (TopKRouter's aux-loss-free expert bias, router.py:173)
@@ -85,6 +89,15 @@ def layer_kind(moe_layers: str | None, layer: int) -> str:
     moe_layer_freq as a list); None: every layer alike (all MoE in a MoE model, rows of kind
     MOE_LAYER being the only layer-kind rows a model without dense layers has)."""
     return DENSE_LAYER if moe_layers is not None and moe_layers[layer] == "0" else MOE_LAYER
+
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear", "full"
+
+
+def attention_kind(linear_layers: str | None, layer: int) -> str:
+    """`linear_layers`: per layer "1" for a gated delta net (linear attention) layer, "0" for attention
+    (megatron-core's linear_attention_freq as a list); None: attention everywhere."""
+    return LINEAR_ATTENTION if linear_layers is not None and linear_layers[layer] == "1" else FULL_ATTENTION
 
 
 OUTPUT_LAYER = "output_layer.weight"

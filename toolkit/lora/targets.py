@@ -57,7 +57,7 @@ class LinearTargets:
     def layers(self, spec: ModelSpec) -> list[int]:
         """The layers holding this linear: a dense MLP only on the dense layers of a model that
         mixes them with Mixture-of-Experts layers, a shared expert only on the MoE ones."""
-        return [layer for layer in range(spec.num_layers) if self.row.on_layer(layer, spec.moe_layers)]
+        return [layer for layer in range(spec.num_layers) if self.row.on_layer(layer, spec.moe_layers, spec.linear_layers)]
 
 
 def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
