@@ -92,6 +92,9 @@ def _linear(geo: Geometry) -> tuple[int, int, int, int]:
 
 class GDNInProj(_Relaid):
     name = "GDN_IN_PROJ"
+    # megatron-core's torch_dist keys each part as a tensor of its own, `<key>.<part>` (gated_delta_net.py:
+    # 514-529, _split_tensor_factory)
+    dist_names = ("query", "key", "value", "z", "beta", "alpha")
 
     def parts(self, size, geo):
         nk, r, dk, dv = _linear(geo)
@@ -119,6 +122,7 @@ class GDNInProj(_Relaid):
 
 class GDNConv(_Relaid):
     name = "GDN_CONV"
+    dist_names = ("query", "key", "value")  # gated_delta_net.py:531-552
 
     def parts(self, size, geo):
         nk, r, dk, dv = _linear(geo)

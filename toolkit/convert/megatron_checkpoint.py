@@ -204,15 +204,22 @@ class MegatronCheckpoint:
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
-                key = dist_format.row_key(row, layer, stacked)
-                if key not in stored:
-                    raise ConversionError(f"{self.shards} has no tensor {key!r}")
-                shape, dtype = stored[key]
-                # the stacked (layer, expert) dims
-                index = [i for i in (layer if stacked else None, expert) if i is not None]
-                box = dist_format.read_box(self.dist_reader, key, (*index, *(0,) * (len(shape) - len(index))),
-                                           (*(1,) * len(index), *shape[len(index):]), dtype)
-                yield from zip(names, merge_shards(row.split, [box.reshape(shape[len(index):])], geo))
+                yield from zip(names, merge_shards(row.split, [self._dist_tensor(row, layer, expert, stacked, stored)], geo))
+
+    def _dist_tensor(self, row, layer, expert, stacked: bool, stored: dict) -> torch.Tensor:
+        """The TP=1 megatron tensor of one row instance, from its torch_dist key (or keys: dist_parts)."""
+        key = dist_format.row_key(row, layer, stacked)
+        parts = []
+        for suffix in dist_format.dist_suffixes(row.split):
+            if key + suffix not in stored:
+                raise ConversionError(f"{self.shards} has no tensor {key + suffix!r}")
+            shape, dtype = stored[key + suffix]
+            # the stacked (layer, expert) dims
+            index = [i for i in (layer if stacked else None, expert) if i is not None]
+            box = dist_format.read_box(self.dist_reader, key + suffix, (*index, *(0,) * (len(shape) - len(index))),
+                                       (*(1,) * len(index), *shape[len(index):]), dtype)
+            parts.append(box.reshape(shape[len(index):]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _model_tensors(stored: dict) -> dict:

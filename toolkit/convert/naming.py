@@ -95,10 +95,12 @@ _ATTENTION_LINEAR = re.compile(r"^(self_attention\.linear_\w+)\.(weight|bias|lay
 
 def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shared_expert: bool = False,
                       moe_layers: Container[int] | None = None,
-                      attention: tuple[str, ...] = MOE_ATTENTION_EXTRA_STATE) -> list[str]:
+                      attention: tuple[str, ...] = MOE_ATTENTION_EXTRA_STATE,
+                      linear_layers: Container[int] = ()) -> list[str]:
     """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files).
     `moe_layers`: the (stage-local) layers with experts, where dense ones are mixed in; None: all.
-    `attention`: the attention's linears (attention_linears)."""
+    `attention`: the attention's linears (attention_linears); `linear_layers`: the (stage-local) gated
+    delta net layers, whose linears are GDN_EXTRA_STATE instead."""
     shared = SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     if layer_spec == "te":
         moe = [*attention, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
@@ -106,8 +108,23 @@ def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shar
         moe = [*attention, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
                                        for i in range(local_experts) for k in (1, 2)]
     dense = [*attention, *MLP_EXTRA_STATE]
-    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers)
-            for module in (moe if local_experts and (moe_layers is None or layer in moe_layers) else dense)]
+
+    def modules(layer: int) -> list[str]:
+        kind = moe if local_experts and (moe_layers is None or layer in moe_layers) else dense
+        return [*GDN_EXTRA_STATE, *kind[len(attention):]] if layer in linear_layers else kind
+
+    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers) for module in modules(layer)]
+
+
+# A gated delta net layer's linears (Qwen3-Next, ssm/gated_delta_net.py: in_proj, out_proj), in place of
+# the attention's; its conv1d is a torch Conv1d, without one
+GDN_EXTRA_STATE = ("self_attention.in_proj", "self_attention.out_proj")
+GDN_IN_PROJ = "self_attention.in_proj.weight"
+
+
+def gdn_layers(names) -> set[int]:
+    """The layers of canonical or local `names` that are gated delta net layers."""
+    return {layer for layer, suffix in map(split_layer, names) if suffix == GDN_IN_PROJ}
 
 
 def router_layers(names) -> set[int]:

@@ -112,9 +112,14 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
             ranges = lambda split=row.split, names=names: shard_ranges(split, src, names, 1, 0, geo)  # noqa: E731
             stack = [(spec.num_layers, layer)] * (row.per_layer and stacked) + [(spec.num_experts, expert)] * row.per_expert
             key = dist_format.row_key(row, layer, stacked)
-            chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
-                                            (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
-                                            dtype, load, ranges))
+            for suffix, start, rows in dist_format.dist_parts(row.split, shape, geo):
+                part = (rows, *shape[1:])
+                # one part of the tensor: built whole, then cut (its byte ranges not described)
+                part_load = load if rows == shape[0] else (
+                    lambda whole=load, s=slice(start, start + rows): whole()[s].clone())  # noqa: E731
+                chunks.append(dist_format.Chunk(key + suffix, (*(n for n, _ in stack), *part),
+                                                (*(i for _, i in stack), *(0,) * len(part)), (1,) * len(stack) + part,
+                                                dtype, part_load, ranges if rows == shape[0] else (lambda: None)))
     return dist_format.with_te_moe_aliases(chunks, spec.moe_layers) if spec.is_moe else chunks
 
 
@@ -190,7 +195,8 @@ def hf_to_megatron(
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
                 objects = dist_format.extra_state_objects(
                     spec.num_layers, spec.num_experts, spec.moe_shared_ffn_hidden_size > 0, spec.moe_layers,
-                    naming.attention_linears(r.megatron_name(0) for r in family.rows_for(spec) if r.per_layer))
+                    naming.attention_linears(r.megatron_name(0) for r in family.rows_for(spec) if r.per_layer),
+                    spec.linear_layers)
                 hashed = dist_format.write(release, chunks, objects, common, bar.update)
             checksums = checksum_tree(tmp, known=hashed)
         (tmp / TRACKER).write_text(RELEASE)
