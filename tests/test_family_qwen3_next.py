@@ -44,6 +44,30 @@ def parity_pairs(models, tmp_path) -> tuple[list, int]:
     return pairs, len(pairs)
 
 
+def native_check_case(models, tmp_path) -> dict:
+    """A case for tests.mp_workers:megatron_native_checks, run in the launch of tests/test_moe_dense_layers.py
+    (process start-up dominates): our torch_dist written at TP2 x PP2 x EP2."""
+    convert = lambda name, src=models[VARIANT], **kw: str(hf_to_megatron(  # noqa: E731
+        src, tmp_path / f"qwen3-next-{name}", progress=False, **kw))
+    return {"dist": convert("dist", tp=2, pp=2, ep=2, fmt="torch_dist"), "te_torch": convert("te", layer_spec="te"),
+            "bf16_dist": convert("bf16", src=models[f"{VARIANT}-bf16"], ep=2, fmt="torch_dist"),
+            "resave": str(tmp_path / "qwen3-next-resaved")}
+
+
+def assert_native_layout(result: dict) -> None:
+    """megatron-core loads our torch_dist into a one-process model and saves the same tensors back: the
+    gated delta net's in_proj and conv1d as its per-part keys (`in_proj.weight.query` ... `.alpha`,
+    gated_delta_net.py:514-552), every layer keyed on its own, the extra states of in_proj / out_proj on
+    the gated delta net layers (plus each MoE layer's pre-MLP norm under the TE spec's key, as for every
+    MoE family); bf16 in, bf16 written."""
+    aliases = {f"decoder.layers.{i}.pre_mlp_layernorm.weight": result["megatrons"][
+        f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight"] for i in (1, 2, 3)}
+    assert result["ours"] == {**result["megatrons"], **aliases}
+    assert {f"decoder.layers.0.self_attention.in_proj.weight.{p}" for p in ("query", "key", "value", "z", "beta", "alpha")
+            } | {f"decoder.layers.2.self_attention.conv1d.weight.{p}" for p in ("query", "key", "value")} <= set(result["ours"])
+    assert {v[1] for v in result["bf16_source"].values() if v != "bytes"} == {"torch.bfloat16"}
+
+
 def test_settings_and_refusals(tmp_path):
     spec = spec_from_config(make_config(VARIANT).to_dict())[1]
     assert (spec.linear_layers, spec.moe_layers, spec.rotary_percent) == ("1010", "0111", 0.25)
