@@ -57,7 +57,7 @@ def native_check_case(models, tmp_path) -> dict:
 def assert_native_layout(result: dict) -> None:
     """megatron-core loads our torch_dist into a one-process model and saves the same tensors back: the
     gated delta net's in_proj and conv1d as its per-part keys (`in_proj.weight.query` ... `.alpha`,
-    gated_delta_net.py:514-552), every layer keyed on its own, the extra states of in_proj / out_proj on
+    gated_delta_net.py:474-507), every layer keyed on its own, the extra states of in_proj / out_proj on
     the gated delta net layers (plus each MoE layer's pre-MLP norm under the TE spec's key, as for every
     MoE family); bf16 in, bf16 written."""
     aliases = {f"decoder.layers.{i}.pre_mlp_layernorm.weight": result["megatrons"][

@@ -93,7 +93,7 @@ def _linear(geo: Geometry) -> tuple[int, int, int, int]:
 class GDNInProj(_Relaid):
     name = "GDN_IN_PROJ"
     # megatron-core's torch_dist keys each part as a tensor of its own, `<key>.<part>` (gated_delta_net.py:
-    # 514-529, _split_tensor_factory)
+    # 474-485, _split_tensor_factory)
     dist_names = ("query", "key", "value", "z", "beta", "alpha")
 
     def parts(self, size, geo):
@@ -122,7 +122,7 @@ class GDNInProj(_Relaid):
 
 class GDNConv(_Relaid):
     name = "GDN_CONV"
-    dist_names = ("query", "key", "value")  # gated_delta_net.py:531-552
+    dist_names = ("query", "key", "value")  # gated_delta_net.py:487-507
 
     def parts(self, size, geo):
         nk, r, dk, dv = _linear(geo)

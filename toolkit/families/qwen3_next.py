@@ -29,7 +29,7 @@ as megatron-core 0.16.1 expresses it:
                                     decoder_sparse_step as moe_layer_freq
 
 HF's gated delta net zeroes padded positions first (apply_mask_to_padding_states); megatron-core's
-ignores the attention mask (gated_delta_net.py:274): equal for unpadded and right-padded sequences
+ignores the attention mask (gated_delta_net.py:280): equal for unpadded and right-padded sequences
 (causal), not for left padding."""
 
 from dataclasses import replace
