@@ -20,9 +20,10 @@ TE_TO_LOCAL = {
 }
 LOCAL_TO_TE = {v: k for k, v in TE_TO_LOCAL.items()}
 # A gated delta net layer's input norm (Qwen3-Next), fused into its in_proj by the TE spec
-# (experimental_attention_variant_module_specs.py:66-73); local to canonical is the layer's kind's
-# (to_canonical, which keeps the attention layers' name: a model's own names say no more)
-TE_TO_LOCAL["self_attention.in_proj.layer_norm_weight"] = "input_layernorm.weight"
+# (experimental_attention_variant_module_specs.py:66-73); local to canonical depends on the layer's kind,
+# which one name cannot say: canonical_names reads it from the layer's other names
+GDN_INPUT_NORM = "self_attention.in_proj.layer_norm_weight"
+TE_TO_LOCAL[GDN_INPUT_NORM] = "input_layernorm.weight"
 # Modules whose `_extra_state` appears in a GPT layer's state dict (TE FP8 metadata; None locally).
 EXTRA_STATE_MODULES = (
     "self_attention.linear_qkv",
@@ -80,6 +81,19 @@ def to_canonical(name: str) -> str:
         module, kind, index = grouped.groups()
         return layer_name(layer, f"mlp.experts.local_experts.{index}.{module}.{kind}")
     return layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
+
+
+def canonical_names(names) -> dict[str, str]:
+    """Each of a model's (or a rank file's) `names` -> its canonical name, a gated delta net layer's input
+    norm included (to_canonical gives the attention's name, which the layer's in_proj corrects)."""
+    names = list(names)
+    linear = gdn_layers(names)
+    out = {}
+    for name in names:
+        layer, suffix = split_layer(name)
+        linear_norm = layer in linear and suffix == TE_TO_LOCAL[GDN_INPUT_NORM]
+        out[name] = layer_name(layer, GDN_INPUT_NORM) if linear_norm else to_canonical(name)
+    return out
 
 
 def attention_linears(names) -> tuple[str, ...]:

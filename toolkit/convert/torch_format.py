@@ -195,9 +195,10 @@ def read_stage(release: Path, layout: Layout, pp_rank: int,
         path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
         before_load(path)
         model = model_entry(load_trusted_types(path), path)
+        canonical = naming.canonical_names(model)
         out.append(
             {
-                naming.to_canonical(k): v
+                canonical[k]: v
                 for k, v in model.items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
             }

@@ -129,7 +129,8 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
         layers = meta.model_spec.num_layers // pp
         local_experts = meta.model_spec.num_experts // ep
         for _, stage, chunk in written:
-            weights = {naming.to_canonical(name): masters[param] for name, param in chunk.named_parameters()}
+            canonical = naming.canonical_names(name for name, _ in chunk.named_parameters())
+            weights = {canonical[name]: masters[param] for name, param in chunk.named_parameters()}
             # the expert bias is a buffer, not a parameter: as the model holds it, in float32 as megatron-core keeps it
             weights.update({naming.to_canonical(name): buffer.detach().to("cpu", torch.float32)
                             for name, buffer in chunk.named_buffers() if name.endswith(BUFFERS)})
