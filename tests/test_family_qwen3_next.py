@@ -206,3 +206,16 @@ def test_each_piece_changes_the_model_so_parity_proves_it(tiny_qwen3_next, piece
     change = (reference - dropped).abs().max().item()
     print(piece, f"{change:.2e}")
     assert change > 100 * FP32_TOLERANCE, piece
+
+
+def test_a_gated_delta_net_layers_input_norm_keeps_its_canonical_name():
+    """The trainer's checkpoints and Megatron-LM's local-spec rank files name every input norm
+    `input_layernorm.weight`; on a gated delta net layer it is `self_attention.in_proj.layer_norm_weight`
+    (to_canonical alone gave the attention's `linear_qkv.layer_norm_weight`, which no row of that layer has)."""
+    from toolkit.convert import naming
+
+    names = ["decoder.layers.0.input_layernorm.weight", "decoder.layers.0.self_attention.in_proj.weight",
+             "decoder.layers.1.input_layernorm.weight", "decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert naming.canonical_names(names) == {
+        names[0]: "decoder.layers.0.self_attention.in_proj.layer_norm_weight", names[1]: names[1],
+        names[2]: "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", names[3]: names[3]}
