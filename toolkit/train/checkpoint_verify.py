@@ -30,7 +30,8 @@ class Intact:
 
     path: Path
     state: dict  # train_state.json
-    train_index: object | None  # train/'s reader (toolkit.convert.dist_format.IndexedReader), its index read; None: no train/
+    # train/'s reader (toolkit.convert.dist_format.IndexedReader), its index read; None: no train/
+    train_index: object | None
 
 
 class Damaged(ToolkitError):
