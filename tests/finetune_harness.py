@@ -184,12 +184,14 @@ STEPS = 10
 # on the gradient norm (tests/test_finetune_parity.py's guard).
 LOSS_TOLERANCE_BF16 = 2e-2
 GRAD_NORM_TOLERANCE_BF16 = 2e-2
-# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256
-PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
-                 "phi4-mini": "phi4-mini", "gemma3": "gemma3", "olmo2": "olmo2"}
 # The variant parity_setup builds as Gemma 3's 4B / 12B / 27B are published: the tiny Gemma 3 text model
 # inside Gemma3ForConditionalGeneration (toolkit.tinymodels.make_tiny_gemma3_multimodal)
 GEMMA3_WRAPPER = "gemma3-multimodal"
+# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256. Gemma 3 as
+# the wrapper: its fine-tunes cover the text model they convert to (the text checkpoint's own fine-tune
+# at TP2 x PP2 x DP2 is tests/test_sequence_parallel.py's)
+PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
+                 "phi4-mini": "phi4-mini", "gemma3-wrapper": GEMMA3_WRAPPER, "olmo2": "olmo2"}
 
 
 # Recipe keys that change the run but not the HF reference: the layout, the run's precision and
