@@ -155,3 +155,47 @@ def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path
     assert json.loads((back / "config.json").read_text())["model_type"] == "kimi_k2"
     original = load_all(src)
     assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 with EP2 (8 ranks) on the tiny fp32 DeepSeek-V3 with every feature on
+    (low-rank query, YaRN with mscale / mscale_all_dim, a dense first layer, 12 experts in 4 groups with 2
+    kept, routed scaling 2.5, 2 shared experts, a random expert bias), on megatron-core's local layer spec:
+    HF's losses and gradient norms over 10 steps, every step's tokens per expert as HF's routers chose them,
+    the expert bias as loaded (neither side updates it), and the export loads in transformers. Guards: the
+    reference with the expert bias zeroed, or with YaRN's mscales dropped, is far off the run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
+                                        launch, read_metrics, recipe, write_uneven_data)
+    from tests.test_family_glm4_moe import _routing_reference
+
+    hf = make_tiny_model("deepseek-v3", tmp_path / "hf", dtype="float32", vocab_size=250, seed=81)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", **LOCAL)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                 export_hf=True)
+    launch(8, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    reference = _routing_reference()
+    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=reference))
+    print(f"DeepSeek-V3 TP2xPP2xDP2 EP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert len(metrics) == STEPS and loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in metrics] == reference.routing
+    assert len(reference.routing[0]) == 3
+    exported, original = load_all(tmp_path / "run" / "hf"), load_all(hf)
+    biases = [k for k in original if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").model.layers[0].self_attn.q_proj is None
+
+    for piece in ("expert-bias", "yarn-mscale"):
+        guard = shutil.copytree(hf, tmp_path / f"hf-no-{piece}")
+        if piece == "expert-bias":
+            edit_tensors(guard, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
+        else:
+            rope = make_config("deepseek-v3").to_dict()["rope_parameters"]
+            edit_config(guard, rope_parameters={k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")})
+        off = differences(metrics, *hf_reference(guard, data, cfg, STEPS))
+        print(f"guard, HF without {piece}: {off[0]:.1e} / {off[1]:.1e}")
+        assert off[0] > 100 * LOSS_TOLERANCE_FP32, piece
