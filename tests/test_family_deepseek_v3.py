@@ -157,6 +157,23 @@ def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path
     assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())
 
 
+def test_a_gpu_run_with_transformer_engine_fine_tunes_on_the_local_spec(monkeypatch):
+    """On a GPU where Transformer Engine imports the recipe runs the TE spec, but multi-latent attention is
+    converted for (and built on) megatron-core's local spec only: the recipe picks local, saying why in its
+    one "layer spec" line. CUDA and TE cannot exist here: torch is told CUDA is present and the toolkit that
+    TE imported."""
+    import toolkit.model
+    from tests.test_cuda_shaped import cuda_present
+
+    cuda_present(monkeypatch)
+    monkeypatch.setattr(toolkit.model, "te_status", lambda: (True, "transformer_engine 2.9"))
+    deepseek, llama = (spec_from_config(make_config(v).to_dict())[1] for v in ("deepseek-v3", "llama"))
+    assert toolkit.model.layer_spec_choice(False, llama) == ("te", "transformer_engine 2.9")
+    assert toolkit.model.layer_spec_choice(False, deepseek) == (
+        "local", "multi-latent attention (deepseek_v3) converts and runs on megatron-core's local spec only "
+                 "(transformer_engine 2.9)")
+
+
 @pytest.mark.multiprocess
 def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
     """The recipe at TP2 x PP2 x DP2 with EP2 (8 ranks) on the tiny fp32 DeepSeek-V3 with every feature on
