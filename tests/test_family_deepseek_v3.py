@@ -27,6 +27,8 @@ from toolkit.megatron_settings import settings_for
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANTS = ("deepseek-v3", "deepseek-v3-full-q")
+# TP2 x PP2 x EP2 on 8 ranks (DP2): EP divides DP, expert TP being TP; megatron-core trains MoE at TP > 1 with SP only
+FINE_TUNE_LAYOUT = {"zero_stage": 1, "tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}
 LOCAL = {"layer_spec": "local", "progress": False}
 
 
@@ -141,20 +143,29 @@ def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
     assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_deepseek["deepseek-v3-bf16"]))
 
 
-def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path):
-    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, and the
-    export keeps the model_type as published."""
+def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path, monkeypatch):
+    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, the
+    export keeps the model_type as published, and the recipe fine-tunes it as the DeepSeek-V3 model it is."""
     import json
+
+    from tests.finetune_harness import recipe, recipe_prepare, write_uneven_data
 
     src = tmp_path / "kimi"
     shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
     edit_config(src, model_type="kimi_k2")
     cfg = json.loads((src / "config.json").read_text())
     assert spec_from_config(cfg)[1] == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
-    back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL), tmp_path / "back", progress=False)
+    converted = hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL)
+    back = megatron_to_hf(converted, tmp_path / "back", progress=False)
     assert json.loads((back / "config.json").read_text())["model_type"] == "kimi_k2"
     original = load_all(src)
     assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())
+    # The recipe takes it at the layout of DeepSeek-V3's fine-tuning launch below, as that model: the same spec
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run = recipe_prepare()(str(recipe(tmp_path, converted, write_uneven_data(tmp_path / "data.jsonl", 40),
+                                      parallel=FINE_TUNE_LAYOUT)), [])
+    assert run.meta.model_spec == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
+    assert run.layout_key == {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "zero_stage": 1, "vpp": 1}
 
 
 def test_a_gpu_run_with_transformer_engine_fine_tunes_on_the_local_spec(monkeypatch):
@@ -191,8 +202,7 @@ def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path)
     hf = make_tiny_model("deepseek-v3", tmp_path / "hf", dtype="float32", vocab_size=250, seed=81)
     mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", **LOCAL)
     data = write_uneven_data(tmp_path / "data.jsonl", 300)
-    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
-                 export_hf=True)
+    cfg = recipe(tmp_path, mc, data, parallel=FINE_TUNE_LAYOUT, export_hf=True)
     launch(8, cfg)
     metrics = read_metrics(tmp_path / "run")
     reference = _routing_reference()
