@@ -179,7 +179,7 @@ def finetune(run: Run) -> int:
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
     if info.rank == 0:
-        print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled)), flush=True)
+        print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled, spec)), flush=True)
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None

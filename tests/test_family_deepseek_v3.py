@@ -27,6 +27,8 @@ from toolkit.megatron_settings import settings_for
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANTS = ("deepseek-v3", "deepseek-v3-full-q")
+# TP2 x PP2 x EP2 on 8 ranks (DP2): EP divides DP, expert TP being TP; megatron-core trains MoE at TP > 1 with SP only
+FINE_TUNE_LAYOUT = {"zero_stage": 1, "tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}
 LOCAL = {"layer_spec": "local", "progress": False}
 
 
@@ -141,17 +143,86 @@ def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
     assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_deepseek["deepseek-v3-bf16"]))
 
 
-def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path):
-    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, and the
-    export keeps the model_type as published."""
+def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path, monkeypatch):
+    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, the
+    export keeps the model_type as published, and the recipe fine-tunes it as the DeepSeek-V3 model it is."""
     import json
+
+    from tests.finetune_harness import recipe, recipe_prepare, write_uneven_data
 
     src = tmp_path / "kimi"
     shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
     edit_config(src, model_type="kimi_k2")
     cfg = json.loads((src / "config.json").read_text())
     assert spec_from_config(cfg)[1] == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
-    back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL), tmp_path / "back", progress=False)
+    converted = hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL)
+    back = megatron_to_hf(converted, tmp_path / "back", progress=False)
     assert json.loads((back / "config.json").read_text())["model_type"] == "kimi_k2"
     original = load_all(src)
     assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())
+    # The recipe takes it at the layout of DeepSeek-V3's fine-tuning launch below, as that model: the same spec
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run = recipe_prepare()(str(recipe(tmp_path, converted, write_uneven_data(tmp_path / "data.jsonl", 40),
+                                      parallel=FINE_TUNE_LAYOUT)), [])
+    assert run.meta.model_spec == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
+    assert run.layout_key == {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "zero_stage": 1, "vpp": 1}
+
+
+def test_a_gpu_run_with_transformer_engine_fine_tunes_on_the_local_spec(monkeypatch):
+    """On a GPU where Transformer Engine imports the recipe runs the TE spec, but multi-latent attention is
+    converted for (and built on) megatron-core's local spec only: the recipe picks local, saying why in its
+    one "layer spec" line. CUDA and TE cannot exist here: torch is told CUDA is present and the toolkit that
+    TE imported."""
+    import toolkit.model
+    from tests.test_cuda_shaped import cuda_present
+
+    cuda_present(monkeypatch)
+    monkeypatch.setattr(toolkit.model, "te_status", lambda: (True, "transformer_engine 2.9"))
+    deepseek, llama = (spec_from_config(make_config(v).to_dict())[1] for v in ("deepseek-v3", "llama"))
+    assert toolkit.model.layer_spec_choice(False, llama) == ("te", "transformer_engine 2.9")
+    assert toolkit.model.layer_spec_choice(False, deepseek) == (
+        "local", "multi-latent attention (deepseek_v3) converts and runs on megatron-core's local spec only "
+                 "(transformer_engine 2.9)")
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 with EP2 (8 ranks) on the tiny fp32 DeepSeek-V3 with every feature on
+    (low-rank query, YaRN with mscale / mscale_all_dim, a dense first layer, 12 experts in 4 groups with 2
+    kept, routed scaling 2.5, 2 shared experts, a random expert bias), on megatron-core's local layer spec:
+    HF's losses and gradient norms over 10 steps, every step's tokens per expert as HF's routers chose them,
+    the expert bias as loaded (neither side updates it), and the export loads in transformers. Guards: the
+    reference with the expert bias zeroed, or with YaRN's mscales dropped, is far off the run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
+                                        launch, read_metrics, recipe, write_uneven_data)
+    from tests.test_family_glm4_moe import _routing_reference
+
+    hf = make_tiny_model("deepseek-v3", tmp_path / "hf", dtype="float32", vocab_size=250, seed=81)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", **LOCAL)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, parallel=FINE_TUNE_LAYOUT, export_hf=True)
+    launch(8, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    reference = _routing_reference()
+    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=reference))
+    print(f"DeepSeek-V3 TP2xPP2xDP2 EP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert len(metrics) == STEPS and loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in metrics] == reference.routing
+    assert len(reference.routing[0]) == 3
+    exported, original = load_all(tmp_path / "run" / "hf"), load_all(hf)
+    biases = [k for k in original if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").model.layers[0].self_attn.q_proj is None
+
+    for piece in ("expert-bias", "yarn-mscale"):
+        guard = shutil.copytree(hf, tmp_path / f"hf-no-{piece}")
+        if piece == "expert-bias":
+            edit_tensors(guard, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
+        else:
+            rope = make_config("deepseek-v3").to_dict()["rope_parameters"]
+            edit_config(guard, rope_parameters={k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")})
+        off = differences(metrics, *hf_reference(guard, data, cfg, STEPS))
+        print(f"guard, HF without {piece}: {off[0]:.1e} / {off[1]:.1e}")
+        assert off[0] > 100 * LOSS_TOLERANCE_FP32, piece
