@@ -121,10 +121,9 @@ def test_published_sizes_count_as_hf_builds_them(name):
 
 def test_plan_finds_an_expert_parallel_layout_for_deepseek_v3_on_32_nodes():
     """671B on 32 nodes x 8 x 80 GiB: its 61 layers allow no pipeline (PP 61 aside), so the experts
-    spread over EP, and a layout fits without offload. Once crashed while pricing the offload layouts
-    (ValueError: max() arg is an empty sequence: a stage's expert part was empty where EP left it none).
-    The step time counts the 8 routed experts a token reaches: with all 256 it would be far slower
-    (it was the same: 6 x 671B per token)."""
+    spread over EP, and a layout fits without offload. The step time counts the 8 routed experts a
+    token reaches: with all 256 it would be far slower (it was the same, 6 x 671B FLOPs per token, and
+    offloading the optimizer ranked first)."""
     from dataclasses import replace
 
     from toolkit.memory import GIB
@@ -139,3 +138,15 @@ def test_plan_finds_an_expert_parallel_layout_for_deepseek_v3_on_32_nodes():
     top8, every_expert = (step_time(s, best.setup, 4096, best.recompute, 8).compute
                           for s in (spec, replace(spec, moe_topk=spec.num_experts)))
     assert top8 < every_expert / 10, (top8, every_expert)
+
+
+def test_plan_prices_offload_on_a_pipeline_stage_without_experts():
+    """The corpus's DeepSeek-V3 (4 layers, the first 3 dense) at PP 2: stage 0 holds no expert tensor.
+    Pricing ZeRO-Offload for its (empty) expert group raised ValueError: max() arg is an empty sequence."""
+    from toolkit.memory import GIB
+    from toolkit.plan import Cluster, plan
+
+    spec = spec_from_config(config("deepseek-v3"))[1]
+    assert spec.moe_layers == "0001"
+    result = plan(spec, Cluster(8, 80 * GIB, 4), seq_len=256, global_batch=16)
+    assert any(c.setup.pp == 2 and c.memory.ep > 1 and c.offloaded for c in result.ranked)
