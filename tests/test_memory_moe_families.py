@@ -150,3 +150,19 @@ def test_plan_prices_offload_on_a_pipeline_stage_without_experts():
     assert spec.moe_layers == "0001"
     result = plan(spec, Cluster(8, 80 * GIB, 4), seq_len=256, global_batch=16)
     assert any(c.setup.pp == 2 and c.memory.ep > 1 and c.offloaded for c in result.ranked)
+
+
+def test_multi_latent_attention_is_priced_on_the_local_spec_it_runs_on_a_gpu_too():
+    """The recipe runs MLA on megatron-core's local spec wherever it runs (its checkpoints are converted
+    for it only): unfused attention, with its fp32 scores, and torch's norms, whatever --kernels says;
+    a GPU's runtime reserve stays. (Its terms are measured in tests/test_memory_measured.py.)"""
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import CPU_LOCAL, GPU, estimate
+
+    spec = spec_from_config(make_config("deepseek-v3").to_dict())[1]
+    setup = Setup(gpus=2, tp=1, pp=1, zero=1, precision="bf16", micro_batch=2, global_batch=4)
+    on_gpu, local = (estimate(spec, setup, 32, kernels=k) for k in (GPU, CPU_LOCAL))
+    assert not on_gpu.kernels.flash_attention and not on_gpu.kernels.fused_norm and on_gpu.kernels.fused_swiglu
+    assert on_gpu.stages[0].reserve > 0 == local.stages[0].reserve
+    fp32_scores = 4 * spec.num_heads * 2 * 32 * 32 * spec.num_layers
+    assert local.stages[0].activations > on_gpu.stages[0].activations > fp32_scores  # the SwiGLU fused only

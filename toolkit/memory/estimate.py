@@ -129,6 +129,7 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
         raise ConfigError(f"sequence length {seq_len} is not divisible by TP {setup.tp}, which sequence parallelism splits it over")
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
+    kernels = act.local_kernels_for(spec, kernels)  # multi-latent attention: the local spec on a GPU too
     shape = Shape(seq_len, setup.micro_batch * (2 if dpo else 1), setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel,
                   cp)
     stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
