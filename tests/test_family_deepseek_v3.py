@@ -26,7 +26,7 @@ from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.metadata import CheckpointMeta
 from toolkit.convert.torch_format import load_trusted_types, rank_file
 from toolkit.families import spec_from_config
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
 from toolkit.memory.params import stage_param_numels

@@ -47,7 +47,7 @@ from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ReportedByAnotherRank, ToolkitError
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
