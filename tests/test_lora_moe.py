@@ -9,8 +9,10 @@ weights (an adapter PEFT saved, B non-zero) on the HF model, trained single-proc
 (tests/finetune_harness.py), with megatron-core's aux loss and the routers in fp64 on both sides
 (tests/moe_reference.py), so every token is routed as the reference routes it. One launch; the
 rest (export, PeftModel logits, --merge, guards) runs in this process. A second launch trains
-Qwen2-MoE's attention, shared expert and dense layers with the experts frozen; a third GLM-4.5's
-(the sigmoid router with its expert bias, which stays the base model's on both sides).
+Qwen2-MoE's attention, shared expert and dense layers with the experts frozen; one launch each
+trains GLM-4.5's and DeepSeek-V3's (multi-latent attention) attention, dense layer, shared and routed
+experts (the sigmoid router with its expert bias, which stays the base model's on both sides), and
+gpt-oss's attention and routed experts (stored transposed, gate and up interleaved).
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ UNBALANCED = Routing({"router_aux_loss_coef": 0.0}, step_loss=lambda hf: routed_
 
 
 def train_against_peft(root: Path, variant: str, modules: list[str], parameters: list[str] | None,
-                       routing: Routing = SOFTMAX, **settings):
+                       routing: Routing = SOFTMAX, layer_spec: str = "te", **settings):
     """A DP2 x EP2 LoRA run of `variant` from an adapter PEFT saved (target_modules `modules`,
     target_parameters `parameters`), and the PEFT reference of the same recipe."""
     from toolkit.tinymodels import make_tiny_model
 
     hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, **routing.model)
-    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False, layer_spec=layer_spec)
     source = write_peft_adapter(hf, root / "adapter", modules, r=2, alpha=4.0, target_parameters=parameters)
     data = write_uneven_data(root / "data.jsonl", 300)
     cfg = recipe(root, mc, data, parallel={"tp": 1, "pp": 1, "ep": 2, "zero_stage": 1}, moe=routing.moe,
@@ -226,16 +228,18 @@ MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant, attention", [("glm4-moe", ATTENTION), ("deepseek-v3", MLA)])
+@pytest.mark.parametrize("variant, attention, layer_spec", [("glm4-moe", ATTENTION, "te"),
+                                                           ("deepseek-v3", MLA, "local")])  # MLA converts for it only
 def test_lora_on_sigmoid_routed_attention_routed_and_shared_experts_at_ep2_keeps_the_expert_bias(
-        tmp_path, variant, attention):
+        tmp_path, variant, attention, layer_spec):
     """GLM-4.5 and DeepSeek-V3 (sigmoid router with a random expert bias, 12 experts in 4 groups, a dense
     first layer, shared experts; GLM's q/k/v biases and q/k norms, DeepSeek's multi-latent attention):
     LoRA on attention, the dense MLP, the shared experts and every routed expert trains as PEFT's, every
     step routed as HF routes it (the bias selects experts: a bias that moved would route otherwise); the
     adapter loads in PeftModel and --merge is merge_and_unload(), the expert bias the base model's."""
     mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]  # as PEFT keeps them (toolkit.lora.peft_rewrites)
-    trained = train_against_peft(tmp_path, variant, attention, EXPERTS + mlp, routing=UNBALANCED, save_every=STEPS)
+    trained = train_against_peft(tmp_path, variant, attention, EXPERTS + mlp, routing=UNBALANCED, layer_spec=layer_spec,
+                                 save_every=STEPS)
     assert_matches_peft_training(trained)
     config = json.loads((trained["run"] / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == sorted(attention) and config["target_parameters"] == EXPERTS + mlp
