@@ -164,11 +164,7 @@ def test_lora_on_attention_and_experts_at_ep2_matches_peft_and_exports_its_adapt
     config = json.loads((exported / "adapter_config.json").read_text())
     assert config["target_parameters"] == EXPERTS and sorted(config["target_modules"]) == sorted(ATTENTION)
 
-    # Guard: with one expert of EP rank 1 left at its initial values, the comparison fails.
-    ours, start = tensors(exported), tensors(trained["source"])
-    with pytest.raises(AssertionError):
-        assert_adapter_trained_as_reference(with_expert_untrained(ours, start, expert=5),
-                                            tensors(trained["reference_adapter"]), start)
+    assert_guards_fail(trained, experts=6)
 
     # Only LoRA tensors trained: the router and the experts' base weights are not in the checkpoint's module states.
     step = trained["run"] / "checkpoints" / f"step_{STEPS:07d}"
@@ -250,6 +246,19 @@ def test_lora_on_sigmoid_routed_attention_routed_and_shared_experts_at_ep2_keeps
         "model.layers.0.mlp.up_proj.weight", *(f"model.layers.3.self_attn.{name}.weight" for name in attention)))
     biases = [k for k in base if k.endswith("e_score_correction_bias")]
     assert biases and all(torch.equal(ours[k], base[k]) and base[k].any() for k in biases)
+    assert_guards_fail(trained, experts=12, untrained=("shared_experts.up_proj", "layers.0.mlp.down_proj"))
+
+
+def assert_guards_fail(trained, experts: int, untrained: tuple[str, ...] = ()) -> None:
+    """The comparison with PEFT's trained adapter fails with the last expert (on EP rank 1) left at its
+    initial values, and with each of the `untrained` linears' LoRA left so."""
+    ours, start, theirs = (tensors(d) for d in (trained["run"] / "adapter", trained["source"],
+                                                trained["reference_adapter"]))
+    guards = [with_expert_untrained(ours, start, expert=experts - 1, experts=experts)]
+    guards += [{k: start[k] if f".{name}.lora_" in k else v for k, v in ours.items()} for name in untrained]
+    for guard in guards:
+        with pytest.raises(AssertionError):
+            assert_adapter_trained_as_reference(guard, theirs, start)
 
 
 @pytest.mark.multiprocess
@@ -257,10 +266,11 @@ def test_lora_on_gpt_oss_attention_and_interleaved_experts_at_ep2_matches_peft(t
     """gpt-oss (sinks, alternating windows, biases, the clamped SwiGLU; experts stored transposed
     with gate and up interleaved, which PEFT's ParamWrapper adapts as is_transposed): LoRA on the
     attention and every routed expert trains as PEFT's, every step routed as HF routes it; the adapter
-    loads in PeftModel and --merge is merge_and_unload(). B's rows placed on megatron-core's [gate; up]
-    rows as if not interleaved, the first step's loss is already off (measured 1e-2)."""
+    loads in PeftModel and --merge is merge_and_unload(). With B's rows added to megatron-core's [gate; up]
+    rows as if not interleaved (the code before), the first step already routed otherwise than PEFT's."""
     trained = train_against_peft(tmp_path, "gpt-oss", ATTENTION, EXPERTS, routing=UNBALANCED, save_every=STEPS)
     assert_matches_peft_training(trained)
     assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
         "model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
         "model.layers.2.self_attn.o_proj.weight"))
+    assert_guards_fail(trained, experts=8, untrained=("self_attn.v_proj",))
