@@ -36,7 +36,7 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_t
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
