@@ -219,3 +219,22 @@ def test_a_gated_delta_net_layers_input_norm_keeps_its_canonical_name():
     assert naming.canonical_names(names) == {
         names[0]: "decoder.layers.0.self_attention.in_proj.layer_norm_weight", names[1]: names[1],
         names[2]: "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", names[3]: names[3]}
+
+
+def test_the_published_mtp_tensors_are_left_out_with_a_line(tiny_qwen3_next, tmp_path, capfd):
+    """Qwen3-Next's published files store its multi-token-prediction layer as `mtp.*`, which HF's model
+    ignores on load (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`). Before: `1 unexpected
+    tensor(s) for qwen3_next, e.g. 'mtp.fc.weight'`."""
+    import shutil
+
+    from tests.test_convert_bad_input import edit_tensors
+
+    src = tmp_path / "published"
+    shutil.copytree(tiny_qwen3_next[f"{VARIANT}-bf16"], src)
+    original = load_all(src)
+    edit_tensors(src, lambda t: t.update({"mtp.fc.weight": torch.zeros(8, 16, dtype=torch.bfloat16),
+                                          "mtp.norm.weight": torch.ones(8, dtype=torch.bfloat16)}))
+    out = hf_to_megatron(src, tmp_path / "m", tp=2, progress=False)
+    assert "multi-token-prediction layer(s) (2 tensors mtp.*) are left out" in capfd.readouterr().err
+    restored = load_all(megatron_to_hf(out, tmp_path / "h", progress=False))
+    assert restored.keys() == original.keys() and all(torch.equal(restored[k], original[k]) for k in original)

@@ -66,11 +66,12 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
 
 
 def mtp_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> set[str]:
-    """The tensors of the multi-token-prediction layers stored after the decoder layers (Family.mtp_key),
-    which the conversion leaves out as HF's model does."""
+    """The tensors of the multi-token-prediction layers, stored after the decoder layers (Family.mtp_key)
+    or under a prefix of their own (Family.mtp_prefix), which the conversion leaves out as HF's model does."""
     count = (src.config.get(family.mtp_key) or 0) if family.mtp_key else 0
     layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(count if type(count) is int else 0))
-    return {name for name in src.tensors if name.startswith(layers)} if layers else set()
+    prefixes = layers + ((family.mtp_prefix,) if family.mtp_prefix else ())
+    return {name for name in src.tensors if name.startswith(prefixes)} if prefixes else set()
 
 
 def output_bytes(src: HFCheckpoint) -> int:
@@ -176,10 +177,11 @@ def hf_to_megatron(
               "out: transformers recomputes them from config.json and ignores them on load too", file=sys.stderr)
     left_out = mtp_tensors(src, family, spec)
     if left_out:
-        print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "
-              f"{len(left_out)} tensors from model.layers.{spec.num_layers}.) are left out: HF's {family.architecture} "
-              "ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not converted yet",
-              file=sys.stderr)
+        where = (f"{len(left_out)} tensors {family.mtp_prefix}*" if family.mtp_prefix else
+                 f"{family.mtp_key}={src.config[family.mtp_key]}, {len(left_out)} tensors from model.layers.{spec.num_layers}.")
+        print(f"note: the multi-token-prediction layer(s) ({where}) are left out: HF's "
+              f"{family.architecture} ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not "
+              "converted yet", file=sys.stderr)
     args = megatron_args(spec, layout, fmt)
     with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE

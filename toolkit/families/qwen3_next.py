@@ -103,4 +103,5 @@ QWEN3_NEXT = Family(
     read=read,
     layer=CustomLayer(qk_norm="head"),
     router=replace(QWEN2_MOE.router, experts_keys=("num_experts",)),
+    mtp_prefix="mtp.",
 )

@@ -182,6 +182,9 @@ class Family:
     # (`model.layers.<num_hidden_layers + i>.*`, GLM-4.5 / DeepSeek-V3), which HF's model ignores on
     # load: the converter leaves them out and says so
     mtp_key: str | None = None
+    # Where the multi-token-prediction layers are stored under a prefix of their own instead (Qwen3-Next's
+    # `mtp.*`, which HF's model ignores on load: `_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`)
+    mtp_prefix: str | None = None
     # model_type -> the one of transformers' config classes that reads it, where transformers has none of
     # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
