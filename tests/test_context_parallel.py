@@ -21,7 +21,7 @@ from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, RE
 from toolkit import context_parallel as cpl
 from toolkit.errors import ConfigError
 
-MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3"}
+MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3", "gemma3": "gemma3"}
 # 62 tokens: not a multiple of 2·CP (padded to 64), long enough for several documents per packed row
 LONG = {"data__seq_len": 62, "global_batch": 8}
 
@@ -31,6 +31,9 @@ LAYOUTS = {
     "CP2xDP2-zero2-packed": (4, "untied", {"cp": 2, "zero_stage": 2}, True),
     "TP2xCP2-SP-recompute-qwen3": (4, "qwen3", {"cp": 2, "tp": 2, "sequence_parallel": True, "recompute": "full"}, False),
     "PP2xCP2-packed": (4, "untied", {"cp": 2, "pp": 2}, True),
+    # Gemma 3's windows of 8 on every other layer (with their own RoPE base): windows that reach
+    # back across chunk boundaries onto the other rank's chunks
+    "CP2-gemma3-sliding-windows": (2, "gemma3", {"cp": 2}, False),
 }
 
 

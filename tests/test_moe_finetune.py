@@ -97,7 +97,7 @@ def run(moe, directory, nprocs, parallel, *overrides, env=None, script=RECIPE, m
 # The 8-process run also exports to HF (export_hf=True) from its per-(TP, PP, EP) rank model/ files,
 # and its experts and routers are compared with the reference's one by one.
 LAYOUTS = {
-    "TP2xDP2xEP2-allgather": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}, False, {"dispatcher": "allgather"}),
+    "TP2xCP2xEP2-allgather": (4, {"tp": 2, "cp": 2, "ep": 2, "sequence_parallel": True}, False, {"dispatcher": "allgather"}),
     "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True, {}),
 }
 

@@ -101,7 +101,9 @@ class LayerRopeSelfAttention(SelfAttention):
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         if self.layer_rope is not None and rotary_pos_emb is not None:
-            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0])
+            # Under context parallelism the model's embedding holds this rank's chunks only (s / CP
+            # rows); the layer's own is asked for the whole sequence and cuts the same chunks itself.
+            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0] * ps.get_context_parallel_world_size())
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
