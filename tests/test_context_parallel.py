@@ -3,9 +3,10 @@ chunks, the toolkit's all-gather attention on the local spec, gradients over DP 
 
 Proven against the single-process HF reference (tests/finetune_harness.py; 10 steps, fp32) at
 sequences of 62 tokens padded to 64 (2·CP chunks of 16, documents crossing chunk boundaries):
-CP2, CP2 x DP2 packed, TP2 x CP2 with sequence parallelism and full recompute (Qwen3's q/k norms),
-PP2 x CP2 packed. Guarded: RoPE positions that start at 0 on every CP rank, and a loss averaged
-over CP instead of summed, each fail it.
+CP2 on Gemma 3's sliding windows, CP2 x DP2 packed, TP2 x CP2 with sequence parallelism and full
+recompute (Qwen3's q/k norms), PP2 x CP2 packed (MoE under CP: tests/test_moe_finetune.py).
+Guarded: RoPE positions that start at 0 on every CP rank, a loss averaged over CP instead of
+summed, and the window dropped under CP, each fail it.
 """
 
 from __future__ import annotations
