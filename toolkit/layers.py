@@ -103,7 +103,8 @@ class LayerRopeSelfAttention(SelfAttention):
         if self.layer_rope is not None and rotary_pos_emb is not None:
             # Under context parallelism the model's embedding holds this rank's chunks only (s / CP
             # rows); the layer's own is asked for the whole sequence and cuts the same chunks itself.
-            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0] * ps.get_context_parallel_world_size())
+            group = self.layer_rope.cp_group
+            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0] * (group.size() if group is not None else 1))
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
