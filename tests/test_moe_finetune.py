@@ -100,16 +100,19 @@ def run(moe, directory, nprocs, parallel, *overrides, env=None, script=RECIPE, m
 # The 8-process run also exports to HF (export_hf=True) from its per-(TP, PP, EP) rank model/ files,
 # and its experts and routers are compared with the reference's one by one.
 LAYOUTS = {
-    "TP2xCP2xEP2-allgather": (4, {"tp": 2, "cp": 2, "ep": 2, "sequence_parallel": True}, False, {"dispatcher": "allgather"}),
-    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True, {}),
+    # DP 1: micro-batches of 4 keep the 4 per step of the DP 2 layouts (each costs a dispatch per layer)
+    "TP2xCP2xEP2-allgather": (4, {"tp": 2, "cp": 2, "ep": 2, "sequence_parallel": True}, False, {"dispatcher": "allgather"},
+                              {"micro_batch": 4}),
+    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True, {}, {}),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_path, layout):
-    nprocs, parallel, export_hf, options = LAYOUTS[layout]
-    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, export_hf=export_hf)
+    nprocs, parallel, export_hf, options, settings = LAYOUTS[layout]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, export_hf=export_hf,
+                       **settings)
     assert len(metrics) == STEPS
     reference = moe[3](cfg)
     print(f"{layout}: reference's closest top-k margin per step {[f'{m:.1e}' for m in reference[3]]}")
@@ -311,8 +314,8 @@ def test_router_left_out_of_the_tp_sum_breaks_parity(moe, tmp_path):
     sum of sequence-parallel gradients (tests/recipe_with_defect.py): each TP rank's
     router learns from its own half of the tokens, and nothing else is wrong. The fp64 routing keeps
     the comparison step for step, so this small router-gradient bug fails it."""
-    nprocs, parallel, _, options = LAYOUTS["TP2xCP2xEP2-allgather"]
-    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, steps=GUARD_STEPS,
+    nprocs, parallel, _, options, settings = LAYOUTS["TP2xCP2xEP2-allgather"]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, steps=GUARD_STEPS, **settings,
                        script=Path(__file__).parent / "recipe_with_defect.py", env={"DEFECT": "no-tp-sum:.router."})
     loss, norm = differences(metrics, *moe[3](cfg)[:2])
     print(f"router left out of the TP sum: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
