@@ -117,7 +117,10 @@ class LayerRopeSelfAttention(SelfAttention):
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         if self.layer_rope is not None and rotary_pos_emb is not None:
-            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0])
+            # Under context parallelism the model's embedding holds this rank's chunks only (s / CP
+            # rows); the layer's own is asked for the whole sequence and cuts the same chunks itself.
+            group = self.layer_rope.cp_group
+            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0] * (group.size() if group is not None else 1))
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
