@@ -57,8 +57,10 @@ class _Relaid(ColumnSplit):
         # part by part, every rank's chunk of it in rank order
         return self.to_hf(torch.cat([p[i] for i in range(len(pieces[0])) for p in pieces]), geo)
 
-    def segments(self, size, tp, rank):
-        raise NotImplementedError(f"{self!r} tensors are not resliced between TP sizes (convert from HF instead)")
+    def segments(self, size, tp, rank, geo=None):
+        if geo is None:
+            raise ValueError(f"{self.name} tensors need the model's geometry to be resliced")
+        return self._segments(size, tp, rank, geo)
 
 
 class GatedQKV(_Relaid):

@@ -102,9 +102,9 @@ class SplitKind:
         """Where the bytes of `build`'s tensor lie in the HF tensors, or None where not described."""
         return None
 
-    def segments(self, size: int, tp: int, rank: int) -> list[slice]:
+    def segments(self, size: int, tp: int, rank: int, geo: Geometry | None = None) -> list[slice]:
         """The ranges along `dim` of the TP=1 megatron tensor (`size` long there) that rank `rank`
-        of `tp` holds, in the order its shard stacks them."""
+        of `tp` holds, in the order its shard stacks them (`geo`: for kinds whose parts depend on it)."""
         return [chunk_range(size, tp, rank)]
 
     def whole_size(self, shard_size: int, tp: int) -> int:
@@ -133,7 +133,7 @@ class Replicated(SplitKind):
     def merge(self, shards, geo):
         return [shards[0]]
 
-    def segments(self, size, tp, rank):
+    def segments(self, size, tp, rank, geo=None):
         return [slice(0, size)]
 
     def whole_size(self, shard_size, tp):
@@ -248,7 +248,7 @@ class FusedGateUp(ColumnSplit):
         halves = [s.chunk(2, dim=0) for s in shards]
         return self._to_hf(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
 
-    def segments(self, size, tp, rank):
+    def segments(self, size, tp, rank, geo=None):
         """The TP=1 tensor is [gate; up]; rank r holds [gate_r; up_r]."""
         ffn = size // 2
         rows = chunk_range(ffn, tp, rank)
@@ -371,7 +371,7 @@ class Unsplit(SplitKind):
     def shape(self, hf_shapes, geo, tp):
         return self.inner.shape(hf_shapes, geo, 1)
 
-    def segments(self, size, tp, rank):
+    def segments(self, size, tp, rank, geo=None):
         return [slice(0, size)]
 
     def whole_size(self, shard_size, tp):

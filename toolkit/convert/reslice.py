@@ -29,8 +29,8 @@ def reslice(split: SplitKind, shards: list[torch.Tensor], tp: int, rank: int, ge
     dim = split.dim
     whole = split.whole_size(shards[0].shape[dim], len(shards))
     size, data = split.resized(whole, geo)
-    stored = _stored_pieces(split, shards, whole)
-    wanted = split.segments(size, tp, rank)
+    stored = _stored_pieces(split, shards, whole, geo)
+    wanted = split.segments(size, tp, rank, geo)
     shape = list(shards[0].shape)
     shape[dim] = sum(s.stop - s.start for s in wanted)
     out = _own_mapping(shape, shards[0].dtype)
@@ -59,13 +59,14 @@ def _own_mapping(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)  # the tensor keeps the map alive
 
 
-def _stored_pieces(split: SplitKind, shards: list[torch.Tensor], size: int) -> list[tuple[int, int, torch.Tensor, int]]:
+def _stored_pieces(split: SplitKind, shards: list[torch.Tensor], size: int,
+                   geo: Geometry) -> list[tuple[int, int, torch.Tensor, int]]:
     """(start, stop) in the TP=1 tensor, the shard holding it, and where in the shard it starts; a
     range held by several shards (a replicated tensor) is taken from the first."""
     pieces = []
     for rank, shard in enumerate(shards):
         local = 0
-        for segment in split.segments(size, len(shards), rank):
+        for segment in split.segments(size, len(shards), rank, geo):
             pieces.append((segment.start, segment.stop, shard, local))
             local += segment.stop - segment.start
     pieces.sort(key=lambda piece: piece[0])
