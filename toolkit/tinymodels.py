@@ -125,7 +125,7 @@ OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, inte
 
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
 # Gemma's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5.
-NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5)}
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}  # gemma3: the multimodal wrapper
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 
 # name -> (config class name, overrides)
