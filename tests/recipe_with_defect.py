@@ -13,6 +13,8 @@
   chunks rotated as if they began the sequence, the bug users of other trainers report.
 * `cp-loss-mean`: the loss averaged over the CP ranks instead of summed (each micro-batch's loss
   divided by CP): every gradient CP times too small (tests/test_context_parallel.py).
+* `cp-window-dropped`: under context parallelism the windowed layers attend to the whole causal
+  past (the window left out of the mask over global positions, toolkit.context_parallel).
 
 Patched here, in the worker, so the product has no test switch."""
 
@@ -64,8 +66,20 @@ def loss_mean_over_cp(_: str) -> None:
     loss.scaled_loss = averaged
 
 
+def window_dropped(_: str) -> None:
+    from toolkit import context_parallel
+
+    built = context_parallel.ContextParallelAttention.__init__
+
+    def without_window(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        self.window = None
+
+    context_parallel.ContextParallelAttention.__init__ = without_window
+
+
 DEFECTS = {"no-tp-sum": leave_out_of_tp_sum, "loss-factor": scale_the_loss, "cp-positions-from-zero": rope_positions_from_zero,
-           "cp-loss-mean": loss_mean_over_cp}
+           "cp-loss-mean": loss_mean_over_cp, "cp-window-dropped": window_dropped}
 
 if __name__ == "__main__":
     name, _, argument = os.environ["DEFECT"].partition(":")

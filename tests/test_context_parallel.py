@@ -3,9 +3,10 @@ chunks, the toolkit's all-gather attention on the local spec, gradients over DP 
 
 Proven against the single-process HF reference (tests/finetune_harness.py; 10 steps, fp32) at
 sequences of 62 tokens padded to 64 (2·CP chunks of 16, documents crossing chunk boundaries):
-CP2, CP2 x DP2 packed, TP2 x CP2 with sequence parallelism and full recompute (Qwen3's q/k norms),
-PP2 x CP2 packed. Guarded: RoPE positions that start at 0 on every CP rank, and a loss averaged
-over CP instead of summed, each fail it.
+CP2 on Gemma 3's sliding windows, CP2 x DP2 packed, TP2 x CP2 with sequence parallelism and full
+recompute (Qwen3's q/k norms), PP2 x CP2 packed (MoE under CP: tests/test_moe_finetune.py).
+Guarded: RoPE positions that start at 0 on every CP rank, a loss averaged over CP instead of
+summed, and the window dropped under CP, each fail it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, RE
 from toolkit import context_parallel as cpl
 from toolkit.errors import ConfigError
 
-MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3"}
+MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3", "gemma3": "gemma3"}
 # 62 tokens: not a multiple of 2·CP (padded to 64), long enough for several documents per packed row
 LONG = {"data__seq_len": 62, "global_batch": 8}
 
@@ -55,22 +56,29 @@ def _resume(tmp_path, name: str, saved, setup, nprocs: int, parallel: dict) -> l
     checkpoints.mkdir(parents=True)
     shutil.copytree(saved, checkpoints / saved.name)
     (checkpoints / "latest").write_text(saved.name)
-    launch(nprocs, recipe(tmp_path / name, models["untied"][1], data, parallel=parallel, **LONG), "resume=auto")
+    launch(nprocs, recipe(tmp_path / name, models[WINDOWED][1], data, parallel=parallel, **LONG), "resume=auto")
     return read_metrics(tmp_path / name / "run")
 
 
+# Gemma 3: windows of 8 on every other layer (each with its own RoPE base), so windows reach back
+# across chunk boundaries (chunks of 16) onto the other CP rank's chunks
+WINDOWED = "gemma3"
+
+
 @pytest.mark.multiprocess
-def test_cp2_matches_reference_resumes_bit_exact_and_at_cp1_from_the_layout_independent_state(setup, tmp_path):
-    """CP2 unpacked (one launch doubling as a parity case), saved at step 5; resumed at CP2 its steps
-    6-10 are bit-identical to the uninterrupted run's, and at DP2 without CP (DeepSpeed's files
-    unusable: another DP group) they continue from the layout-independent state within 1e-6."""
+def test_cp2_with_sliding_windows_matches_reference_resumes_bit_exact_and_at_cp1_from_the_layout_independent_state(
+        setup, tmp_path):
+    """CP2 unpacked on Gemma 3's sliding windows (one launch doubling as a parity case), saved at
+    step 5; resumed at CP2 its steps 6-10 are bit-identical to the uninterrupted run's, and at DP2
+    without CP (DeepSpeed's files unusable: another DP group) they continue from the
+    layout-independent state within 1e-6."""
     _, data, models, reference = setup
     (tmp_path / "straight").mkdir()
-    cfg = recipe(tmp_path / "straight", models["untied"][1], data, parallel={"cp": 2}, save_every=5, **LONG)
+    cfg = recipe(tmp_path / "straight", models[WINDOWED][1], data, parallel={"cp": 2}, save_every=5, **LONG)
     launch(2, cfg)
     straight = read_metrics(tmp_path / "straight" / "run")
-    loss, norm = differences(straight, *reference("untied", cfg))
-    print(f"CP2: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    loss, norm = differences(straight, *reference(WINDOWED, cfg))
+    print(f"CP2 {WINDOWED}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
     saved = tmp_path / "straight" / "run" / "checkpoints" / "step_0000005"
     same = _resume(tmp_path, "cp2", saved, setup, 2, {"cp": 2})
@@ -83,19 +91,24 @@ def test_cp2_matches_reference_resumes_bit_exact_and_at_cp1_from_the_layout_inde
     assert worst < 1e-5, worst
 
 
+# defect -> the model of its CP2 launch
+GUARDED = {"cp-positions-from-zero": "untied", "cp-loss-mean": "untied", "cp-window-dropped": WINDOWED}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("defect", ["cp-positions-from-zero", "cp-loss-mean"])
+@pytest.mark.parametrize("defect", list(GUARDED))
 def test_guard_context_parallel_defects_fail_the_reference(setup, tmp_path, defect):
-    """Guard: the CP2 case above for 3 steps with one defect (tests/recipe_with_defect.py). RoPE
+    """Guard: a CP2 case above for 3 steps with one defect (tests/recipe_with_defect.py). RoPE
     positions from 0 on each rank change every loss; a loss averaged over CP halves the gradients
-    (the gradient norm is 0.5 off, the losses Adam and clipping partly hide)."""
-    _, loss, norm = run_against_reference(setup, tmp_path, 2, "untied", parallel={"cp": 2}, steps=3, **LONG,
+    (the gradient norm is 0.5 off, the losses Adam and clipping partly hide); Gemma 3's windowed
+    layers attending to the whole causal past under CP change every loss."""
+    _, loss, norm = run_against_reference(setup, tmp_path, 2, GUARDED[defect], parallel={"cp": 2}, steps=3, **LONG,
                                           script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": defect})
     print(f"{defect}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
-    if defect == "cp-positions-from-zero":  # measured 4.7e-5 and 2.7e-4 over 3 steps
-        assert loss > LOSS_TOLERANCE_FP32 and norm > GRAD_NORM_TOLERANCE, (loss, norm)
-    else:  # measured: losses 8.4e-7 (hidden), gradient norm 0.50 relative
+    if defect == "cp-loss-mean":  # measured: losses 8.4e-7 (hidden), gradient norm 0.50 relative
         assert norm > 0.3, (loss, norm)
+    else:  # measured over 3 steps: positions 4.7e-5 and 2.7e-4; window 2.3e-2 and 0.30
+        assert loss > LOSS_TOLERANCE_FP32 and norm > GRAD_NORM_TOLERANCE, (loss, norm)
 
 
 def _packed_batch(seq_len: int = 62, rows: int = 3):
@@ -203,34 +216,63 @@ def test_context_parallel_bad_input_refused_in_one_line(tmp_path, overrides, mes
     assert_refused_in_one_line(tmp_path, overrides, message)
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"window_size": 8}, "sliding-window attention"),
-        ({"longrope": {"short_factor": [1.0]}}, "LongRoPE"),
-        ({"num_experts": 4}, "Mixture-of-Experts"),
-    ],
-)
-def test_families_the_cp_attention_does_not_cover_are_refused(change, message):
+def test_longrope_under_cp_is_refused_and_windows_and_experts_are_not_on_the_local_spec():
     from tests.workers_memory import tiny_spec
     from toolkit.train.build import check_context_parallel_family
 
-    spec = dataclasses.replace(tiny_spec(), **change)
-    with pytest.raises(ConfigError, match=message) as refused:
-        check_context_parallel_family(recipe_config_for(["parallel.cp=2"]), spec)
+    cfg = recipe_config_for(["parallel.cp=2"])
+    with pytest.raises(ConfigError, match="LongRoPE") as refused:
+        check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), longrope={"short_factor": [1.0]}))
     assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="gated delta net layers") as refused:  # Qwen3-Next: a state along the sequence
+        check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), linear_layers="1110"))
+    assert "\n" not in str(refused.value)
+    check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), window_size=8, num_experts=4))
+    check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), linear_layers="0000"))
 
 
-def test_packing_under_cp_on_the_transformer_engine_spec_is_refused(monkeypatch):
-    """TE's CP attention takes the causal mask only: packed rows would attend across documents."""
+@pytest.mark.parametrize("overrides, change, message", [
+    (["data.pack=true"], {}, "data.pack=true on the Transformer Engine spec"),  # TE's CP attention: causal mask only
+    ([], {"window_size": 8}, "sliding-window attention on the Transformer Engine spec"),  # TE's ring: no window
+])
+def test_te_spec_refuses_packing_and_sliding_windows_under_cp(monkeypatch, overrides, change, message):
+    """On the Transformer Engine spec (CUDA-shaped: the spec choice stood in for, TE cannot run
+    here) TE's ring attention does CP: packed rows would attend across documents, and its p2p
+    ring asserts it takes no window; each refused in one line, before any process group."""
     from tests.workers_memory import tiny_spec
     from toolkit import model
     from toolkit.train.build import check_context_parallel_family
 
     monkeypatch.setattr(model, "running_layer_spec", lambda: "te")
-    with pytest.raises(ConfigError, match="data.pack=true on the Transformer Engine spec"):
-        check_context_parallel_family(recipe_config_for(["parallel.cp=2", "data.pack=true"]), tiny_spec())
-    check_context_parallel_family(recipe_config_for(["parallel.cp=2"]), tiny_spec())  # unpacked: TE's own CP
+    with pytest.raises(ConfigError, match=message) as refused:
+        check_context_parallel_family(recipe_config_for(["parallel.cp=2", *overrides]),
+                                      dataclasses.replace(tiny_spec(), **change))
+    assert "\n" not in str(refused.value)
+    check_context_parallel_family(recipe_config_for(["parallel.cp=2"]), tiny_spec())  # unpacked, no window: TE's own CP
+
+
+def test_sliding_window_mask_is_over_global_positions():
+    """A window of 3 (megatron-core's (2, 0)) on 8 tokens at CP 2: rank 1 holds positions 2,3,4,5;
+    position 4 sees keys 2,3,4 of the gathered 0,1,6,7,2,3,4,5, the first from the other rank's
+    chunk; every rank's rows are those of the whole sequence's banded mask."""
+    mask = cpl.causal_mask(8, 2, 1, window=(2, 0))
+    assert (~mask[2]).tolist() == [False, False, False, False, True, True, True, False]
+    whole = torch.ones(8, 8, dtype=torch.bool).triu(1) | torch.ones(8, 8, dtype=torch.bool).tril(-3)
+    keys = cpl.gathered_positions(8, 2)
+    for rank in range(2):
+        assert torch.equal(cpl.causal_mask(8, 2, rank, window=(2, 0)), whole[cpl.chunk_positions(8, 2, rank)][:, keys])
+
+
+def test_experts_are_carved_out_of_cp_x_dp():
+    """EP 2 at TP2 x CP2 on 4 processes (DP 1): megatron-core's expert groups span CP x DP, so an EP
+    group holds a sequence's chunks (tests/test_moe_finetune.py runs it); EP 4 there does not fit."""
+    from toolkit.train.build import check_expert_layout, data_parallel_size
+
+    cfg = recipe_config_for(["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"])
+    check_expert_layout(cfg, data_parallel_size(cfg, 4), "mixtral")
+    cfg = recipe_config_for(["parallel.cp=2", "parallel.tp=2", "parallel.ep=4", "parallel.sequence_parallel=true"])
+    with pytest.raises(ConfigError, match=r"TP x CP x DP = 2 x 2 x 1 .*EP must divide CP x DP \(2\)"):
+        check_expert_layout(cfg, data_parallel_size(cfg, 4), "mixtral")
 
 
 def test_world_size_must_divide_by_tp_pp_cp():

@@ -11,6 +11,7 @@ mscale / mscale_all_dim, YaRN itself, the group limit, the expert bias) fails th
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -22,8 +23,13 @@ from tests.test_convert_roundtrip import load_all
 from tests.test_family_glm4_moe import add_mtp_layer, family_parity_pairs
 from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
 from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.convert.metadata import CheckpointMeta
+from toolkit.convert.torch_format import load_trusted_types, rank_file
 from toolkit.families import spec_from_config
+from toolkit.families import BUFFERS
+from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
+from toolkit.memory.params import stage_param_numels
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANTS = ("deepseek-v3", "deepseek-v3-full-q")
@@ -86,19 +92,35 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_deepseek, tmp_path, fmt):
-    """Both variants (low-rank and full query), bf16, at TP2 x PP2 x EP2."""
+    """Both variants (low-rank and full query), bf16, at TP2 x PP2 x EP2. Each rank's torch file holds
+    the tensors `toolkit memory` counts for it (the files megatron-core's MLASelfAttention loads at
+    TP2 x PP2 x EP2 in tests/test_published_parity.py): the down projections split over TP as its
+    local spec's ColumnParallelLinear, the latent norms whole, local experts only."""
     from transformers import AutoModelForCausalLM
 
     for variant in VARIANTS:
         src = tiny_deepseek[f"{variant}-bf16"]
         original = load_all(src)
         out = hf_to_megatron(src, tmp_path / f"m-{variant}", tp=2, pp=2, ep=2, fmt=fmt, **LOCAL)
+        if fmt == "torch":
+            assert_memory_counts_each_rank(out, variant)
         back = megatron_to_hf(out, tmp_path / f"h-{variant}", progress=False)
         restored = load_all(back)
         assert set(restored) == set(original), variant
         assert all(torch.equal(restored[k], original[k]) for k in original), variant
         model = AutoModelForCausalLM.from_pretrained(back)
         assert (model.model.layers[0].self_attn.q_proj is None) == (variant == "deepseek-v3"), variant
+
+
+def assert_memory_counts_each_rank(out, variant: str) -> None:
+    """The parameter tensors of every TP x PP x EP rank file of `out` (TP2 x PP2 x EP2) are the ones
+    toolkit.memory.params counts for that rank, buffers (the expert bias) aside."""
+    meta = CheckpointMeta.read(out)
+    layout = Layout(2, 2, meta.vocab_divisor, 2)
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(2), repeat=3):
+        stored = load_trusted_types(rank_file(out / "release", layout, tp_rank, pp_rank, ep_rank))["model"]
+        numels = sorted(v.numel() for k, v in stored.items() if isinstance(v, torch.Tensor) and not k.endswith(BUFFERS))
+        assert numels == sorted(stage_param_numels(meta.model_spec, 2, 2, pp_rank, 2)), (variant, tp_rank, pp_rank, ep_rank)
 
 
 GUARDS = ("yarn-mscale", "yarn", "group-limit", "expert-bias")

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.conftest import fp32_and_bf16_models
+from tests import test_family_qwen3_next as qwen3_next
 from tests.test_family_glm4_moe import assert_native_layout, native_check_case, tiny_glm  # noqa: F401  (fixture)
+from tests.test_family_qwen3_next import tiny_qwen3_next  # noqa: F401  (fixture)
 from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.metadata import CheckpointMeta
@@ -67,7 +69,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(dense_layer_moe, tmp_
 
 @pytest.mark.multiprocess
 def test_torch_dist_is_megatron_cores_own_layout_and_memory_counts_each_kind(dense_layer_moe, tiny_glm,  # noqa: F811
-                                                                           tmp_path):
+                                                                           tiny_qwen3_next, tmp_path):  # noqa: F811
     """megatron-core loads our torch_dist (written at TP2 x PP2 x EP2) into a one-process model built
     with moe_layer_freq as a list and saves the same tensors back, keyed per layer (plus each MoE
     layer's pre-MLP norm under the TE spec's key); `toolkit memory` counts the same parameters."""
@@ -80,7 +82,9 @@ def test_torch_dist_is_megatron_cores_own_layout_and_memory_counts_each_kind(den
                       "bf16_dist": str(convert("bf16", src=dense_layer_moe[f"{variant}-bf16"], ep=2, fmt="torch_dist")),
                       "resave": str(tmp_path / f"{variant}-resaved")})
     (results,) = run_on_processes("tests.mp_workers:megatron_native_checks", 1,
-                                  cases + [native_check_case(tiny_glm, tmp_path)])
+                                  cases + [native_check_case(tiny_glm, tmp_path),
+                                           qwen3_next.native_check_case(tiny_qwen3_next, tmp_path)])
+    qwen3_next.assert_native_layout(results.pop())  # Qwen3-Next's (tests/test_family_qwen3_next.py)
     assert_native_layout(results.pop())  # GLM-4.5's (tests/test_family_glm4_moe.py)
     for (variant, pattern), case, result in zip(DENSE_LAYER_VARIANTS.items(), cases, results):
         aliases = {f"decoder.layers.{i}.pre_mlp_layernorm.weight": result["megatrons"][

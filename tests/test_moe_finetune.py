@@ -8,8 +8,8 @@ moe_router_dtype) and so does the reference's router (tests/moe_reference.py rou
 runs route every token as the reference does (tokens_per_expert compared at every step), and all
 10 steps are compared. Each layout is one launch of the real recipe; the DP2 x EP2 launch doubles as
 the uninterrupted run of the SIGKILL/resume test and of a resume at EP1 from its checkpoint
-resharded with `ckpt reshard --ep 1`; the TP2 x DP2 x EP2 one runs the allgather
-dispatcher, and the TP2 x PP2 x DP2 x EP2 one exports to HF, whose experts and router rows are then
+resharded with `ckpt reshard --ep 1`; the TP2 x CP2 x EP2 one runs the allgather
+dispatcher under context parallelism (each EP group a CP group), and the TP2 x PP2 x DP2 x EP2 one exports to HF, whose experts and router rows are then
 compared one by one with the reference's. Qwen2-MoE (moe.aux_loss=hf) and OLMoE (allgather) have one
 DP2 x EP2 launch each, compared expert by expert too.
 """
@@ -93,20 +93,26 @@ def run(moe, directory, nprocs, parallel, *overrides, env=None, script=RECIPE, m
 
 
 # DP2 x EP2 (2 processes, alltoall) is the uninterrupted run of the resume test below.
-# TP2 x DP2 x EP2 runs megatron-core's allgather token dispatcher (moe.dispatcher), the others alltoall.
+# TP2 x CP2 x EP2 runs megatron-core's allgather token dispatcher (moe.dispatcher), the others alltoall;
+# its EP groups are CP groups (rank order tp-cp-ep-dp-pp): the dispatch swaps the chunks of one sequence,
+# the aux loss counts tokens over the router's TP x CP group, and Mixtral's windows of 8 reach across
+# the chunks of 6 (24 tokens over 2 x CP).
 # The 8-process run also exports to HF (export_hf=True) from its per-(TP, PP, EP) rank model/ files,
 # and its experts and routers are compared with the reference's one by one.
 LAYOUTS = {
-    "TP2xDP2xEP2-allgather": (4, {"tp": 2, "ep": 2, "sequence_parallel": True}, False, {"dispatcher": "allgather"}),
-    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True, {}),
+    # DP 1: micro-batches of 4 keep the 4 per step of the DP 2 layouts (each costs a dispatch per layer)
+    "TP2xCP2xEP2-allgather": (4, {"tp": 2, "cp": 2, "ep": 2, "sequence_parallel": True}, False, {"dispatcher": "allgather"},
+                              {"micro_batch": 4}),
+    "TP2xPP2xDP2xEP2": (8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}, True, {}, {}),
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_fine_tune_matches_hf_reference_with_aux_loss(moe, tmp_path, layout):
-    nprocs, parallel, export_hf, options = LAYOUTS[layout]
-    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, export_hf=export_hf)
+    nprocs, parallel, export_hf, options, settings = LAYOUTS[layout]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, export_hf=export_hf,
+                       **settings)
     assert len(metrics) == STEPS
     reference = moe[3](cfg)
     print(f"{layout}: reference's closest top-k margin per step {[f'{m:.1e}' for m in reference[3]]}")
@@ -304,12 +310,12 @@ def test_expert_grads_reduced_over_all_of_dp_break_parity(moe, tmp_path):
 
 @pytest.mark.multiprocess
 def test_router_left_out_of_the_tp_sum_breaks_parity(moe, tmp_path):
-    """Guard: the TP2 x DP2 x EP2 allgather layout above with the routers' weights left out of the TP
+    """Guard: the TP2 x CP2 x EP2 allgather layout above with the routers' weights left out of the TP
     sum of sequence-parallel gradients (tests/recipe_with_defect.py): each TP rank's
     router learns from its own half of the tokens, and nothing else is wrong. The fp64 routing keeps
     the comparison step for step, so this small router-gradient bug fails it."""
-    nprocs, parallel, _, options = LAYOUTS["TP2xDP2xEP2-allgather"]
-    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, steps=GUARD_STEPS,
+    nprocs, parallel, _, options, settings = LAYOUTS["TP2xCP2xEP2-allgather"]
+    cfg, metrics = run(moe, tmp_path, nprocs, {"zero_stage": 1, **parallel}, moe_options=options, steps=GUARD_STEPS, **settings,
                        script=Path(__file__).parent / "recipe_with_defect.py", env={"DEFECT": "no-tp-sum:.router."})
     loss, norm = differences(metrics, *moe[3](cfg)[:2])
     print(f"router left out of the TP sum: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")

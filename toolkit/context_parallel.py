@@ -49,11 +49,16 @@ def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
     return torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
 
 
-def causal_mask(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """[sq, sk] True where masked: a key after the query in the whole sequence."""
+def causal_mask(seq_len: int, cp: int, rank: int, device=None, window: tuple[int, int] | None = None) -> torch.Tensor:
+    """[sq, sk] True where masked: a key after the query in the whole sequence, or with a sliding
+    window (megatron-core's (left, 0): the query and `left` keys before it) a key further back."""
     q = chunk_positions(seq_len, cp, rank).to(device)
     k = gathered_positions(seq_len, cp).to(device)
-    return k[None, :] > q[:, None]
+    distance = q[:, None] - k[None, :]
+    masked = distance < 0
+    if window is not None:
+        masked |= distance > window[0]
+    return masked
 
 
 def split_batch(batch: dict, cp: int, rank: int) -> dict:
@@ -100,15 +105,24 @@ def _local_attention_class():
 
 class ContextParallelAttention(torch.nn.Module):
     """megatron-core's DotProductAttention over K/V gathered from the CP group, with the causal mask
-    over global positions. Built by SelfAttention in place of DotProductAttention (same arguments)."""
+    (and the layer's sliding window, where it has one) over global positions. Built by SelfAttention
+    in place of DotProductAttention (same arguments)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__()
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import is_layer_window_attention
 
+        # The window of this layer (Gemma 3 alternates windowed and full layers). DotProductAttention's
+        # softmax builds its own window mask over local positions, [sq, sk] from 0, ignoring the mask
+        # it is given (fused_softmax.py:321): wrong for a rank's two chunks against the gathered keys,
+        # so the window goes into the mask over global positions here and the local copy has none.
+        self.window = config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
         local = copy.copy(config)  # DotProductAttention asserts CP 1: it computes one rank's queries
         local.context_parallel_size = 1
+        local.window_size = None
         self.attention = _local_attention_class()(local, layer_number, attn_mask_type, attention_type,
                                                   attention_dropout, softmax_scale, None, pg_collection)
         self.group = ps.get_context_parallel_group()
@@ -123,7 +137,8 @@ class ContextParallelAttention(torch.nn.Module):
         key = gather_from_sequence_parallel_region(key, True, group=self.group)
         value = gather_from_sequence_parallel_region(value, True, group=self.group)
         if self._mask is None or self._mask[:2] != (key.shape[0], query.device):
-            self._mask = (key.shape[0], query.device, causal_mask(key.shape[0], self.cp, self.group.rank(), query.device))
+            built = causal_mask(key.shape[0], self.cp, self.group.rank(), query.device, self.window)
+            self._mask = (key.shape[0], query.device, built)
         mask = self._mask[2][None, None]
         if attention_mask is not None:  # packed rows: [b, 1, sq, sk] in the same orders (split_batch)
             mask = mask | attention_mask

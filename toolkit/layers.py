@@ -15,6 +15,10 @@ the block spec that composes them from a family's `CustomLayer` choices (toolkit
   of squares is all-reduced over TP.
 - LayerRopeSelfAttention: SelfAttention whose layer may use its own RoPE base (GPTModel has one
   rotary embedding for every layer, gpt_model.py:160).
+- Qwen3-Next's linear-attention layers: megatron-core's own GatedDeltaNet (ssm/gated_delta_net.py, its
+  `fla` kernels stood in by toolkit/runtime/gated_delta_rule.py where missing), with the input norm as
+  a layer of its own (the TE spec fuses it into in_proj, hence the checkpoint name) and its output norm
+  a plain w, never (1 + w): HF's Qwen3NextRMSNormGated, unlike the model's other norms (GatedRMSNorm).
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ class RMSNorm(torch.nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale(self.weight)).type_as(x)
+
+
+class GatedRMSNorm(RMSNorm):
+    """The gated delta net's output norm, built by GatedDeltaNet with the model's config
+    (gated_delta_net.py:203-208): weight w whatever layernorm_zero_centered_gamma says, as HF's
+    Qwen3NextRMSNormGated (its gate, silu(z), is applied by GatedDeltaNet._apply_gated_norm)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(config, hidden_size, eps)
+        self.zero_centered = False
+        with torch.no_grad():
+            self.weight.fill_(1.0)
 
 
 class ProjectionRMSNorm(RMSNorm):
@@ -101,7 +117,10 @@ class LayerRopeSelfAttention(SelfAttention):
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         if self.layer_rope is not None and rotary_pos_emb is not None:
-            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0])
+            # Under context parallelism the model's embedding holds this rank's chunks only (s / CP
+            # rows); the layer's own is asked for the whole sequence and cuts the same chunks itself.
+            group = self.layer_rope.cp_group
+            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0] * (group.size() if group is not None else 1))
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
@@ -149,8 +168,33 @@ def stage_moe_layers(config) -> list[bool]:
     return [bool(kind) for kind in config.moe_layer_freq[offset: offset + count]]
 
 
-def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False):
-    """One decoder layer of local (torch) megatron-core modules, with the family's choices."""
+def stage_linear_layers(config) -> list[bool]:
+    """Per layer this pipeline stage builds: whether it is a gated delta net (linear attention) layer
+    (megatron-core's linear_attention_freq as a list, toolkit/families/qwen3_next.py)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    count = get_num_layers_to_build(config)
+    if not isinstance(config.linear_attention_freq, list):
+        return [False] * count
+    offset = get_transformer_layer_offset(config)
+    return [bool(kind) for kind in config.linear_attention_freq[offset: offset + count]]
+
+
+def gated_delta_net_spec():
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from toolkit.runtime import cpu_compat
+
+    cpu_compat.stand_in_gated_delta_rule()  # where `fla` is missing (a no-op where it is there)
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=GatedRMSNorm, out_proj=RowParallelLinear))
+
+
+def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, linear: bool = False):
+    """One decoder layer of local (torch) megatron-core modules, with the family's choices; `linear`:
+    a gated delta net in place of self-attention."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -162,7 +206,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False):
     pre_norm = RMSNorm if layer.pre_norms else IdentityOp
     out_linear = PostNormRowParallelLinear if layer.post_norms else RowParallelLinear
     # The TE spec folds the pre-norms into the next linear; its names are the checkpoint's (as the local spec's map)
-    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    keys_map = {"input_layernorm.": f"self_attention.{'in_proj' if linear else 'linear_qkv'}.layer_norm_",
                 "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if layer.pre_norms else {}
     attention = ModuleSpec(
         module=LayerRopeSelfAttention,
@@ -174,7 +218,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False):
             q_layernorm=_qk_norm(layer.qk_norm, spec.num_heads),
             k_layernorm=_qk_norm(layer.qk_norm, spec.num_kv_heads),
         ),
-    )
+    ) if not linear else gated_delta_net_spec()
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -218,9 +262,9 @@ def block_spec(config, spec: ModelSpec, layer: CustomLayer):
     """This pipeline stage's layers and the final norm (which must be our RMSNorm too)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    moe_layers = stage_moe_layers(config)
-    kinds = {moe: layer_spec(config, spec, layer, moe) for moe in set(moe_layers)}
-    return TransformerBlockSubmodules(layer_specs=[kinds[moe] for moe in moe_layers], layer_norm=RMSNorm)
+    layers = list(zip(stage_moe_layers(config), stage_linear_layers(config)))
+    kinds = {kind: layer_spec(config, spec, layer, *kind) for kind in set(layers)}
+    return TransformerBlockSubmodules(layer_specs=[kinds[kind] for kind in layers], layer_norm=RMSNorm)
 
 
 def adapt_model(model, spec: ModelSpec, layer: CustomLayer) -> None:

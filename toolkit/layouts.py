@@ -42,6 +42,9 @@ class Layout:
             head_dim=spec.head_dim,
             vocab_size=spec.vocab_size,
             padded_vocab_size=self.padded_vocab(spec.vocab_size),
+            **({"linear_k_heads": spec.linear_attention["k_heads"], "linear_v_heads": spec.linear_attention["v_heads"],
+                "linear_k_dim": spec.linear_attention["k_dim"], "linear_v_dim": spec.linear_attention["v_dim"]}
+               if spec.linear_attention else {}),
         )
 
     def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:

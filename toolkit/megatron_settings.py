@@ -88,6 +88,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         **({"qk_layernorm": True} if spec.qk_norm else {}),
         **family_named(spec.family).megatron,
         **moe_settings(spec),
+        **linear_attention_settings(spec),
     )
     transformer.update(mla_settings(spec))  # its kv_channels replaces the one above
     gpt = dict(
@@ -102,6 +103,18 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         seq_len_interpolation_factor=spec.rope_linear_factor,
     )
     return MegatronSettings(transformer, gpt, dict(spec.yarn or {}) if not spec.mla else {})
+
+
+def linear_attention_settings(spec: ModelSpec) -> dict:
+    """Qwen3-Next's gated delta net layers (toolkit/families/qwen3_next.py) as TransformerConfig's fields
+    (transformer_config.py:250, :275-294): per layer 1 for a gated delta net, 0 for attention."""
+    if not spec.linear_attention:
+        return {}
+    la = spec.linear_attention
+    return dict(experimental_attention_variant="gated_delta_net",
+                linear_attention_freq=[int(c) for c in spec.linear_layers], linear_conv_kernel_dim=la["conv_kernel"],
+                linear_key_head_dim=la["k_dim"], linear_value_head_dim=la["v_dim"],
+                linear_num_key_heads=la["k_heads"], linear_num_value_heads=la["v_heads"])
 
 
 def mla_settings(spec: ModelSpec) -> dict:

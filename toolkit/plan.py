@@ -157,8 +157,9 @@ def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None 
 def context_parallel_sizes(spec: ModelSpec, seq_len: int, dp: int, lora: LoraShape | None = None,
                            dp_engine: str = "deepspeed") -> list[int]:
     """CP sizes the recipe can run (parallel.cp) for a long sequence: powers of two dividing `dp`
-    (DeepSpeed's DP x CP) whose 2·CP chunks divide the sequence; 1 alone for a short sequence or
-    where the recipe refuses CP (sliding windows, LongRoPE, MoE, LoRA, FSDP)."""
+    (DeepSpeed's DP x CP) whose 2·CP chunks divide the sequence; 1 alone for a short sequence,
+    where the recipe refuses CP on GPUs (sliding windows on the Transformer Engine spec, LongRoPE,
+    LoRA, FSDP), and for MoE models, which the recipe runs under CP but this model does not price yet."""
     if (seq_len < CP_MIN_SEQ or spec.window_size or spec.longrope or spec.is_moe or lora is not None
             or dp_engine == "fsdp"):
         return [1]

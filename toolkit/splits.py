@@ -46,6 +46,11 @@ class Geometry:
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    # Qwen3-Next's gated delta net (linear attention): key heads, value heads, their head dims; 0 without
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
 
     @property
     def heads_per_group(self) -> int:
@@ -389,6 +394,11 @@ class Split:
     HF_GATE_UP = HFFusedGateUp()
     UNSPLIT_GATE_UP = Unsplit(GATE_UP)
     UNSPLIT_ROW = Unsplit(ROW)
+    # Qwen3-Next (toolkit/gated_delta_splits.py), set below: the output-gated attention's q/gate/k/v,
+    # the gated delta net's input projection and its causal conv
+    GATED_QKV: SplitKind
+    GDN_IN_PROJ: SplitKind
+    GDN_CONV: SplitKind
 
 
 def build_shard(split: SplitKind, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
@@ -412,3 +422,12 @@ def merge_shards(split: SplitKind, shards: Sequence[torch.Tensor], geo: Geometry
 
 def megatron_shape(split: SplitKind, hf_shapes: Sequence[tuple[int, ...]], geo: Geometry, tp: int = 1) -> tuple[int, ...]:
     return split.shape(hf_shapes, geo, tp)
+
+
+def _register_gated_delta_splits() -> None:
+    from toolkit import gated_delta_splits as g
+
+    Split.GATED_QKV, Split.GDN_IN_PROJ, Split.GDN_CONV = g.GatedQKV(), g.GDNInProj(), g.GDNConv()
+
+
+_register_gated_delta_splits()

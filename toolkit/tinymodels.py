@@ -124,9 +124,21 @@ GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head
 OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
 
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
-# Gemma's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5.
-NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5)}  # gemma3: the multimodal wrapper
+# Gemma's and Qwen3-Next's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5
+# (gemma3: the multimodal wrapper, whose language model is Gemma 3's).
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5)}
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
+
+# Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
+# key head; conv kernel 4) alternating with output-gated attention layers (full_attention_interval 2, so
+# each PP 2 stage holds both), 6 experts top-2 renormalised (3 per EP 2 rank) with a gated shared expert
+# of width 40, a dense first layer (mlp_only_layers), partial rotary 0.25 of head_dim 16.
+QWEN3_NEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                  moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+                  norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=4, full_attention_interval=2,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                  linear_conv_kernel_dim=4, vocab_size=251,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
 
 # name -> (config class name, overrides)
 VARIANTS = {
@@ -171,6 +183,7 @@ VARIANTS = {
     "gemma3": ("Gemma3TextConfig", GEMMA3),
     "olmo2": ("Olmo2Config", OLMO2),
     "gpt-oss": ("GptOssConfig", GPT_OSS),
+    "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
 }
 
 
@@ -226,6 +239,8 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
 def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) -> Path:
     import torch
 
+    from toolkit.families import HF_FLOAT32_BUFFERS
+
     low, high = NORM_WEIGHTS.get(model_type, DEFAULT_NORM_WEIGHTS)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -238,7 +253,7 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) 
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
+            if name.endswith(HF_FLOAT32_BUFFERS):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert

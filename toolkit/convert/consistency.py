@@ -23,7 +23,7 @@ def expected_hf_tensors(family: Family, spec: ModelSpec) -> dict[str, tuple[int,
     """Every HF tensor name the family table expects for this config, with its shape."""
     out = {}
     for row in family.rows_for(spec):
-        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers, spec.linear_layers):
             for name, symbols in zip(row.hf_names(layer, expert), row.shapes):
                 out[name] = tuple(spec.size_of(s) for s in symbols)
     return out
@@ -76,16 +76,17 @@ def expected_dist_shapes(family: Family, spec: ModelSpec, layout: Layout) -> dic
     from toolkit.convert import dist_format
 
     geo, hf = layout.geometry(spec), expected_hf_tensors(family, spec)
-    stacked = dist_format.stacks_layers(spec.moe_layers)
+    stacked = dist_format.stacks_layers(spec.moe_layers, spec.linear_layers)
     out = {}
     for row in family.rows_for(spec):
-        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(1), spec.moe_layers):
-            shape = megatron_shape(row.split, [hf[n] for n in row.hf_names(layer, expert)], geo)
-            shape = (spec.num_experts, *shape) if row.per_expert else shape
-            if row.per_layer and stacked:
-                out[dist_format.row_key(row, 0, stacked)] = (spec.num_layers, *shape)
-            else:
-                out[dist_format.row_key(row, layer, stacked)] = shape
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(1), spec.moe_layers, spec.linear_layers):
+            whole = megatron_shape(row.split, [hf[n] for n in row.hf_names(layer, expert)], geo)
+            for suffix, _, rows in dist_format.dist_parts(row.split, whole, geo):
+                shape = (spec.num_experts, rows, *whole[1:]) if row.per_expert else (rows, *whole[1:])
+                if row.per_layer and stacked:
+                    out[dist_format.row_key(row, 0, stacked) + suffix] = (spec.num_layers, *shape)
+                else:
+                    out[dist_format.row_key(row, layer, stacked) + suffix] = shape
     if spec.is_moe:
         out.update((alias, out[key]) for key in list(out) if (alias := dist_format.te_moe_alias(key, spec.moe_layers)))
     return out

@@ -124,10 +124,30 @@ def row_key(row, layer: int | None, stacked: bool) -> str:
     return layer_key(row.dist_name(layer, 0), stacked) if row.per_layer else row.dist_name()
 
 
-def stacks_layers(moe_layers: str | None) -> bool:
+def dist_parts(split, shape: tuple[int, ...], geo) -> list[tuple[str, int, int]]:
+    """(key suffix, first row, rows) of each tensor megatron-core's torch_dist stores a TP=1 tensor of
+    `shape` as: itself (suffix ""), or its parts each under `<key>.<part>` where the split kind names them
+    (`dist_names`: Qwen3-Next's gated delta net in_proj and conv1d, toolkit/gated_delta_splits.py)."""
+    suffixes = dist_suffixes(split)
+    if suffixes == [""]:
+        return [("", 0, shape[0])]
+    out, start = [], 0
+    for suffix, rows in zip(suffixes, split.parts(shape[0], geo), strict=True):
+        out.append((suffix, start, rows))
+        start += rows
+    return out
+
+
+def dist_suffixes(split) -> list[str]:
+    """The key suffixes of dist_parts, in order."""
+    return [f".{name}" for name in getattr(split, "dist_names", ())] or [""]
+
+
+def stacks_layers(moe_layers: str | None, linear_layers: str | None = None) -> bool:
     """Whether per-layer tensors are stacked over the layers: not where MoE and dense layers mix
-    (ModelSpec.moe_layers), which megatron-core keys each on its own (transformer_block.py:830-868)."""
-    return moe_layers is None
+    (ModelSpec.moe_layers), nor attention and gated delta net layers (ModelSpec.linear_layers), which
+    megatron-core keys each on its own (transformer_block.py:830-868)."""
+    return moe_layers is None and linear_layers is None
 
 
 def stacked_key(canonical_layer_name: str) -> str:
@@ -199,14 +219,17 @@ def _chunk_bytes(chunk: Chunk):
 
 def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bool = False,
                         moe_layers: str | None = None,
-                        attention: tuple[str, ...] = naming.MOE_ATTENTION_EXTRA_STATE) -> dict[str, object]:
+                        attention: tuple[str, ...] = naming.MOE_ATTENTION_EXTRA_STATE,
+                        linear_layers: str | None = None) -> dict[str, object]:
     """The `_extra_state` ShardedObjects megatron-core's GPT layers contribute (value [None]); an
     expert's is keyed by (layer, expert), as ShardedObject.unique_key writes offsets and shape.
     Keyed per layer where `moe_layers` mixes dense layers in (offset 0 of shape 1 then,
     transformer/utils.py _get_extra_state_offsets). `attention`: the attention's linears
-    (naming.attention_linears)."""
-    if moe_layers is not None:
-        return _per_layer_extra_state_objects(num_experts, shared_expert, moe_layers, attention)
+    (naming.attention_linears); `linear_layers` as ModelSpec's (its "1" layers have the gated delta net's
+    linears instead, and every layer is keyed on its own)."""
+    if moe_layers is not None or linear_layers is not None:
+        kinds = moe_layers or ("1" if num_experts else "0") * num_layers
+        return _per_layer_extra_state_objects(num_experts, shared_expert, kinds, attention, linear_layers)
     modules = attention if num_experts else attention + naming.MLP_EXTRA_STATE
     modules += naming.SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     objects = {
@@ -223,11 +246,13 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     return objects
 
 
-def _per_layer_extra_state_objects(num_experts: int, shared_expert: bool, moe_layers: str,
-                                   attention: tuple[str, ...]) -> dict[str, object]:
+def _per_layer_extra_state_objects(num_experts: int, shared_expert: bool, moe_layers: str, layer_attention: tuple[str, ...],
+                                   linear_layers: str | None) -> dict[str, object]:
     objects = {}
     for layer, kind in enumerate(moe_layers):
         prefix = naming.layer_name(layer, "")
+        linear = linear_layers is not None and linear_layers[layer] == "1"
+        attention = naming.GDN_EXTRA_STATE if linear else layer_attention
         if kind == "0":
             objects.update((f"{prefix}{m}._extra_state/shard_0_1", [None]) for m in attention + naming.MLP_EXTRA_STATE)
             continue

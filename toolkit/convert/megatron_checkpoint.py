@@ -176,11 +176,11 @@ class MegatronCheckpoint:
         geo = self.layout.geometry(self.spec)
         layers, experts = self.layout.stage_layers(self.spec, pp_rank), self.layout.local_experts(self.spec, ep_rank)
         rows = [r for r in self._rows() if r.per_expert or ep_rank == 0]
-        if wanted is not None and not any(_needed(r, layers, experts, wanted, self.spec.moe_layers) for r in rows):
+        if wanted is not None and not any(_needed(r, layers, experts, wanted, self.spec.moe_layers, self.spec.linear_layers) for r in rows):
             return
         stage = self.stage(pp_rank, ep_rank)
         for row in rows:
-            for layer, local, expert, local_expert in row_instances(row, layers, experts, self.spec.moe_layers):
+            for layer, local, expert, local_expert in row_instances(row, layers, experts, self.spec.moe_layers, self.spec.linear_layers):
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
@@ -198,21 +198,28 @@ class MegatronCheckpoint:
         stored = _model_tensors(dist_format.tensor_shapes(self.dist_reader))
         consistency.check_dist(stored, self.family, self.spec, self.layout, self.shards)
         every_layer, every_expert = range(self.spec.num_layers), range(self.spec.num_experts)
-        stacked = dist_format.stacks_layers(self.spec.moe_layers)
+        stacked = dist_format.stacks_layers(self.spec.moe_layers, self.spec.linear_layers)
         for row in self._rows():
-            for layer, _, expert, _ in row_instances(row, every_layer, every_expert, self.spec.moe_layers):
+            for layer, _, expert, _ in row_instances(row, every_layer, every_expert, self.spec.moe_layers, self.spec.linear_layers):
                 names = row.hf_names(layer, expert)
                 if wanted is not None and not wanted.intersection(names):
                     continue
-                key = dist_format.row_key(row, layer, stacked)
-                if key not in stored:
-                    raise ConversionError(f"{self.shards} has no tensor {key!r}")
-                shape, dtype = stored[key]
-                # the stacked (layer, expert) dims
-                index = [i for i in (layer if stacked else None, expert) if i is not None]
-                box = dist_format.read_box(self.dist_reader, key, (*index, *(0,) * (len(shape) - len(index))),
-                                           (*(1,) * len(index), *shape[len(index):]), dtype)
-                yield from zip(names, merge_shards(row.split, [box.reshape(shape[len(index):])], geo))
+                yield from zip(names, merge_shards(row.split, [self._dist_tensor(row, layer, expert, stacked, stored)], geo))
+
+    def _dist_tensor(self, row, layer, expert, stacked: bool, stored: dict) -> torch.Tensor:
+        """The TP=1 megatron tensor of one row instance, from its torch_dist key (or keys: dist_parts)."""
+        key = dist_format.row_key(row, layer, stacked)
+        parts = []
+        for suffix in dist_format.dist_suffixes(row.split):
+            if key + suffix not in stored:
+                raise ConversionError(f"{self.shards} has no tensor {key + suffix!r}")
+            shape, dtype = stored[key + suffix]
+            # the stacked (layer, expert) dims
+            index = [i for i in (layer if stacked else None, expert) if i is not None]
+            box = dist_format.read_box(self.dist_reader, key + suffix, (*index, *(0,) * (len(shape) - len(index))),
+                                       (*(1,) * len(index), *shape[len(index):]), dtype)
+            parts.append(box.reshape(shape[len(index):]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _model_tensors(stored: dict) -> dict:
@@ -227,9 +234,9 @@ def _stored_vocab_rows(reader: dist_format.IndexedReader, shards: Path) -> int:
     raise ConversionError(f"{shards} holds neither {VOCAB_KEYS[0]!r} nor {VOCAB_KEYS[1]!r}: not a GPT model checkpoint")
 
 
-def _needed(row, layers, experts, wanted: set[str], moe_layers: str | None) -> bool:
+def _needed(row, layers, experts, wanted: set[str], moe_layers: str | None, linear_layers: str | None = None) -> bool:
     return any(wanted.intersection(row.hf_names(layer, expert))
-               for layer, _, expert, _ in row_instances(row, layers, experts, moe_layers))
+               for layer, _, expert, _ in row_instances(row, layers, experts, moe_layers, linear_layers))
 
 
 def _expert_parallel_at_pp1(args) -> bool:

@@ -19,6 +19,11 @@ TE_TO_LOCAL = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 LOCAL_TO_TE = {v: k for k, v in TE_TO_LOCAL.items()}
+# A gated delta net layer's input norm (Qwen3-Next), fused into its in_proj by the TE spec
+# (experimental_attention_variant_module_specs.py:66-73); local to canonical depends on the layer's kind,
+# which one name cannot say: canonical_names reads it from the layer's other names
+GDN_INPUT_NORM = "self_attention.in_proj.layer_norm_weight"
+TE_TO_LOCAL[GDN_INPUT_NORM] = "input_layernorm.weight"
 # Modules whose `_extra_state` appears in a GPT layer's state dict (TE FP8 metadata; None locally).
 EXTRA_STATE_MODULES = (
     "self_attention.linear_qkv",
@@ -78,6 +83,19 @@ def to_canonical(name: str) -> str:
     return layer_name(layer, LOCAL_TO_TE.get(suffix, suffix))
 
 
+def canonical_names(names) -> dict[str, str]:
+    """Each of a model's (or a rank file's) `names` -> its canonical name, a gated delta net layer's input
+    norm included (to_canonical gives the attention's name, which the layer's in_proj corrects)."""
+    names = list(names)
+    linear = gdn_layers(names)
+    out = {}
+    for name in names:
+        layer, suffix = split_layer(name)
+        linear_norm = layer in linear and suffix == TE_TO_LOCAL[GDN_INPUT_NORM]
+        out[name] = layer_name(layer, GDN_INPUT_NORM) if linear_norm else to_canonical(name)
+    return out
+
+
 def attention_linears(names) -> tuple[str, ...]:
     """The attention's linear modules among canonical layer tensor `names`, in order of appearance:
     those with an `_extra_state` (linear_qkv and linear_proj; multi-latent attention's down / up
@@ -91,10 +109,12 @@ _ATTENTION_LINEAR = re.compile(r"^(self_attention\.linear_\w+)\.(weight|bias|lay
 
 def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shared_expert: bool = False,
                       moe_layers: Container[int] | None = None,
-                      attention: tuple[str, ...] = MOE_ATTENTION_EXTRA_STATE) -> list[str]:
+                      attention: tuple[str, ...] = MOE_ATTENTION_EXTRA_STATE,
+                      linear_layers: Container[int] = ()) -> list[str]:
     """`_extra_state` entries of a rank's state dict (TE FP8 metadata; None in our files).
     `moe_layers`: the (stage-local) layers with experts, where dense ones are mixed in; None: all.
-    `attention`: the attention's linears (attention_linears)."""
+    `attention`: the attention's linears (attention_linears); `linear_layers`: the (stage-local) gated
+    delta net layers, whose linears are GDN_EXTRA_STATE instead."""
     shared = SHARED_EXPERT_EXTRA_STATE if shared_expert else ()
     if layer_spec == "te":
         moe = [*attention, *shared, "mlp.experts.linear_fc1", "mlp.experts.linear_fc2"]
@@ -102,8 +122,23 @@ def extra_state_names(num_layers: int, local_experts: int, layer_spec: str, shar
         moe = [*attention, *shared] + [f"mlp.experts.local_experts.{i}.linear_fc{k}"
                                        for i in range(local_experts) for k in (1, 2)]
     dense = [*attention, *MLP_EXTRA_STATE]
-    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers)
-            for module in (moe if local_experts and (moe_layers is None or layer in moe_layers) else dense)]
+
+    def modules(layer: int) -> list[str]:
+        kind = moe if local_experts and (moe_layers is None or layer in moe_layers) else dense
+        return [*GDN_EXTRA_STATE, *kind[len(attention):]] if layer in linear_layers else kind
+
+    return [layer_name(layer, f"{module}._extra_state") for layer in range(num_layers) for module in modules(layer)]
+
+
+# A gated delta net layer's linears (Qwen3-Next, ssm/gated_delta_net.py: in_proj, out_proj), in place of
+# the attention's; its conv1d is a torch Conv1d, without one
+GDN_EXTRA_STATE = ("self_attention.in_proj", "self_attention.out_proj")
+GDN_IN_PROJ = "self_attention.in_proj.weight"
+
+
+def gdn_layers(names) -> set[int]:
+    """The layers of canonical or local `names` that are gated delta net layers."""
+    return {layer for layer, suffix in map(split_layer, names) if suffix == GDN_IN_PROJ}
 
 
 def router_layers(names) -> set[int]:

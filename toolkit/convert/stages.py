@@ -31,12 +31,12 @@ def _ties_output_here(spec: ModelSpec, layout: Layout, pp_rank: int) -> bool:
     return spec.tied_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1
 
 
-def row_instances(row: Row, layers: range, experts: range,
-                  moe_layers: str | None = None) -> Iterator[tuple[int | None, int | None, int | None, int | None]]:
+def row_instances(row: Row, layers: range, experts: range, moe_layers: str | None = None,
+                  linear_layers: str | None = None) -> Iterator[tuple[int | None, int | None, int | None, int | None]]:
     """(global layer, stage-local layer, global expert, rank-local expert) of each tensor of `row`
     on a stage holding `layers` and an EP rank holding `experts` (None where the row has no such
-    index); only the layers of the row's kind (`moe_layers` as ModelSpec.moe_layers)."""
-    for layer in [n for n in layers if row.on_layer(n, moe_layers)] if row.per_layer else [None]:
+    index); only the layers of the row's kinds (`moe_layers`, `linear_layers` as ModelSpec's)."""
+    for layer in [n for n in layers if row.on_layer(n, moe_layers, linear_layers)] if row.per_layer else [None]:
         local = None if layer is None else layer - layers.start
         if row.per_expert:
             for i, expert in enumerate(experts):
@@ -51,7 +51,7 @@ def stage_hf_names(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int
         name
         for row in family.rows_for(spec)
         if on_stage(row, pp_rank, layout.pp)
-        for layer, _, expert, _ in row_instances(row, layers, experts, spec.moe_layers)
+        for layer, _, expert, _ in row_instances(row, layers, experts, spec.moe_layers, spec.linear_layers)
         for name in row.hf_names(layer, expert)
     }
     if _ties_output_here(spec, layout, pp_rank):
@@ -67,7 +67,7 @@ def stage_rows(family: Family, spec: ModelSpec, layout: Layout, pp_rank: int,
     layers, experts = layout.stage_layers(spec, pp_rank), layout.local_experts(spec, ep_rank)
     for row in family.rows_for(spec):
         if on_stage(row, pp_rank, layout.pp):
-            for layer, local, expert, local_expert in row_instances(row, layers, experts, spec.moe_layers):
+            for layer, local, expert, local_expert in row_instances(row, layers, experts, spec.moe_layers, spec.linear_layers):
                 yield row.megatron_name(local, local_expert), row, layer, expert
     if _ties_output_here(spec, layout, pp_rank):
         yield "output_layer.weight", embedding_row(family), None, None

@@ -36,7 +36,7 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_t
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
@@ -66,11 +66,12 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
 
 
 def mtp_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> set[str]:
-    """The tensors of the multi-token-prediction layers stored after the decoder layers (Family.mtp_key),
-    which the conversion leaves out as HF's model does."""
+    """The tensors of the multi-token-prediction layers, stored after the decoder layers (Family.mtp_key)
+    or under a prefix of their own (Family.mtp_prefix), which the conversion leaves out as HF's model does."""
     count = (src.config.get(family.mtp_key) or 0) if family.mtp_key else 0
     layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(count if type(count) is int else 0))
-    return {name for name in src.tensors if name.startswith(layers)} if layers else set()
+    prefixes = layers + ((family.mtp_prefix,) if family.mtp_prefix else ())
+    return {name for name in src.tensors if name.startswith(prefixes)} if prefixes else set()
 
 
 def output_bytes(src: HFCheckpoint) -> int:
@@ -101,10 +102,10 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
     from toolkit.convert import dist_format
 
     geo = layout.geometry(spec)
-    stacked = dist_format.stacks_layers(spec.moe_layers)
+    stacked = dist_format.stacks_layers(spec.moe_layers, spec.linear_layers)
     chunks = []
     for row in family.rows_for(spec):
-        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers):
+        for layer, _, expert, _ in row_instances(row, range(spec.num_layers), range(spec.num_experts), spec.moe_layers, spec.linear_layers):
             names = row.hf_names(layer, expert)
             shape = megatron_shape(row.split, [src.shape(n) for n in names], geo)
             dtype = src.tensors[names[0]].torch_dtype
@@ -112,9 +113,14 @@ def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[di
             ranges = lambda split=row.split, names=names: shard_ranges(split, src, names, 1, 0, geo)  # noqa: E731
             stack = [(spec.num_layers, layer)] * (row.per_layer and stacked) + [(spec.num_experts, expert)] * row.per_expert
             key = dist_format.row_key(row, layer, stacked)
-            chunks.append(dist_format.Chunk(key, (*(n for n, _ in stack), *shape),
-                                            (*(i for _, i in stack), *(0,) * len(shape)), (1,) * len(stack) + shape,
-                                            dtype, load, ranges))
+            for suffix, start, rows in dist_format.dist_parts(row.split, shape, geo):
+                part = (rows, *shape[1:])
+                # one part of the tensor: built whole, then cut (its byte ranges not described)
+                part_load = load if rows == shape[0] else (
+                    lambda whole=load, s=slice(start, start + rows): whole()[s].clone())  # noqa: E731
+                chunks.append(dist_format.Chunk(key + suffix, (*(n for n, _ in stack), *part),
+                                                (*(i for _, i in stack), *(0,) * len(part)), (1,) * len(stack) + part,
+                                                dtype, part_load, ranges if rows == shape[0] else (lambda: None)))
     return dist_format.with_te_moe_aliases(chunks, spec.moe_layers) if spec.is_moe else chunks
 
 
@@ -122,7 +128,7 @@ def torch_tensor_count(family: Family, spec: ModelSpec, layout: Layout) -> int:
     """Tensors the per-rank writer builds (for the progress bar)."""
     experts = layout.local_experts(spec, 0)
     per_rank = sum(1 for r in family.rows_for(spec)
-                   for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers))
+                   for _ in row_instances(r, range(spec.num_layers), experts, spec.moe_layers, spec.linear_layers))
     tied_output_copy = spec.tied_embeddings and layout.pp > 1  # the last stage's output layer
     return layout.tp * layout.ep * (per_rank + tied_output_copy)
 
@@ -171,10 +177,11 @@ def hf_to_megatron(
               "out: transformers recomputes them from config.json and ignores them on load too", file=sys.stderr)
     left_out = mtp_tensors(src, family, spec)
     if left_out:
-        print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "
-              f"{len(left_out)} tensors from model.layers.{spec.num_layers}.) are left out: HF's {family.architecture} "
-              "ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not converted yet",
-              file=sys.stderr)
+        where = (f"{len(left_out)} tensors {family.mtp_prefix}*" if family.mtp_prefix else
+                 f"{family.mtp_key}={src.config[family.mtp_key]}, {len(left_out)} tensors from model.layers.{spec.num_layers}.")
+        print(f"note: the multi-token-prediction layer(s) ({where}) are left out: HF's "
+              f"{family.architecture} ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not "
+              "converted yet", file=sys.stderr)
     args = megatron_args(spec, layout, fmt)
     with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE
@@ -190,7 +197,8 @@ def hf_to_megatron(
             with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
                 objects = dist_format.extra_state_objects(
                     spec.num_layers, spec.num_experts, spec.moe_shared_ffn_hidden_size > 0, spec.moe_layers,
-                    naming.attention_linears(r.megatron_name(0) for r in family.rows_for(spec) if r.per_layer))
+                    naming.attention_linears(r.megatron_name(0) for r in family.rows_for(spec) if r.per_layer),
+                    spec.linear_layers)
                 hashed = dist_format.write(release, chunks, objects, common, bar.update)
             checksums = checksum_tree(tmp, known=hashed)
         (tmp / TRACKER).write_text(RELEASE)

@@ -69,7 +69,7 @@ def _rank_state(model: dict, args: argparse.Namespace, layer_spec: str, num_stag
     named = {naming.to_spec_name(name, layer_spec, moe=naming.split_layer(name)[0] in moe): t for name, t in model.items()}
     shared = any(naming.split_layer(name)[1].startswith(naming.SHARED_EXPERT_PREFIX) for name in model)
     named.update(dict.fromkeys(naming.extra_state_names(num_stage_layers, local_experts, layer_spec, shared, moe,
-                                                        naming.attention_linears(model))))
+                                                        naming.attention_linears(model), naming.gdn_layers(model))))
     return {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
 
 
@@ -195,9 +195,10 @@ def read_stage(release: Path, layout: Layout, pp_rank: int,
         path = rank_file(release, layout, tp_rank, pp_rank, ep_rank)
         before_load(path)
         model = model_entry(load_trusted_types(path), path)
+        canonical = naming.canonical_names(model)
         out.append(
             {
-                naming.to_canonical(k): v
+                canonical[k]: v
                 for k, v in model.items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
             }

@@ -99,6 +99,11 @@ class ModelSpec:
     # Multi-latent attention (toolkit/families/mla.py): q_lora_rank (None: a full q_proj), kv_lora_rank,
     # qk_nope_head_dim, qk_rope_head_dim, v_head_dim; None: the usual attention
     mla: dict | None = field(default=None, hash=False)
+    # Qwen3-Next (toolkit/families/qwen3_next.py): the gated delta net's sizes (k_heads, v_heads, k_dim,
+    # v_dim, conv_kernel; None: no linear attention) and per layer "1" for a gated delta net layer, "0"
+    # for an attention layer (megatron-core's linear_attention_freq as a list)
+    linear_attention: dict | None = field(default=None, hash=False)
+    linear_layers: str | None = None
 
     @property
     def q_lora(self) -> bool:
@@ -119,6 +124,15 @@ class ModelSpec:
                 "q_heads": heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]),
                 "kv_up": heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), "v_size": heads * m["v_head_dim"]}
 
+    def _linear_sizes(self) -> dict:
+        if not self.linear_attention:
+            return {}
+        la = self.linear_attention
+        qk, v = la["k_heads"] * la["k_dim"], la["v_heads"] * la["v_dim"]
+        return {"gated_q_size": 2 * self.num_heads * self.head_dim, "gdn_qkvz": 2 * qk + 2 * v,
+                "gdn_ba": 2 * la["v_heads"], "gdn_conv": 2 * qk + v, "gdn_kernel": la["conv_kernel"],
+                "gdn_v_heads": la["v_heads"], "gdn_v_dim": la["v_dim"], "gdn_v_size": v}
+
     def size_of(self, symbol: str) -> int:
         return {
             "hidden": self.hidden_size,
@@ -136,6 +150,7 @@ class ModelSpec:
             "shared_ffn": self.moe_shared_ffn_hidden_size,
             "one": 1,
             **self._mla_sizes(),
+            **self._linear_sizes(),
         }[symbol]
 
     def expert_tp(self, tp: int) -> int:

@@ -34,14 +34,22 @@ class Row:
     # megatron-core's torch_dist key where it is not the canonical name (the local MLA spec keys its
     # norms by their own modules: toolkit/families/mla.py); None: the canonical name
     dist: str | None = None
+    # A buffer, not a parameter, that HF and megatron-core both keep in float32 whatever the weights'
+    # dtype (the sigmoid router's expert bias: HF's _keep_in_fp32_modules_strict, megatron-core's
+    # _maintain_float32_expert_bias): converted, loaded and exported as stored, never trained by the optimizer
+    float32_buffer: bool = False
+    # The kind of token mixer the row belongs to where a model mixes them (LINEAR_ATTENTION: Qwen3-Next's
+    # gated delta net layers, FULL_ATTENTION: its attention layers); None: every layer
+    attention: str | None = None
 
     @property
     def per_layer(self) -> bool:
         return "*" in self.megatron
 
-    def on_layer(self, layer: int, moe_layers: str | None) -> bool:
-        """Whether layer `layer` holds this row's tensor; `moe_layers` as ModelSpec.moe_layers."""
-        return self.kind is None or self.kind == layer_kind(moe_layers, layer)
+    def on_layer(self, layer: int, moe_layers: str | None, linear_layers: str | None = None) -> bool:
+        """Whether layer `layer` holds this row's tensor; `moe_layers`, `linear_layers` as ModelSpec's."""
+        return ((self.kind is None or self.kind == layer_kind(moe_layers, layer))
+                and (self.attention is None or self.attention == attention_kind(linear_layers, layer)))
 
     @property
     def per_expert(self) -> bool:
@@ -50,7 +58,7 @@ class Row:
     @property
     def is_buffer(self) -> bool:
         """A megatron-core buffer, saved with the model but not a parameter (the router's expert bias)."""
-        return self.megatron.endswith(BUFFERS)
+        return self.float32_buffer
 
     def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
         return _fill(self.megatron, layer, expert)
@@ -69,12 +77,19 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
-        when: str | None = None, dist: str | None = None) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist)
+        when: str | None = None, dist: str | None = None, float32_buffer: bool = False,
+        attention: str | None = None) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist, float32_buffer,
+               attention)
 
 
-# megatron-core buffers a family table maps (TopKRouter's aux-loss-free expert bias, router.py:173)
-BUFFERS = (".mlp.router.expert_bias",)
+def float32_buffer_suffixes(families) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(megatron-core, HF) name suffixes, after the layer index, of the float32 buffers `families`' tables
+    declare (Row.float32_buffer): what the converter, the loader and the exporter keep in float32."""
+    rows = [r for f in families for r in f.rows if r.float32_buffer]
+    after_layer = lambda name: name.rsplit("*", 1)[-1]  # noqa: E731
+    return (tuple(sorted({after_layer(r.megatron) for r in rows})),
+            tuple(sorted({after_layer(n) for r in rows for n in r.hf})))
 
 
 MOE_LAYER, DENSE_LAYER = "moe", "dense"
@@ -85,6 +100,15 @@ def layer_kind(moe_layers: str | None, layer: int) -> str:
     moe_layer_freq as a list); None: every layer alike (all MoE in a MoE model, rows of kind
     MOE_LAYER being the only layer-kind rows a model without dense layers has)."""
     return DENSE_LAYER if moe_layers is not None and moe_layers[layer] == "0" else MOE_LAYER
+
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear", "full"
+
+
+def attention_kind(linear_layers: str | None, layer: int) -> str:
+    """`linear_layers`: per layer "1" for a gated delta net (linear attention) layer, "0" for attention
+    (megatron-core's linear_attention_freq as a list); None: attention everywhere."""
+    return LINEAR_ATTENTION if linear_layers is not None and linear_layers[layer] == "1" else FULL_ATTENTION
 
 
 OUTPUT_LAYER = "output_layer.weight"
@@ -158,6 +182,9 @@ class Family:
     # (`model.layers.<num_hidden_layers + i>.*`, GLM-4.5 / DeepSeek-V3), which HF's model ignores on
     # load: the converter leaves them out and says so
     mtp_key: str | None = None
+    # Where the multi-token-prediction layers are stored under a prefix of their own instead (Qwen3-Next's
+    # `mtp.*`, which HF's model ignores on load: `_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`)
+    mtp_prefix: str | None = None
     # model_type -> the one of transformers' config classes that reads it, where transformers has none of
     # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)

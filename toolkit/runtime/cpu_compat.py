@@ -53,6 +53,11 @@ UPSTREAM_SPOTS = {
     "uneven_gather": "tensor_parallel/mappings.py:150: _gather_along_first_dim with output_split_sizes is a list "
     "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
     "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
+    "gated_delta_rule": "ssm/gated_delta_net.py:39-47 imports l2norm and chunk_gated_delta_rule from `fla` "
+    "(flash-linear-attention's Triton kernels), :103-106 refuses to build GatedDeltaNet without them and "
+    ":349-350/:382 call them (Qwen3-Next's linear-attention layers). Stood in by toolkit/runtime/gated_delta_rule.py "
+    "wherever `fla` is missing, on GPUs too (apply_upstream_fixes). The causal conv needs no stand-in: without "
+    "`causal_conv1d` upstream runs its own nn.Conv1d and activation (:49-53, :326-327)",
 }
 # Applied on every machine, GPUs included (apply_upstream_fixes): an upstream bug, not a CPU one.
 TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
@@ -265,6 +270,21 @@ def _distributed_optimizer():
             setattr(cls, name, _run_on_cpu(vars(cls)[name], _CudaFactoriesAndTypeNames))
 
 
+def stand_in_gated_delta_rule() -> None:
+    """See UPSTREAM_SPOTS["gated_delta_rule"]: the torch gated delta rule where `fla` is missing; with `fla`
+    installed, nothing changes. Idempotent."""
+    from megatron.core.ssm import gated_delta_net
+
+    if gated_delta_net.HAVE_FLA:
+        return
+    from toolkit.runtime import gated_delta_rule
+
+    gated_delta_net.l2norm = gated_delta_rule.l2norm
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_rule.chunk_gated_delta_rule
+    gated_delta_net.HAVE_FLA = True  # the guard at :103 asks only whether the two names are there
+    gated_delta_net.TOOLKIT_GATED_DELTA_RULE = True
+
+
 def define_te_general_gemm() -> None:
     """See TE_GEMM_SPOT: without TE the router's gating linear falls back to torch once the name exists."""
     from megatron.core.transformer.moe import moe_utils
@@ -285,6 +305,7 @@ _PATCHES = {
     "uneven_gather": _uneven_gather,
     "distributed_optimizer": _distributed_optimizer,
     "context_parallel_rope": _context_parallel_rope,
+    "gated_delta_rule": stand_in_gated_delta_rule,
 }
 
 
@@ -308,6 +329,7 @@ def apply_upstream_fixes() -> None:
     """The fixes for megatron-core bugs that are not about the CPU: applied on every device."""
     define_te_general_gemm()
     mask_expert_bias_counts_per_token()
+    stand_in_gated_delta_rule()  # a GPU without `fla` lacks it as a CPU does
 
 
 def apply(force: bool = False) -> list[str]:

@@ -102,13 +102,13 @@ def reinit_expert_tp(info: "ParallelInfo", etp: int, tp: int, pp: int, ep: int) 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: int = 1, cp: int = 1,
                   etp: int | None = None) -> ParallelInfo:
     """Initialise the process group and megatron-core's TP/PP/CP/DP groups; DP = world / (TP*PP*CP).
-    Expert parallelism (EP) is carved out of DP, with expert TP `etp`, by default TP (megatron-core's
+    Expert parallelism (EP) is carved out of CP x DP, with expert TP `etp`, by default TP (megatron-core's
     default; ModelSpec.expert_tp says which a model needs).
     `vpp` > 1: that many virtual stages (model chunks) per pipeline rank. `cp` > 1: megatron-core's
     context-parallel groups (the sequence split over CP ranks, toolkit.context_parallel)."""
     device = init_process_group()
     world = dist.get_world_size()
-    if world % (tp * pp * cp) or (world // (tp * pp * cp)) % ep:
+    if world % (tp * pp * cp) or (world // (tp * pp)) % ep:  # EP is carved out of CP x DP
         raise DistributedError(f"world size {world} is not divisible by TP*PP*CP*EP = {tp}*{pp}*{cp}*{ep}")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

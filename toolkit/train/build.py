@@ -89,19 +89,30 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
 
 
 def check_context_parallel_family(cfg: TrainConfig, spec) -> None:
-    """The attention the CP path covers (toolkit.context_parallel): full causal attention with
-    megatron-core's RoPE. Sliding windows, LongRoPE's own rotary module and Mixture-of-Experts
-    layers (whose expert groups would have to span CP) are refused, before any process group; so is
-    packing on the Transformer Engine spec, whose CP attention takes only the causal mask."""
+    """The attention the CP path covers (toolkit.context_parallel): causal attention with
+    megatron-core's RoPE, sliding windows included on the local spec; Mixture-of-Experts layers
+    (their expert groups span DP x CP). LongRoPE's own rotary module is refused, before any
+    process group; so are, on the Transformer Engine spec, packing (its CP attention takes only the
+    causal mask) and sliding windows (its ring, TE_CP_COMM_TYPE, asserts it takes none)."""
     cp = cfg.parallel.cp
-    for problem, what in ((spec.window_size, f"{spec.family}'s sliding-window attention"),
-                          (spec.longrope, f"{spec.family}'s LongRoPE (the toolkit's rotary module takes no CP chunks)"),
-                          (spec.is_moe, f"a Mixture-of-Experts model ({spec.family})")):
-        if problem:
-            raise ConfigError(f"parallel.cp={cp} with {what} is not supported yet; use parallel.cp=1")
-    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] == "te":
+    if spec.linear_layers and "1" in spec.linear_layers:
+        # a gated delta net carries its state along the whole sequence; megatron-core 0.16.1's CP for it
+        # (gated_delta_net_context_parallel) is not wired in (gated_delta_net.py:37)
+        raise ConfigError(f"parallel.cp={cp} with {spec.family}'s gated delta net layers is not supported: their "
+                          "recurrent state runs along the whole sequence, which CP splits; use parallel.cp=1")
+    if spec.longrope:
+        raise ConfigError(f"parallel.cp={cp} with {spec.family}'s LongRoPE is not supported yet (the toolkit's rotary "
+                          "module takes no CP chunks); use parallel.cp=1")
+    if model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] != "te":
+        return
+    if cfg.data.pack:
         raise ConfigError(f"parallel.cp={cp} with data.pack=true on the Transformer Engine spec is not supported: "
                           "TE's context-parallel attention takes a causal mask only, not the documents' mask")
+    if spec.window_size:
+        # transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py, attn_forward_func_with_cp:
+        # "The context parallel running configs cannot support sliding window attetnion!" for p2p
+        raise ConfigError(f"parallel.cp={cp} with {spec.family}'s sliding-window attention on the Transformer Engine "
+                          f"spec is not supported: TE's {TE_CP_COMM_TYPE} ring takes no window; use parallel.cp=1")
 
 
 def master_dtype(cfg: TrainConfig) -> torch.dtype:
@@ -111,13 +122,15 @@ def master_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
-    """megatron-core carves the expert groups out of TP x DP with expert TP = TP
-    (parallel_state.py:786-812): EP x TP must divide TP x DP, i.e. EP divides DP, and the
-    expert-data-parallel size is DP / EP."""
-    tp, ep = cfg.parallel.tp, cfg.parallel.ep
-    if dp % ep:
-        raise ConfigError(f"parallel.ep={ep} x parallel.tp={tp} does not fit the TP x DP = {tp} x {dp} ranks of each "
-                          f"pipeline stage: EP must divide DP ({dp}); use a world size of TP x PP x a multiple of EP")
+    """megatron-core carves the expert groups out of TP x CP x DP with expert TP = TP
+    (parallel_state.py:786-812): EP x TP must divide TP x CP x DP, i.e. EP divides CP x DP, and the
+    expert-data-parallel size is CP x DP / EP (under CP an EP group may hold a sequence's chunks)."""
+    tp, ep, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.cp
+    if (dp * cp) % ep:
+        ranks, named = (f"TP x CP x DP = {tp} x {cp} x {dp}", f"CP x DP ({cp * dp})") if cp > 1 else \
+            (f"TP x DP = {tp} x {dp}", f"DP ({dp})")
+        raise ConfigError(f"parallel.ep={ep} x parallel.tp={tp} does not fit the {ranks} ranks of each "
+                          f"pipeline stage: EP must divide {named}; use a world size of TP x PP x a multiple of EP")
     if tp > 1 and not cfg.parallel.sequence_parallel:
         # moe_layer.py:379: megatron-core refuses MoE training with TP > 1 without sequence parallelism
         raise ConfigError(f"parallel.tp={tp}: fine-tuning a Mixture-of-Experts model ({family}) with TP > 1 needs "

@@ -47,7 +47,7 @@ from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ReportedByAnotherRank, ToolkitError
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
@@ -129,7 +129,8 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
         layers = meta.model_spec.num_layers // pp
         local_experts = meta.model_spec.num_experts // ep
         for _, stage, chunk in written:
-            weights = {naming.to_canonical(name): masters[param] for name, param in chunk.named_parameters()}
+            canonical = naming.canonical_names(name for name, _ in chunk.named_parameters())
+            weights = {canonical[name]: masters[param] for name, param in chunk.named_parameters()}
             # the expert bias is a buffer, not a parameter: as the model holds it, in float32 as megatron-core keeps it
             weights.update({naming.to_canonical(name): buffer.detach().to("cpu", torch.float32)
                             for name, buffer in chunk.named_buffers() if name.endswith(BUFFERS)})

@@ -50,7 +50,7 @@ class ParallelConfig:
     # context parallelism: the sequence split zig-zag over CP ranks (2·CP chunks), attention across
     # them (toolkit/context_parallel.py); gradients reduced over DP x CP. World = TP x PP x CP x DP
     cp: PositiveInt = 1
-    # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of DP
+    # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of CP x DP
     ep: PositiveInt = 1
     # virtual pipeline stages (interleaved 1F1B): model chunks per pipeline rank (toolkit/train/virtual.py)
     vpp: PositiveInt = 1

@@ -34,7 +34,8 @@ class ExpertLoad:
         from megatron.core import parallel_state as ps
 
         total = torch.zeros(self.shape, dtype=torch.float64, device=device) if self.counts is None else self.counts.clone()
-        groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
+        # over DP x CP: under context parallelism each CP rank routes its chunks of the sequence
+        groups = [ps.get_data_parallel_group(with_context_parallel=True), ps.get_pipeline_model_parallel_group()]
         if ps.get_tensor_model_parallel_world_size() > 1:  # MoE with TP runs sequence-parallel: distinct tokens
             groups.append(ps.get_tensor_model_parallel_group())
         for group in groups:
