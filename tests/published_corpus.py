@@ -6,7 +6,9 @@ original sizes, and the outcome the toolkit must give: "converts" (and verifies 
 one-line refusal (a substring of it). Flipping an outcome to "converts" is a one-line change.
 
 `shrink` is how the files were made from the verbatim copies, kept so a new model is added the
-same way.
+same way. A multimodal wrapper (Gemma 3 4B/12B/27B: Gemma3ForConditionalGeneration) is shrunk
+inside: its text_config as a text model, its vision_config to a tiny SigLIP tower; the language model
+is what converts and is verified (toolkit/convert/wrapper.py).
 """
 
 from __future__ import annotations
@@ -30,17 +32,28 @@ LAYERS = {"gemma3_text": 6}
 HEADS = 4
 EXPERTS = 16
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# A wrapper's vision tower: toolkit/tinymodels.py's TINY_VISION, but 16 x 16 patches so that the
+# published mm_tokens_per_image (256, pooled from the patches) is kept
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "image_size": 224, "patch_size": 14}
 
 
 def shrink(published: dict) -> tuple[dict, dict]:
     """(the shrunk config, the original values of the keys changed)."""
+    from toolkit.convert.wrapper import wrapper_for
+
+    wrapper = wrapper_for(published)
+    if wrapper:
+        return _shrink_wrapper(published, wrapper.text_config)
     cfg = dict(published)
     new = {k: v for k, v in SIZES.items() if k in cfg}
     if isinstance(cfg.get("pad_token_id"), int) and cfg["pad_token_id"] >= SIZES["vocab_size"]:
         del new["vocab_size"]  # the padding token's embedding row must exist (Phi-3.5, Phi-4-mini)
     new["num_hidden_layers"] = LAYERS.get(cfg["model_type"], 4)
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
-    new["num_attention_heads"] = HEADS
+    # head counts the file leaves to the config class stay left out (Gemma 3 4B's text_config: 8 / 4)
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads is not None:
+        new["num_attention_heads"] = HEADS
     if kv is not None:
         new["num_key_value_heads"] = HEADS if kv == heads else 1 if kv == 1 else 2
     for key in EXPERT_KEYS:
@@ -49,6 +62,21 @@ def shrink(published: dict) -> tuple[dict, dict]:
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)
+    return cfg, original
+
+
+def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
+    """The text config shrunk as a text model; its vocabulary too where the class default holds it
+    (Gemma3TextConfig's 262,208 rows would make the tiny model 16M parameters); the vision tower tiny."""
+    cfg = dict(published)
+    text = dict(published[text_key])
+    text.setdefault("vocab_size", None)  # recorded as None among the original sizes: the class default
+    cfg[text_key], text_original = shrink(text)
+    original = {text_key: text_original}
+    vision = published.get("vision_config")
+    if isinstance(vision, dict):
+        cfg["vision_config"] = {**vision, **{k: v for k, v in VISION.items() if k in vision}}
+        original["vision_config"] = {k: vision[k] for k in VISION if k in vision}
     return cfg, original
 
 
@@ -97,12 +125,11 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> 
     (toolkit/tinymodels.py quantize_fp8) and the expert bias in float32 (HF's _keep_in_fp32_modules_strict)."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.families import family_for
     from toolkit.tinymodels import quantize_fp8, save_random_model
 
     cfg = {k: v for k, v in config(name).items() if k not in leave_out}
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    model_type = family_for(cfg["model_type"]).config_class_of.get(cfg["model_type"], cfg["model_type"])
+    model_type = transformers_model_type(cfg)
     # as its own model_type: transformers lays out the saved experts by it (Kimi-K2's kimi_k2 has no layout)
     model_config = CONFIG_MAPPING[model_type].from_dict(json.loads(json.dumps({**cfg, "model_type": model_type})))
     save_random_model(model_config, directory, dtype=dtype)
@@ -111,6 +138,26 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> 
         _expert_bias_in_float32(directory)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return directory
+
+
+def transformers_model_type(cfg: dict) -> str:
+    """The model_type of the transformers config class that reads cfg: a wrapper's own (Gemma3Config
+    builds Gemma3ForConditionalGeneration), else its family's class for it (kimi_k2 is read as deepseek_v3)."""
+    from toolkit.convert.wrapper import wrapper_for
+    from toolkit.families import family_for
+
+    if wrapper_for(cfg):
+        return cfg["model_type"]
+    return family_for(cfg["model_type"]).config_class_of.get(cfg["model_type"], cfg["model_type"])
+
+
+def language_config(cfg: dict) -> dict:
+    """The config of the model that converts: a wrapper's text config (toolkit/convert/wrapper.py's
+    reading of it), else cfg itself."""
+    from toolkit.convert.wrapper import text_config, wrapper_for
+
+    wrapper = wrapper_for(cfg)
+    return text_config(cfg, wrapper, CORPUS / "config.json") if wrapper else cfg
 
 
 def _expert_bias_in_float32(directory: Path) -> None:

@@ -124,8 +124,9 @@ GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head
 OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
 
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
-# Gemma's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5.
-NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5)}  # norms applied as (1 + w)
+# Gemma's and Qwen3-Next's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5
+# (gemma3: the multimodal wrapper, whose language model is Gemma 3's).
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5)}
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
