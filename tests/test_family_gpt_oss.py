@@ -276,22 +276,31 @@ def test_published_sizes_read_and_count_as_hf_builds_them(published, billions):
     assert sum(stage_param_numels(spec, 2, 1, 0, part="experts")) == experts
 
 
-@pytest.mark.multiprocess
-def test_dp2_ep2_fine_tune_matches_hf(tmp_path):
-    """The recipe at DP2 x EP2 on a tiny fp32 gpt-oss (sinks, alternating windows, YaRN, biases
-    everywhere, the clamped SwiGLU, experts whole per TP rank): HF + torch AdamW's losses and
-    gradient norms over 10 steps. Without the load-balancing loss (router_aux_loss_coef 0: HF adds
-    it only with output_router_logits). Weight decay skips the experts' biases on both sides: HF
-    stacks them into 2-D tensors, so the reference excludes biases by name, as transformers' Trainer
-    does (with HF's 2-D biases decayed the reference was 1.3e-3 off)."""
-    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
-                                        launch, read_metrics, recipe, write_uneven_data)
+# The load-balancing loss's coefficient in the fine-tuning tests: raised from HF's default (0.001) so that
+# a wrong aux gradient shows; HF adds the loss only with output_router_logits, which the reference sets.
+AUX_LOSS_COEF = 0.1
 
-    hf = make_tiny_model("gpt-oss", tmp_path / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=0.0)
-    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
-    data = write_uneven_data(tmp_path / "data.jsonl", 300)
-    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "ep": 2})
-    launch(2, cfg)
-    loss, norm = differences(read_metrics(tmp_path / "run"), *hf_reference(hf, data, cfg, STEPS))
-    print(f"gpt-oss DP2xEP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
-    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_dp2_ep2_fine_tune_with_aux_loss_matches_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism on a tiny fp32 gpt-oss (sinks split
+    over TP with the heads, alternating windows, YaRN, biases everywhere, the clamped SwiGLU; the experts
+    whole on each TP rank at expert TP 1, so the EP pair is a TP pair and the experts' DP group is not
+    attention's), with the routers' load-balancing loss (router_aux_loss_coef 0.1, megatron-core's
+    per-layer form, as tests/moe_reference.py writes it from HF's router logits of output_router_logits)
+    and the routers in fp64 on both sides: HF + torch AdamW's losses and gradient norms over 10 steps, and
+    every step's tokens per expert as HF's routers chose them. Weight decay skips the experts' biases on
+    both sides: HF stacks them into 2-D tensors, so the reference excludes biases by name, as
+    transformers' Trainer does (with HF's 2-D biases decayed the reference was 1.3e-3 off)."""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
+    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+
+    step_loss = moe_step_loss(pad_token_id(make_tiny_model(VARIANT, tmp_path / "tokenizer")))
+    run = family_finetune_parity(tmp_path, VARIANT, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 step_loss, moe={"router_dtype": "fp64"}, prepare=route_in_fp64,
+                                 router_aux_loss_coef=AUX_LOSS_COEF)
+    print(f"gpt-oss TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}; closest "
+          f"top-k margin {min(step_loss.margins):.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [m["tokens_per_expert"] for m in run.metrics] == step_loss.routing

@@ -83,7 +83,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     if cfg.parallel.cp > 1:
         check_context_parallel_family(cfg, meta.model_spec)
     if meta.model_spec.is_moe:
-        check_expert_layout(cfg, dp, meta.model_spec.family)
+        check_expert_layout(cfg, dp, meta.model_spec.family, meta.model_spec.expert_tp(cfg.parallel.tp))
         recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
 
@@ -110,11 +110,19 @@ def master_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.float32 if cfg.parallel.dp_engine == "fsdp" else DTYPES[cfg.precision]
 
 
-def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
-    """megatron-core carves the expert groups out of TP x DP with expert TP = TP
-    (parallel_state.py:786-812): EP x TP must divide TP x DP, i.e. EP divides DP, and the
-    expert-data-parallel size is DP / EP."""
+def check_expert_layout(cfg: TrainConfig, dp: int, family: str, expert_tp: int | None = None) -> None:
+    """megatron-core carves the expert groups out of TP x DP with expert TP `expert_tp` (by default TP;
+    parallel_state.py:786-812): EP x TP must divide TP x DP, i.e. EP divides DP, and the
+    expert-data-parallel size is DP / EP. At expert TP 1 (experts with biases, ModelSpec.expert_tp)
+    the EP group holds the TP ranks, each with experts of its own, only where EP is a multiple of TP:
+    otherwise TP ranks share experts that each trains on its own tokens, which neither megatron-core's
+    expert layers at expert TP 1 without EP (their sequence-parallel output is an in-place-modified view)
+    nor DeepSpeed's gradient norm (shared parameters counted on TP rank 0 only) handle."""
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    if expert_tp == 1 and tp > 1 and ep % tp:
+        raise ConfigError(f"parallel.tp={tp} with parallel.ep={ep}: {family}'s experts have biases, which megatron-core "
+                          f"runs at expert TP 1 only, so each TP rank must hold experts of its own: set parallel.ep to a "
+                          f"multiple of {tp}")
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} x parallel.tp={tp} does not fit the TP x DP = {tp} x {dp} ranks of each "
                           f"pipeline stage: EP must divide DP ({dp}); use a world size of TP x PP x a multiple of EP")
