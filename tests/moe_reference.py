@@ -135,14 +135,16 @@ class FamilyRun:
     metrics: list[dict]
     loss: float  # max |loss - HF| over the steps
     norm: float  # max relative gradient-norm difference
+    step_loss: object  # the reference's step loss, with what it recorded (e.g. its routing per step)
 
 
-def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: dict, step_loss, moe: dict | None = None,
-                           prepare=None, export_hf: bool = False, **model) -> FamilyRun:
+def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: dict, step_loss_for,
+                           moe: dict | None = None, prepare=None, export_hf: bool = False, **model) -> FamilyRun:
     """The recipe on a tiny fp32 `variant` (`model`: its config changes), converted to torch_dist, at
     `parallel` (ZeRO-1) on `nprocs` processes over uneven data, against the single-process HF
-    reference of tests.finetune_harness.hf_reference with the family's `step_loss` (and `prepare`)
-    over STEPS steps. The caller asserts on the result (a guard reuses its model and data)."""
+    reference of tests.finetune_harness.hf_reference with the family's step loss, `step_loss_for(hf
+    directory)`, and `prepare`, over STEPS steps. The caller asserts on the result (a guard reuses its
+    model and data)."""
     from tests.finetune_harness import (STEPS, differences, hf_reference, launch, read_metrics, recipe,
                                         write_uneven_data)
     from toolkit.convert import hf_to_megatron
@@ -154,5 +156,6 @@ def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: 
     cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, **parallel}, moe=moe or {}, export_hf=export_hf)
     launch(nprocs, cfg)
     metrics = read_metrics(tmp_path / "run")
+    step_loss = step_loss_for(hf)
     loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=step_loss, prepare=prepare))
-    return FamilyRun(hf, data, cfg, metrics, loss, norm)
+    return FamilyRun(hf, data, cfg, metrics, loss, norm, step_loss)

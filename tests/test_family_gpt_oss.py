@@ -64,6 +64,23 @@ def test_settings_and_refusals(tmp_path):
                            "an explicit YaRN attention factor")):
         with pytest.raises(ConversionError, match=line):
             spec_from_config(make_config(VARIANT, **changes).to_dict())
+    # the recipe at TP 2: EP a multiple of TP, so that each TP rank holds experts of its own (expert TP 1)
+    from tests.finetune_harness import recipe_config
+    from toolkit.errors import ConfigError
+    from toolkit.train.build import check_expert_layout
+
+    for ep, refused in ((1, True), (2, False)):
+        cfg = recipe_config(tmp_path, ["parallel.tp=2", f"parallel.ep={ep}", "parallel.sequence_parallel=true"])
+        if refused:
+            with pytest.raises(ConfigError, match=r"^parallel.tp=2 with parallel.ep=1: gpt_oss's experts have biases, "
+                                                  r"which megatron-core runs at expert TP 1 only, .* multiple of 2$"):
+                check_expert_layout(cfg, 2, "gpt_oss", spec.expert_tp(2))
+        else:
+            check_expert_layout(cfg, 2, "gpt_oss", spec.expert_tp(2))
+    from toolkit.dsconfig.settings import Setup
+    from toolkit.plan import expert_parallel_sizes
+
+    assert expert_parallel_sizes(spec, Setup(gpus=8, tp=2)) == [2, 4]  # `toolkit plan` proposes those only
     src = make_tiny_model(VARIANT, tmp_path / "src", seed=2)
     edit_config(src, quantization_config={"quant_method": "fp8"})
     convert_fails(src, tmp_path / "out", "only MXFP4 expert weights")
@@ -282,6 +299,25 @@ AUX_LOSS_COEF = 0.1
 
 
 @pytest.mark.multiprocess
+def test_dp2_ep2_fine_tune_with_hfs_own_aux_loss_matches_hf(tmp_path):
+    """The recipe at DP2 x EP2 with moe.aux_loss=hf against HF's own training objective: the causal-LM
+    loss plus router_aux_loss_coef (0.1) times the `aux_loss` GptOssForCausalLM returns with
+    output_router_logits=True (load_balancing_loss_func over all layers pooled, padding left out by the
+    attention mask), routers in fp64 on both sides; losses, gradient norms and every step's routing over
+    10 steps. (HF's pooled form needs every layer on one stage: TP2 x PP2 below takes megatron-core's.)"""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
+    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+
+    run = family_finetune_parity(tmp_path, VARIANT, 2, {"ep": 2}, lambda hf: moe_step_loss(pad_token_id(hf), "hf"),
+                                 moe={"router_dtype": "fp64", "aux_loss": "hf"},
+                                 prepare=route_in_fp64, router_aux_loss_coef=AUX_LOSS_COEF)
+    print(f"gpt-oss DP2xEP2 (HF's aux loss): max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [m["tokens_per_expert"] for m in run.metrics] == run.step_loss.routing
+
+
+@pytest.mark.multiprocess
 def test_tp2_pp2_dp2_ep2_fine_tune_with_aux_loss_matches_hf(tmp_path):
     """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism on a tiny fp32 gpt-oss (sinks split
     over TP with the heads, alternating windows, YaRN, biases everywhere, the clamped SwiGLU; the experts
@@ -295,12 +331,11 @@ def test_tp2_pp2_dp2_ep2_fine_tune_with_aux_loss_matches_hf(tmp_path):
     from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
     from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
 
-    step_loss = moe_step_loss(pad_token_id(make_tiny_model(VARIANT, tmp_path / "tokenizer")))
     run = family_finetune_parity(tmp_path, VARIANT, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
-                                 step_loss, moe={"router_dtype": "fp64"}, prepare=route_in_fp64,
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"}, prepare=route_in_fp64,
                                  router_aux_loss_coef=AUX_LOSS_COEF)
     print(f"gpt-oss TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}; closest "
-          f"top-k margin {min(step_loss.margins):.1e}")
+          f"top-k margin {min(run.step_loss.margins):.1e}")
     assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
         (run.loss, run.norm)
-    assert [m["tokens_per_expert"] for m in run.metrics] == step_loss.routing
+    assert [m["tokens_per_expert"] for m in run.metrics] == run.step_loss.routing
