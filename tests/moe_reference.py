@@ -139,11 +139,12 @@ class FamilyRun:
 
 
 def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: dict, step_loss_for,
-                           moe: dict | None = None, prepare=None, export_hf: bool = False, **model) -> FamilyRun:
+                           moe: dict | None = None, prepare=None, on_step=None, export_hf: bool = False,
+                           **model) -> FamilyRun:
     """The recipe on a tiny fp32 `variant` (`model`: its config changes), converted to torch_dist, at
     `parallel` (ZeRO-1) on `nprocs` processes over uneven data, against the single-process HF
     reference of tests.finetune_harness.hf_reference with the family's step loss, `step_loss_for(hf
-    directory)`, and `prepare`, over STEPS steps. The caller asserts on the result (a guard reuses its
+    directory)`, `prepare` and `on_step`, over STEPS steps. The caller asserts on the result (a guard reuses its
     model and data)."""
     from tests.finetune_harness import (STEPS, differences, hf_reference, launch, read_metrics, recipe,
                                         write_uneven_data)
@@ -157,5 +158,16 @@ def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: 
     launch(nprocs, cfg)
     metrics = read_metrics(tmp_path / "run")
     step_loss = step_loss_for(hf)
-    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=step_loss, prepare=prepare))
+    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=step_loss, prepare=prepare,
+                                                       on_step=on_step))
     return FamilyRun(hf, data, cfg, metrics, loss, norm, step_loss)
+
+
+def weight_change_errors(original: dict, exported: dict, reference: dict) -> dict[str, float]:
+    """Per HF tensor: |run's change - reference's change| / |reference's change| (L2) of its weights over
+    a run, from the `original` HF weights to the run's `exported` ones and to the reference's."""
+    errors = {}
+    for name, before in original.items():
+        change = reference[name] - before
+        errors[name] = float(((exported[name] - before) - change).norm() / change.norm())
+    return errors

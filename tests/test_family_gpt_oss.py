@@ -296,6 +296,13 @@ def test_published_sizes_read_and_count_as_hf_builds_them(published, billions):
 # The load-balancing loss's coefficient in the fine-tuning tests: raised from HF's default (0.001) so that
 # a wrong aux gradient shows; HF adds the loss only with output_router_logits, which the reference sets.
 AUX_LOSS_COEF = 0.1
+# The gradient-norm bar of the TP2 launch, tighter than the issue's 1e-4: measured 7.3e-7; with TP rank 1's
+# attention sinks left out of DeepSpeed's norm (megatron-core leaves them untagged, toolkit/model.py
+# tag_sinks_split_over_tp) it was 2.6e-5, under 1e-4 because the tiny model's sinks have small gradients.
+TP_GRAD_NORM_TOLERANCE = 5e-6
+# Per exported tensor, its change over the run against the reference's (tests/moe_reference.py
+# weight_change_errors): the bar of tests/test_moe_finetune.py's EXPERT_TOLERANCE.
+WEIGHT_CHANGE_TOLERANCE = 1e-4
 
 
 @pytest.mark.multiprocess
@@ -328,14 +335,27 @@ def test_tp2_pp2_dp2_ep2_fine_tune_with_aux_loss_matches_hf(tmp_path):
     every step's tokens per expert as HF's routers chose them. Weight decay skips the experts' biases on
     both sides: HF stacks them into 2-D tensors, so the reference excludes biases by name, as
     transformers' Trainer does (with HF's 2-D biases decayed the reference was 1.3e-3 off)."""
-    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
-    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+    from tests.finetune_harness import LOSS_TOLERANCE_FP32, STEPS
+    from tests.moe_reference import (family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64,
+                                     weight_change_errors)
+
+    final = {}  # the reference's weights after its last step
+
+    def keep(step, model):
+        if step == STEPS:
+            final.update({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
 
     run = family_finetune_parity(tmp_path, VARIANT, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
-                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"}, prepare=route_in_fp64,
-                                 router_aux_loss_coef=AUX_LOSS_COEF)
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                                 prepare=route_in_fp64, on_step=keep, export_hf=True, router_aux_loss_coef=AUX_LOSS_COEF)
     print(f"gpt-oss TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}; closest "
           f"top-k margin {min(run.step_loss.margins):.1e}")
-    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < TP_GRAD_NORM_TOLERANCE, \
         (run.loss, run.norm)
     assert [m["tokens_per_expert"] for m in run.metrics] == run.step_loss.routing
+    # the HF export merges every (TP, PP, EP) rank's weights: each tensor (the stacked experts and their
+    # biases, the sinks, the router) trained as the reference's
+    errors = weight_change_errors(load_all(run.hf), load_all(tmp_path / "run" / "hf"), final)
+    worst = max(errors, key=errors.get)
+    print(f"export: {len(errors)} tensors, worst {worst} {errors[worst]:.1e}")
+    assert len(errors) == len(final) and errors[worst] < WEIGHT_CHANGE_TOLERANCE, (worst, errors[worst])
