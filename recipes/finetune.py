@@ -125,14 +125,14 @@ def prepare(config_path, overrides) -> Run:
                                           cfg.data.valid_file, cfg.model.optimizer_state)
     checkpoint.refuse_used_run_dir(run_dir, cfg.resume)
     # A damaged latest checkpoint falls back to the newest intact one, said once (by rank 0).
-    resume_from = checkpoint.find_resumable(run_dir, say=print if os.environ.get("RANK", "0") == "0" else lambda _: None) \
-        if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume != "none" else None)
-    if resume_from is not None and cfg.resume != "auto":
-        checkpoint.refuse_damaged(resume_from)
+    # Each checked once: its train_state.json and train/ index are read here and passed along.
+    checked = checkpoint.find_resumable(run_dir, say=print if os.environ.get("RANK", "0") == "0" else lambda _: None) \
+        if cfg.resume == "auto" else (checkpoint.refuse_damaged(cfg.resume) if cfg.resume != "none" else None)
+    resume_from = checked.path if checked is not None else None
     schedule = LRSchedule.from_config(cfg)
     lora = build.lora_plan(cfg, meta)
-    same_layout = resume_from is None or checkpoint.check_resumable(resume_from, layout_key, schedule, meta, cfg.global_batch,
-                                                                     lora is not None, cfg.model.checkpoint)
+    same_layout = checked is None or checkpoint.check_resumable(checked, layout_key, schedule, meta, cfg.global_batch,
+                                                                lora is not None, cfg.model.checkpoint)
     # A fresh run may start from a Megatron-LM run's Adam state; a resume has its own in train/.
     optimizer_start = None
     if cfg.model.optimizer_state is not None and resume_from is None:
@@ -181,7 +181,7 @@ def finetune(run: Run) -> int:
     # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
     model, layout = build.build_model(meta, cfg)
     if info.rank == 0:
-        print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled)), flush=True)
+        print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled, spec)), flush=True)
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None

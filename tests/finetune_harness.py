@@ -184,9 +184,14 @@ STEPS = 10
 # on the gradient norm (tests/test_finetune_parity.py's guard).
 LOSS_TOLERANCE_BF16 = 2e-2
 GRAD_NORM_TOLERANCE_BF16 = 2e-2
-# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256
+# The variant parity_setup builds as Gemma 3's 4B / 12B / 27B are published: the tiny Gemma 3 text model
+# inside Gemma3ForConditionalGeneration (toolkit.tinymodels.make_tiny_gemma3_multimodal)
+GEMMA3_WRAPPER = "gemma3-multimodal"
+# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256. Gemma 3 as
+# the wrapper: its fine-tunes cover the text model they convert to (the text checkpoint's own fine-tune
+# at TP2 x PP2 x DP2 is tests/test_sequence_parallel.py's)
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
-                 "phi4-mini": "phi4-mini", "gemma3": "gemma3", "olmo2": "olmo2"}
+                 "phi4-mini": "phi4-mini", "gemma3-wrapper": GEMMA3_WRAPPER, "olmo2": "olmo2"}
 
 
 # Recipe keys that change the run but not the HF reference: the layout, the run's precision and
@@ -228,14 +233,16 @@ def parity_setup(root: Path, models: dict):
     """Tiny fp32 HF models converted to torch_dist, uneven data, and `reference(name, cfg_path)`:
     the HF reference of model `name` for the recipe at cfg_path (its steps), computed once."""
     from toolkit.convert import hf_to_megatron
-    from toolkit.tinymodels import make_tiny_model
+    from toolkit.tinymodels import make_tiny_gemma3_multimodal, make_tiny_model
 
     data = write_uneven_data(root / "data.jsonl", 300)
     built = {}
-    four_layer_types = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"] * 2}}
+    gemma3_layers = {"layer_types": ["sliding_attention", "full_attention"] * 2}
+    four_layer_types = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers}
     for name, variant in models.items():
-        hf = make_tiny_model(variant, root / f"hf-{name}", dtype="float32", num_hidden_layers=4, vocab_size=250,
-                             **four_layer_types.get(name, {}))
+        size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **four_layer_types.get(variant, {}))
+        hf = make_tiny_gemma3_multimodal(root / f"hf-{name}", **size) if variant == GEMMA3_WRAPPER else \
+            make_tiny_model(variant, root / f"hf-{name}", **size)
         built[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     cache = ReferenceCache()
 

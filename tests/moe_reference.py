@@ -19,6 +19,7 @@ forward with output_router_logits=True and its attention mask (padding left out)
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,38 @@ def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
 
     step_loss.margins = []  # per step: the closest any token's top-k came to a tie (topk_margin)
     step_loss.routing = []  # per step: [layer][expert] non-padding tokens routed there (the trainer's tokens_per_expert)
+    return step_loss
+
+
+def routed_per_document():
+    """hf_reference's `step_loss` for routers without a load-balancing loss in the objective (GLM-4.5,
+    DeepSeek-V3 and gpt-oss as their recipes train them): one forward per document (every token of it
+    is routed, as the trainer routes every non-padding input), and per step the tokens each HF router
+    (…TopkRouter / …TopKRouter, returning (logits, weights, experts)) sent to each expert, in
+    `.routing` as the trainer's tokens_per_expert of its MoE layers. Works on a PeftModel too."""
+    counts: list = []
+
+    def step_loss(model, global_rows, cfg, device):
+        routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+        routed = torch.zeros(len(routers), routers[0].num_experts, dtype=torch.long)
+
+        def count(n, router, _inputs, out):  # returns None: the router's output stays as it is
+            routed[n] += torch.bincount(out[2].flatten(), minlength=router.num_experts)
+
+        hooks = [router.register_forward_hook(functools.partial(count, n)) for n, router in enumerate(routers)]
+        total, tokens = 0.0, 0
+        for row in global_rows:
+            for ids, mask in row:
+                logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
+                token_loss = F.cross_entropy(logits, torch.tensor(ids[1:], device=device), reduction="none")
+                targets = torch.tensor(mask[1:], dtype=torch.float32, device=device)
+                total, tokens = total + (token_loss * targets).sum(), tokens + int(targets.sum())
+        for hook in hooks:
+            hook.remove()
+        counts.append(routed.tolist())
+        return total / tokens, total / tokens
+
+    step_loss.routing = counts
     return step_loss
 
 

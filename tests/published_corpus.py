@@ -116,8 +116,10 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> 
 def _expert_bias_in_float32(directory: Path) -> None:
     from safetensors.torch import load_file, save_file
 
+    from toolkit.families import HF_FLOAT32_BUFFERS
+
     tensors = load_file(directory / "model.safetensors")
-    tensors.update((k, v.float()) for k, v in tensors.items() if k.endswith("e_score_correction_bias"))
+    tensors.update((k, v.float()) for k, v in tensors.items() if k.endswith(HF_FLOAT32_BUFFERS))
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
 

@@ -87,6 +87,23 @@ def test_extra_tensor(hf_copy, tmp_path):
     convert_fails(src, tmp_path / "out", "unexpected tensor")
 
 
+def test_stored_rotary_frequencies_are_left_out_with_a_line_as_transformers_ignores_them(hf_copy, tmp_path, capfd):
+    """Older checkpoints store each layer's `rotary_emb.inv_freq` (float32 among bf16 weights);
+    transformers recomputes them and drops them on load. Before: `2 unexpected tensor(s) for llama`."""
+    from tests.test_convert_roundtrip import load_all
+    from toolkit.convert import megatron_to_hf
+
+    src = hf_copy()
+    original = load_all(src)
+    edit_tensors(src, lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8)
+                                          for i in (0, 1)}))
+    out = hf_to_megatron(src, tmp_path / "out", progress=False)
+    assert "2 stored rotary frequency buffer(s) (e.g. 'model.layers.0.self_attn.rotary_emb.inv_freq') are left out" \
+        in capfd.readouterr().err
+    back = load_all(megatron_to_hf(out, tmp_path / "back", progress=False))
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+
+
 def test_shape_contradicting_config(hf_copy, tmp_path):
     src = hf_copy()
     edit_config(src, intermediate_size=96)

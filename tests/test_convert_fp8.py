@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
 from tests.test_convert_roundtrip import load_all
+from tests.conversion_memory import ResidentReads, assert_bounded_by_a_tensor
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.fp8 import dequantize
 from toolkit.tinymodels import make_tiny_model, quantize_fp8
@@ -60,12 +61,17 @@ def test_the_tiny_checkpoint_is_fp8_as_published(fp8_model):
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_fp8_weights_convert_to_the_reference_bf16_at_tp2_pp2_ep2(fp8_model, tmp_path, fmt):
+def test_fp8_weights_convert_to_the_reference_bf16_at_tp2_pp2_ep2(fp8_model, tmp_path, monkeypatch, fmt):
     """Every tensor of the round trip equals the reference dequantization bit for bit; the export is a
-    bf16 checkpoint without scales or quantization_config, which transformers loads."""
+    bf16 checkpoint without scales or quantization_config, which transformers loads. Memory stays bounded
+    by a tensor: the FP8 weights and scales read, and the bf16 tensors dequantized from them, are alive a
+    tensor per rank file being written at a time (tests/conversion_memory.py)."""
     from transformers import AutoModelForCausalLM
 
+    resident = ResidentReads.following(monkeypatch)
     out = hf_to_megatron(fp8_model, tmp_path / "m", tp=2, pp=2, ep=2, fmt=fmt, layer_spec="local", progress=False)
+    assert_bounded_by_a_tensor(resident)
+    monkeypatch.undo()
     back = megatron_to_hf(out, tmp_path / "back", progress=False)
     expected, restored = reference_dequantization(fp8_model / "model.safetensors"), load_all(back)
     assert set(restored) == set(expected)

@@ -11,6 +11,7 @@ mscale / mscale_all_dim, YaRN itself, the group limit, the expert bias) fails th
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -22,11 +23,18 @@ from tests.test_convert_roundtrip import load_all
 from tests.test_family_glm4_moe import add_mtp_layer, family_parity_pairs
 from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
 from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.convert.metadata import CheckpointMeta
+from toolkit.convert.torch_format import load_trusted_types, rank_file
 from toolkit.families import spec_from_config
+from toolkit.families import BUFFERS
+from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
+from toolkit.memory.params import stage_param_numels
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANTS = ("deepseek-v3", "deepseek-v3-full-q")
+# TP2 x PP2 x EP2 on 8 ranks (DP2): EP divides DP, expert TP being TP; megatron-core trains MoE at TP > 1 with SP only
+FINE_TUNE_LAYOUT = {"zero_stage": 1, "tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True}
 LOCAL = {"layer_spec": "local", "progress": False}
 
 
@@ -84,19 +92,35 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_deepseek, tmp_path, fmt):
-    """Both variants (low-rank and full query), bf16, at TP2 x PP2 x EP2."""
+    """Both variants (low-rank and full query), bf16, at TP2 x PP2 x EP2. Each rank's torch file holds
+    the tensors `toolkit memory` counts for it (the files megatron-core's MLASelfAttention loads at
+    TP2 x PP2 x EP2 in tests/test_published_parity.py): the down projections split over TP as its
+    local spec's ColumnParallelLinear, the latent norms whole, local experts only."""
     from transformers import AutoModelForCausalLM
 
     for variant in VARIANTS:
         src = tiny_deepseek[f"{variant}-bf16"]
         original = load_all(src)
         out = hf_to_megatron(src, tmp_path / f"m-{variant}", tp=2, pp=2, ep=2, fmt=fmt, **LOCAL)
+        if fmt == "torch":
+            assert_memory_counts_each_rank(out, variant)
         back = megatron_to_hf(out, tmp_path / f"h-{variant}", progress=False)
         restored = load_all(back)
         assert set(restored) == set(original), variant
         assert all(torch.equal(restored[k], original[k]) for k in original), variant
         model = AutoModelForCausalLM.from_pretrained(back)
         assert (model.model.layers[0].self_attn.q_proj is None) == (variant == "deepseek-v3"), variant
+
+
+def assert_memory_counts_each_rank(out, variant: str) -> None:
+    """The parameter tensors of every TP x PP x EP rank file of `out` (TP2 x PP2 x EP2) are the ones
+    toolkit.memory.params counts for that rank, buffers (the expert bias) aside."""
+    meta = CheckpointMeta.read(out)
+    layout = Layout(2, 2, meta.vocab_divisor, 2)
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(2), repeat=3):
+        stored = load_trusted_types(rank_file(out / "release", layout, tp_rank, pp_rank, ep_rank))["model"]
+        numels = sorted(v.numel() for k, v in stored.items() if isinstance(v, torch.Tensor) and not k.endswith(BUFFERS))
+        assert numels == sorted(stage_param_numels(meta.model_spec, 2, 2, pp_rank, 2)), (variant, tp_rank, pp_rank, ep_rank)
 
 
 GUARDS = ("yarn-mscale", "yarn", "group-limit", "expert-bias")
@@ -141,17 +165,86 @@ def test_the_mtp_layer_is_left_out_with_a_line(tiny_deepseek, tmp_path, capfd):
     assert set(load_all(megatron_to_hf(out, tmp_path / "back", progress=False))) == set(load_all(tiny_deepseek["deepseek-v3-bf16"]))
 
 
-def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path):
-    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, and the
-    export keeps the model_type as published."""
+def test_kimi_k2_reads_through_deepseek_v3s_config_class(tiny_deepseek, tmp_path, monkeypatch):
+    """Kimi-K2's config.json says model_type "kimi_k2" (unknown to transformers 5.23): the same spec, the
+    export keeps the model_type as published, and the recipe fine-tunes it as the DeepSeek-V3 model it is."""
     import json
+
+    from tests.finetune_harness import recipe, recipe_prepare, write_uneven_data
 
     src = tmp_path / "kimi"
     shutil.copytree(tiny_deepseek["deepseek-v3-bf16"], src)
     edit_config(src, model_type="kimi_k2")
     cfg = json.loads((src / "config.json").read_text())
     assert spec_from_config(cfg)[1] == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
-    back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL), tmp_path / "back", progress=False)
+    converted = hf_to_megatron(src, tmp_path / "m", tp=2, **LOCAL)
+    back = megatron_to_hf(converted, tmp_path / "back", progress=False)
     assert json.loads((back / "config.json").read_text())["model_type"] == "kimi_k2"
     original = load_all(src)
     assert all(torch.equal(t, original[k]) for k, t in load_all(back).items())
+    # The recipe takes it at the layout of DeepSeek-V3's fine-tuning launch below, as that model: the same spec
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run = recipe_prepare()(str(recipe(tmp_path, converted, write_uneven_data(tmp_path / "data.jsonl", 40),
+                                      parallel=FINE_TUNE_LAYOUT)), [])
+    assert run.meta.model_spec == spec_from_config({**cfg, "model_type": "deepseek_v3"})[1]
+    assert run.layout_key == {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "zero_stage": 1, "vpp": 1}
+
+
+def test_a_gpu_run_with_transformer_engine_fine_tunes_on_the_local_spec(monkeypatch):
+    """On a GPU where Transformer Engine imports the recipe runs the TE spec, but multi-latent attention is
+    converted for (and built on) megatron-core's local spec only: the recipe picks local, saying why in its
+    one "layer spec" line. CUDA and TE cannot exist here: torch is told CUDA is present and the toolkit that
+    TE imported."""
+    import toolkit.model
+    from tests.test_cuda_shaped import cuda_present
+
+    cuda_present(monkeypatch)
+    monkeypatch.setattr(toolkit.model, "te_status", lambda: (True, "transformer_engine 2.9"))
+    deepseek, llama = (spec_from_config(make_config(v).to_dict())[1] for v in ("deepseek-v3", "llama"))
+    assert toolkit.model.layer_spec_choice(False, llama) == ("te", "transformer_engine 2.9")
+    assert toolkit.model.layer_spec_choice(False, deepseek) == (
+        "local", "multi-latent attention (deepseek_v3) converts and runs on megatron-core's local spec only "
+                 "(transformer_engine 2.9)")
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 with EP2 (8 ranks) on the tiny fp32 DeepSeek-V3 with every feature on
+    (low-rank query, YaRN with mscale / mscale_all_dim, a dense first layer, 12 experts in 4 groups with 2
+    kept, routed scaling 2.5, 2 shared experts, a random expert bias), on megatron-core's local layer spec:
+    HF's losses and gradient norms over 10 steps, every step's tokens per expert as HF's routers chose them,
+    the expert bias as loaded (neither side updates it), and the export loads in transformers. Guards: the
+    reference with the expert bias zeroed, or with YaRN's mscales dropped, is far off the run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
+                                        launch, read_metrics, recipe, write_uneven_data)
+    from tests.test_family_glm4_moe import _routing_reference
+
+    hf = make_tiny_model("deepseek-v3", tmp_path / "hf", dtype="float32", vocab_size=250, seed=81)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", **LOCAL)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, parallel=FINE_TUNE_LAYOUT, export_hf=True)
+    launch(8, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    reference = _routing_reference()
+    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=reference))
+    print(f"DeepSeek-V3 TP2xPP2xDP2 EP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert len(metrics) == STEPS and loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in metrics] == reference.routing
+    assert len(reference.routing[0]) == 3
+    exported, original = load_all(tmp_path / "run" / "hf"), load_all(hf)
+    biases = [k for k in original if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").model.layers[0].self_attn.q_proj is None
+
+    for piece in ("expert-bias", "yarn-mscale"):
+        guard = shutil.copytree(hf, tmp_path / f"hf-no-{piece}")
+        if piece == "expert-bias":
+            edit_tensors(guard, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
+        else:
+            rope = make_config("deepseek-v3").to_dict()["rope_parameters"]
+            edit_config(guard, rope_parameters={k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")})
+        off = differences(metrics, *hf_reference(guard, data, cfg, STEPS))
+        print(f"guard, HF without {piece}: {off[0]:.1e} / {off[1]:.1e}")
+        assert off[0] > 100 * LOSS_TOLERANCE_FP32, piece

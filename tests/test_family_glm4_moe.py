@@ -10,13 +10,13 @@ fails the parity check."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 
 import pytest
 import torch
 
 from tests.conftest import fp32_and_bf16_models
+from tests.moe_reference import routed_per_document
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
@@ -217,36 +217,8 @@ def assert_native_layout(result: dict) -> None:
     assert sorted(stage_param_numels(spec, 1, 1, 0)) == result["param_numels"]
 
 
-def _routing_reference():
-    """tests.finetune_harness.hf_reference's `step_loss` for GLM-4.5 (no load-balancing loss: HF's has
-    none and neither does the recipe, router_aux_loss_coef being absent): one forward per document
-    (every token of it is routed, as the trainer routes every non-padding input), and per step the tokens HF's routers send to each expert of each MoE layer,
-    read from the experts they return (sigmoid scores plus the expert bias, group-limited top-k)."""
-    counts: list = []
-
-    def step_loss(model, global_rows, cfg, device):
-        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate") and
-                 hasattr(layer.mlp.gate, "e_score_correction_bias")]
-        routed = torch.zeros(len(gates), gates[0].num_experts, dtype=torch.long)
-
-        def count(n, router, _inputs, out):  # returns None: the router's output stays as it is
-            routed[n] += torch.bincount(out[2].flatten(), minlength=router.num_experts)
-
-        hooks = [gate.register_forward_hook(functools.partial(count, n)) for n, gate in enumerate(gates)]
-        total, count = 0.0, 0
-        for row in global_rows:
-            for tokens, mask in row:
-                logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
-                token_loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")
-                targets = torch.tensor(mask[1:], dtype=torch.float32)
-                total, count = total + (token_loss * targets).sum(), count + int(targets.sum())
-        for hook in hooks:
-            hook.remove()
-        counts.append(routed.tolist())
-        return total / count, total / count
-
-    step_loss.routing = counts
-    return step_loss
+# HF's routers counted per step, one forward per document: GLM-4.5 trains without a load-balancing loss
+_routing_reference = routed_per_document
 
 
 @pytest.mark.multiprocess

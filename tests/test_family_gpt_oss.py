@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import fp32_and_bf16_models
+from tests.conversion_memory import ResidentReads, assert_bounded_by_a_tensor
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
@@ -182,16 +183,22 @@ def test_mxfp4_dequantization_matches_the_format_and_transformers():
     assert torch.equal(ours, _convert_moe_packed_tensors(blocks, scales))
 
 
-def test_mxfp4_checkpoint_converts_with_a_line_and_exports_as_transformers_dequantizes_it(tmp_path, capfd):
+def test_mxfp4_checkpoint_converts_with_a_line_and_exports_as_transformers_dequantizes_it(tmp_path, capfd,
+                                                                                          monkeypatch):
     """The published layout (MXFP4 experts; in-dims multiples of 32) at TP2 x PP2 x EP2: one line says the
     experts are dequantized; the export is bf16 without quantization_config, its experts equal the
     reference dequantization, every other tensor the source's, and it equals what transformers itself
-    loads from the MXFP4 checkpoint (its own dequantization), logits included."""
+    loads from the MXFP4 checkpoint (its own dequantization), logits included. Memory stays bounded by a
+    tensor: one expert at a time is cut from a layer's fused blocks and dequantized, never the layer's
+    fused tensor (tests/conversion_memory.py)."""
     from transformers import AutoModelForCausalLM
 
     src = make_tiny_model(VARIANT, tmp_path / "bf16", dtype="bfloat16", seed=4, intermediate_size=32)
     expected = quantize_experts(src, tmp_path / "mxfp4")
+    resident = ResidentReads.following(monkeypatch)
     out = hf_to_megatron(tmp_path / "mxfp4", tmp_path / "m", tp=2, pp=2, ep=2, progress=False)
+    assert_bounded_by_a_tensor(resident)
+    monkeypatch.undo()
     assert "MXFP4 weights (8 tensors, e.g. 'model.layers.0.mlp.experts.down_proj_blocks' with its _scales) are " \
            "dequantized to bfloat16 on import" in capfd.readouterr().err
     back = megatron_to_hf(out, tmp_path / "h", progress=False)
@@ -273,21 +280,25 @@ GPT_OSS_120B = {**GPT_OSS_20B, "layer_types": ["sliding_attention", "full_attent
                 "num_local_experts": 128}
 
 
-@pytest.mark.parametrize("published, billions", [(GPT_OSS_20B, 20.91), (GPT_OSS_120B, 116.83)])
-def test_published_sizes_read_and_count_as_hf_builds_them(published, billions):
+# The model card's "21B parameters with 3.6B active" / "117B with 5.1B active": active without the input
+# embedding (a lookup), the output layer counted
+@pytest.mark.parametrize("published, billions, active_billions", [(GPT_OSS_20B, 20.91, 3.6), (GPT_OSS_120B, 116.83, 5.1)])
+def test_published_sizes_read_and_count_as_hf_builds_them(published, billions, active_billions):
     """The published configs read as the tiny one (YaRN with truncate false, windows of 128 on every other
     layer, the SwiGLU limit 7), and `toolkit memory` counts the parameters HF's model has (built on the
-    meta device): sinks and every bias included."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+    meta device): sinks and every bias included; active: 4 of the experts (HF's fused experts scaled)."""
+    from transformers import GptOssConfig
 
-    from toolkit.memory.params import stage_param_numels
+    from tests.test_memory_moe_families import hf_counts
+    from toolkit.memory.params import active_params, stage_param_numels
 
     spec = spec_from_config(published)[1]
     assert (spec.yarn["yarn_correction_range_round_to_int"], spec.window_size, spec.window_layers[:4], spec.glu_clamp,
             spec.num_experts, spec.moe_topk) == (False, 128, "1010", 7.0, published["num_local_experts"], 4)
-    with torch.device("meta"):
-        hf = sum(p.numel() for p in GptOssForCausalLM(GptOssConfig(**published)).parameters())
+    hf, hf_active = hf_counts(GptOssConfig(**published))
     assert sum(stage_param_numels(spec, 1, 1, 0)) == hf and round(hf / 1e9, 2) == billions
+    assert active_params(spec) == hf_active
+    assert round((hf_active - spec.vocab_size * spec.hidden_size) / 1e9, 1) == active_billions
     # at TP 2 the experts stay whole on each rank (expert TP 1): only the rest halves
     experts = sum(stage_param_numels(spec, 1, 1, 0, part="experts"))
     assert sum(stage_param_numels(spec, 2, 1, 0, part="experts")) == experts

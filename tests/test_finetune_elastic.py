@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.finetune_harness import REPO, launch, read_metrics, recipe
+from tests.test_checkpoint_opened_once import counting_opens
 from tests.test_finetune_checkpoint import model_and_data  # noqa: F401  (the shared fixture)
 
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-6, 1e-5
@@ -146,6 +147,17 @@ def test_bad_resumes_are_one_line_before_training_and_nothing_is_written(model_a
     assert ds_files == {"mp_rank_00_model_states.pt"}, "train/ holds the optimizer state: no ZeRO files beside it"
     before = tree_state(run)
     monkeypatch.setenv("WORLD_SIZE", "2")
+
+    # Accepted, each of the resume point's train_state.json and train/ index read once (both were
+    # read twice: checked for damage, then again by the resume's checks)
+    step_dir = (run / "checkpoints" / "step_0000001").resolve()
+    for resume in ("auto", str(step_dir)):
+        with monkeypatch.context() as patch:
+            opens = counting_opens(patch)
+            prepared = prepare(str(cfg), [f"resume={resume}"])
+        assert prepared.resume_from.resolve() == step_dir and prepared.same_layout
+        read = {name: opens[step_dir / name] for name in ("train_state.json", "train/.metadata")}
+        assert read == {"train_state.json": 1, "train/.metadata": 1}, (resume, read)
 
     def refused(match: str, config=cfg, overrides=()):
         with pytest.raises(ToolkitError, match=match) as caught:

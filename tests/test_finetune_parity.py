@@ -63,8 +63,6 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("phi3", "Phi3ForCausalLM", "model.layers.3.self_attn.qkv_proj.weight"),
         # partial rotary (rotary_percent) in backward too; tied embeddings split over the two stages
         ("phi4-mini", "Phi3ForCausalLM", "model.embed_tokens.weight"),
-        # the toolkit's block spec: post-norms, (1 + w) norms, local RoPE base, one KV head under TP 2
-        ("gemma3", "Gemma3ForCausalLM", "model.layers.3.post_feedforward_layernorm.weight"),
         # q/k norms over the whole projection, their sum of squares all-reduced over TP
         ("olmo2", "Olmo2ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
     ],
@@ -82,9 +80,41 @@ def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretra
 
 
 @pytest.mark.multiprocess
+def test_gemma3_wrapper_fine_tunes_at_tp2_pp2_dp2_as_hf_and_exports_back_into_the_wrapper(setup, tmp_path):
+    """Gemma 3 as its 4B / 12B / 27B are published (Gemma3ForConditionalGeneration, the text model's
+    weights under language_model.*), converted from the multimodal files: the toolkit's block spec
+    (post-norms, (1 + w) norms, local RoPE base, one KV head under TP 2) fine-tunes as the HF
+    reference, which is the wrapper itself on text (tests/test_gemma3_wrapper.py: its text logits are
+    the text model's). Exported as a text model, and back into the wrapper: its language model the
+    trained one (the text export's bytes), the vision tower's and projector's bytes untouched, and
+    from_pretrained loads it."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_gemma3_wrapper import PREFIX, tensor_hashes
+    from toolkit.convert import megatron_to_hf
+    from toolkit.train.checkpoint import find_latest
+
+    run_and_compare(setup, tmp_path, 8, model="gemma3-wrapper", parallel={"tp": 2, "pp": 2, "zero_stage": 1},
+                    export_hf=True)
+    text, wrapper = tmp_path / "run" / "hf", setup[2]["gemma3-wrapper"][0]
+    assert json.loads((text / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    wrapped = megatron_to_hf(find_latest(tmp_path / "run") / "model", tmp_path / "wrapped", wrapper=wrapper,
+                             progress=False)
+    before, after, trained = tensor_hashes(wrapper), tensor_hashes(wrapped), tensor_hashes(text)
+    other = [n for n in before if not n.startswith(PREFIX)]
+    assert after.keys() == before.keys() and other and all(after[n] == before[n] for n in other)
+    assert {n[len(PREFIX):]: h for n, h in after.items() if n.startswith(PREFIX)} == trained
+    assert not any(trained[n[len(PREFIX):]] == h for n, h in before.items() if n.startswith(PREFIX)), "untrained"
+    assert type(AutoModelForCausalLM.from_pretrained(wrapped)).__name__ == "Gemma3ForConditionalGeneration"
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("model, parallel", [
     ("untied", {"tp": 1, "pp": 2, "zero_stage": 1}),  # bf16 activations and gradients between the stages
-    ("gemma3", BF16_TP2_SP),  # bf16 (1 + w) norms, post-norms, q/k norms and embedding scale, summed over TP
+    # bf16 (1 + w) norms, post-norms, q/k norms and embedding scale, summed over TP (the wrapper's reference, shared)
+    ("gemma3-wrapper", BF16_TP2_SP),
 ], ids=["untied-PP2", "gemma3-TP2-SP"])
 def test_bf16_losses_and_grad_norms_stay_close_to_fp32_reference(setup, tmp_path, model, parallel):
     run_and_compare(setup, tmp_path, 2, model=model, tolerance=LOSS_TOLERANCE_BF16, precision="bf16", parallel=parallel,

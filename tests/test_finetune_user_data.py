@@ -152,5 +152,5 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_mode
         "the partial save is removed (the note tells the ranks that one of them said it)"
     assert [m["step"] for m in read_metrics(small_disk / "run")] == [1, 2, 3, 4]
     (small_disk / "filler").unlink()
-    assert checkpoint.find_resumable(small_disk / "run") == first
+    assert checkpoint.find_resumable(small_disk / "run").path == first
     assert os.path.ismount(small_disk)

@@ -9,13 +9,18 @@ weights (an adapter PEFT saved, B non-zero) on the HF model, trained single-proc
 (tests/finetune_harness.py), with megatron-core's aux loss and the routers in fp64 on both sides
 (tests/moe_reference.py), so every token is routed as the reference routes it. One launch; the
 rest (export, PeftModel logits, --merge, guards) runs in this process. A second launch trains
-Qwen2-MoE's attention, shared expert and dense layers with the experts frozen.
+Qwen2-MoE's attention, shared expert and dense layers with the experts frozen; one launch each
+trains GLM-4.5's and DeepSeek-V3's (multi-latent attention) attention, dense layer, shared and routed
+experts (the sigmoid router with its expert bias, which stays the base model's on both sides), and
+gpt-oss's attention and routed experts (stored transposed, gate and up interleaved).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -23,7 +28,7 @@ from transformers import AutoTokenizer
 
 from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference, launch,
                                     read_metrics, recipe, write_peft_adapter, write_uneven_data)
-from tests.moe_reference import moe_step_loss, route_in_fp64
+from tests.moe_reference import moe_step_loss, route_in_fp64, routed_per_document
 from toolkit.convert import hf_to_megatron
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -32,29 +37,54 @@ AUX_LOSS_COEF = 0.1  # raised, so that a wrong aux gradient shows (as tests/test
 # The trained adapter against the PEFT reference's after 10 steps, per tensor: |ours - theirs| / |theirs's change|.
 ADAPTER_TOLERANCE = 1e-3
 LOGIT_TOLERANCE = 1e-4
+# The frontier families' runs: one micro-batch of 2 per DP rank a step (gradient accumulation is
+# Mixtral's and Qwen2-MoE's to prove), a quarter of the CI time; every expert still trains (the guards)
+SMALL_BATCH = 4
 
 
-def train_against_peft(root: Path, variant: str, modules: list[str], parameters: list[str] | None, **settings):
+@dataclass(frozen=True)
+class Routing:
+    """How the reference routes as the run does: the tiny model's extra config, the recipe's `moe`
+    keys, the reference's step loss (with `.routing`, per step the tokens per expert) and `prepare`."""
+
+    model: dict = field(default_factory=dict)
+    moe: dict = field(default_factory=dict)
+    step_loss: Callable = None
+    prepare: Callable | None = None
+
+
+# Softmax routers: the aux loss raised and both sides' routers in fp64 (tests/moe_reference.py)
+SOFTMAX = Routing({"router_aux_loss_coef": AUX_LOSS_COEF}, {"router_dtype": "fp64"},
+                  lambda hf: moe_step_loss(AutoTokenizer.from_pretrained(hf).pad_token_id, "megatron"), route_in_fp64)
+
+
+# Routers trained without a load-balancing loss (GLM-4.5's sigmoid router with its expert bias,
+# gpt-oss's with router_aux_loss_coef 0), in fp32 on both sides
+UNBALANCED = Routing({"router_aux_loss_coef": 0.0}, step_loss=lambda hf: routed_per_document())
+
+
+def train_against_peft(root: Path, variant: str, modules: list[str], parameters: list[str] | None,
+                       routing: Routing = SOFTMAX, layer_spec: str = "te", **settings):
     """A DP2 x EP2 LoRA run of `variant` from an adapter PEFT saved (target_modules `modules`,
     target_parameters `parameters`), and the PEFT reference of the same recipe."""
     from toolkit.tinymodels import make_tiny_model
 
-    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=AUX_LOSS_COEF)
-    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False)
+    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, **routing.model)
+    mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False, layer_spec=layer_spec)
     source = write_peft_adapter(hf, root / "adapter", modules, r=2, alpha=4.0, target_parameters=parameters)
     data = write_uneven_data(root / "data.jsonl", 300)
-    cfg = recipe(root, mc, data, parallel={"tp": 1, "pp": 1, "ep": 2, "zero_stage": 1}, moe={"router_dtype": "fp64"},
+    cfg = recipe(root, mc, data, parallel={"tp": 1, "pp": 1, "ep": 2, "zero_stage": 1}, moe=routing.moe,
                  peft={"enabled": True, "init_from": str(source)}, **settings)
     launch(2, cfg)
 
-    step_loss = moe_step_loss(AutoTokenizer.from_pretrained(hf).pad_token_id, "megatron")
+    step_loss = routing.step_loss(hf)
 
     def keep(step, model):
         if step == STEPS:
             model.save_pretrained(root / "reference-adapter")
 
     losses, norms = hf_reference(hf, data, cfg, STEPS, adapter=source, step_loss=step_loss, on_step=keep,
-                                 prepare=route_in_fp64)
+                                 prepare=routing.prepare)
     return dict(root=root, hf=hf, source=source, cfg=cfg, run=root / "run", losses=losses, norms=norms,
                 routing=step_loss.routing, reference_adapter=root / "reference-adapter")
 
@@ -137,11 +167,7 @@ def test_lora_on_attention_and_experts_at_ep2_matches_peft_and_exports_its_adapt
     config = json.loads((exported / "adapter_config.json").read_text())
     assert config["target_parameters"] == EXPERTS and sorted(config["target_modules"]) == sorted(ATTENTION)
 
-    # Guard: with one expert of EP rank 1 left at its initial values, the comparison fails.
-    ours, start = tensors(exported), tensors(trained["source"])
-    with pytest.raises(AssertionError):
-        assert_adapter_trained_as_reference(with_expert_untrained(ours, start, expert=5),
-                                            tensors(trained["reference_adapter"]), start)
+    assert_guards_fail(trained, experts=6)
 
     # Only LoRA tensors trained: the router and the experts' base weights are not in the checkpoint's module states.
     step = trained["run"] / "checkpoints" / f"step_{STEPS:07d}"
@@ -164,40 +190,91 @@ def test_lora_on_attention_shared_expert_and_dense_layers_with_experts_frozen_at
     assert not any(".mlp.experts." in k for k in keys)
 
 
-@pytest.mark.multiprocess
-def test_merged_export_equals_peft_merge_and_unload_on_experts(trained, tmp_path):
+def assert_merge_equals_merge_and_unload(trained, out: Path, changed: tuple[str, ...]) -> dict:
+    """`convert megatron-to-hf --adapter --merge` of the last step gives PEFT's merge_and_unload() of
+    the exported adapter, and changes the `changed` weights; returns the merged and base state dicts."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from toolkit.cli import main as cli
 
     step = trained["run"] / "checkpoints" / f"step_{STEPS:07d}"
-    assert cli(["convert", "megatron-to-hf", "--adapter", "--merge", str(step), str(tmp_path / "merged")]) == 0
+    assert cli(["convert", "megatron-to-hf", "--adapter", "--merge", str(step), str(out)]) == 0
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32),
                                      trained["run"] / "adapter")
-    expected = peft.merge_and_unload().state_dict()
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    expected = peft.merge_and_unload().state_dict()  # with the persistent buffers (GLM-4.5's expert bias)
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     base = AutoModelForCausalLM.from_pretrained(trained["hf"], dtype=torch.float32).state_dict()
     assert sorted(ours) == sorted(expected)
     worst = max(float((ours[k] - expected[k]).abs().max()) for k in ours)
     print(f"max |merged - merge_and_unload()|: {worst:.1e}")
     assert worst < 1e-6, worst
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
-                 "model.layers.1.self_attn.q_proj.weight"):
+    for name in changed:
         assert not torch.equal(ours[name], base[name]), f"the merge left {name} unchanged"
+    return ours, base
 
 
-def test_resume_leaves_frozen_base_experts_alone():
-    """On resume the trainable experts are copied back from DeepSpeed's fp32 masters; LoRA's frozen
-    base experts have none (safe_get_full_fp32_param gives None) and keep their loaded weights.
-    (Measured by hand: a DP2 x EP2 expert-LoRA run resumed from step 5 repeats the straight run's
-    losses, gradient norms and adapter bit for bit.)"""
-    from toolkit.train.experts import restore_experts_from_masters
+@pytest.mark.multiprocess
+def test_merged_export_equals_peft_merge_and_unload_on_experts(trained, tmp_path):
+    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
+        "model.layers.1.self_attn.q_proj.weight"))
 
-    frozen = torch.nn.Linear(3, 3)
-    for param in frozen.parameters():
-        param.requires_grad_(False)
-        param.allreduce, param.group_name = False, "ep_size_2"  # megatron-core's and toolkit.train.experts' tags
-    before = [p.clone() for p in frozen.parameters()]
-    restore_experts_from_masters(frozen)
-    assert all(torch.equal(a, b) for a, b in zip(before, frozen.parameters()))
+
+# DeepSeek-V3's multi-latent attention, megatron-core's linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj
+# (kv_a_proj_with_mqa: the latent and the shared rotary key in one weight), linear_kv_up_proj, linear_proj
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant, attention, layer_spec", [("glm4-moe", ATTENTION, "te"),
+                                                           ("deepseek-v3", MLA, "local")])  # MLA converts for it only
+def test_lora_on_sigmoid_routed_attention_routed_and_shared_experts_at_ep2_keeps_the_expert_bias(
+        tmp_path, variant, attention, layer_spec):
+    """GLM-4.5 and DeepSeek-V3 (sigmoid router with a random expert bias, 12 experts in 4 groups, a dense
+    first layer, shared experts; GLM's q/k/v biases and q/k norms, DeepSeek's multi-latent attention):
+    LoRA on attention, the dense MLP, the shared experts and every routed expert trains as PEFT's, every
+    step routed as HF routes it (the bias selects experts: a bias that moved would route otherwise); the
+    adapter loads in PeftModel and --merge is merge_and_unload(), the expert bias the base model's."""
+    mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]  # as PEFT keeps them (toolkit.lora.peft_rewrites)
+    trained = train_against_peft(tmp_path, variant, attention, EXPERTS + mlp, routing=UNBALANCED, layer_spec=layer_spec,
+                                 save_every=STEPS, global_batch=SMALL_BATCH)
+    assert_matches_peft_training(trained)
+    config = json.loads((trained["run"] / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(attention) and config["target_parameters"] == EXPERTS + mlp
+    keys = tensors(trained["run"] / "adapter")
+    assert any("shared_experts.gate_proj" in k for k in keys) and any("layers.0.mlp.gate_proj" in k for k in keys)
+    ours, base = assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
+        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_experts.down_proj.weight",
+        "model.layers.0.mlp.up_proj.weight", *(f"model.layers.3.self_attn.{name}.weight" for name in attention)))
+    biases = [k for k in base if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(ours[k], base[k]) and base[k].any() for k in biases)
+    assert_guards_fail(trained, experts=12, untrained=("shared_experts.up_proj", "layers.0.mlp.down_proj"))
+
+
+def assert_guards_fail(trained, experts: int, untrained: tuple[str, ...] = ()) -> None:
+    """The comparison with PEFT's trained adapter fails with the last expert (on EP rank 1) left at its
+    initial values, and with each of the `untrained` linears' LoRA left so."""
+    ours, start, theirs = (tensors(d) for d in (trained["run"] / "adapter", trained["source"],
+                                                trained["reference_adapter"]))
+    guards = [with_expert_untrained(ours, start, expert=experts - 1, experts=experts)]
+    guards += [{k: start[k] if f".{name}.lora_" in k else v for k, v in ours.items()} for name in untrained]
+    for guard in guards:
+        with pytest.raises(AssertionError):
+            assert_adapter_trained_as_reference(guard, theirs, start)
+
+
+@pytest.mark.multiprocess
+def test_lora_on_gpt_oss_attention_and_interleaved_experts_at_ep2_matches_peft(tmp_path):
+    """gpt-oss (sinks, alternating windows, biases, the clamped SwiGLU; experts stored transposed
+    with gate and up interleaved, which PEFT's ParamWrapper adapts as is_transposed): LoRA on the
+    attention and every routed expert trains as PEFT's, every step routed as HF routes it; the adapter
+    loads in PeftModel and --merge is merge_and_unload(). With B's rows added to megatron-core's [gate; up]
+    rows as if not interleaved (the code before), the first step already routed otherwise than PEFT's."""
+    trained = train_against_peft(tmp_path, "gpt-oss", ATTENTION, EXPERTS, routing=UNBALANCED, save_every=STEPS,
+                                 global_batch=SMALL_BATCH)
+    assert_matches_peft_training(trained)
+    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
+        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+        "model.layers.2.self_attn.o_proj.weight"))
+    assert_guards_fail(trained, experts=8, untrained=("self_attn.v_proj",))

@@ -106,6 +106,10 @@ def _cases():
     activations += [dict(tp=2, pp=1, precision=p, recompute="none", micro=2, variant=v, sequence_parallel=True, ep=ep)
                     for v, p, ep in (("mixtral", "fp32", 1), ("qwen3-moe", "bf16", 1), ("mixtral", "bf16", 2),
                                      ("qwen3-moe", "fp32", 2))]
+    # Multi-latent attention (DeepSeek-V3: a dense first layer, MoE ones with a shared expert): the latents'
+    # norms, q / k of qk + pos dims and v of v_head_dim; a low-rank and a full query
+    activations += [dict(tp=1, pp=1, precision=p, recompute=r, micro=2, variant=v)
+                    for v, p, r in (("deepseek-v3", "bf16", "none"), ("deepseek-v3-full-q", "fp32", "selective"))]
     pipeline = [dict(tp=1, pp=2, precision="bf16", micro=2, micro_batches=4, variant=v) for v in ("llama", "qwen3")]
     # interleaved 1F1B: two chunks of one layer per rank, stage 0 holding five chunk-forwards at its peak
     pipeline += [dict(tp=1, pp=2, vpp=2, precision="bf16", micro=2, micro_batches=4, variant="llama")]

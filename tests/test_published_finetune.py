@@ -1,8 +1,9 @@
 """Fine-tuning checkpoints as published (issue 24) at TP2 x PP2 x DP2 (x EP2) against the HF
 reference, exported back to a checkpoint from_pretrained loads: LongRoPE past its switch point
 (Phi-3, original_max_position_embeddings 16 < seq_len 24) and Qwen3-MoE with mlp_only_layers.
-The Gemma 3 wrapper's language model is Gemma 3's text model (test_gemma3_wrapper.py: the same
-logits), whose fine-tune parity tests/test_finetune_parity.py proves."""
+The Gemma 3 wrapper (Gemma3ForConditionalGeneration) fine-tunes at TP2 x PP2 x DP2 in
+tests/test_finetune_parity.py, in the launch that was the Gemma 3 text model's, and is exported back
+into the wrapper there."""
 
 from __future__ import annotations
 

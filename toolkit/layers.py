@@ -206,8 +206,9 @@ def _rmsnorm_layer(layer):
     from megatron.core.transformer.identity_op import IdentityOp
 
     attention = layer.submodules.self_attention
-    qk = {name: RMSNorm for name in ("q_layernorm", "k_layernorm")
-          if getattr(attention.submodules, name) is not IdentityOp}
+    # multi-latent attention (MLASelfAttentionSubmodules) norms its query and key-value latents instead
+    qk = {name: RMSNorm for name in ("q_layernorm", "k_layernorm", "kv_layernorm")
+          if getattr(attention.submodules, name, IdentityOp) is not IdentityOp}
     attention = replace(attention, submodules=replace(attention.submodules, **qk))
     return replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
                                              self_attention=attention))

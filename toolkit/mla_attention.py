@@ -14,6 +14,13 @@ accepting the two arguments and checking the value width.
    `isinstance(self.linear_proj, TELinear)` (:184-185) raises TypeError. While the model is built,
    that module is told what the extension found (HAVE_TE False).
 3. Without CUDA, YaRN cannot be built (toolkit/yarn.py): CpuYarnRotaryEmbedding while the model is built.
+4. At TP > 1 the local spec's down projections are column-parallel: MLASelfAttention gathers their latent
+   (multi_latent_attention.py:594, 607), whose backward keeps this rank's columns of this rank's gradient
+   (mappings.py:487). That gradient is partial where every rank uses the whole latent with its own heads:
+   the key's rotary part always, the latents themselves without sequence parallelism. Transformer Engine's
+   spec never gathers (its down projections are duplicated). Fine-tuning at TP2 was 3e-3 off HF's loss.
+   `sum_latent_grads_over_tp`: the gather's backward sums over TP first, and the sequence-parallel scatter
+   after it (:596, :614) is a plain slice, whose backward leaves the other ranks' tokens at zero for that sum.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ def buildable_mla(config):
 
     from toolkit.yarn import CpuYarnRotaryEmbedding
 
+    sum_latent_grads_over_tp()
     patches = {"HAVE_TE": mla.HAVE_TE and te_extension.HAVE_TE}
     if not torch.cuda.is_available():
         patches["YarnRotaryEmbedding"] = CpuYarnRotaryEmbedding
@@ -68,3 +76,29 @@ def buildable_mla(config):
         yield
     finally:
         vars(mla).update(original)
+
+
+def _gather_latent(latent: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's columns (forward); backward: the gradient summed over TP, then this rank's columns."""
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings.copy_to_tensor_model_parallel_region(mappings.gather_from_tensor_model_parallel_region(latent, group),
+                                                         group)
+
+
+def _scatter_tokens(latent: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's tokens (forward, as megatron-core's scatter); backward: zeros at the other ranks' tokens."""
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_tensor_model_parallel_world_size() if group is None else group.size()
+    rank = ps.get_tensor_model_parallel_rank() if group is None else group.rank()
+    return latent.narrow(0, rank * (latent.shape[0] // size), latent.shape[0] // size)
+
+
+def sum_latent_grads_over_tp() -> None:
+    """Gap 4, for every MLA model of this process (forward and backward run after the build): MLASelfAttention's
+    latent gather and sequence-parallel scatter, as the module names them, replaced by the two above."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    vars(mla).update(gather_from_tensor_model_parallel_region=_gather_latent,
+                     scatter_to_sequence_parallel_region=_scatter_tokens)

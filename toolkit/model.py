@@ -50,12 +50,15 @@ def running_layer_spec() -> str:
     return "te" if te_status()[0] else "local"
 
 
-def layer_spec_choice(lora: bool = False) -> tuple[str, str]:
-    """(spec, why) for this run. LoRA runs the local spec: TE fuses the input norms into linear_qkv
+def layer_spec_choice(lora: bool = False, model: ModelSpec | None = None) -> tuple[str, str]:
+    """(spec, why) for this run of `model`. LoRA runs the local spec: TE fuses the input norms into linear_qkv
     and linear_fc1 (TELayerNormColumnParallelLinear), where an adapter wrapping the linear would add
-    B A x of the input before the norm, while PEFT adapts the normalised input."""
+    B A x of the input before the norm, while PEFT adapts the normalised input. Multi-latent attention
+    runs the local spec: its checkpoints are converted for it only (toolkit/families/mla.py)."""
     spec = running_layer_spec()
     why = te_status()[1] if torch.cuda.is_available() else "no CUDA"
+    if spec == "te" and model is not None and model.mla:
+        return "local", f"multi-latent attention ({model.family}) converts and runs on megatron-core's local spec only ({why})"
     if spec == "te" and lora:
         return "local", f"LoRA adapts the normalised input, which TE's fused-norm linears do not expose ({why})"
     return spec, why

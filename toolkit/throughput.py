@@ -21,7 +21,7 @@ from toolkit.dsconfig import Setup
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.memory.lora import LoraShape, adapter_numels
-from toolkit.memory.params import stage_param_numels, total_params
+from toolkit.memory.params import stage_active_numel, total_params
 from toolkit.peak_flops import H100_SXM, Peak, matmul_tflops
 
 # Fraction of peak a large, well-shaped GEMM-bound step reaches before the terms below.
@@ -92,14 +92,15 @@ def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_
 
 
 def _slowest_stage_flops_per_token(spec, setup, seq_len, recompute="none", lora=None) -> float:
-    """6 x the matmul parameters of a stage (the embedding is a lookup) plus causal attention
+    """6 x the matmul parameters of a stage a token goes through (the embedding is a lookup; of a
+    Mixture-of-Experts layer's routed experts, the top-k) plus causal attention
     (torchtitan's 6*L*h*s, halved for causality); the pipeline runs at its slowest stage. Under
     LoRA the base's matmuls make 2 passes instead of 3 and the adapter's make 3; attention has no
     weights, so its backward is unchanged. Recompute adds forward passes of everything."""
     lookup = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size) * spec.hidden_size
     layers = spec.num_layers // setup.pp
     stages = (0, setup.pp - 1)
-    matmul = max(sum(stage_param_numels(spec, setup.tp, setup.pp, s)) * setup.tp - (s == 0) * lookup for s in stages)
+    matmul = max(stage_active_numel(spec, setup.tp, setup.pp, s) - (s == 0) * lookup for s in stages)
     extra = RECOMPUTE_FORWARDS[recompute]
     attention = 6 * layers * spec.hidden_size * seq_len * (TRAINED_PASSES + extra) / TRAINED_PASSES
     if lora is None:

@@ -226,6 +226,8 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
 def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) -> Path:
     import torch
 
+    from toolkit.families import HF_FLOAT32_BUFFERS
+
     low, high = NORM_WEIGHTS.get(model_type, DEFAULT_NORM_WEIGHTS)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -238,7 +240,7 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) 
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
+            if name.endswith(HF_FLOAT32_BUFFERS):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert

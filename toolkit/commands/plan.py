@@ -63,7 +63,7 @@ def _run(args) -> int:
     from toolkit import modelspec
     from toolkit.commands.ds_config import sequence_length, total_gpus
     from toolkit.commands.memory import lora_shape
-    from toolkit.memory.params import total_params
+    from toolkit.memory.params import active_params, total_params
     from toolkit.plan import Cluster, default_global_batch, plan
     from toolkit.units import gib, parse_size
 
@@ -78,7 +78,8 @@ def _run(args) -> int:
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
                   allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine, dpo=args.dpo)
     batch = args.global_batch or default_global_batch(gpus)
-    print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters, on {gpus} x {gib(cluster.gpu_memory)} "
+    active = f" ({active_params(spec) / 1e9:.2f}B active per token)" if spec.is_moe else ""
+    print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters{active}, on {gpus} x {gib(cluster.gpu_memory)} "
           f"({args.gpus_per_node} per node); sequence {args.seq_len}, global batch {batch} sequences")
     for i, candidate in enumerate(result.ranked[:args.top], 1):
         print(f"{i:>3}. {candidate.explain(cluster)}")

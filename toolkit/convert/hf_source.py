@@ -19,6 +19,7 @@ import torch
 
 from toolkit.convert.jsonfile import read_json_object
 from toolkit.errors import ConversionError
+from toolkit.families import HF_FLOAT32_BUFFERS
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -43,8 +44,10 @@ _DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-# Buffers HF keeps in float32 whatever the model's dtype (DeepSeek-V3 / GLM-4.5's expert bias)
-HF_FLOAT32_BUFFERS = ("e_score_correction_bias",)
+# Per-layer rotary buffers older checkpoints stored (Llama 2 era fine-tunes, some DeepSeek / Kimi exports).
+# transformers computes the frequencies from config.json and drops these on load
+# (modeling_utils.py `_adjust_missing_and_unexpected_keys`); so does the conversion, saying so.
+STALE_ROTARY_SUFFIX = "rotary_emb.inv_freq"
 _SAFETENSORS_CODE = {_DTYPES[code][0]: code for code in FLOAT_DTYPES}  # "bfloat16" -> "BF16"
 
 
@@ -151,7 +154,7 @@ def read_weight_map(index: Path) -> dict[str, str]:
 
 def _kept_in_float32(name: str, entry: TensorEntry) -> bool:
     """A buffer HF keeps in float32 among weights of another dtype (_keep_in_fp32_modules_strict:
-    published GLM-4.5 and DeepSeek-V3 checkpoints store the expert bias so)."""
+    published GLM-4.5 and DeepSeek-V3 checkpoints store the expert bias so; Row.float32_buffer)."""
     return entry.dtype == "F32" and name.endswith(HF_FLOAT32_BUFFERS)
 
 
@@ -196,6 +199,9 @@ class HFCheckpoint:
         self.config = read_config(self.dir)
         self.config_bytes = (self.dir / "config.json").read_bytes()
         self.tensors = self._index()
+        self.stale_rotary = sorted(name for name in self.tensors if name.endswith(STALE_ROTARY_SUFFIX))
+        for name in self.stale_rotary:  # never read: HF's model ignores them too (STALE_ROTARY_SUFFIX)
+            del self.tensors[name]
 
     def _weight_files(self) -> list[Path]:
         index = self.dir / INDEX_FILE

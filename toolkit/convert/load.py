@@ -20,7 +20,7 @@ from toolkit.convert.megatron_checkpoint import MegatronCheckpoint, resolve_iter
 from toolkit.convert.metadata import CheckpointMeta, verify_file
 from toolkit.convert.stages import TensorSource, stage_hf_names, stage_tensors
 from toolkit.errors import ConversionError
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.layouts import Layout
 
 

@@ -12,7 +12,7 @@ import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert.consistency import expected_hf_tensors
-from toolkit.convert.hf_source import HF_FLOAT32_BUFFERS
+from toolkit.families import HF_FLOAT32_BUFFERS
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.progress import progress_bar
 from toolkit.errors import ConversionError

@@ -36,7 +36,7 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_t
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
@@ -166,6 +166,9 @@ def hf_to_megatron(
               "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
               "the converted checkpoint and its export are bf16, their config.json without quantization_config",
               file=sys.stderr)
+    if getattr(src, "stale_rotary", None):
+        print(f"note: {len(src.stale_rotary)} stored rotary frequency buffer(s) (e.g. {src.stale_rotary[0]!r}) are left "
+              "out: transformers recomputes them from config.json and ignores them on load too", file=sys.stderr)
     left_out = mtp_tensors(src, family, spec)
     if left_out:
         print(f"note: the multi-token-prediction layer(s) ({family.mtp_key}={src.config[family.mtp_key]}, "

@@ -62,6 +62,7 @@ class LanguageModelView:
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
         n = len(wrapper.prefix)
         self.tensors = {name[n:]: e for name, e in src.tensors.items() if name.startswith(wrapper.prefix)}
+        self.stale_rotary = [name[n:] for name in src.stale_rotary if name.startswith(wrapper.prefix)]
         if not self.tensors:
             raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefix}*: not the language model of a "
                                   f"{wrapper.model_type} checkpoint as transformers saves it")

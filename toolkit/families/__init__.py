@@ -12,7 +12,7 @@ import pkgutil
 from toolkit.errors import ConversionError
 from toolkit.families.hf_values import ConfigReading, config_values
 from toolkit.families.spec import ModelSpec, read_spec
-from toolkit.families.table import Family, Row
+from toolkit.families.table import Family, Row, float32_buffer_suffixes
 
 
 def _declared_families() -> tuple[Family, ...]:
@@ -25,6 +25,9 @@ def _declared_families() -> tuple[Family, ...]:
 
 
 FAMILIES: tuple[Family, ...] = _declared_families()
+# Name suffixes of the float32 buffers the tables declare: megatron-core's (".mlp.router.expert_bias") and
+# HF's (".mlp.gate.e_score_correction_bias")
+BUFFERS, HF_FLOAT32_BUFFERS = float32_buffer_suffixes(FAMILIES)
 
 # model_types that name a known model this package cannot convert, with the reason. (The multimodal
 # Gemma 3, once here, converts as its language model: toolkit/convert/wrapper.py.)
@@ -69,5 +72,5 @@ def read_config(cfg: dict, source: str = "config.json") -> tuple[Family, ModelSp
     return family, read_spec(values, family), values.reading()
 
 
-__all__ = ["FAMILIES", "ConfigReading", "Family", "ModelSpec", "Row", "family_for", "family_named", "read_config",
+__all__ = ["BUFFERS", "FAMILIES", "HF_FLOAT32_BUFFERS", "ConfigReading", "Family", "ModelSpec", "Row", "family_for", "family_named", "read_config",
            "spec_from_config"]

@@ -74,7 +74,7 @@ def read_sigmoid_routing(cfg: dict) -> dict:
 
 SHARED = L + "mlp.shared_experts."
 EXPERT_BIAS = row(M + "mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias", Split.REPLICATED,
-                  ("experts",), kind=MOE_LAYER)
+                  ("experts",), kind=MOE_LAYER, float32_buffer=True)
 # DeepSeek-V3's MoE layout, as GLM-4.5 names it too: the router with its bias, routed experts, the
 # fused shared experts, dense MLPs below first_k_dense_replace
 DEEPSEEK_MOE_ROWS = (GATE_PROJ_EXPERT_ROWS + (EXPERT_BIAS,)

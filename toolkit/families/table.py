@@ -34,6 +34,10 @@ class Row:
     # megatron-core's torch_dist key where it is not the canonical name (the local MLA spec keys its
     # norms by their own modules: toolkit/families/mla.py); None: the canonical name
     dist: str | None = None
+    # A buffer, not a parameter, that HF and megatron-core both keep in float32 whatever the weights'
+    # dtype (the sigmoid router's expert bias: HF's _keep_in_fp32_modules_strict, megatron-core's
+    # _maintain_float32_expert_bias): converted, loaded and exported as stored, never trained by the optimizer
+    float32_buffer: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -50,7 +54,7 @@ class Row:
     @property
     def is_buffer(self) -> bool:
         """A megatron-core buffer, saved with the model but not a parameter (the router's expert bias)."""
-        return self.megatron.endswith(BUFFERS)
+        return self.float32_buffer
 
     def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
         return _fill(self.megatron, layer, expert)
@@ -69,12 +73,17 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
-        when: str | None = None, dist: str | None = None) -> Row:
-    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist)
+        when: str | None = None, dist: str | None = None, float32_buffer: bool = False) -> Row:
+    return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist, float32_buffer)
 
 
-# megatron-core buffers a family table maps (TopKRouter's aux-loss-free expert bias, router.py:173)
-BUFFERS = (".mlp.router.expert_bias",)
+def float32_buffer_suffixes(families) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(megatron-core, HF) name suffixes, after the layer index, of the float32 buffers `families`' tables
+    declare (Row.float32_buffer): what the converter, the loader and the exporter keep in float32."""
+    rows = [r for f in families for r in f.rows if r.float32_buffer]
+    after_layer = lambda name: name.rsplit("*", 1)[-1]  # noqa: E731
+    return (tuple(sorted({after_layer(r.megatron) for r in rows})),
+            tuple(sorted({after_layer(n) for r in rows for n in r.hf})))
 
 
 MOE_LAYER, DENSE_LAYER = "moe", "dense"

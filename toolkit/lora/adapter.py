@@ -16,7 +16,7 @@ import torch
 
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
-from toolkit.lora import experts, peft_dir, targets
+from toolkit.lora import experts, peft_dir, peft_rewrites, targets
 from toolkit.lora.layers import ColumnParallelLora, RowParallelLora
 from toolkit.lora.peft_dir import LoraSettings, peft_key
 from toolkit.lora.shards import placements
@@ -208,8 +208,8 @@ def _wrap_experts(module, expert_targets, layer: int, spec: ModelSpec, settings:
             if t.parallel == targets.ROW:
                 wrapper = RowParallelLora(base, {t.name: values(a)}, {t.name: values(b)}, settings.scaling, 0.0)
             else:
-                wrapper = ColumnParallelLora(base, {t.name: values(a)}, {t.name: values(b)},
-                                             {t.name: torch.arange(t.out_features)}, settings.scaling, 0.0)
+                wrapper = ColumnParallelLora(base, {t.name: values(a)}, {t.name: values(b)}, {t.name: t.positions()},
+                                             settings.scaling, 0.0)
             setattr(expert_module, t.linear, wrapper)
             a.param, b.param = wrapper.lora_A[t.name], wrapper.lora_B[t.name]
             for piece in (a, b):
@@ -218,12 +218,14 @@ def _wrap_experts(module, expert_targets, layer: int, spec: ModelSpec, settings:
 
 
 def resolve_targets(family: Family, spec: ModelSpec, settings: LoraSettings):
-    """(dense linears, routed expert targets) of the settings."""
-    if spec.moe_expert_bias:
-        raise AdapterError(f"LoRA on {family.name} is not supported yet: its router's expert bias (aux-loss-free "
-                           "balancing) has not been proven to stay as the base model's while the adapter trains")
-    expert_targets = experts.resolve(family, spec, settings.target_parameters, settings.dropout)
-    return targets.resolve(family, spec, list(settings.target_modules), allow_none=bool(expert_targets)), expert_targets
+    """(dense linears, routed expert targets) of the settings. A router's expert bias (DeepSeek-V3,
+    GLM-4.5) is a buffer that stays as loaded: the trainer never calls megatron-core's
+    finalize_model_grads, whose _update_router_expert_bias is the only writer, and HF's training
+    leaves e_score_correction_bias alone too (tests/test_lora_moe.py)."""
+    linears, parameters = peft_rewrites.split(settings.target_parameters)
+    expert_targets = experts.resolve(family, spec, parameters, settings.dropout)
+    modules = list(settings.target_modules) + list(linears)
+    return targets.resolve(family, spec, modules, allow_none=bool(expert_targets)), expert_targets
 
 
 def resolve_settings(family: Family, spec: ModelSpec, settings: LoraSettings) -> LoraSettings:
@@ -235,7 +237,13 @@ def resolve_settings(family: Family, spec: ModelSpec, settings: LoraSettings) ->
     smallest = min((min(t.in_features, t.out_features) for t in expert_targets), default=settings.r)
     if settings.r <= 0 or settings.r > smallest:
         raise AdapterError(f"LoRA r={settings.r} must be between 1 and {smallest} (the smallest dimension of the experts)")
-    return dataclasses.replace(settings, target_modules=tuple(n for linear in linears for n in linear.chosen),
+    modules = tuple(n for linear in linears for n in linear.chosen)
+    as_parameters = tuple(dict.fromkeys(n for n in modules if n in peft_rewrites.rewritten(family.model_types)))
+    if as_parameters and settings.dropout:
+        raise AdapterError(f"LoRA on {', '.join(as_parameters)} of {family.name} needs peft.dropout=0: PEFT rewrites "
+                           "these target modules onto the routed experts, so the adapter lists them as target_parameters, "
+                           f"which take no dropout (got {settings.dropout})")
+    return dataclasses.replace(settings, target_modules=modules, as_parameters=as_parameters,
                                target_parameters=tuple(experts.config_names(expert_targets)))
 
 

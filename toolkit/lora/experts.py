@@ -5,6 +5,11 @@ transformers 5 keeps a MoE layer's experts as two 3-D parameters of `model.layer
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 alike; none transposed):
     gate_up_proj [E, 2I, H]  rows [gate; up] of each expert, = megatron-core's local expert linear_fc1
     down_proj    [E, H, I]                                    = megatron-core's local expert linear_fc2
+gpt-oss stores them transposed (GptOssExperts, `is_transposed=True`: x @ W), gate_up_proj
+[E, H, 2I] with gate and up interleaved (gate = [..., 0::2]), down_proj [E, I, H]. PEFT reads
+`is_transposed` and keeps in = H, out = 2I there (no swap), so the LoRA tensors have the same
+shapes and meaning, B's rows in HF's interleaved order: ExpertTarget.positions places them on
+megatron-core's [gate; up] rows. The experts' biases are not adapted (PEFT's lora_bias is off).
 PEFT's ParamWrapper (peft/tuners/lora/layer.py) gives each such parameter one pair
     lora_A [E * r, in], lora_B [out, E * r]
 which is one rank-r LoRA per expert: expert e's A is rows e*r .. e*r+r-1 of lora_A, its B the
@@ -41,6 +46,15 @@ class ExpertTarget:
     in_features: int
     out_features: int
     wrappers_after: int  # PEFT's wrappers nested outside this one (its `base_layer.` depth)
+    interleaved: bool = False  # gate and up rows alternate in HF's gate_up_proj (gpt-oss)
+
+    def positions(self):
+        """The row of the local expert's megatron-core linear each row of lora_B adds to: the same
+        row, or where HF interleaves gate and up (gate = rows 0::2) megatron-core's [gate; up]."""
+        import torch
+
+        rows = torch.arange(self.out_features)
+        return rows // 2 + (rows % 2) * (self.out_features // 2) if self.interleaved else rows
 
     def key(self, layer: int, which: str) -> str:
         module = FUSED_MODULE.replace("*", str(layer)) + ".base_layer" * self.wrappers_after
@@ -72,7 +86,10 @@ def resolve(family: Family, spec: ModelSpec, target_parameters, dropout: float) 
     chosen = [n for n in FUSED if n in names]
     ffn, hidden = spec.moe_ffn_hidden_size, spec.hidden_size
     shapes = {"gate_up_proj": (hidden, 2 * ffn), "down_proj": (ffn, hidden)}
-    return [ExpertTarget(n, *FUSED[n], *shapes[n], len(chosen) - 1 - i) for i, n in enumerate(chosen)]
+    # Family.fused_experts: HF's checkpoint and module both interleave gate and up (toolkit/families/table.py)
+    interleaved = family.fused_experts is not None
+    return [ExpertTarget(n, *FUSED[n], *shapes[n], len(chosen) - 1 - i, interleaved and n == "gate_up_proj")
+            for i, n in enumerate(chosen)]
 
 
 def config_names(chosen: list[ExpertTarget]) -> list[str]:
@@ -98,10 +115,12 @@ def expert_rows(expert: int, experts: int, r: int):
     return torch.arange(expert * r, (expert + 1) * r), expert + experts * torch.arange(r)
 
 
-def merge_delta(a, b, expert: int, experts: int, r: int, scaling: float):
-    """Expert `expert`'s scaling * B_e A_e in fp32, as PEFT's get_delta_weight."""
+def merge_delta(target: ExpertTarget, a, b, expert: int, experts: int, r: int, scaling: float):
+    """Expert `expert`'s scaling * B_e A_e in fp32, as PEFT's get_delta_weight, its rows in
+    megatron-core's order (ExpertTarget.positions)."""
     rows, cols = expert_rows(expert, experts, r)
-    return scaling * (b.float()[:, cols] @ a.float()[rows])
+    delta = scaling * (b.float()[:, cols] @ a.float()[rows])
+    return delta.new_empty(delta.shape).index_copy_(0, target.positions(), delta)
 
 
 def check_layout(tp: int, chosen: list[ExpertTarget]) -> None:
@@ -117,7 +136,7 @@ def merge_slices(family: Family, spec: ModelSpec, chosen: list[ExpertTarget]) ->
     found = {}
     for row in family.rows_for(spec):
         linear = row.megatron.rsplit(".", 2)[-2] if row.per_expert else None
-        if linear not in by_linear:
+        if linear not in by_linear or not row.megatron.endswith(".weight"):  # gpt-oss's expert biases: not adapted
             continue
         sizes = [spec.size_of(shape[0]) for shape in row.shapes]
         for layer in moe_layers(spec):

@@ -46,8 +46,8 @@ def merger(adapter_dir: Path, base: Path):
     def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name in expert_slices:
             target, layer, expert, rows = expert_slices[name]
-            delta = experts.merge_delta(tensors[target.key(layer, "A")], tensors[target.key(layer, "B")], expert,
-                                        spec.num_experts, settings.r, settings.scaling)
+            delta = experts.merge_delta(target, tensors[target.key(layer, "A")], tensors[target.key(layer, "B")],
+                                        expert, spec.num_experts, settings.r, settings.scaling)
             return tensor.float() + delta[rows]
         module = name.removesuffix(".weight")
         a = tensors.get(peft_dir.peft_key(module, "A"))

@@ -2,7 +2,8 @@
 
     adapter_config.json          peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path, ...
     adapter_model.safetensors    base_model.model.<HF module>.lora_A.weight / .lora_B.weight
-                                 (and the fused experts' target_parameters: toolkit.lora.experts)
+                                 (and the fused experts' target_parameters: toolkit.lora.experts;
+                                 linears PEFT would rewrite as `<name>.weight` ones: toolkit.lora.peft_rewrites)
     toolkit_base.json            ours: the megatron base checkpoint the adapter was trained on, and its checksum
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import AdapterError
+from toolkit.lora import peft_rewrites
 
 CONFIG, WEIGHTS, BASE = "adapter_config.json", "adapter_model.safetensors", "toolkit_base.json"
 
@@ -34,6 +36,9 @@ class LoraSettings:
     use_rslora: bool = False
     # PEFT's target_parameters: the fused expert weights adapted (toolkit.lora.experts)
     target_parameters: tuple[str, ...] = ()
+    # target modules written as `<name>.weight` target parameters, which PEFT does not rewrite
+    # onto the experts (toolkit.lora.peft_rewrites)
+    as_parameters: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
@@ -76,9 +81,10 @@ def read_settings(adapter_dir: Path) -> LoraSettings:
     # PEFT's all-linear saves full module paths (model.layers.0.mlp.down_proj); PEFT matches a name
     # by its last components, so the module name is what counts. An adapter of only some layers
     # is then refused when its tensors are checked against every layer's.
-    modules = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    linears, parameters = peft_rewrites.split(cfg.get("target_parameters") or ())
+    modules = sorted({m.rsplit(".", 1)[-1] for m in modules} | set(linears))
     return LoraSettings(int(cfg["r"]), float(cfg["lora_alpha"]), float(cfg.get("lora_dropout", 0.0)), tuple(modules),
-                        bool(cfg.get("use_rslora", False)), tuple(cfg.get("target_parameters") or ()))
+                        bool(cfg.get("use_rslora", False)), parameters, tuple(sorted(set(linears))))
 
 
 def read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
@@ -98,15 +104,16 @@ def write(out: Path, tensors: dict[str, torch.Tensor], settings: LoraSettings, b
         "r": settings.r,
         "lora_alpha": settings.alpha,
         "lora_dropout": settings.dropout,
-        "target_modules": sorted(settings.target_modules),
+        "target_modules": sorted(set(settings.target_modules) - set(settings.as_parameters)),
         "use_rslora": settings.use_rslora,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
     }
-    if settings.target_parameters:
-        config["target_parameters"] = list(settings.target_parameters)
+    parameters = [*settings.target_parameters, *peft_rewrites.as_parameters(settings.as_parameters)]
+    if parameters:
+        config["target_parameters"] = parameters
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / WEIGHTS), metadata={"format": "pt"})
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     (out / BASE).write_text(json.dumps(base, indent=2) + "\n")

@@ -92,7 +92,8 @@ def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_no
     router = sorted(wanted & router_names(family))
     if router:
         raise AdapterError(f"LoRA on the Mixture-of-Experts router ({router[0]}) is not supported: the router is "
-                           "kept frozen so that routing stays the base model's; leave it out of peft.target_modules")
+                           "kept frozen so that routing stays the base model's; leave it out of peft.target_modules "
+                           "and peft.target_parameters")
     unknown = sorted(wanted - set(names))
     if unknown:
         raise AdapterError(f"target module(s) {', '.join(unknown)} not in the {family.name} family "

@@ -87,6 +87,8 @@ def layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str 
     """Bytes one layer keeps for backward for one micro-batch."""
     if recompute == "full":
         return shape.act_bytes * shape.hidden_tokens(spec)  # only the checkpointed layer input
+    if spec.mla:
+        return mla_layer_bytes(spec, shape, kernels, recompute)
     attention = _selective_attention(spec, shape, kernels) if recompute == "selective" else _attention(spec, shape, kernels)
     norms = 2 * _norm(spec, shape, kernels) + _qk_norms(spec, shape, kernels)
     mlp = _moe(spec, shape, kernels) if spec.is_moe else _swiglu(spec, shape, kernels)
@@ -214,3 +216,44 @@ def attention_buffer(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     gathered = 2 * shape.act_bytes * shape.batch * shape.seq * spec.num_kv_heads * spec.head_dim // shape.tp
     return shape.act_bytes * shape.batch * spec.num_heads // shape.tp * shape.local_seq * shape.seq + \
         (gathered if shape.cp > 1 else 0)
+
+
+def local_kernels_for(spec: ModelSpec, kernels: Kernels) -> Kernels:
+    """The kernels a model runs with: multi-latent attention runs megatron-core's local spec on every
+    device (its checkpoints are converted for it only: toolkit/families/mla.py), so its attention is
+    unfused and its norms are torch's whatever the device; the fused SwiGLU stays (a torch function)."""
+    if not spec.mla or kernels == CPU_LOCAL:
+        return kernels
+    return Kernels(kernels.name + "; multi-latent attention on megatron-core's local spec (unfused attention, "
+                   "torch rms_norm)", False, False, kernels.fused_swiglu)
+
+
+def mla_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str) -> int:
+    """A multi-latent attention layer (megatron-core's MLASelfAttention, local spec) and its MLP. Per
+    token: the input norm and the linears' inputs as any layer; the low-rank latents (q_lora_rank where
+    the query is low-rank, kv_lora_rank), each through a torch RMSNorm into its up projection, whole on
+    every TP rank (the down projections' outputs are gathered over TP); cos and sin over the
+    qk_pos_emb_head_dim rotated dimensions; core attention (unfused) on q and k of heads x (qk_head_dim +
+    qk_pos_emb_head_dim), both new tensors (the rotated part concatenated), and v of heads x v_head_dim,
+    with the fp32 scores, the probabilities and the mask; linear_proj's input, heads x v_head_dim.
+    Measured against saved tensors in tests/test_memory_measured.py."""
+    m, b, t, tp = spec.mla, shape.act_bytes, shape.tokens, shape.tp
+    heads = spec.num_heads // tp
+    qk, v = heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]), heads * m["v_head_dim"]
+    latents = [w for w in (m["q_lora_rank"], m["kv_lora_rank"]) if w]
+    norms = 2 * _norm(spec, shape, kernels) + sum(_latent_norm(w, shape, kernels) for w in latents)
+    linear_inputs = b * (2 * shape.hidden_tokens(spec) + t * (sum(latents) + v + (0 if spec.is_moe else
+                                                                                    spec.ffn_hidden_size // tp)))
+    rope = 4 * shape.local_seq * m["qk_rope_head_dim"] * b  # cos and sin for q and k
+    scores = heads * shape.batch * shape.local_seq * shape.seq
+    core = b * t * (2 * qk + v) + BOOL * shape.local_seq * shape.seq  # what selective recompute keeps
+    if recompute != "selective":
+        core += FP32 * scores + (b * scores if b != FP32 else 0)
+    mlp = _moe(spec, shape, kernels) if spec.is_moe else _swiglu(spec, shape, kernels)
+    return norms + linear_inputs + rope + core + mlp
+
+
+def _latent_norm(width: int, shape: Shape, kernels: Kernels) -> int:
+    """An RMSNorm over a latent of `width`, whole on every TP rank: as _norm keeps, per element and per token."""
+    elements = shape.tokens * width
+    return (shape.act_bytes if kernels.fused_norm else 2 * FP32) * elements + FP32 * shape.tokens

@@ -19,7 +19,7 @@ from toolkit.layouts import Layout
 from toolkit.memory import activations as act
 from toolkit.memory.activations import GPU, Kernels, Shape
 from toolkit.memory.lora import LoraShape, activation_change, adapter_numels
-from toolkit.memory.params import stage_param_numels
+from toolkit.memory.params import stage_buffer_bytes, stage_param_numels
 from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_states, fsdp_states, model_states
 from toolkit.units import size
 
@@ -35,7 +35,7 @@ class StageMemory:
     stage: int
     states: ModelStates
     activations: int
-    temporaries: int  # logits, attention buffer, recompute working set
+    temporaries: int  # logits, attention buffer, recompute working set, the routers' expert-bias buffers
     reserve: int
     reference: int | None = None  # method=dpo: the frozen reference copy's weights (0 with LoRA); None: not DPO
 
@@ -129,6 +129,7 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
         raise ConfigError(f"sequence length {seq_len} is not divisible by TP {setup.tp}, which sequence parallelism splits it over")
     zero = ZeroSettings.from_config(build(setup, spec))
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
+    kernels = act.local_kernels_for(spec, kernels)  # multi-latent attention: the local spec on a GPU too
     shape = Shape(seq_len, setup.micro_batch * (2 if dpo else 1), setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel,
                   cp)
     stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
@@ -244,7 +245,7 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
         final -= shape.act_bytes * shape.hidden_tokens(spec)  # the frozen output layer keeps no input
     activations = _stage_activations(setup, stage, layers, layer, act.first_stage_bytes(shape), final)
     temporaries = (working_set + act.attention_buffer(spec, shape, kernels) + act.dispatcher_buffers(spec, shape)
-                   + last * act.logits_temporary(shape, padded_vocab))
+                   + last * act.logits_temporary(shape, padded_vocab) + stage_buffer_bytes(spec, setup.pp, stage))
     if dp_engine == "fsdp":
         layer_numel, root_numel = fsdp_layer_numels(spec, setup.tp)
         states = fsdp_states(stage_param_numels(spec, setup.tp, 1, 0), (layer_numel,), root_numel,

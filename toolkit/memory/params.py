@@ -8,11 +8,15 @@ import math
 
 from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
+from toolkit.families.table import MOE_LAYER, layer_kind
 from toolkit.layouts import Layout
 
 EMBEDDING_PREFIX = "embedding."
 LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
 PARTS = ("all", "dense", "experts")
+FP32_BYTES = 4
+# megatron-core keeps local_tokens_per_expert beside each expert_bias, of its size and dtype
+ROUTER_BUFFERS_PER_BIAS = 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -46,15 +50,49 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
     return tuple(numels)
 
 
+def stage_active_numel(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
+    """Parameter elements of pipeline stage `stage`, all its TP ranks together (the vocab padded for
+    TP), that one token goes through: the dense tensors, and moe_topk of each MoE layer's routed
+    experts (the matmul work per token)."""
+    dense = sum(stage_param_numels(spec, tp, pp, stage, part="dense")) * tp
+    if not spec.is_moe:
+        return dense
+    return dense + sum(stage_param_numels(spec, 1, pp, stage, part="experts")) // spec.num_experts * spec.moe_topk
+
+
 @functools.lru_cache(maxsize=64)
 def total_params(spec: ModelSpec) -> int:
-    """Parameters of the whole model (true vocab, tied embeddings counted once)."""
-    family = family_named(spec.family)
+    """Parameters of the whole model (true vocab, tied embeddings counted once), as HF's model has them:
+    buffers (the sigmoid router's expert bias) are not parameters."""
+    return _count(spec, spec.num_experts)
+
+
+@functools.lru_cache(maxsize=64)
+def active_params(spec: ModelSpec) -> int:
+    """Parameters one token goes through: total_params with moe_topk of the routed experts in each
+    Mixture-of-Experts layer (the router, shared experts and dense layers whole), as published
+    "activated" sizes count them (DeepSeek-V3: 37B of 671B)."""
+    return _count(spec, spec.moe_topk)
+
+
+def _count(spec: ModelSpec, experts: int) -> int:
     total = 0
-    for row in family.rows_for(spec):
+    for row in family_named(spec.family).rows_for(spec):
         if row.is_buffer:
             continue
         numel = sum(math.prod(spec.size_of(s) for s in shape) for shape in row.shapes)
         layers = sum(row.on_layer(n, spec.moe_layers) for n in range(spec.num_layers)) if row.per_layer else 1
-        total += numel * layers * (spec.num_experts if row.per_expert else 1)
+        total += numel * layers * (experts if row.per_expert else 1)
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_buffer_bytes(spec: ModelSpec, pp: int, stage: int) -> int:
+    """Bytes of the megatron-core buffers a rank of pipeline stage `stage` holds beside its parameters:
+    the sigmoid router's expert bias (a float32 [experts] per MoE layer, on every TP and EP rank; no
+    gradient, no optimizer state) and the float32 token counts megatron-core keeps beside it to
+    update it (local_tokens_per_expert, router.py:163-180)."""
+    per_layer = sum(FP32_BYTES * ROUTER_BUFFERS_PER_BIAS * spec.num_experts
+                    for row in family_named(spec.family).rows_for(spec) if row.is_buffer)
+    layers = Layout(1, pp).stage_layers(spec, stage)
+    return per_layer * sum(layer_kind(spec.moe_layers, n) == MOE_LAYER for n in layers)

@@ -130,7 +130,7 @@ def _zero12(numels, w: int, dp: int, zero: ZeroSettings, backward_calls: int) ->
     # partition through one staging buffer per side (largest tensor), updated weights come back
     # through a 16-bit copy of the partition, and ZeRO-2 accumulates the gradients of several
     # backward passes per step on the host, one buffer per tensor of the partition.
-    staging = w * max(numels)
+    staging = w * max(numels, default=0)  # a pipeline stage of dense layers only has no expert tensors
     host_accumulation = w * (part + overhang) if accumulating and not full_grads else 0
     host = optimizer + FP32_BYTES * part + w * part + staging + host_accumulation
     return _offloaded(ModelStates(params=w * total, grads=w * total if full_grads else 0, optimizer=0,

@@ -39,7 +39,7 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {spec.max_position_embeddings}")
     if cfg.data.pack and spec.window_size:
         raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
-    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled)[0] == "te":
+    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] == "te":
         raise ConfigError("packing is not supported on the Transformer Engine path: it needs per-document cu_seqlens, "
                           "which this trainer does not build, and TE would silently ignore the document mask; set data.pack=false")
     return meta
@@ -99,7 +99,7 @@ def check_context_parallel_family(cfg: TrainConfig, spec) -> None:
                           (spec.is_moe, f"a Mixture-of-Experts model ({spec.family})")):
         if problem:
             raise ConfigError(f"parallel.cp={cp} with {what} is not supported yet; use parallel.cp=1")
-    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled)[0] == "te":
+    if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] == "te":
         raise ConfigError(f"parallel.cp={cp} with data.pack=true on the Transformer Engine spec is not supported: "
                           "TE's context-parallel attention takes a causal mask only, not the documents' mask")
 
@@ -197,7 +197,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     from toolkit.model import build_gpt_model
 
     layout = Layout(cfg.parallel.tp, cfg.parallel.pp, meta.vocab_divisor, cfg.parallel.ep)
-    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled)[0]
+    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled, meta.model_spec)[0]
     config, aux_loss = model_config(meta.model_spec, cfg, layout, layer_spec)
     spec, dtype = meta.model_spec, master_dtype(cfg)
     if cfg.parallel.vpp == 1:

@@ -47,7 +47,7 @@ from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.metadata import HF_DIR, RELEASE, TRACKER, CheckpointMeta
 from toolkit.errors import ReportedByAnotherRank, ToolkitError
-from toolkit.families.table import BUFFERS
+from toolkit.families import BUFFERS
 from toolkit.megatron_settings import megatron_args
 from toolkit.train import engine_state
 from toolkit.train.experts import restore_experts_from_masters
@@ -357,34 +357,43 @@ def find_latest(run_dir: Path) -> Path | None:
     return path
 
 
-def find_resumable(run_dir: Path, say=print) -> Path | None:
+def find_resumable(run_dir: Path, say=print):
     """resume=auto: the checkpoint `latest` names or, when one of its files is damaged, the newest
     older checkpoint whose files are intact (toolkit.train.checkpoint_verify), saying so with `say`;
-    one line naming the damaged file when there is none."""
-    from toolkit.train.checkpoint_verify import damage
+    one line naming the damaged file when there is none. Returns it as checked (an Intact, whose
+    train_state.json and train/ index check_resumable reads no more), or None."""
+    from toolkit.train.checkpoint_verify import Damaged, intact
 
     latest = find_latest(run_dir)
     if latest is None:
         return None
-    problem = damage(latest)
-    if problem is None:
-        return latest
+    try:
+        return intact(latest)
+    except Damaged as e:
+        problem = str(e)
     match = STEP_DIR.fullmatch(latest.name)
     for step, older in sorted(_step_dirs(latest.parent).items(), reverse=True):
-        if match and step < int(match.group(1)) and damage(older) is None:
-            say(f"warning: {latest.name} is damaged ({problem}); resuming from {older.name}, the newest intact checkpoint")
-            return older
+        if not match or step >= int(match.group(1)):
+            continue
+        try:
+            checked = intact(older)
+        except Damaged:
+            continue
+        say(f"warning: {latest.name} is damaged ({problem}); resuming from {older.name}, the newest intact checkpoint")
+        return checked
     raise CheckpointError(f"{latest.name}, the latest checkpoint, is damaged ({problem}) and no older one is intact: "
                           "restore the file, or start again in a new run_dir")
 
 
-def refuse_damaged(path: Path) -> None:
-    """An explicitly named checkpoint (resume=PATH) whose files are damaged is one line."""
-    from toolkit.train.checkpoint_verify import damage
+def refuse_damaged(path: Path):
+    """An explicitly named checkpoint (resume=PATH) whose files are damaged is one line; else it as
+    checked (an Intact)."""
+    from toolkit.train.checkpoint_verify import Damaged, intact
 
-    problem = damage(Path(path))
-    if problem:
-        raise CheckpointError(f"resume={path}: the checkpoint is damaged ({problem})")
+    try:
+        return intact(Path(path))
+    except Damaged as e:
+        raise CheckpointError(f"resume={path}: the checkpoint is damaged ({e})") from None
 
 
 def _train_state(path: Path) -> dict:
@@ -396,14 +405,15 @@ def _train_state(path: Path) -> dict:
         raise CheckpointError(f"{path / 'train_state.json'} is unreadable ({e}): not a complete checkpoint") from None
 
 
-def check_resumable(path: Path, layout: dict, requested_schedule, meta: CheckpointMeta, global_batch: int,
+def check_resumable(checked, layout: dict, requested_schedule, meta: CheckpointMeta, global_batch: int,
                     lora: bool = False, base_checkpoint=None) -> bool:
-    """Everything a resume from `path` needs that can be checked before training. Returns True
-    when the checkpoint was written on this very layout (DeepSpeed's files resume it exactly).
-    A LoRA run resumes only from a LoRA checkpoint of the same base checkpoint (by checksum)."""
+    """Everything a resume from `checked` (the Intact checkpoint find_resumable or refuse_damaged
+    returned) needs that can be checked before training. Returns True when the checkpoint was
+    written on this very layout (DeepSpeed's files resume it exactly). A LoRA run resumes only from
+    a LoRA checkpoint of the same base checkpoint (by checksum)."""
     from toolkit.train import elastic
 
-    state = _train_state(path)
+    path, state = checked.path, checked.state
     step = int(state["step"])
     _check_same_kind(path, lora, base_checkpoint)
     if not lora:  # a LoRA checkpoint names its base by checksum instead (checked above)
@@ -421,8 +431,8 @@ def check_resumable(path: Path, layout: dict, requested_schedule, meta: Checkpoi
         if "consumed_samples" not in state:
             raise CheckpointError(f"{path} was written with {saved} by an earlier version without a layout-independent "
                                   f"state: resume it on that layout, not on {layout}")
-    if (path / elastic.STATE_DIR).is_dir() or not same_layout:
-        elastic.check_files(path / elastic.STATE_DIR)  # every resume but a LoRA one reads it
+    if checked.train_index is None and not same_layout:  # every resume but a LoRA one reads it: one line
+        elastic.check_files(path / elastic.STATE_DIR)
     if state.get("global_batch", global_batch) != global_batch:
         raise CheckpointError(f"{path} was trained with global_batch {state['global_batch']}, this run asks for "
                               f"{global_batch}: a resumed run keeps its global batch (set global_batch={state['global_batch']})")

@@ -5,7 +5,9 @@ PytorchStreamReader error on every rank.
 What is read without loading tensors: train_state.json parses; each torch file (ranks/, ds/) is a
 zip archive whose central directory reads and whose members lie inside the file, and small ones
 (rank states) pass their CRCs; the torch_dist index of train/ and the byte ranges it points to
-(toolkit.train.elastic.check_files); the adapter's safetensors header and size.
+(toolkit.train.elastic.check_files); the adapter's safetensors header and size. What the check read
+(train_state.json, train/'s index) comes back with it in an `Intact`, which the resume's checks use:
+nothing of it is read twice.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.errors import ToolkitError
@@ -21,22 +24,51 @@ CRC_CHECKED_BYTES = 64 << 20  # torch files up to this size are read whole (rank
 SAFETENSORS_HEADER = 8  # bytes of the little-endian header length that opens a safetensors file
 
 
+@dataclass(frozen=True)
+class Intact:
+    """A checkpoint whose every file checked is sound, with what the check read."""
+
+    path: Path
+    state: dict  # train_state.json
+    # train/'s reader (toolkit.convert.dist_format.IndexedReader), its index read; None: no train/
+    train_index: object | None
+
+
+class Damaged(ToolkitError):
+    """The first damaged file of a checkpoint, and why."""
+
+
+def intact(path: Path) -> Intact:
+    """Checkpoint `path` checked; Damaged names its first damaged file."""
+    path = Path(path)
+    state = _train_state(path)
+    problem = _torch_files(path)
+    if problem:
+        raise Damaged(problem)
+    train_index = _elastic(path)
+    problem = _adapter(path)
+    if problem:
+        raise Damaged(problem)
+    return Intact(path, state, train_index)
+
+
 def damage(path: Path) -> str | None:
     """The first damaged file of checkpoint `path` and why, or None when every file checked is sound."""
-    for check in (_train_state, _torch_files, _elastic, _adapter):
-        problem = check(Path(path))
-        if problem:
-            return problem
+    try:
+        intact(path)
+    except Damaged as e:
+        return str(e)
     return None
 
 
-def _train_state(path: Path) -> str | None:
+def _train_state(path: Path) -> dict:
     state = path / "train_state.json"
     try:
-        int(json.loads(state.read_bytes().decode("utf-8"))["step"])
+        parsed = json.loads(state.read_bytes().decode("utf-8"))
+        int(parsed["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{state} is unreadable ({type(e).__name__})"
-    return None
+        raise Damaged(f"{state} is unreadable ({type(e).__name__})") from None
+    return parsed
 
 
 def _torch_files(path: Path) -> str | None:
@@ -65,16 +97,15 @@ def _torch_zip(file: Path) -> str | None:
     return None
 
 
-def _elastic(path: Path) -> str | None:
+def _elastic(path: Path):
     from toolkit.train import elastic
 
     if not (path / elastic.STATE_DIR).is_dir():
         return None
     try:
-        elastic.check_files(path / elastic.STATE_DIR)
+        return elastic.check_files(path / elastic.STATE_DIR)
     except ToolkitError as e:
-        return str(e)
-    return None
+        raise Damaged(str(e)) from None
 
 
 def _adapter(path: Path) -> str | None:
