@@ -167,9 +167,11 @@ def finetune(run: Run) -> int:
     spec = meta.model_spec
     preemption = PreemptionFlag()  # SIGUSR1 / SIGTERM: checkpoint after the current step, then exit
 
-    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups.
+    # 2. Distributed: torch.distributed (NCCL or gloo) and megatron-core's TP/PP/DP (and EP) groups, the
+    #    experts' TP groups of the TP the model is built with (1 where its experts have biases: the MoE
+    #    layers take their groups from parallel_state, not from the config's expert_tensor_parallel_size).
     info = init_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.seed, ep=cfg.parallel.ep, vpp=cfg.parallel.vpp,
-                         cp=cfg.parallel.cp)
+                         cp=cfg.parallel.cp, etp=spec.expert_tp(cfg.parallel.tp))
     peak, peak_source = peak_tflops(cfg.peak_tflops, cfg.precision)
     progress = Progress(info.rank == 0, cfg.steps, show_mfu=peak_source != CPU_SOURCE)
     cp_named = f" x CP {info.cp}" if info.cp > 1 else ""

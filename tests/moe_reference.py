@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import types
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +53,15 @@ def routed_counts(router_logits: torch.Tensor, valid: torch.Tensor, topk: int) -
 def route_in_fp64(model) -> None:
     """hf_reference's `prepare` for moe.router_dtype=fp64: every HF router (Mixtral's, Qwen2-MoE's,
     Qwen3-MoE's and OLMoE's TopKRouter: softmax, top-k, renormalised where norm_topk_prob, Mixtral
-    always) computes from its fp32 input and weight in fp64, as megatron-core's router then does;
-    the chosen experts' weights go back to the experts in fp32. Its logits stay fp64 for the aux loss."""
+    always; gpt-oss's: logits with a bias, top-k, softmax over those k) computes from its fp32 input
+    and weight in fp64, as megatron-core's router then does (router_gating_linear in moe_router_dtype,
+    the bias included); the chosen experts' weights go back to the experts in fp32. Its logits stay
+    fp64 for the aux loss."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     assert routers, "no HF TopKRouter in the model"
     for router in routers:
-        router.forward = types.MethodType(_fp64_routing, router)
+        routing = _fp64_topk_then_softmax if type(router).__name__ == "GptOssTopKRouter" else _fp64_routing
+        router.forward = types.MethodType(routing, router)
 
 
 def _fp64_routing(router, hidden_states):
@@ -65,6 +70,14 @@ def _fp64_routing(router, hidden_states):
     if getattr(router, "norm_topk_prob", True):
         top = top / top.sum(dim=-1, keepdim=True)
     return logits, top.to(hidden_states.dtype), chosen
+
+
+def _fp64_topk_then_softmax(router, hidden_states):
+    """GptOssTopKRouter.forward in fp64: its bias in the logits, the softmax over the top-k logits only."""
+    logits = F.linear(hidden_states.reshape(-1, router.hidden_dim).double(), router.weight.double(),
+                      router.bias.double())
+    top, chosen = torch.topk(logits, router.top_k, dim=-1)
+    return logits, torch.softmax(top, dim=-1).to(hidden_states.dtype), chosen
 
 
 def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
@@ -135,3 +148,59 @@ def routed_per_document():
 
     step_loss.routing = counts
     return step_loss
+
+
+def pad_token_id(hf_dir) -> int:
+    """The pad id the trainer pads micro-batches with: the tokenizer's pad token, else its EOS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+@dataclass
+class FamilyRun:
+    """A family's fine-tune launched by family_finetune_parity, and its differences from the HF reference."""
+
+    hf: Path  # the tiny HF model (fp32)
+    data: Path
+    cfg: Path  # the recipe
+    metrics: list[dict]
+    loss: float  # max |loss - HF| over the steps
+    norm: float  # max relative gradient-norm difference
+    step_loss: object  # the reference's step loss, with what it recorded (e.g. its routing per step)
+
+
+def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: dict, step_loss_for,
+                           moe: dict | None = None, prepare=None, on_step=None, export_hf: bool = False,
+                           **model) -> FamilyRun:
+    """The recipe on a tiny fp32 `variant` (`model`: its config changes), converted to torch_dist, at
+    `parallel` (ZeRO-1) on `nprocs` processes over uneven data, against the single-process HF
+    reference of tests.finetune_harness.hf_reference with the family's step loss, `step_loss_for(hf
+    directory)`, `prepare` and `on_step`, over STEPS steps. The caller asserts on the result (a guard reuses its
+    model and data)."""
+    from tests.finetune_harness import (STEPS, differences, hf_reference, launch, read_metrics, recipe,
+                                        write_uneven_data)
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model(variant, tmp_path / "hf", dtype="float32", vocab_size=250, **model)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, **parallel}, moe=moe or {}, export_hf=export_hf)
+    launch(nprocs, cfg)
+    metrics = read_metrics(tmp_path / "run")
+    step_loss = step_loss_for(hf)
+    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=step_loss, prepare=prepare,
+                                                       on_step=on_step))
+    return FamilyRun(hf, data, cfg, metrics, loss, norm, step_loss)
+
+
+def weight_change_errors(original: dict, exported: dict, reference: dict) -> dict[str, float]:
+    """Per HF tensor: |run's change - reference's change| / |reference's change| (L2) of its weights over
+    a run, from the `original` HF weights to the run's `exported` ones and to the reference's."""
+    errors = {}
+    for name, before in original.items():
+        change = reference[name] - before
+        errors[name] = float(((exported[name] - before) - change).norm() / change.norm())
+    return errors

@@ -222,37 +222,47 @@ _routing_reference = routed_per_document
 
 
 @pytest.mark.multiprocess
-def test_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
-    """The recipe at DP2 x EP2 on a tiny fp32 GLM-4.5 (a dense first layer, 12 experts in 4 groups,
-    2 shared experts, a random expert bias): HF's losses and gradient norms over 10 steps, every
-    step's tokens per expert as HF's routers chose them (the trainer's padding excluded: megatron-core
-    0.16.1 failed on every such forward, toolkit/runtime/cpu_compat.py EXPERT_BIAS_MASK_SPOT), and
-    the expert bias as loaded (neither side updates it). Guard: the reference with the expert bias
-    zeroed routes otherwise and is far off the run."""
-    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
-                                        launch, read_metrics, recipe, write_uneven_data)
-    from tests.test_convert_bad_input import edit_tensors
+def test_tp2_pp2_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (experts at expert TP 2) on a tiny
+    fp32 GLM-4.5 (a dense first layer, 12 experts in 4 groups, 2 shared experts split over TP, per-head
+    q/k norms, a random expert bias): HF's losses and gradient norms over 10 steps, every step's tokens
+    per expert as HF's routers chose them (the trainer's padding excluded: megatron-core 0.16.1 failed
+    on every such forward, toolkit/runtime/cpu_compat.py EXPERT_BIAS_MASK_SPOT), and the expert bias as
+    loaded in the HF export (neither side updates it: HF's e_score_correction_bias is a buffer its
+    training never changes, and the recipe leaves megatron-core's moe_router_bias_update_rate
+    unused). Guard: the reference with the expert bias zeroed routes otherwise and is far off the run."""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity
 
-    hf = make_tiny_model("glm4-moe", tmp_path / "hf", dtype="float32", vocab_size=250, seed=80)
-    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
-    data = write_uneven_data(tmp_path / "data.jsonl", 300)
-    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "ep": 2}, export_hf=True)
-    launch(2, cfg)
-    metrics = read_metrics(tmp_path / "run")
     reference = _routing_reference()
-    losses, norms = hf_reference(hf, data, cfg, STEPS, step_loss=reference)
-    loss, norm = differences(metrics, losses, norms)
-    print(f"GLM-4.5 DP2xEP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
-    assert len(metrics) == STEPS and loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
-    moe_layers = [layer for layer in metrics[0]["tokens_per_expert"] if any(layer)]
-    assert [[[n for n in layer] for layer in m["tokens_per_expert"] if any(layer)] for m in metrics] == reference.routing
+    run = family_finetune_parity(tmp_path, "glm4-moe", 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: reference, export_hf=True, seed=80)
+    print(f"GLM-4.5 TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    moe_layers = [layer for layer in run.metrics[0]["tokens_per_expert"] if any(layer)]
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == reference.routing
     assert len(moe_layers) == 3
-    exported, original = load_all(tmp_path / "run" / "hf"), load_all(hf)
+    exported, original = load_all(tmp_path / "run" / "hf"), load_all(run.hf)
     biases = [k for k in original if k.endswith("e_score_correction_bias")]
     assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
 
-    edit_tensors(hf, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
+    edit_tensors(run.hf, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
     unbiased = _routing_reference()
-    off = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=unbiased))
+    off = differences(run.metrics, *hf_reference(run.hf, run.data, run.cfg, STEPS, step_loss=unbiased))
     print(f"guard, HF without the expert bias: {off[0]:.1e} / {off[1]:.1e}")
     assert unbiased.routing != reference.routing and off[0] > 100 * LOSS_TOLERANCE_FP32
+
+
+def test_a_bf16_run_routes_in_float32_as_hf_unless_the_recipe_says_otherwise(tmp_path):
+    """HF's sigmoid router computes its logits in float32 whatever the model's dtype
+    (Glm4MoeTopkRouter.forward); the family sets moe_router_dtype fp32. Before, the recipe's unset
+    moe.router_dtype overrode it with None: a bf16 run routed in bf16, choosing other experts than HF."""
+    from tests.finetune_harness import recipe_config
+    from toolkit.layouts import Layout
+    from toolkit.train.build import model_config
+
+    spec = spec_from_config(make_config("glm4-moe").to_dict())[1]
+    for overrides, expected in (([], "fp32"), (["moe.router_dtype=fp64"], "fp64")):
+        cfg = recipe_config(tmp_path, ["precision=bf16", *overrides])
+        assert model_config(spec, cfg, Layout(1, 1, 128, 1), "local")[0].moe_router_dtype == expected, overrides

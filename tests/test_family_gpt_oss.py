@@ -65,6 +65,23 @@ def test_settings_and_refusals(tmp_path):
                            "an explicit YaRN attention factor")):
         with pytest.raises(ConversionError, match=line):
             spec_from_config(make_config(VARIANT, **changes).to_dict())
+    # the recipe at TP 2: EP a multiple of TP, so that each TP rank holds experts of its own (expert TP 1)
+    from tests.finetune_harness import recipe_config
+    from toolkit.errors import ConfigError
+    from toolkit.train.build import check_expert_layout
+
+    for ep, refused in ((1, True), (2, False)):
+        cfg = recipe_config(tmp_path, ["parallel.tp=2", f"parallel.ep={ep}", "parallel.sequence_parallel=true"])
+        if refused:
+            with pytest.raises(ConfigError, match=r"^parallel.tp=2 with parallel.ep=1: gpt_oss's experts have biases, "
+                                                  r"which megatron-core runs at expert TP 1 only, .* multiple of 2$"):
+                check_expert_layout(cfg, 2, "gpt_oss", spec.expert_tp(2))
+        else:
+            check_expert_layout(cfg, 2, "gpt_oss", spec.expert_tp(2))
+    from toolkit.dsconfig.settings import Setup
+    from toolkit.plan import expert_parallel_sizes
+
+    assert expert_parallel_sizes(spec, Setup(gpus=8, tp=2)) == [2, 4]  # `toolkit plan` proposes those only
     src = make_tiny_model(VARIANT, tmp_path / "src", seed=2)
     edit_config(src, quantization_config={"quant_method": "fp8"})
     convert_fails(src, tmp_path / "out", "only MXFP4 expert weights")
@@ -287,22 +304,69 @@ def test_published_sizes_read_and_count_as_hf_builds_them(published, billions, a
     assert sum(stage_param_numels(spec, 2, 1, 0, part="experts")) == experts
 
 
-@pytest.mark.multiprocess
-def test_dp2_ep2_fine_tune_matches_hf(tmp_path):
-    """The recipe at DP2 x EP2 on a tiny fp32 gpt-oss (sinks, alternating windows, YaRN, biases
-    everywhere, the clamped SwiGLU, experts whole per TP rank): HF + torch AdamW's losses and
-    gradient norms over 10 steps. Without the load-balancing loss (router_aux_loss_coef 0: HF adds
-    it only with output_router_logits). Weight decay skips the experts' biases on both sides: HF
-    stacks them into 2-D tensors, so the reference excludes biases by name, as transformers' Trainer
-    does (with HF's 2-D biases decayed the reference was 1.3e-3 off)."""
-    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
-                                        launch, read_metrics, recipe, write_uneven_data)
+# The load-balancing loss's coefficient in the fine-tuning tests: raised from HF's default (0.001) so that
+# a wrong aux gradient shows; HF adds the loss only with output_router_logits, which the reference sets.
+AUX_LOSS_COEF = 0.1
+# The gradient-norm bar of the TP2 launch, tighter than the issue's 1e-4: measured 7.3e-7; with TP rank 1's
+# attention sinks left out of DeepSpeed's norm (megatron-core leaves them untagged, toolkit/model.py
+# tag_sinks_split_over_tp) it was 2.6e-5, under 1e-4 because the tiny model's sinks have small gradients.
+TP_GRAD_NORM_TOLERANCE = 5e-6
+# Per exported tensor, its change over the run against the reference's (tests/moe_reference.py
+# weight_change_errors): the bar of tests/test_moe_finetune.py's EXPERT_TOLERANCE.
+WEIGHT_CHANGE_TOLERANCE = 1e-4
 
-    hf = make_tiny_model("gpt-oss", tmp_path / "hf", dtype="float32", vocab_size=250, router_aux_loss_coef=0.0)
-    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
-    data = write_uneven_data(tmp_path / "data.jsonl", 300)
-    cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, "ep": 2})
-    launch(2, cfg)
-    loss, norm = differences(read_metrics(tmp_path / "run"), *hf_reference(hf, data, cfg, STEPS))
-    print(f"gpt-oss DP2xEP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
-    assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+
+@pytest.mark.multiprocess
+def test_dp2_ep2_fine_tune_with_hfs_own_aux_loss_matches_hf(tmp_path):
+    """The recipe at DP2 x EP2 with moe.aux_loss=hf against HF's own training objective: the causal-LM
+    loss plus router_aux_loss_coef (0.1) times the `aux_loss` GptOssForCausalLM returns with
+    output_router_logits=True (load_balancing_loss_func over all layers pooled, padding left out by the
+    attention mask), routers in fp64 on both sides; losses, gradient norms and every step's routing over
+    10 steps. (HF's pooled form needs every layer on one stage: TP2 x PP2 below takes megatron-core's.)"""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
+    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+
+    run = family_finetune_parity(tmp_path, VARIANT, 2, {"ep": 2}, lambda hf: moe_step_loss(pad_token_id(hf), "hf"),
+                                 moe={"router_dtype": "fp64", "aux_loss": "hf"},
+                                 prepare=route_in_fp64, router_aux_loss_coef=AUX_LOSS_COEF)
+    print(f"gpt-oss DP2xEP2 (HF's aux loss): max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [m["tokens_per_expert"] for m in run.metrics] == run.step_loss.routing
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_dp2_ep2_fine_tune_with_aux_loss_matches_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism on a tiny fp32 gpt-oss (sinks split
+    over TP with the heads, alternating windows, YaRN, biases everywhere, the clamped SwiGLU; the experts
+    whole on each TP rank at expert TP 1, so the EP pair is a TP pair and the experts' DP group is not
+    attention's), with the routers' load-balancing loss (router_aux_loss_coef 0.1, megatron-core's
+    per-layer form, as tests/moe_reference.py writes it from HF's router logits of output_router_logits)
+    and the routers in fp64 on both sides: HF + torch AdamW's losses and gradient norms over 10 steps, and
+    every step's tokens per expert as HF's routers chose them. Weight decay skips the experts' biases on
+    both sides: HF stacks them into 2-D tensors, so the reference excludes biases by name, as
+    transformers' Trainer does (with HF's 2-D biases decayed the reference was 1.3e-3 off)."""
+    from tests.finetune_harness import LOSS_TOLERANCE_FP32, STEPS
+    from tests.moe_reference import (family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64,
+                                     weight_change_errors)
+
+    final = {}  # the reference's weights after its last step
+
+    def keep(step, model):
+        if step == STEPS:
+            final.update({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
+
+    run = family_finetune_parity(tmp_path, VARIANT, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                                 prepare=route_in_fp64, on_step=keep, export_hf=True, router_aux_loss_coef=AUX_LOSS_COEF)
+    print(f"gpt-oss TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}; closest "
+          f"top-k margin {min(run.step_loss.margins):.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < TP_GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [m["tokens_per_expert"] for m in run.metrics] == run.step_loss.routing
+    # the HF export merges every (TP, PP, EP) rank's weights: each tensor (the stacked experts and their
+    # biases, the sinks, the router) trained as the reference's
+    errors = weight_change_errors(load_all(run.hf), load_all(tmp_path / "run" / "hf"), final)
+    worst = max(errors, key=errors.get)
+    print(f"export: {len(errors)} tensors, worst {worst} {errors[worst]:.1e}")
+    assert len(errors) == len(final) and errors[worst] < WEIGHT_CHANGE_TOLERANCE, (worst, errors[worst])

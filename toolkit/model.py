@@ -186,6 +186,20 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         install_longrope(model, spec, config.use_cpu_initialization)
     if aux_loss and spec.is_moe:
         aux_loss.install(model)
+    if spec.attention_sinks:
+        tag_sinks_split_over_tp(model)
     if torch.cuda.is_available():
         model.cuda()
     return model
+
+
+def tag_sinks_split_over_tp(model) -> None:
+    """The attention sinks (DotProductAttention.softmax_offset, one per head) are split over TP with the
+    heads, but megatron-core 0.16.1 leaves them untagged (dot_product_attention.py:128): a gradient norm
+    that counts an untagged parameter once per TP group (DeepSpeed's, stage_1_and_2.py:2682; megatron-core's
+    param_is_not_tensor_parallel_duplicate) would leave out every other TP rank's sinks."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)

@@ -147,11 +147,13 @@ def _zero_stages(schedule: str) -> range:
 def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None = None) -> list[int]:
     """EP sizes the recipe can run for this layout (parallel.ep, carved out of DP): powers of two
     dividing both DP and the number of experts; none but 1 for a dense model, under ZeRO-3 (DeepSpeed
-    does not partition experts there) or with LoRA."""
+    does not partition experts there) or with LoRA. Experts at expert TP 1 (biases) under TP > 1 take
+    multiples of TP only (toolkit.train.build.check_expert_layout)."""
     if not spec.is_moe or setup.zero == 3 or lora is not None:
         return [1]
     powers = (1 << i for i in range(setup.dp.bit_length()))
-    return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep]
+    step = setup.tp if spec.expert_tp(setup.tp) == 1 else 1
+    return [ep for ep in powers if not setup.dp % ep and not spec.num_experts % ep and not ep % step]
 
 
 def context_parallel_sizes(spec: ModelSpec, seq_len: int, dp: int, lora: LoraShape | None = None,

@@ -83,7 +83,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
     if cfg.parallel.cp > 1:
         check_context_parallel_family(cfg, meta.model_spec)
     if meta.model_spec.is_moe:
-        check_expert_layout(cfg, dp, meta.model_spec.family)
+        check_expert_layout(cfg, dp, meta.model_spec.family, meta.model_spec.expert_tp(cfg.parallel.tp))
         recipe_aux_loss(cfg, meta.model_spec).check(pp)
     return dp
 
@@ -121,11 +121,20 @@ def master_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.float32 if cfg.parallel.dp_engine == "fsdp" else DTYPES[cfg.precision]
 
 
-def check_expert_layout(cfg: TrainConfig, dp: int, family: str) -> None:
-    """megatron-core carves the expert groups out of TP x CP x DP with expert TP = TP
-    (parallel_state.py:786-812): EP x TP must divide TP x CP x DP, i.e. EP divides CP x DP, and the
-    expert-data-parallel size is CP x DP / EP (under CP an EP group may hold a sequence's chunks)."""
+def check_expert_layout(cfg: TrainConfig, dp: int, family: str, expert_tp: int | None = None) -> None:
+    """megatron-core carves the expert groups out of TP x CP x DP with expert TP `expert_tp` (by default TP;
+    parallel_state.py:786-812): EP x TP must divide TP x CP x DP, i.e. EP divides CP x DP, and the
+    expert-data-parallel size is CP x DP / EP (under CP an EP group may hold a sequence's chunks). At
+    expert TP 1 (experts with biases, ModelSpec.expert_tp) the EP group holds the TP ranks, each with
+    experts of its own, only where EP is a multiple of TP: otherwise TP ranks share experts that each
+    trains on its own tokens, which neither megatron-core's expert layers at expert TP 1 without EP (their
+    sequence-parallel output is an in-place-modified view) nor DeepSpeed's gradient norm (shared
+    parameters counted on TP rank 0 only) handle."""
     tp, ep, cp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.cp
+    if expert_tp == 1 and tp > 1 and ep % tp:
+        raise ConfigError(f"parallel.tp={tp} with parallel.ep={ep}: {family}'s experts have biases, which megatron-core "
+                          f"runs at expert TP 1 only, so each TP rank must hold experts of its own: set parallel.ep to a "
+                          f"multiple of {tp}")
     if (dp * cp) % ep:
         ranks, named = (f"TP x CP x DP = {tp} x {cp} x {dp}", f"CP x DP ({cp * dp})") if cp > 1 else \
             (f"TP x DP = {tp} x {dp}", f"DP ({dp})")
@@ -191,7 +200,9 @@ def model_config(spec, cfg: TrainConfig, layout: Layout, layer_spec: str):
     dtype, aux_loss = master_dtype(cfg), None
     if spec.is_moe:
         aux_loss = recipe_aux_loss(cfg, spec)
-        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher, moe_router_dtype=cfg.moe.router_dtype)
+        settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
+        if cfg.moe.router_dtype:  # otherwise the family's: fp32 where HF routes in fp32 (the sigmoid routers)
+            settings.update(moe_router_dtype=cfg.moe.router_dtype)
     config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
                                 **settings)
     return config, aux_loss

@@ -124,20 +124,23 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
     pp = written[0][0]
     meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep})
     digests = []
-    if ps.get_expert_data_parallel_rank() == 0:  # one writer per (TP, PP, EP) rank
-        args = megatron_args(meta.model_spec, meta.layout, "torch")
-        layers = meta.model_spec.num_layers // pp
-        local_experts = meta.model_spec.num_experts // ep
-        for _, stage, chunk in written:
-            canonical = naming.canonical_names(name for name, _ in chunk.named_parameters())
-            weights = {canonical[name]: masters[param] for name, param in chunk.named_parameters()}
-            # the expert bias is a buffer, not a parameter: as the model holds it, in float32 as megatron-core keeps it
-            weights.update({naming.to_canonical(name): buffer.detach().to("cpu", torch.float32)
-                            for name, buffer in chunk.named_buffers() if name.endswith(BUFFERS)})
-            path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, ps.get_tensor_model_parallel_rank(),
-                                          stage, ps.get_expert_model_parallel_rank())
+    writer = ps.get_expert_data_parallel_rank() == 0  # one writer per (PP, EP) rank and its TP rank(s)
+    args = megatron_args(meta.model_spec, meta.layout, "torch")
+    layers = meta.model_spec.num_layers // pp
+    local_experts = meta.model_spec.num_experts // ep
+    for _, stage, chunk in written:
+        canonical = naming.canonical_names(name for name, _ in chunk.named_parameters())
+        weights = {canonical[name]: masters[param] for name, param in chunk.named_parameters()}
+        # the expert bias is a buffer, not a parameter: as the model holds it, in float32 as megatron-core keeps it
+        weights.update({naming.to_canonical(name): buffer.detach().to("cpu", torch.float32)
+                        for name, buffer in chunk.named_buffers() if name.endswith(BUFFERS)})
+        for tp_rank, rank_weights in _files_per_tp_rank(chunk, weights).items():
+            if not writer:
+                continue
+            path = torch_format.rank_file(step_dir / "model" / RELEASE, meta.layout, tp_rank, stage,
+                                          ps.get_expert_model_parallel_rank())
             digests.append((str(path.relative_to(step_dir / "model")),
-                            torch_format.save_rank_file(path, weights, args, "local", layers, local_experts)))
+                            torch_format.save_rank_file(path, rank_weights, args, "local", layers, local_experts)))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, digests)
     if dist.get_rank() == 0:
@@ -145,6 +148,27 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
         meta.write(step_dir / "model")
         (step_dir / "model" / TRACKER).write_text(RELEASE)
         shutil.copytree(source_dir / HF_DIR, step_dir / "model" / HF_DIR)
+
+
+def _files_per_tp_rank(chunk, weights: dict) -> dict[int, dict]:
+    """{TP rank: weights} of the per-rank files this rank's (PP, EP) rank writes: its own at expert TP =
+    TP. At expert TP 1 under TP > 1 the EP ranks are TP ranks (toolkit.train.build.check_expert_layout),
+    so no rank holds TP rank t's shard with another TP rank's experts, while the format keeps one file per
+    (TP, PP, EP): the file of every TP rank gets this rank's experts, whole, with that TP rank's other
+    weights, gathered over TP (collective: every rank calls it)."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.train.experts import is_expert
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if not ps.get_expert_tensor_parallel_world_size() == 1 < tp:
+        return {ps.get_tensor_model_parallel_rank(): weights}
+    experts = {naming.to_canonical(name) for name, param in chunk.named_parameters() if is_expert(param)}
+    shards = [None] * tp
+    dist.all_gather_object(shards, {k: v for k, v in weights.items() if k not in experts},
+                           group=ps.get_tensor_model_parallel_group())
+    own = {k: v for k, v in weights.items() if k in experts}
+    return {tp_rank: {**shard, **own} for tp_rank, shard in enumerate(shards)}
 
 
 def save(run_dir: Path, step: int, engine, module, shards, source, train_state: dict, source_meta, source_dir,

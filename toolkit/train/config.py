@@ -77,7 +77,8 @@ class MoeConfig:
     # megatron-core's (per layer, summed) or HF's load_balancing_loss_func (layers pooled; PP 1 only)
     aux_loss: Literal["megatron", "hf"] = "megatron"
     # megatron-core's moe_router_dtype: the router's logits, softmax and top-k in fp32 or fp64 (None:
-    # in the model's dtype). fp64 takes the router's own rounding out of its top-k choices (the tests
+    # as HF's model routes: fp32 for the sigmoid routers of GLM-4.5 and DeepSeek-V3, the model's dtype
+    # for the others). fp64 takes the router's own rounding out of its top-k choices (the tests
     # compare with an HF reference whose router runs in fp64); fp32 keeps bf16 runs' routing in fp32.
     router_dtype: Literal["fp32", "fp64"] | None = None
 

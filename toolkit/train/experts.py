@@ -50,8 +50,15 @@ def register_expert_groups(model, ep: int) -> str | None:
     if not experts:  # a pipeline stage of dense layers only: its weights are reduced over all of DP
         return None
     name = group_name(ep)
+    # At expert TP 1 under TP > 1 the EP group spans the TP ranks (toolkit.train.build.check_expert_layout),
+    # each holding experts of its own: DeepSpeed's gradient norm counts a parameter that is not
+    # TP-sharded on TP rank 0 only (stage_1_and_2.py:2682), which would leave out the other TP
+    # ranks' expert biases; `model_parallel` makes it count them on every rank.
+    distinct_over_tp = ps.get_expert_tensor_parallel_world_size() == 1 < ps.get_tensor_model_parallel_world_size()
     for param in experts:
         param.group_name = name
+        if distinct_over_tp:
+            param.model_parallel = True
     for registry, ranks, group in (
             (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ps.get_expert_model_parallel_group()),
             (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, ps.get_expert_data_parallel_group())):

@@ -103,7 +103,12 @@ def partial_over_tp(config, name: str, param) -> bool:
     """Replicated over TP, but each TP rank computes only part of its gradient: megatron's
     finalize_model_grads sums these over TP (_allreduce_non_tensor_model_parallel_grads, the same
     rule). Under sequence parallelism each rank normalises its own tokens (norms, tagged
-    `sequence_parallel`); q/k norms see each rank's own heads."""
+    `sequence_parallel`); q/k norms see each rank's own heads. Routed experts' biases carry the
+    tag too (megatron-core's expert MLPs are built with the model's config) but are no such part:
+    at expert TP = TP every TP rank computes its shard from the same dispatched tokens, and at
+    expert TP 1 (gpt-oss) each TP rank holds other experts, whose biases a sum would mix."""
+    if ".mlp.experts." in name:
+        return False
     return (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
         config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
 
