@@ -238,3 +238,63 @@ def test_the_published_mtp_tensors_are_left_out_with_a_line(tiny_qwen3_next, tmp
     assert "multi-token-prediction layer(s) (2 tensors mtp.*) are left out" in capfd.readouterr().err
     restored = load_all(megatron_to_hf(out, tmp_path / "h", progress=False))
     assert restored.keys() == original.keys() and all(torch.equal(restored[k], original[k]) for k in original)
+
+
+@pytest.mark.multiprocess
+def test_tp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
+    """The recipe at TP2 x DP2 x EP2 with sequence parallelism (so EP2 and TP2 x EP2 at once: the experts
+    whole on each TP rank at expert TP 1, the gated delta net's heads and the gated attention's query /
+    gate heads split over TP) on the tiny fp32 Qwen3-Next, with the routers' load-balancing loss
+    (router_aux_loss_coef 0.1 in megatron-core's per-layer form, written from HF's router logits by
+    tests/moe_reference.py) and the routers in fp64 on both sides: HF + torch AdamW's losses and gradient
+    norms over 10 steps, every step's tokens per expert as HF's routers chose them, and the HF export loads
+    in transformers. Guard: the reference without the attention's output gate is far off the run (the
+    in-process guards above cover the other pieces on the logits)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+
+    run = family_finetune_parity(tmp_path, VARIANT, 4, {"tp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                                 prepare=route_in_fp64, export_hf=True, router_aux_loss_coef=0.1)
+    print(f"Qwen3-Next TP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    # the dense first layer routes nothing: the MoE layers' counts are HF's routers'
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == run.step_loss.routing
+    assert len(run.step_loss.routing[0]) == 3
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    assert exported.config.model_type == "qwen3_next"
+
+    def without_gate(model):
+        route_in_fp64(model)
+        _drop(model, "output-gate")
+
+    pad = pad_token_id(run.hf)
+    off = differences(run.metrics, *hf_reference(run.hf, run.data, run.cfg, STEPS, step_loss=moe_step_loss(pad),
+                                                 prepare=without_gate))
+    print(f"guard, HF without the output gate: {off[0]:.1e} / {off[1]:.1e}")
+    assert off[0] > 100 * LOSS_TOLERANCE_FP32
+
+
+def test_lora_on_the_relaid_linears_is_refused_in_one_line():
+    """megatron-core holds q_proj / k_proj / v_proj (the query and its output gate interleaved per head,
+    Split.GATED_QKV) and in_proj_qkvz / in_proj_ba (regrouped per key head, Split.GDN_IN_PROJ) re-laid:
+    an adapter on them would need its B rows re-laid back on export. Refused before any process starts,
+    naming what can be adapted; all-linear is the linears whose rows are HF's (o_proj, out_proj, the MLPs).
+    Before: `target module(s) q_proj not in the qwen3_next family`, though it is."""
+    from toolkit.errors import AdapterError
+    from toolkit.lora import adapter
+    from toolkit.lora.peft_dir import LoraSettings
+
+    family, spec = spec_from_config(make_config(VARIANT).to_dict())
+    for modules, refused in ((("q_proj", "o_proj"), "q_proj"), (("k_proj", "v_proj"), "k_proj, v_proj"),
+                             (("in_proj_qkvz", "in_proj_ba", "out_proj"), "in_proj_qkvz, in_proj_ba")):
+        with pytest.raises(AdapterError, match=rf"^LoRA on {refused} of qwen3_next is not supported: megatron-core "
+                                               r"holds self_attention\.\w+\.weight re-laid .*\(adaptable: o_proj, "
+                                               r"out_proj, gate_proj, up_proj, down_proj\)$") as error:
+            adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, 0.0, modules))
+        assert "\n" not in str(error.value)
+    settings = adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, 0.0, ("all-linear",)))
+    assert set(settings.target_modules) == {"o_proj", "out_proj", "gate_proj", "up_proj", "down_proj"}
