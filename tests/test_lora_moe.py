@@ -12,7 +12,8 @@ rest (export, PeftModel logits, --merge, guards) runs in this process. A second 
 Qwen2-MoE's attention, shared expert and dense layers with the experts frozen; one launch each
 trains GLM-4.5's and DeepSeek-V3's (multi-latent attention) attention, dense layer, shared and routed
 experts (the sigmoid router with its expert bias, which stays the base model's on both sides), and
-gpt-oss's attention and routed experts (stored transposed, gate and up interleaved).
+gpt-oss's attention and routed experts (stored transposed, gate and up interleaved), and Qwen3-Next's
+output projections (o_proj, the gated delta net's out_proj), dense MLP, shared and routed experts.
 """
 
 from __future__ import annotations
@@ -278,3 +279,26 @@ def test_lora_on_gpt_oss_attention_and_interleaved_experts_at_ep2_matches_peft(t
         "model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
         "model.layers.2.self_attn.o_proj.weight"))
     assert_guards_fail(trained, experts=8, untrained=("self_attn.v_proj",))
+
+
+@pytest.mark.multiprocess
+def test_lora_on_qwen3_next_output_projections_and_experts_at_ep2_matches_peft(tmp_path):
+    """Qwen3-Next (gated delta net layers alternating with output-gated attention, a dense first layer,
+    a gated shared expert): LoRA on the linears whose rows megatron-core keeps as HF's (the attention's
+    o_proj, the gated delta net's out_proj, the dense MLP, the shared expert and every routed expert)
+    trains as PEFT's, every step routed as HF routes it; the adapter loads in PeftModel and --merge is
+    merge_and_unload(). Its re-laid q/k/v_proj and in_proj_qkvz / in_proj_ba are refused
+    (tests/test_family_qwen3_next.py)."""
+    mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]  # as PEFT keeps them (toolkit.lora.peft_rewrites)
+    trained = train_against_peft(tmp_path, "qwen3-next", ["o_proj", "out_proj"], EXPERTS + mlp, save_every=STEPS,
+                                 global_batch=SMALL_BATCH)
+    assert_matches_peft_training(trained)
+    keys = tensors(trained["run"] / "adapter")
+    for module in ("layers.1.self_attn.o_proj", "layers.0.linear_attn.out_proj", "layers.2.mlp.shared_expert.gate_proj",
+                   "layers.0.mlp.down_proj", "layers.3.mlp.experts"):
+        assert any(f"{module}.lora_" in k for k in keys), module
+    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
+        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.linear_attn.out_proj.weight",
+        "model.layers.3.self_attn.o_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight"))
+    assert_guards_fail(trained, experts=6, untrained=("linear_attn.out_proj", "shared_expert.down_proj"))
