@@ -6,7 +6,10 @@ HF is the reference: megatron-core loading our checkpoints at TP2 x PP2 x EP2 (b
 logits within 1e-4 in fp32, in the one launch of tests/test_published_parity.py. Each new piece has a
 guard here: HF's own model with that piece dropped (the output gate, the (1 + w) norms, the gated norm's
 plain w, the delta rule's decay, the causal conv) moves the logits far past that tolerance, so a
-conversion or a megatron-core build without it fails the parity check."""
+conversion or a megatron-core build without it fails the parity check.
+
+One launch fine-tunes at TP2 x DP2 x EP2 against HF + torch AdamW; LoRA on the re-laid linears is refused
+(the rest trains as PEFT's in tests/test_lora_moe.py)."""
 
 from __future__ import annotations
 
