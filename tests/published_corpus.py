@@ -27,7 +27,9 @@ CONVERTS = "converts"
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16,
          # multi-latent attention (DeepSeek-V3, Kimi-K2): every size distinct, as the tiny test models
-         "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}
+         "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+         # the gated delta net (Qwen3-Next): 2 key heads each serving 2 value heads, as the published 16 / 32
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12}
 LAYERS = {"gemma3_text": 6}
 HEADS = 4
 EXPERTS = 16
@@ -59,6 +61,8 @@ def shrink(published: dict) -> tuple[dict, dict]:
     for key in EXPERT_KEYS:
         if key in cfg:
             new[key] = min(cfg[key], EXPERTS)
+    if isinstance(cfg.get("layer_types"), list):  # one per layer: the first ones (Qwen3-Next: 3 linear, 1 full)
+        new["layer_types"] = cfg["layer_types"][:new["num_hidden_layers"]]
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)

@@ -41,13 +41,14 @@ def hf_counts(cfg) -> tuple[int, int]:
     return total, active
 
 
-TINY = ("deepseek-v3", "deepseek-v3-full-q", "glm4-moe", "glm4-moe-air", "gpt-oss")
+TINY = ("deepseek-v3", "deepseek-v3-full-q", "glm4-moe", "glm4-moe-air", "gpt-oss", "qwen3-next")
 
 
 @pytest.mark.parametrize("variant", TINY)
 def test_tiny_models_count_as_hf_builds_them(variant):
     """Every feature on (a dense first layer, shared experts, group-limited routing, the expert bias,
-    sinks, biases, partial rotary, q/k norms): the counts equal HF's, and the PP2 stages together hold
+    sinks, biases, partial rotary, q/k norms; Qwen3-Next's gated delta net layers and output-gated attention
+    layers, each on its own layers): the counts equal HF's, and the PP2 stages together hold
     the model once (the dense first layer on stage 0) plus the padded vocab rows."""
     cfg = make_config(variant)
     spec = spec_from_config(cfg.to_dict())[1]
@@ -90,6 +91,12 @@ def _deepseek_config(cfg: dict):
     return DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "auto_map", "quantization_config")})
 
 
+def _qwen3_next_config(cfg: dict):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(**cfg)
+
+
 def _glm_config(cfg: dict):
     from transformers import Glm4MoeConfig
 
@@ -106,6 +113,8 @@ PUBLISHED = {
     "deepseek-v3": (published("deepseek-v3"), _deepseek_config, (671, 1e9), 37, True),
     "kimi-k2-instruct": (published("kimi-k2-instruct"), _deepseek_config, (1, 1e12), 32, True),
     "glm-4.5-air": ({**GLM45_AIR, "model_type": "glm4_moe"}, _glm_config, (106, 1e9), 12, False),
+    # "80B total parameters, only 3B active" (79.67B; 3.87B with the embedding and output layer, 3.25B without)
+    "qwen3-next-80b-a3b-instruct": (published("qwen3-next-80b-a3b-instruct"), _qwen3_next_config, (79, 1e9), 3, False),
 }
 
 
