@@ -27,7 +27,9 @@ CONVERTS = "converts"
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16,
          # multi-latent attention (DeepSeek-V3, Kimi-K2): every size distinct, as the tiny test models
-         "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}
+         "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+         # the gated delta net (Qwen3-Next): 2 key heads each serving 2 value heads, as the published 16 / 32
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12}
 LAYERS = {"gemma3_text": 6}
 HEADS = 4
 EXPERTS = 16
@@ -59,6 +61,8 @@ def shrink(published: dict) -> tuple[dict, dict]:
     for key in EXPERT_KEYS:
         if key in cfg:
             new[key] = min(cfg[key], EXPERTS)
+    if isinstance(cfg.get("layer_types"), list):  # one per layer: the first ones (Qwen3-Next: 3 linear, 1 full)
+        new["layer_types"] = cfg["layer_types"][:new["num_hidden_layers"]]
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)
@@ -122,18 +126,24 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> 
     """A random model of the shrunk config (less the keys in `leave_out`), in the published dtype,
     with that config.json itself (not transformers' re-save of it) beside the weights. Where the config
     has an FP8 quantization_config, the weights are stored as published: FP8 with block scales
-    (toolkit/tinymodels.py quantize_fp8) and the expert bias in float32 (HF's _keep_in_fp32_modules_strict)."""
+    (toolkit/tinymodels.py quantize_fp8) and the expert bias in float32 (HF's _keep_in_fp32_modules_strict);
+    an MXFP4 one (gpt-oss), the fused experts as MXFP4 blocks and scales (quantize_mxfp4)."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.tinymodels import quantize_fp8, save_random_model
+    from toolkit.tinymodels import quantize_fp8, quantize_mxfp4, save_random_model
 
     cfg = {k: v for k, v in config(name).items() if k not in leave_out}
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    quantization = cfg.get("quantization_config")
+    mxfp4 = isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+    # gpt-oss's file names no dtype: its checkpoints hold bf16 beside the MXFP4 experts (dequantized to bf16)
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or ("bfloat16" if mxfp4 else "float32")
     model_type = transformers_model_type(cfg)
     # as its own model_type: transformers lays out the saved experts by it (Kimi-K2's kimi_k2 has no layout)
     model_config = CONFIG_MAPPING[model_type].from_dict(json.loads(json.dumps({**cfg, "model_type": model_type})))
     save_random_model(model_config, directory, dtype=dtype)
-    if isinstance(cfg.get("quantization_config"), dict):
+    if mxfp4:
+        quantize_mxfp4(directory)
+    elif isinstance(quantization, dict):
         quantize_fp8(directory, tuple(cfg["quantization_config"]["weight_block_size"]))
         _expert_bias_in_float32(directory)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

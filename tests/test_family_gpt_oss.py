@@ -26,7 +26,7 @@ from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
-from toolkit.tinymodels import make_config, make_tiny_model
+from toolkit.tinymodels import make_config, make_tiny_model, quantize_mxfp4
 
 VARIANT = "gpt-oss"
 MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
@@ -155,19 +155,9 @@ def quantize_experts(src, dst) -> dict[str, torch.Tensor]:
     `<name>_blocks` [E, out, in / 32, 16] uint8, `<name>_scales` [E, out, in / 32] uint8, quantization_config
     mxfp4); returns the dequantized weights as HF uses them, by dequantized_reference."""
     shutil.copytree(src, dst)
-    generator, expected = torch.Generator().manual_seed(7), {}
-
-    def quantize(tensors):
-        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-            experts, inner, outer = tensors.pop(name).shape
-            blocks = torch.randint(0, 256, (experts, outer, inner // 32, 16), generator=generator, dtype=torch.uint8)
-            scales = torch.randint(122, 129, (experts, outer, inner // 32), generator=generator, dtype=torch.uint8)
-            tensors.update({name + "_blocks": blocks, name + "_scales": scales})
-            expected[name] = dequantized_reference(blocks, scales)
-
-    edit_tensors(dst, quantize)
+    packed = quantize_mxfp4(dst)
     edit_config(dst, quantization_config=MXFP4_CONFIG)
-    return expected
+    return {name: dequantized_reference(blocks, scales) for name, (blocks, scales) in packed.items()}
 
 
 def test_mxfp4_dequantization_matches_the_format_and_transformers():

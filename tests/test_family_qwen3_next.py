@@ -23,6 +23,7 @@ from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_config
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
+from tests.test_family_deepseek_v3 import assert_memory_counts_each_rank
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
@@ -152,12 +153,15 @@ def test_gated_delta_nets_output_norm_is_plain_w_where_the_models_norms_are_one_
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_qwen3_next, tmp_path, fmt):
     """bf16 at TP2 x PP2 x EP2: every tensor back, bit for bit (in_proj_qkvz / in_proj_ba / conv1d / q_proj
-    re-laid out and back; torch_dist's per-part keys of in_proj and conv1d joined again)."""
+    re-laid out and back; torch_dist's per-part keys of in_proj and conv1d joined again). Each rank's torch
+    file holds the tensors `toolkit memory` counts for it (the gated delta net's on its linear layers only)."""
     from transformers import AutoModelForCausalLM
 
     src = tiny_qwen3_next[f"{VARIANT}-bf16"]
     original = load_all(src)
     out = hf_to_megatron(src, tmp_path / "m", tp=2, pp=2, ep=2, fmt=fmt, progress=False)
+    if fmt == "torch":
+        assert_memory_counts_each_rank(out, VARIANT)
     restored = load_all(megatron_to_hf(out, tmp_path / "h", progress=False))
     assert set(restored) == set(original) and "model.layers.2.linear_attn.in_proj_qkvz.weight" in restored
     assert all(torch.equal(restored[k], original[k]) and restored[k].dtype == original[k].dtype for k in original)

@@ -41,13 +41,14 @@ def hf_counts(cfg) -> tuple[int, int]:
     return total, active
 
 
-TINY = ("deepseek-v3", "deepseek-v3-full-q", "glm4-moe", "glm4-moe-air", "gpt-oss")
+TINY = ("deepseek-v3", "deepseek-v3-full-q", "glm4-moe", "glm4-moe-air", "gpt-oss", "qwen3-next")
 
 
 @pytest.mark.parametrize("variant", TINY)
 def test_tiny_models_count_as_hf_builds_them(variant):
     """Every feature on (a dense first layer, shared experts, group-limited routing, the expert bias,
-    sinks, biases, partial rotary, q/k norms): the counts equal HF's, and the PP2 stages together hold
+    sinks, biases, partial rotary, q/k norms; Qwen3-Next's gated delta net layers and output-gated attention
+    layers, each on its own layers): the counts equal HF's, and the PP2 stages together hold
     the model once (the dense first layer on stage 0) plus the padded vocab rows."""
     cfg = make_config(variant)
     spec = spec_from_config(cfg.to_dict())[1]
@@ -90,6 +91,12 @@ def _deepseek_config(cfg: dict):
     return DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "auto_map", "quantization_config")})
 
 
+def _qwen3_next_config(cfg: dict):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(**cfg)
+
+
 def _glm_config(cfg: dict):
     from transformers import Glm4MoeConfig
 
@@ -106,6 +113,8 @@ PUBLISHED = {
     "deepseek-v3": (published("deepseek-v3"), _deepseek_config, (671, 1e9), 37, True),
     "kimi-k2-instruct": (published("kimi-k2-instruct"), _deepseek_config, (1, 1e12), 32, True),
     "glm-4.5-air": ({**GLM45_AIR, "model_type": "glm4_moe"}, _glm_config, (106, 1e9), 12, False),
+    # "80B total parameters, only 3B active" (79.67B; 3.87B with the embedding and output layer, 3.25B without)
+    "qwen3-next-80b-a3b-instruct": (published("qwen3-next-80b-a3b-instruct"), _qwen3_next_config, (79, 1e9), 3, False),
 }
 
 
@@ -166,3 +175,25 @@ def test_multi_latent_attention_is_priced_on_the_local_spec_it_runs_on_a_gpu_too
     assert on_gpu.stages[0].reserve > 0 == local.stages[0].reserve
     fp32_scores = 4 * spec.num_heads * 2 * 32 * 32 * spec.num_layers
     assert local.stages[0].activations > on_gpu.stages[0].activations > fp32_scores  # the SwiGLU fused only
+
+
+def test_qwen3_next_prices_s_squared_scores_on_its_attention_layers_only():
+    """Qwen3-Next-80B at 16,384 tokens on megatron-core's local spec (unfused attention): its 12 attention
+    layers keep fp32 scores and bf16 probabilities of s^2 per head, its 36 gated delta net layers none (a
+    [d_k, d_v] state per head and chunk of 64 tokens instead), so a layer of those keeps twice the bytes at
+    twice the tokens. Every layer was priced as attention: 48 layers of scores. (The gated delta net's terms
+    are modelled on megatron-core's GatedDeltaNet with fla's kernels, not measured: the CPU runs the
+    token-at-a-time torch rule.)"""
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import CPU_LOCAL, estimate
+    from toolkit.memory.activations import Shape, gated_delta_net_layer_bytes
+
+    spec = spec_from_config(published("qwen3-next-80b-a3b-instruct"))[1]
+    assert spec.linear_layers.count("1") == 36
+    seq = 16384
+    setup = Setup(gpus=8, tp=1, pp=1, zero=3, precision="bf16", micro_batch=1, global_batch=8)
+    scores = spec.num_heads * seq * seq * (4 + 2)  # one attention layer's fp32 scores and bf16 probabilities
+    activations = estimate(spec, setup, seq, kernels=CPU_LOCAL).stages[0].activations
+    assert 12 * scores < activations < 24 * scores, activations / scores
+    per_layer = [gated_delta_net_layer_bytes(spec, Shape(s, 1, 1, 2), CPU_LOCAL) for s in (seq, 2 * seq)]
+    assert per_layer[1] == 2 * per_layer[0]

@@ -320,3 +320,31 @@ def quantize_fp8(directory: str | Path, block: tuple[int, int] = (128, 128)) -> 
                                      "weight_block_size": list(block)}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+# gpt-oss's fused expert weights as published: MXFP4 codes in blocks of 32 sharing an E8M0 scale byte
+MXFP4_FUSED = ("experts.gate_up_proj", "experts.down_proj")
+MXFP4_BLOCK = 32
+# scale bytes 2 ** (s - 127) of 2^-9 .. 2^-6: random codes (magnitudes up to 6) give weights of an initialised
+# model's spread (0.02), so logits stay small enough for the fp32 parity bar
+MXFP4_SCALES = (118, 122)
+
+
+def quantize_mxfp4(directory: str | Path, seed: int = 7) -> dict:
+    """Replace a saved tiny gpt-oss's fused expert weights by random MXFP4 ones, as gpt-oss publishes them:
+    `<name>_blocks` [E, out, in / 32, 16] uint8 (two codes a byte) and `<name>_scales` [E, out, in / 32]
+    uint8; returns {name: (blocks, scales)}. The caller writes quantization_config (quant_method mxfp4)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    generator, packed = torch.Generator().manual_seed(seed), {}
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(MXFP4_FUSED)]:
+        experts, inner, outer = tensors.pop(name).shape
+        shape = (experts, outer, inner // MXFP4_BLOCK)
+        packed[name] = (torch.randint(0, 256, (*shape, MXFP4_BLOCK // 2), generator=generator, dtype=torch.uint8),
+                        torch.randint(*MXFP4_SCALES, shape, generator=generator, dtype=torch.uint8))
+        tensors.update({name + "_blocks": packed[name][0], name + "_scales": packed[name][1]})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return packed

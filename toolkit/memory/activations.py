@@ -95,6 +95,44 @@ def layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str 
     return norms + _linear_inputs(spec, shape) + attention + mlp
 
 
+# fla's chunked gated delta rule works on chunks of 64 tokens: one [d_k, d_v] state per head and chunk, and
+# the chunk's [64] WY weights per token and head (fla/ops/gated_delta_rule/chunk.py)
+GDN_CHUNK = 64
+
+
+def gated_delta_net_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str = "none") -> int:
+    """Bytes a gated delta net (linear attention) layer keeps for backward for one micro-batch, modelled on
+    megatron-core's GatedDeltaNet with fla's chunked kernel (gated_delta_net.py:280-421): no s^2 scores, but
+    the input norm; in_proj's input and its output [q; k; v; z; beta; alpha]; conv1d's output and its silu
+    (q, k, v channels); the l2-normed q, k; g and beta in fp32; one [d_k, d_v] state per value head and
+    chunk of 64 tokens and the chunk's WY weights (fp32); the gated norm's input, gate and output; out_proj's
+    input. Heads split over TP; the MLP as any layer's. Not measured (the CPU path runs the token-at-a-time
+    torch rule, toolkit/runtime/gated_delta_rule.py, which keeps a state per token instead)."""
+    if recompute == "full":
+        return shape.act_bytes * shape.hidden_tokens(spec)
+    la, t, b = spec.linear_attention, shape.tokens, shape.act_bytes
+    qk, v, heads = la["k_heads"] * la["k_dim"], la["v_heads"] * la["v_dim"], la["v_heads"] // shape.tp
+    projected = t * (2 * qk + 2 * v + 2 * la["v_heads"]) // shape.tp
+    conv = 2 * t * (2 * qk + v) // shape.tp
+    chunks = shape.batch * -(-shape.local_seq // GDN_CHUNK)
+    rule = b * t * 2 * qk // shape.tp + FP32 * t * heads * (2 + GDN_CHUNK) + b * chunks * heads * la["k_dim"] * la["v_dim"]
+    gated_norm = 3 * b * t * v // shape.tp
+    mlp = _moe(spec, shape, kernels) if spec.is_moe else _swiglu(spec, shape, kernels)
+    linear_inputs = b * (2 * shape.hidden_tokens(spec) + t * v // shape.tp)  # the norms' outputs (in_proj's, the MLP's inputs), out_proj's
+    return 2 * _norm(spec, shape, kernels) + linear_inputs + b * (projected + conv) + rule + gated_norm + mlp
+
+
+def stage_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str, layers: range) -> int:
+    """Bytes the layers `layers` keep per layer on average: Qwen3-Next's gated delta net layers and attention
+    layers keep different activations (ModelSpec.linear_layers); any other model's layers the same."""
+    if not spec.linear_layers:
+        return layer_bytes(spec, shape, kernels, recompute)
+    linear = sum(spec.linear_layers[n] == "1" for n in layers)
+    total = (linear * gated_delta_net_layer_bytes(spec, shape, kernels, recompute)
+             + (len(layers) - linear) * layer_bytes(spec, shape, kernels, recompute))
+    return -(-total // len(layers))
+
+
 def recompute_working_set(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str) -> int:
     """With full recompute, backward rebuilds one layer's activations at a time."""
     return layer_bytes(spec, shape, kernels) if recompute == "full" else 0

@@ -235,7 +235,7 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
     layers = spec.num_layers // setup.pp
     padded_vocab = Layout(setup.tp, setup.pp).padded_vocab(spec.vocab_size)
     last = stage == setup.pp - 1
-    layer = act.layer_bytes(spec, shape, kernels, recompute)
+    layer = act.stage_layer_bytes(spec, shape, kernels, recompute, Layout(setup.tp, setup.pp).stage_layers(spec, stage))
     working_set = act.recompute_working_set(spec, shape, kernels, recompute)
     final = act.last_stage_bytes(spec, shape, kernels, padded_vocab)
     if lora is not None:

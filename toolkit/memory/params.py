@@ -39,7 +39,7 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
         if row.split.over_tp:
             numel //= tp
         if row.per_layer:
-            layers = sum(row.on_layer(n, spec.moe_layers) for n in Layout(tp, pp).stage_layers(spec, stage))
+            layers = sum(row.on_layer(n, spec.moe_layers, spec.linear_layers) for n in Layout(tp, pp).stage_layers(spec, stage))
             numels += [numel] * layers * (spec.num_experts // ep if row.per_expert else 1)
         elif row.megatron.startswith(EMBEDDING_PREFIX):
             numels += [numel] * first
@@ -81,7 +81,7 @@ def _count(spec: ModelSpec, experts: int) -> int:
         if row.is_buffer:
             continue
         numel = sum(math.prod(spec.size_of(s) for s in shape) for shape in row.shapes)
-        layers = sum(row.on_layer(n, spec.moe_layers) for n in range(spec.num_layers)) if row.per_layer else 1
+        layers = sum(row.on_layer(n, spec.moe_layers, spec.linear_layers) for n in range(spec.num_layers)) if row.per_layer else 1
         total += numel * layers * (experts if row.per_expert else 1)
     return total
 
