@@ -44,6 +44,9 @@ _DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+# The router weight of a MoE layer, which transformers >= 5.24 keeps (and saves) in float32 for GLM-4.5 and
+# DeepSeek-V3 (_keep_in_fp32_modules_strict): refused with the way out (check_weight_dtypes)
+ROUTER_WEIGHT_SUFFIX = ".mlp.gate.weight"
 # Per-layer rotary buffers older checkpoints stored (Llama 2 era fine-tunes, some DeepSeek / Kimi exports).
 # transformers computes the frequencies from config.json and drops these on load
 # (modeling_utils.py `_adjust_missing_and_unexpected_keys`); so does the conversion, saying so.
@@ -185,6 +188,12 @@ def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | Non
         expected = expected or entry.dtype
         if entry.dtype != expected:
             declared = f"config.json says dtype {config_dtype}" if config_dtype else f"other tensors are {expected}"
+            if entry.dtype == "F32" and name.endswith(ROUTER_WEIGHT_SUFFIX):
+                # transformers >= 5.24 keeps these routers in float32 (_keep_in_fp32_modules_strict) and saves them so
+                raise ConversionError(f"{entry.file}: the router weight {name!r} is F32 among {expected} weights, as "
+                                      "transformers >= 5.24 saves GLM-4.5 / DeepSeek-V3 routers; a float32 router is not "
+                                      "converted yet: cast the `mlp.gate.weight` tensors to the weights' dtype (as the "
+                                      "published checkpoints store them) or save the model with transformers <= 5.23")
             raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} but {declared}: the header or "
                                   "config.json is wrong; re-save the model with save_pretrained")
 
