@@ -282,23 +282,27 @@ def test_lora_on_gpt_oss_attention_and_interleaved_experts_at_ep2_matches_peft(t
 
 
 @pytest.mark.multiprocess
-def test_lora_on_qwen3_next_output_projections_and_experts_at_ep2_matches_peft(tmp_path):
+def test_lora_on_qwen3_next_attention_gated_delta_net_and_experts_at_ep2_matches_peft(tmp_path):
     """Qwen3-Next (gated delta net layers alternating with output-gated attention, a dense first layer,
-    a gated shared expert): LoRA on the linears whose rows megatron-core keeps as HF's (the attention's
-    o_proj, the gated delta net's out_proj, the dense MLP, the shared expert and every routed expert)
-    trains as PEFT's, every step routed as HF routes it; the adapter loads in PeftModel and --merge is
-    merge_and_unload(). Its re-laid q/k/v_proj and in_proj_qkvz / in_proj_ba are refused
-    (tests/test_family_qwen3_next.py)."""
+    a gated shared expert): LoRA on every linear — the attention's q/k/v_proj (megatron-core holds q_proj's
+    query and output gate re-laid, Split.GATED_QKV) and o_proj, the gated delta net's in_proj_qkvz /
+    in_proj_ba (re-laid per key head, Split.GDN_IN_PROJ) and out_proj, the dense MLP, the shared expert and
+    every routed expert — trains as PEFT's, every step routed as HF routes it; the adapter loads in
+    PeftModel and --merge is merge_and_unload(). Guards: q_proj or in_proj_qkvz left untrained fails it."""
     mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]  # as PEFT keeps them (toolkit.lora.peft_rewrites)
-    trained = train_against_peft(tmp_path, "qwen3-next", ["o_proj", "out_proj"], EXPERTS + mlp, save_every=STEPS,
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
+    trained = train_against_peft(tmp_path, "qwen3-next", attention, EXPERTS + mlp, save_every=STEPS,
                                  global_batch=SMALL_BATCH)
     assert_matches_peft_training(trained)
     keys = tensors(trained["run"] / "adapter")
     for module in ("layers.1.self_attn.o_proj", "layers.0.linear_attn.out_proj", "layers.2.mlp.shared_expert.gate_proj",
-                   "layers.0.mlp.down_proj", "layers.3.mlp.experts"):
+                   "layers.0.mlp.down_proj", "layers.3.mlp.experts", "layers.1.self_attn.q_proj",
+                   "layers.0.linear_attn.in_proj_qkvz", "layers.2.linear_attn.in_proj_ba"):
         assert any(f"{module}.lora_" in k for k in keys), module
     assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
         "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.linear_attn.out_proj.weight",
         "model.layers.3.self_attn.o_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
-        "model.layers.0.mlp.down_proj.weight"))
-    assert_guards_fail(trained, experts=6, untrained=("linear_attn.out_proj", "shared_expert.down_proj"))
+        "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.2.linear_attn.in_proj_ba.weight"))
+    assert_guards_fail(trained, experts=6, untrained=("linear_attn.out_proj", "shared_expert.down_proj",
+                                                      "self_attn.q_proj", "linear_attn.in_proj_qkvz"))

@@ -18,12 +18,10 @@ from toolkit.splits import Split
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear but the output layer
 COLUMN, ROW = "column", "row"
 # Split kinds of linear weights; VOCAB (embedding, output layer) and REPLICATED (norms) are not targets.
-_COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP)
-# Linears megatron-core holds with HF's rows re-laid across the parts (Qwen3-Next's q_proj: query and
-# output gate interleaved per head; the gated delta net's in_proj_qkvz / in_proj_ba regrouped per key
-# head): LoRA's B would need the same re-layout on export, which the adapter code does not do.
-_RELAID_SPLITS = {Split.GATED_QKV: "the query and its output gate interleaved per head",
-                  Split.GDN_IN_PROJ: "the gated delta net's projections regrouped per key head"}
+# Qwen3-Next's re-laid ones (GATED_QKV, GDN_IN_PROJ) included: the adapter's rows are placed by the split itself
+# (toolkit.lora.shards), so B follows the base weight's re-layout both ways.
+_COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP, Split.GATED_QKV,
+                  Split.GDN_IN_PROJ)
 
 
 @dataclass(frozen=True)
@@ -99,15 +97,6 @@ def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_no
         raise AdapterError(f"LoRA on the Mixture-of-Experts router ({router[0]}) is not supported: the router is "
                            "kept frozen so that routing stays the base model's; leave it out of peft.target_modules "
                            "and peft.target_parameters")
-    relaid = [(name.removesuffix(".weight").rsplit(".", 1)[1], row) for row in family.rows_for(spec)
-              if row.split in _RELAID_SPLITS for name in row.hf]
-    refused = [(name, row) for name, row in relaid if name in wanted]
-    if refused:
-        (name, row), names_refused = refused[0], ", ".join(dict.fromkeys(n for n, _ in refused))
-        raise AdapterError(f"LoRA on {names_refused} of {family.name} is not supported: megatron-core holds "
-                           f"{row.megatron.removeprefix('decoder.layers.*.')} re-laid ({_RELAID_SPLITS[row.split]}), "
-                           f"so the adapter could not be exported as PEFT's; leave {names_refused} out of "
-                           f"peft.target_modules (adaptable: {', '.join(dict.fromkeys(names))})")
     unknown = sorted(wanted - set(names))
     if unknown:
         raise AdapterError(f"target module(s) {', '.join(unknown)} not in the {family.name} family "
