@@ -248,8 +248,9 @@ def test_the_published_mtp_tensors_are_left_out_with_a_line(tiny_qwen3_next, tmp
 
 
 @pytest.mark.multiprocess
-def test_tp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
-    """The recipe at TP2 x DP2 x EP2 with sequence parallelism (so EP2 and TP2 x EP2 at once: the experts
+def test_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (so EP2, TP2 x EP2 and PP2 at once: a
+    gated delta net and an attention layer on each stage, the dense first layer on the first; the experts
     whole on each TP rank at expert TP 1, the gated delta net's heads and the gated attention's query /
     gate heads split over TP) on the tiny fp32 Qwen3-Next, with the routers' load-balancing loss
     (router_aux_loss_coef 0.1 in megatron-core's per-layer form, written from HF's router logits by
@@ -262,10 +263,10 @@ def test_tp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
     from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
     from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
 
-    run = family_finetune_parity(tmp_path, VARIANT, 4, {"tp": 2, "ep": 2, "sequence_parallel": True},
+    run = family_finetune_parity(tmp_path, VARIANT, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
                                  lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
                                  prepare=route_in_fp64, export_hf=True, router_aux_loss_coef=0.1)
-    print(f"Qwen3-Next TP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    print(f"Qwen3-Next TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
     assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
         (run.loss, run.norm)
     # the dense first layer routes nothing: the MoE layers' counts are HF's routers'
