@@ -329,8 +329,11 @@ class _FillingFileSystem(FileSystem):
 @contextmanager
 def _quiet_about(errors: list[BaseException]):
     """No traceback printed for a DCP writer thread that died of an error in `errors`, which
-    the caller raises as the conversion's one error; any other is printed as usual."""
+    the caller raises as the conversion's one error; any other is printed as usual. When DCP's own
+    (main-thread) write fails it returns without joining its other writer threads
+    (filesystem.py _write_data): they are joined here, before the usual hook is back."""
     printing = threading.excepthook
+    before = set(threading.enumerate())
 
     def hook(args):
         if args.exc_value not in errors:
@@ -340,6 +343,9 @@ def _quiet_about(errors: list[BaseException]):
     try:
         yield
     finally:
+        for thread in set(threading.enumerate()) - before:
+            if thread.name.endswith("(_write_files_from_queue)"):  # Python names a thread after its target
+                thread.join()
         threading.excepthook = printing
 
 
