@@ -172,7 +172,7 @@ def hf_to_megatron(
               "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
               "the converted checkpoint and its export are bf16, their config.json without quantization_config",
               file=sys.stderr)
-    if getattr(src, "stale_rotary", None):
+    if src.stale_rotary:
         print(f"note: {len(src.stale_rotary)} stored rotary frequency buffer(s) (e.g. {src.stale_rotary[0]!r}) are left "
               "out: transformers recomputes them from config.json and ignores them on load too", file=sys.stderr)
     left_out = mtp_tensors(src, family, spec)
