@@ -12,6 +12,7 @@ summed, and the window dropped under CP, each fail it.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,6 +305,39 @@ def test_plan_finds_context_parallel_layouts_for_llama_3_1_8b_at_65536_tokens():
     assert without and all(c.recompute == "full" for c in without)
     assert best.time.tokens_per_gpu_s > max(c.time.tokens_per_gpu_s for c in without)
     assert planner.context_parallel_sizes(spec, 4096, 8) == [1]  # short sequences: not enumerated
+
+
+def test_plan_without_full_recompute_finds_llama_3_1_8b_at_65536_tokens_a_cp_layout_and_none_without(capsys):
+    """The recipe runs without recompute unless asked (parallel.recompute), and full recompute costs a
+    second forward pass: limited to none / selective, `toolkit plan` finds no layout without CP on 8 x 80 GiB
+    (each rank holds the whole sequence's activations: 120 GiB at TP8), and with CP it finds TP2 x CP4.
+    The narrowed search says what the full one finds."""
+    from toolkit.cli import main
+
+    common = ["plan", "--model", str(Path(REPO) / "ds_configs" / "models" / "llama-3.1-8b"), "--gpus", "8",
+              "--gpu-memory", "80GiB", "--seq-len", "65536", "--no-offload", "--recompute", "none", "selective"]
+    assert main([*common, "--max-cp", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits in 8 x 80 GiB without offload" in out and "CP" not in out.split("note: without the limits")[0]
+    assert "note: without the limits (recompute none/selective, CP <= 1)" in out and "CP4 (DP1 x CP4)" in out
+    assert main(common) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[1]
+    assert first.startswith("  1. ") and "CP4 (DP1 x CP4)" in first and "recompute none" in first, out
+    assert "recompute full" not in out
+
+
+def test_plan_refuses_an_empty_recompute_list_or_a_cp_limit_below_one():
+    import toolkit.plan as planner
+    from toolkit.errors import ConfigError
+    from toolkit.memory import GIB
+    from toolkit.modelspec import read
+
+    spec = read(Path(REPO) / "ds_configs" / "models" / "llama-3.1-8b")
+    with pytest.raises(ConfigError, match="recompute modes must be among none, selective, full, got sometimes"):
+        planner.plan(spec, planner.Cluster(8, 80 * GIB), 4096, recompute=("sometimes",))
+    with pytest.raises(ConfigError, match="context-parallel size must be 1 or more, got 0"):
+        planner.plan(spec, planner.Cluster(8, 80 * GIB), 4096, max_cp=0)
 
 
 @pytest.mark.multiprocess

@@ -8,7 +8,8 @@ DP and the number of experts is tried (the throughput model does not price EP's 
 so equal-speed layouts keep the smaller EP first). At sequences of CP_MIN_SEQ tokens or more, every
 context-parallel size (parallel.cp: powers of two dividing DP x CP and the sequence's 2·CP chunks)
 is tried too: each rank then holds seq / CP tokens of activations. When nothing fits, the result
-says so and says what would: offload, more GPUs, or recompute.
+says so and says what would: offload, more GPUs, recompute, or context parallelism. The search can be
+narrowed to the recompute modes a user accepts (`recompute`) and CP sizes up to `max_cp`.
 """
 
 from __future__ import annotations
@@ -93,26 +94,52 @@ class Plan:
 
 def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: int | None = None,
          precision: str = "bf16", schedule: str = "megatron", allow_offload: bool = True,
-         lora: LoraShape | None = None, vpp: int = 1, dp_engine: str = "deepspeed", dpo: bool = False) -> Plan:
+         lora: LoraShape | None = None, vpp: int = 1, dp_engine: str = "deepspeed", dpo: bool = False,
+         recompute: tuple[str, ...] = RECOMPUTE, max_cp: int = MAX_CP) -> Plan:
     """With `lora`, the layouts of a LoRA fine-tune (toolkit.memory.lora), and advice that says
     whether full fine-tuning would fit too. `vpp`: virtual stages per pipeline rank of every layout
     with PP > 1 (interleaved 1F1B); layouts that break its rules are left out. dp_engine="fsdp":
     PyTorch FSDP2 layouts (the recipe's parallel.dp_engine=fsdp: PP = 1, no offload; its step time
     taken as ZeRO-3's). `dpo`: method=dpo's memory (toolkit.memory.estimate: pairs per micro-batch, the
-    reference copy of a full fine-tune); the step time is not yet priced for its reference pass."""
+    reference copy of a full fine-tune); the step time is not yet priced for its reference pass.
+    `recompute`: the recompute modes tried (full recompute costs a second forward pass); `max_cp`: the
+    largest context-parallel size tried (1: none). When they rule out every layout, the advice says
+    what the full search finds."""
+    if not recompute or set(recompute) - set(RECOMPUTE):
+        raise ConfigError(f"recompute modes must be among {', '.join(RECOMPUTE)}, got {', '.join(recompute) or 'none'}")
+    if max_cp < 1:
+        raise ConfigError(f"the largest context-parallel size must be 1 or more, got {max_cp}")
+    recompute = tuple(mode for mode in RECOMPUTE if mode in recompute)  # least recompute first
     global_batch = global_batch or default_global_batch(cluster.gpus)
     if dp_engine == "fsdp":
         check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
     candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora,
-                                  vpp, dp_engine, dpo=dpo))
+                                  vpp, dp_engine, dpo=dpo, recompute=recompute, max_cp=max_cp))
     fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
     result = Plan(cluster, fitting, None if fitting else smallest, [])
-    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora, vpp, dpo=dpo)
+    result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora, vpp, dpo=dpo,
+                            recompute=recompute, max_cp=max_cp)
+    narrowed = tuple(recompute) != RECOMPUTE or max_cp < MAX_CP
+    if not result.fits_without_offload and narrowed:
+        wider = plan(spec, cluster, seq_len, global_batch, precision, schedule, False, lora, vpp, dp_engine, dpo)
+        result.advice.append(_what_the_full_search_finds(wider, recompute, max_cp))
     if lora is not None:
-        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, vpp=vpp, dpo=dpo)
+        full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, vpp=vpp, dpo=dpo,
+                    recompute=recompute, max_cp=max_cp)
         result.advice.append(_lora_versus_full(result, full, lora))
     return result
+
+
+def _what_the_full_search_finds(wider: Plan, recompute: tuple[str, ...], max_cp: int) -> str:
+    """What a plan narrowed by `recompute` / `max_cp` left out, from the search without those limits."""
+    limits = ([f"recompute {'/'.join(recompute)}"] if tuple(recompute) != RECOMPUTE else []) + \
+             ([f"CP <= {max_cp}"] if max_cp < MAX_CP else [])
+    if not wider.fits_without_offload:
+        return f"without the limits ({', '.join(limits)}) nothing fits without offload either"
+    best = wider.best
+    return (f"without the limits ({', '.join(limits)}), {len(wider.ranked)} layouts fit; the best: "
+            f"{best.explain(wider.cluster)}")
 
 
 def _lora_versus_full(with_lora: Plan, full: Plan, lora: LoraShape) -> str:
@@ -157,7 +184,7 @@ def expert_parallel_sizes(spec: ModelSpec, setup: Setup, lora: LoraShape | None 
 
 
 def context_parallel_sizes(spec: ModelSpec, seq_len: int, dp: int, lora: LoraShape | None = None,
-                           dp_engine: str = "deepspeed") -> list[int]:
+                           dp_engine: str = "deepspeed", max_cp: int = MAX_CP) -> list[int]:
     """CP sizes the recipe can run (parallel.cp) for a long sequence: powers of two dividing `dp`
     (DeepSpeed's DP x CP) whose 2·CP chunks divide the sequence; 1 alone for a short sequence,
     where the recipe refuses CP on GPUs (sliding windows on the Transformer Engine spec, LongRoPE,
@@ -165,11 +192,12 @@ def context_parallel_sizes(spec: ModelSpec, seq_len: int, dp: int, lora: LoraSha
     if (seq_len < CP_MIN_SEQ or spec.window_size or spec.longrope or spec.is_moe or lora is not None
             or dp_engine == "fsdp"):
         return [1]
-    return [cp for cp in (1 << i for i in range(MAX_CP.bit_length())) if not dp % cp and not seq_len % (2 * cp)]
+    return [cp for cp in (1 << i for i in range(min(max_cp, MAX_CP).bit_length()))
+            if not dp % cp and not seq_len % (2 * cp)]
 
 
 def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora=None, vpp=1,
-                dp_engine="deepspeed", dpo=False):
+                dp_engine="deepspeed", dpo=False, recompute=RECOMPUTE, max_cp=MAX_CP):
     fsdp = dp_engine == "fsdp"
     offloads = OFFLOADS if allow_offload and not fsdp else OFFLOADS[:1]
     zero_stages = (3,) if fsdp else _zero_stages(schedule)  # FSDP: the ZeRO-3 Setup only sizes the batch
@@ -177,7 +205,7 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
     for (tp, pp), zero, offload, micro in itertools.product(tp_pp, zero_stages, offloads, MICRO_BATCHES):
         # DeepSpeed's view of a CP run (toolkit.train.build.ds_setup): DP x CP ranks, each CP rank's
         # share of a sequence counted as a sample
-        for cp in context_parallel_sizes(spec, seq_len, cluster.gpus // (tp * pp), lora, dp_engine):
+        for cp in context_parallel_sizes(spec, seq_len, cluster.gpus // (tp * pp), lora, dp_engine, max_cp):
             setup = Setup(gpus=cluster.gpus, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1, zero=zero, precision=precision,
                           micro_batch=micro, global_batch=global_batch * cp, offload_optimizer=offload[0],
                           offload_param=offload[1], schedule=schedule, optimizer=OptimizerSettings())
@@ -185,10 +213,10 @@ def _candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow
                 build(setup, spec)
             except ConfigError:
                 continue
-            for ep, recompute in itertools.product(expert_parallel_sizes(spec, setup, lora), RECOMPUTE):
-                memory = estimate(spec, setup, seq_len, recompute, GPU, lora=lora, ep=ep, dp_engine=dp_engine, cp=cp, dpo=dpo)
-                yield Candidate(setup, recompute, memory, step_time(spec, setup, seq_len, recompute,
-                                                                     cluster.gpus_per_node, cluster.hardware, lora, cp))
+            for ep, mode in itertools.product(expert_parallel_sizes(spec, setup, lora), recompute):
+                memory = estimate(spec, setup, seq_len, mode, GPU, lora=lora, ep=ep, dp_engine=dp_engine, cp=cp, dpo=dpo)
+                yield Candidate(setup, mode, memory, step_time(spec, setup, seq_len, mode,
+                                                               cluster.gpus_per_node, cluster.hardware, lora, cp))
 
 
 def _fits(c: Candidate, cluster: Cluster) -> bool:
@@ -199,7 +227,7 @@ def _fits(c: Candidate, cluster: Cluster) -> bool:
 
 
 def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: Plan, lora=None, vpp=1,
-            dpo=False) -> list[str]:
+            dpo=False, recompute=RECOMPUTE, max_cp=MAX_CP) -> list[str]:
     budget = f"{cluster.gpus} x {cluster.gpu_memory / GIB:.0f} GiB"
     if result.fits_without_offload:
         return [f"{len(result.ranked)} layouts fit in {budget}"]
@@ -214,19 +242,20 @@ def _advice(spec, cluster, seq_len, global_batch, precision, schedule, result: P
         advice.append(f"offload fits: {len(offloaded)} layouts, best ZeRO-{offloaded[0].setup.zero} with "
                       f"{offloaded[0].setup.offload_optimizer}/{offloaded[0].setup.offload_param} offload "
                       f"(needs ~{host:.0f} GiB host memory per node)")
-    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora, vpp, dpo=dpo)
+    more = _more_gpus(spec, cluster, seq_len, precision, schedule, lora, vpp, dpo=dpo, recompute=recompute, max_cp=max_cp)
     if more:
         advice.append(f"more GPUs: {more} GPUs fit without offload")
     return advice
 
 
-def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None, vpp=1, dpo=False) -> int | None:
-    """The smallest multiple of a node that fits without offload (recompute included)."""
+def _more_gpus(spec, cluster, seq_len, precision, schedule, lora=None, vpp=1, dpo=False, recompute=RECOMPUTE,
+               max_cp=MAX_CP) -> int | None:
+    """The smallest multiple of a node that fits without offload (with the most recompute allowed)."""
     node = cluster.gpus_per_node
     for gpus in range(cluster.gpus + node, cluster.gpus * MAX_GPU_MULTIPLE + 1, node):
         bigger = Cluster(gpus, cluster.gpu_memory, node, cluster.host_memory_per_node, cluster.hardware)
         for c in _candidates(spec, bigger, seq_len, default_global_batch(gpus), precision, schedule, False, lora, vpp,
-                             dpo=dpo):
-            if c.setup.micro_batch == 1 and c.recompute == "full" and _fits(c, bigger):
+                             dpo=dpo, recompute=recompute[-1:], max_cp=max_cp):
+            if c.setup.micro_batch == 1 and _fits(c, bigger):
                 return gpus
     return None

@@ -31,6 +31,7 @@ the DeepSpeed config recipes/finetune.py builds from the recipe). Without -o not
 def register(sub) -> None:
     from toolkit.commands.ds_config import add_cluster_args
     from toolkit.commands.memory import add_dp_engine_arg, add_lora_args
+    from toolkit.plan import CP_MIN_SEQ, MAX_CP, RECOMPUTE
 
     p = sub.add_parser("plan", help="rank the 3D layouts that fit a model on a GPU budget",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +48,12 @@ def register(sub) -> None:
     p.add_argument("--vpp", type=int, default=1,
                    help="virtual stages per pipeline rank for layouts with PP > 1 (interleaved 1F1B; default 1)")
     p.add_argument("--no-offload", action="store_true", help="don't consider CPU offload")
+    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE), metavar="MODE",
+                   help="activation recompute modes to consider, among none, selective, full (default: all three; "
+                        "full recompute runs each layer's forward twice)")
+    p.add_argument("--max-cp", type=int, default=MAX_CP, metavar="N",
+                   help=f"largest context-parallel size (parallel.cp) to consider for sequences of {CP_MIN_SEQ} "
+                        f"tokens or more (default {MAX_CP}; 1: no CP)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="write the bundle (recipe.yaml, job.sbatch, PLAN.md) here (default: write nothing)")
@@ -76,7 +83,8 @@ def _run(args) -> int:
                       parse_size(args.host_memory) if args.host_memory else None)
     lora = lora_shape(args, spec)
     result = plan(spec, cluster, args.seq_len, args.global_batch, args.precision, args.schedule,
-                  allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine, dpo=args.dpo)
+                  allow_offload=not args.no_offload, lora=lora, vpp=args.vpp, dp_engine=args.dp_engine, dpo=args.dpo,
+                  recompute=tuple(args.recompute), max_cp=args.max_cp)
     batch = args.global_batch or default_global_batch(gpus)
     active = f" ({active_params(spec) / 1e9:.2f}B active per token)" if spec.is_moe else ""
     print(f"{spec.family} model, {total_params(spec) / 1e9:.2f}B parameters{active}, on {gpus} x {gib(cluster.gpu_memory)} "
