@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,9 @@ def test_cpu_patches_name_their_upstream_spots():
 
     assert set(cpu_compat._PATCHES) == set(cpu_compat.UPSTREAM_SPOTS)
     assert all(".py:" in spot for spot in cpu_compat.UPSTREAM_SPOTS.values())
+    for where, spot in cpu_compat.MODEL_BUILD_SPOTS.items():  # the stand-ins applied while a model is built
+        path, name = where.split()[:2]
+        assert ".py:" in spot and name in (Path(__file__).resolve().parents[1] / path).read_text(), where
 
 
 def toolkit(*args):
