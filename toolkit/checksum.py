@@ -5,12 +5,16 @@ every toolkit release before BLAKE3 recorded it, so those checkpoints still veri
 Both are cryptographic: a changed bit anywhere changes the digest. BLAKE3 is chosen for speed
 (measured on one core here: sha256 1.9 GB/s with the CPU's SHA extensions, BLAKE3 7.2 GB/s on one
 thread and 13 GB/s on its own threads), since hashing the output was the largest CPU cost of a
-conversion after the copy itself.
+conversion after the copy itself. Files are hashed through read-only memory maps of a window at a
+time: the bytes are hashed where the page cache holds them, not copied into a buffer first (at 3.5 GB:
+0.5 s instead of 1.2 s, and 0.8 s of CPU instead of 1.4 s), and the mapped pages stay a window's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 import re
 from pathlib import Path
 
@@ -19,7 +23,7 @@ import blake3
 ALGORITHM = "blake3"  # what new checksums use
 _PREFIXED = re.compile(r"^(blake3|sha256):[0-9a-f]{64}$")
 _LEGACY_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-READ_BYTES = 1 << 20  # 1 MiB reads into one buffer: as fast as larger ones, a few MiB resident at most
+MAP_BYTES = 64 << 20  # the window of a file mapped at a time while it is hashed
 
 
 class Hasher:
@@ -37,6 +41,19 @@ class Hasher:
 
     def update(self, data) -> None:
         self._digest.update(data)
+
+    def update_from_file(self, fd: int, start: int, end: int) -> None:
+        """Hash bytes [start, end) of the open file `fd`, a mapped window at a time."""
+        while start < end:
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            length = min(end, base + MAP_BYTES) - base
+            with mmap.mmap(fd, length, offset=base, access=mmap.ACCESS_READ) as window:
+                view = memoryview(window)[start - base:]
+                try:
+                    self._digest.update(view)
+                finally:
+                    view.release()  # before the window is unmapped
+            start = base + length
 
     def hexdigest(self) -> str:
         """The digest as recorded: sha256 bare, as releases before BLAKE3 recorded it, so that a
@@ -56,13 +73,14 @@ def algorithm_of(recorded: str) -> str:
 
 
 def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
-    """The digest of a file's bytes, read in order into one buffer (a new block per read would raise
-    glibc's mmap threshold and leave freed blocks in the heap: ckpt reshard's memory bound)."""
+    """The digest of a file's bytes (mapped a window at a time: no anonymous memory for ckpt
+    reshard's memory bound)."""
     hasher = Hasher(algorithm)
-    buffer = memoryview(bytearray(READ_BYTES))
-    with open(path, "rb", buffering=0) as f:
-        while size := f.readinto(buffer):
-            hasher.update(buffer[:size])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher.update_from_file(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
     return hasher.hexdigest()
 
 

@@ -25,8 +25,6 @@ import torch.utils.serialization
 from toolkit.checksum import Hasher
 from toolkit.convert.range_copy import copy_ranges, ranges_bytes, write_all
 
-HASH_READ_BYTES = 1 << 20  # reads of the hashing pass: page-cache hits, a bounded buffer
-
 
 @contextmanager
 def without_zip_crc32():
@@ -83,23 +81,20 @@ class RecordFiller:
     """Fills the reserved records of a file in file order, by copying byte ranges in the kernel
     or writing a built tensor, while a second thread hashes the file from start to end behind it,
     reading back what was placed (from the page cache: the bytes of a kernel copy never pass
-    through this process otherwise). The two overlap, so a file costs about the slower of them."""
+    through this process otherwise; mapped, not copied: toolkit.checksum). The two overlap, so a file
+    costs about the slower of them."""
 
     def __init__(self, fd: int, file_size: int):
         self.fd, self.file_size, self.placed = fd, file_size, 0
         self.digest, self._hashed = Hasher(), 0
-        self._buffer = memoryview(bytearray(HASH_READ_BYTES))  # one per file: used by the hasher thread only
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-hasher")
         self._pending: list[Future] = []
 
     def _hash_up_to(self, end: int) -> None:
-        buffer = self._buffer
-        while self._hashed < end:
-            got = os.preadv(self.fd, [buffer[: min(end - self._hashed, len(buffer))]], self._hashed)
-            if not got:
-                raise RuntimeError("file shorter than its records")
-            self.digest.update(buffer[:got])
-            self._hashed += got
+        if end > self.file_size:
+            raise RuntimeError(f"records up to byte {end} of a file of {self.file_size}")
+        self.digest.update_from_file(self.fd, self._hashed, end)
+        self._hashed = max(self._hashed, end)
 
     def place(self, item, offset: int, size: int) -> None:
         """`item`: a tensor of `size` bytes, or byte ranges (toolkit.convert.range_copy) adding up to it."""
