@@ -18,7 +18,7 @@ import yaml
 # The HF + torch AdamW reference lives in the library (toolkit parity runs it for users): one copy.
 from toolkit.parity.reference import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, differences,  # noqa: F401
                                       document_loss, hf_reference, peft_model, reference_lr_factor,
-                                      reference_rows, reference_samples)
+                                      reference_rows, reference_samples, reference_tokenizer, settings)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -227,6 +227,24 @@ class ReferenceCache:
         if key not in self.results:
             self.results[key] = compute()
         return self.results[key]
+
+
+def hf_eval_loss_after_training(hf_dir: Path, data: Path, valid: Path, cfg_path: Path) -> float:
+    """The reference's eval loss at the end of a run: HF trained over the recipe's steps (hf_reference),
+    then the token-weighted mean loss over every full global batch of `valid` (at least one), one
+    forward per document, as recipes/finetune.py evaluates at its last step."""
+    cfg = settings(cfg_path)
+    data_cfg, steps, batch = cfg["data"], cfg["steps"], cfg["global_batch"]
+    trained = {}
+    hf_reference(hf_dir, data, cfg, steps, on_step=lambda step, model: trained.update(model=model))
+    samples = reference_samples(reference_tokenizer(hf_dir, data_cfg.get("chat_template")), valid,
+                                data_cfg["seq_len"] + 1, data_cfg.get("truncation", "right"),
+                                data_cfg.get("overlong", "truncate"), data_cfg.get("columns"))
+    rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
+    assert len(rows) >= batch, f"{valid}: fewer rows than a global batch ({len(rows)} < {batch})"
+    with torch.no_grad():
+        loss, _ = document_loss(trained["model"].eval(), rows[:len(rows) // batch * batch], cfg, "cpu")
+    return float(loss)
 
 
 def parity_setup(root: Path, models: dict):

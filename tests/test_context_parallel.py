@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, REPO, assert_refused_in_one_line,
-                                    compare_with_reference, differences, launch, parity_setup, read_metrics, recipe,
-                                    recipe_config, run_against_reference)
+                                    compare_with_reference, differences, hf_eval_loss_after_training, launch,
+                                    parity_setup, read_metrics, recipe, recipe_config, run_against_reference,
+                                    write_uneven_data)
 from toolkit import context_parallel as cpl
 from toolkit.errors import ConfigError
 
@@ -72,15 +73,22 @@ def test_cp2_with_sliding_windows_matches_reference_resumes_bit_exact_and_at_cp1
     """CP2 unpacked on Gemma 3's sliding windows (one launch doubling as a parity case), saved at
     step 5; resumed at CP2 its steps 6-10 are bit-identical to the uninterrupted run's, and at DP2
     without CP (DeepSpeed's files unusable: another DP group) they continue from the
-    layout-independent state within 1e-6."""
+    layout-independent state within 1e-6. The eval loss at the last step, over a validation set split
+    over CP like the training batches, is the HF reference's after the same 10 steps within 1e-5."""
     _, data, models, reference = setup
     (tmp_path / "straight").mkdir()
-    cfg = recipe(tmp_path / "straight", models[WINDOWED][1], data, parallel={"cp": 2}, save_every=5, **LONG)
+    valid = write_uneven_data(tmp_path / "valid.jsonl", 16, seed=1)
+    cfg = recipe(tmp_path / "straight", models[WINDOWED][1], data, parallel={"cp": 2}, save_every=5,
+                 data__valid_file=str(valid), **LONG)
     launch(2, cfg)
     straight = read_metrics(tmp_path / "straight" / "run")
     loss, norm = differences(straight, *reference(WINDOWED, cfg))
     print(f"CP2 {WINDOWED}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     assert loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    evaluated = hf_eval_loss_after_training(models[WINDOWED][0], data, valid, cfg)
+    print(f"CP2 {WINDOWED}: eval loss {straight[-1]['eval_loss']:.7f}, reference {evaluated:.7f}")
+    assert [m["step"] for m in straight if "eval_loss" in m] == [10]
+    assert abs(straight[-1]["eval_loss"] - evaluated) < LOSS_TOLERANCE_FP32, (straight[-1]["eval_loss"], evaluated)
     saved = tmp_path / "straight" / "run" / "checkpoints" / "step_0000005"
     same = _resume(tmp_path, "cp2", saved, setup, 2, {"cp": 2})
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in same] == \
@@ -102,14 +110,22 @@ def test_guard_context_parallel_defects_fail_the_reference(setup, tmp_path, defe
     """Guard: a CP2 case above for 3 steps with one defect (tests/recipe_with_defect.py). RoPE
     positions from 0 on each rank change every loss; a loss averaged over CP halves the gradients
     (the gradient norm is 0.5 off, the losses Adam and clipping partly hide); Gemma 3's windowed
-    layers attending to the whole causal past under CP change every loss."""
-    _, loss, norm = run_against_reference(setup, tmp_path, 2, GUARDED[defect], parallel={"cp": 2}, steps=3, **LONG,
-                                          script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": defect})
+    layers attending to the whole causal past under CP change every loss, and the eval loss at the
+    end (the eval comparison of the windowed test above fails with it)."""
+    _, data, models, _ = setup
+    valid = write_uneven_data(tmp_path / "valid.jsonl", 16, seed=1) if defect == "cp-window-dropped" else None
+    metrics, loss, norm = run_against_reference(setup, tmp_path, 2, GUARDED[defect], parallel={"cp": 2}, steps=3,
+                                                script=REPO / "tests" / "recipe_with_defect.py", env={"DEFECT": defect},
+                                                **LONG, **({"data__valid_file": str(valid)} if valid else {}))
     print(f"{defect}: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
     if defect == "cp-loss-mean":  # measured: losses 8.4e-7 (hidden), gradient norm 0.50 relative
         assert norm > 0.3, (loss, norm)
     else:  # measured over 3 steps: positions 4.7e-5 and 2.7e-4; window 2.3e-2 and 0.30
         assert loss > LOSS_TOLERANCE_FP32 and norm > GRAD_NORM_TOLERANCE, (loss, norm)
+    if valid is not None:
+        evaluated = hf_eval_loss_after_training(models[WINDOWED][0], data, valid, tmp_path / "recipe.yaml")
+        print(f"{defect}: eval loss {metrics[-1]['eval_loss']:.7f}, reference {evaluated:.7f}")
+        assert abs(metrics[-1]["eval_loss"] - evaluated) > LOSS_TOLERANCE_FP32, (metrics[-1]["eval_loss"], evaluated)
 
 
 def _packed_batch(seq_len: int = 62, rows: int = 3):
