@@ -4,12 +4,14 @@ tracker), and a torch_dist checkpoint's DCP index (`.metadata`, which names ever
 tensor) once for its checksum and once as the index, not again for every tensor it reads.
 
 The count is of real opens on a real converted checkpoint: Python's `open` (which pathlib and
-DCP's file system reader call) wrapped for the export alone."""
+DCP's file system reader call) and `os.open` (the checksum's, which maps the file) wrapped for the
+export alone."""
 
 from __future__ import annotations
 
 import builtins
 import io
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -19,15 +21,19 @@ from toolkit.convert import hf_to_megatron, megatron_to_hf
 
 
 def counting_opens(monkeypatch) -> Counter:
-    opens, real = Counter(), io.open
+    opens = Counter()
 
-    def counted(file, *args, **kwargs):
-        if isinstance(file, (str, Path)):
-            opens[Path(file).resolve()] += 1
-        return real(file, *args, **kwargs)
+    def counting(real):
+        def counted(file, *args, **kwargs):
+            if isinstance(file, (str, Path)):
+                opens[Path(file).resolve()] += 1
+            return real(file, *args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(io, "open", counted)
-    monkeypatch.setattr(builtins, "open", counted)
+    counted_open = counting(io.open)
+    monkeypatch.setattr(io, "open", counted_open)
+    monkeypatch.setattr(builtins, "open", counted_open)
+    monkeypatch.setattr(os, "open", counting(os.open))
     return opens
 
 
