@@ -18,7 +18,7 @@ import yaml
 # The HF + torch AdamW reference lives in the library (toolkit parity runs it for users): one copy.
 from toolkit.parity.reference import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, differences,  # noqa: F401
                                       document_loss, hf_reference, peft_model, reference_lr_factor,
-                                      reference_rows, reference_samples, reference_tokenizer, settings)
+                                      recipe_rows, reference_rows, reference_samples, settings)
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -237,10 +237,7 @@ def hf_eval_loss_after_training(hf_dir: Path, data: Path, valid: Path, cfg_path:
     data_cfg, steps, batch = cfg["data"], cfg["steps"], cfg["global_batch"]
     trained = {}
     hf_reference(hf_dir, data, cfg, steps, on_step=lambda step, model: trained.update(model=model))
-    samples = reference_samples(reference_tokenizer(hf_dir, data_cfg.get("chat_template")), valid,
-                                data_cfg["seq_len"] + 1, data_cfg.get("truncation", "right"),
-                                data_cfg.get("overlong", "truncate"), data_cfg.get("columns"))
-    rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
+    rows = recipe_rows(hf_dir, valid, data_cfg)
     assert len(rows) >= batch, f"{valid}: fewer rows than a global batch ({len(rows)} < {batch})"
     with torch.no_grad():
         loss, _ = document_loss(trained["model"].eval(), rows[:len(rows) // batch * batch], cfg, "cpu")

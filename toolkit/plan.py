@@ -113,17 +113,20 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: i
     global_batch = global_batch or default_global_batch(cluster.gpus)
     if dp_engine == "fsdp":
         check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
-    candidates = list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, lora,
-                                  vpp, dp_engine, dpo=dpo, recompute=recompute, max_cp=max_cp))
-    fitting = sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
+    search = lambda offload, modes, cp: list(_candidates(  # noqa: E731
+        spec, cluster, seq_len, global_batch, precision, schedule, offload, lora, vpp, dp_engine, dpo=dpo,
+        recompute=modes, max_cp=cp))
+    candidates = search(allow_offload, recompute, max_cp)
+    fitting = _ranked(candidates, cluster)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
     result = Plan(cluster, fitting, None if fitting else smallest, [])
     result.advice = _advice(spec, cluster, seq_len, global_batch, precision, schedule, result, lora, vpp, dpo=dpo,
                             recompute=recompute, max_cp=max_cp)
-    narrowed = tuple(recompute) != RECOMPUTE or max_cp < MAX_CP
-    if not result.fits_without_offload and narrowed:
-        wider = plan(spec, cluster, seq_len, global_batch, precision, schedule, False, lora, vpp, dp_engine, dpo)
-        result.advice.append(_what_the_full_search_finds(wider, recompute, max_cp))
+    limits = ([f"recompute {'/'.join(recompute)}"] if recompute != RECOMPUTE else []) + \
+             ([f"CP <= {max_cp}"] if max_cp < MAX_CP else [])
+    if limits and not result.fits_without_offload:  # what the limits left out: the search without them
+        wider = _ranked(search(False, RECOMPUTE, MAX_CP), cluster)
+        result.advice.append(_what_the_full_search_finds(wider, cluster, limits))
     if lora is not None:
         full = plan(spec, cluster, seq_len, global_batch, precision, schedule, allow_offload, vpp=vpp, dpo=dpo,
                     recompute=recompute, max_cp=max_cp)
@@ -131,15 +134,16 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: i
     return result
 
 
-def _what_the_full_search_finds(wider: Plan, recompute: tuple[str, ...], max_cp: int) -> str:
-    """What a plan narrowed by `recompute` / `max_cp` left out, from the search without those limits."""
-    limits = ([f"recompute {'/'.join(recompute)}"] if tuple(recompute) != RECOMPUTE else []) + \
-             ([f"CP <= {max_cp}"] if max_cp < MAX_CP else [])
-    if not wider.fits_without_offload:
+def _what_the_full_search_finds(wider: list[Candidate], cluster: Cluster, limits: list[str]) -> str:
+    """What a plan narrowed by `limits` left out: `wider`, the layouts without offload that fit without them."""
+    if not wider:
         return f"without the limits ({', '.join(limits)}) nothing fits without offload either"
-    best = wider.best
-    return (f"without the limits ({', '.join(limits)}), {len(wider.ranked)} layouts fit; the best: "
-            f"{best.explain(wider.cluster)}")
+    return f"without the limits ({', '.join(limits)}), {len(wider)} layouts fit; the best: {wider[0].explain(cluster)}"
+
+
+def _ranked(candidates: list[Candidate], cluster: Cluster) -> list[Candidate]:
+    """The candidates that fit, fastest first."""
+    return sorted((c for c in candidates if _fits(c, cluster)), key=lambda c: -c.time.tokens_per_gpu_s)
 
 
 def _lora_versus_full(with_lora: Plan, full: Plan, lora: LoraShape) -> str:

@@ -160,6 +160,14 @@ def settings(cfg) -> dict:
     return yaml.safe_load(Path(cfg).read_text()) if isinstance(cfg, (str, Path)) else cfg
 
 
+def recipe_rows(hf_dir: Path, data: Path, data_cfg: dict) -> list[list[tuple[list[int], list[int]]]]:
+    """The rows of a JSONL file as the recipe's `data` settings make them (reference_samples, reference_rows)."""
+    tokenizer = reference_tokenizer(hf_dir, data_cfg.get("chat_template"))
+    samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1, data_cfg.get("truncation", "right"),
+                                data_cfg.get("overlong", "truncate"), data_cfg.get("columns"))
+    return reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
+
+
 def hf_reference(hf_dir: Path, data: Path, cfg, steps: int, device: str = "cpu",
                  adapter: Path | None = None, step_loss=None, on_step=None,
                  prepare=None) -> tuple[list[float], list[float]]:
@@ -176,10 +184,7 @@ def hf_reference(hf_dir: Path, data: Path, cfg, steps: int, device: str = "cpu",
     cfg = settings(cfg)
     data_cfg, optim = cfg["data"], cfg["optim"]
     assert data_cfg.get("shuffle") is False, "the reference reads the file in order"
-    tokenizer = reference_tokenizer(hf_dir, data_cfg.get("chat_template"))
-    samples = reference_samples(tokenizer, data, data_cfg["seq_len"] + 1, data_cfg.get("truncation", "right"),
-                                data_cfg.get("overlong", "truncate"), data_cfg.get("columns"))
-    rows = reference_rows(samples, data_cfg["seq_len"] + 1, data_cfg.get("pack", False))
+    rows = recipe_rows(hf_dir, data, data_cfg)
     model = load_without_dropout(hf_dir)
     if adapter is not None:
         model = peft_model(model, adapter)
