@@ -114,3 +114,16 @@ def small_fs(tmp_path):
 
     yield make
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)  # lazy: a rank may still hold a file open
+
+
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with multi-process launches first, each file's tests kept together and in order.
+
+    CI runs the tests on 2 pytest-xdist workers, a file at a time each (`-n 2 --dist loadfile
+    --no-loadscope-reorder`, .ci/run): a file's tests share its module fixtures (often a launch
+    several tests check) and the Slurm tests one local cluster, so a file stays on one worker.
+    The slow files go first, so the quick ones fill the end and neither worker waits alone."""
+    launching = {item.path for item in items if item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: item.path not in launching)  # stable: the order within is kept
