@@ -116,8 +116,6 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)  # lazy: a rank may still hold a file open
 
 
-
-
 def pytest_collection_modifyitems(config, items):
     """Test files with multi-process launches first, each file's tests kept together and in order.
 
