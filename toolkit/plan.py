@@ -113,9 +113,11 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: i
     global_batch = global_batch or default_global_batch(cluster.gpus)
     if dp_engine == "fsdp":
         check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
-    search = lambda offload, modes, cp: list(_candidates(  # noqa: E731
-        spec, cluster, seq_len, global_batch, precision, schedule, offload, lora, vpp, dp_engine, dpo=dpo,
-        recompute=modes, max_cp=cp))
+
+    def search(offload: bool, modes: tuple[str, ...], cp: int) -> list[Candidate]:
+        return list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, offload, lora, vpp,
+                                dp_engine, dpo=dpo, recompute=modes, max_cp=cp))
+
     candidates = search(allow_offload, recompute, max_cp)
     fitting = _ranked(candidates, cluster)
     smallest = min(candidates, key=lambda c: c.memory.gpu_bytes, default=None)
