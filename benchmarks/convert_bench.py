@@ -5,12 +5,13 @@
 For each size, a synthetic Llama (random bf16 weights, written straight to sharded safetensors,
 no model instantiated) is copied with `cp -r` (the baseline), then converted by the CLI in a
 subprocess while /proc is sampled for its peak anonymous and total RSS. Both clocks run until
-the data is on disk (sync). Each is run --repeats times, alternating, and the medians compared.
+the data is on disk (sync). Each is run --repeats times, alternating, after one untimed round (--no-warmup: none), and the
+medians compared.
 
 Each conversion's wall time is split into phases that add up to it, from marks the converter
 process takes (time.monotonic, one clock for both processes) around the CLI's own run: the
-interpreter's start, the imports (torch and the toolkit; transformers' config class for the
-config check; DCP for torch_dist), validation (up to the output's .partial directory), the records
+interpreter's start, the imports (torch and the toolkit; DCP for torch_dist; transformers' config
+class reads config.json in a forked child meanwhile), validation (up to the output's .partial directory), the records
 placed and hashed (up to the metadata file), metadata and rename, the interpreter's exit, and the
 final sync. cp's wall is split into its copy and its sync. What the main phase's parts cost
 alone is printed next to it (the source bytes copied by the converter's copy path into fresh
@@ -41,17 +42,26 @@ from typing import NamedTuple
 GIB = 1 << 30
 SHARD_BYTES = 1 * GIB
 
-# Llama-3.2-1B and -3B shapes (tied embeddings, GQA with 8 KV heads); Llama-3.1-8B's (untied).
+# Each size's config.json is the published one of its model (kept shrunk in tests/data/published_configs:
+# Llama-3.2-1B-Instruct, Llama-3.2-3B, Llama-3.1-8B) with the published sizes put back, so the converter
+# reads what users' files hold (an old-style rope_scaling, torch_dtype); "100m" is a quick check.
+PUBLISHED = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_configs"
 SIZES = {
-    "100m": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, intermediate_size=4096),  # a quick check
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=8192),
-    "3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, intermediate_size=8192),
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336,
-               tie_word_embeddings=False),
+    "100m": ("llama-3.2-1b-instruct.json",
+             dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, head_dim=64, intermediate_size=4096)),
+    "1b": ("llama-3.2-1b-instruct.json",
+           dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64, intermediate_size=8192)),
+    "3b": ("llama-3.2-3b.json",
+           dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128, intermediate_size=8192)),
+    "8b": ("llama-3.1-8b.json",
+           dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336)),
 }
-COMMON = dict(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
-              rms_norm_eps=1e-5, model_type="llama", architectures=["LlamaForCausalLM"], dtype="bfloat16",
-              rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+PUBLISHED_COMMON = dict(num_key_value_heads=8, vocab_size=128256)
+
+
+def published_config(size: str) -> dict:
+    file, sizes = SIZES[size]
+    return {**json.loads((PUBLISHED / file).read_text()), **PUBLISHED_COMMON, **sizes}
 
 
 def hf_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -67,7 +77,7 @@ def write_synthetic_llama(directory: Path, size: str) -> int:
     import torch
     from safetensors.torch import save_file
 
-    cfg = {**COMMON, **SIZES[size]}
+    cfg = published_config(size)
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     shapes = hf_tensor_shapes(cfg)
@@ -141,36 +151,33 @@ def largest_file(path: Path) -> int:
 
 
 # The CLI's run with marks taken in its process (argv: marks file, then the CLI's arguments). The
-# imports come first, in the order the CLI makes them, so each is timed on its own; an audit hook
-# (sys.addaudithook: Python's documented events, nothing of the converter patched) marks the
-# creation of the .partial output directory (everything validated) and the opening of the
-# metadata file (every record placed and hashed).
+# imports the CLI makes first come first, so they are timed on their own (DCP's, for torch_dist, is
+# made after the fork below, as the CLI makes it); transformers' config class is not imported here: the converter has it read config.json in a forked child while it writes
+# (toolkit/convert/spec_guess.py), and the last mark says whether this process imported it after
+# all (a guess the class contradicted). An audit hook (sys.addaudithook: Python's documented
+# events, nothing of the converter patched) marks the creation of the .partial output directory
+# (everything validated) and the opening of the metadata file (every record placed and hashed).
 TIMED_CLI = """
 import json, sys, time
 marks = [("started", time.monotonic())]
 import torch, toolkit.cli, toolkit.convert.to_megatron
 marks.append(("torch and toolkit imported", time.monotonic()))
-from transformers import CONFIG_MAPPING
-CONFIG_MAPPING["llama"]
-marks.append(("transformers config class imported", time.monotonic()))
-if "torch_dist" in sys.argv:
-    import toolkit.convert.dist_format
-marks.append(("DCP imported", time.monotonic()))
 def note(event, args):
-    if event == "os.mkdir" and ".partial-" in str(args[0]) and len(marks) == 4:
+    if event == "os.mkdir" and ".partial-" in str(args[0]) and len(marks) == 2:
         marks.append(("validated", time.monotonic()))
-    elif event == "open" and str(args[0]).endswith("toolkit_checkpoint.json") and len(marks) == 5:
+    elif event == "open" and str(args[0]).endswith("toolkit_checkpoint.json") and len(marks) == 3:
         marks.append(("records placed and hashed", time.monotonic()))
 sys.addaudithook(note)
 marks_file, sys.argv = sys.argv[1], ["toolkit", *sys.argv[2:]]
 code = toolkit.cli.main()
 marks.append(("published", time.monotonic()))
+marks.append(("transformers imported here", "transformers" in sys.modules))
 with open(marks_file, "w") as f:
     json.dump(marks, f)
 sys.exit(code)
 """
-PHASE_NAMES = ("interpreter start", "torch + toolkit imports", "transformers config class import", "DCP import",
-               "validation", "records placed and hashed", "metadata + rename", "interpreter exit", "final sync")
+PHASE_NAMES = ("interpreter start", "torch + toolkit imports", "validation",
+               "records placed and hashed (and DCP's import, for torch_dist)", "metadata + rename", "interpreter exit", "final sync")
 
 
 def convert_timed(src: Path, out: Path, fmt: str, tp: int, pp: int) -> tuple[Run, list[float]]:
@@ -179,11 +186,13 @@ def convert_timed(src: Path, out: Path, fmt: str, tp: int, pp: int) -> tuple[Run
     cmd = [sys.executable, "-c", TIMED_CLI, str(marks_file), "convert", "hf-to-megatron", str(src), str(out),
            "--tp", str(tp), "--pp", str(pp), "--format", fmt, "--no-progress"]
     run = run_sampled(cmd)
-    marks = [t for _, t in json.loads(marks_file.read_text())]
+    *timed, (_, imported_transformers) = json.loads(marks_file.read_text())
     marks_file.unlink()
-    if len(marks) != 7:
-        raise SystemExit(f"expected 7 marks from the converter, got {len(marks)}: did the CLI change?")
-    points = [run.spawned, *marks, run.exited, run.synced]
+    if len(timed) != 5:
+        raise SystemExit(f"expected 5 marks from the converter, got {len(timed)}: did the CLI change?")
+    if imported_transformers:
+        print(f"note: this {fmt} conversion imported transformers itself (the class contradicted the guess)", flush=True)
+    points = [run.spawned, *(t for _, t in timed), run.exited, run.synced]
     return run, [b - a for a, b in zip(points, points[1:])]
 
 
@@ -223,7 +232,7 @@ def phase_row(fmt: str, runs: list[Run], phases: list[list[float]], cp: list[Run
     """The median run's phases, beside the median cp run's copy and sync."""
     i = sorted(range(len(runs)), key=lambda k: runs[k].wall)[len(runs) // 2]
     j = sorted(range(len(cp)), key=lambda k: cp[k].wall)[len(cp) // 2]
-    parts = ", ".join(f"{name} {t:.2f}" for name, t in zip(PHASE_NAMES, phases[i]) if name != "DCP import" or fmt == "torch_dist")
+    parts = ", ".join(f"{name} {t:.2f}" for name, t in zip(PHASE_NAMES, phases[i]))
     return (f"    {fmt} median run {runs[i].wall:.2f} s = {parts} s (CPU {runs[i].cpu:.1f} s) | cp -r median run "
             f"{cp[j].wall:.2f} s = copy {cp[j].exited - cp[j].spawned:.2f}, final sync {cp[j].synced - cp[j].exited:.2f} s "
             f"(CPU {cp[j].cpu:.1f} s)")
@@ -235,10 +244,18 @@ class SizeResult(NamedTuple):
     cp_wall: float
 
 
-def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int) -> SizeResult:
-    """cp -r and each format's conversion, alternated `repeats` times; medians."""
+def bench(size: str, workdir: Path, tp: int, pp: int, repeats: int, warmup: bool) -> SizeResult:
+    """cp -r and each format's conversion, alternated `repeats` times; medians. With `warmup`, one
+    untimed round of each first: the first cp -r after the source is written runs at 8B about twice
+    as long as the later ones (the page cache still holds the source's freshly written pages)."""
     src = workdir / f"llama-{size}"
     params = write_synthetic_llama(src, size)
+    if warmup:
+        run_sampled(["cp", "-r", str(src), str(workdir / "cp-baseline")])
+        shutil.rmtree(workdir / "cp-baseline")
+        for fmt in ("torch", "torch_dist"):
+            convert_timed(src, workdir / f"out-{fmt}", fmt, tp, pp)
+            shutil.rmtree(workdir / f"out-{fmt}")
     cp: list[Run] = []
     runs: dict[str, list[Run]] = {"torch": [], "torch_dist": []}
     phases: dict[str, list[list[float]]] = {"torch": [], "torch_dist": []}
@@ -297,12 +314,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-warmup", action="store_true", help="time from the first run (no untimed round first)")
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="convert-bench-") as tmp:
-        results = {size: bench(size, Path(tmp), args.tp, args.pp, args.repeats) for size in args.sizes.split(",")}
+        results = {size: bench(size, Path(tmp), args.tp, args.pp, args.repeats, not args.no_warmup) for size in args.sizes.split(",")}
     rows = [r for result in results.values() for r in result.rows] + per_byte_rows(results)
     print(f"\nsummary (median of {args.repeats}; wall time vs cp -r of the same bytes, sync included on both sides; "
           "peak anonymous memory of the converter process)")

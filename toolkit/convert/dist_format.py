@@ -158,7 +158,7 @@ class _LazySavePlanner(SavePlanner):
     def __init__(self, chunks: list[Chunk], objects: dict[str, object], on_item: Callable[[], None]):
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         self._objects = objects
-        self._on_item = on_item
+        self.on_item = on_item  # called as each chunk's bytes are placed (_FillingFileSystem)
         # Per writing thread (DCP resolves and writes an item on the same thread): the chunks in
         # the order their records were laid out in that thread's data file.
         self._laid_out = threading.local()
@@ -204,7 +204,6 @@ class _LazySavePlanner(SavePlanner):
         chunk = self._chunks[MetadataIndex(write_item.index.fqn, write_item.index.offset)]
         self.laid_out().append(chunk)  # DCP torch.saves it next, leaving its record to fill
         next(self.count)
-        self._on_item()
         return torch.empty(chunk.shape, dtype=chunk.dtype)  # never touched: takes no memory
 
 
@@ -319,11 +318,16 @@ class _FillingFileSystem(FileSystem):
             chunks = self.planner.laid_out()[first:]
             if len(chunks) != len(recorder.records):
                 raise RuntimeError(f"{path}: {len(recorder.records)} records reserved for {len(chunks)} chunks")
-            records = ((offset, size, _chunk_bytes(c)) for (offset, size), c in zip(recorder.records, chunks))
-            self.digests[Path(path).resolve()] = fill_records(Path(path), records)
+            self.digests[Path(path).resolve()] = fill_records(Path(path), self._records(recorder.records, chunks))
         except BaseException as e:
             self.errors.append(e)
             raise
+
+    def _records(self, reserved: list[tuple[int, int]], chunks: list[Chunk]):
+        """(offset, size, bytes to place) of each chunk, and the planner's on_item once it is placed."""
+        for (offset, size), chunk in zip(reserved, chunks):
+            yield offset, size, _chunk_bytes(chunk)
+            self.planner.on_item()
 
 
 @contextmanager

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,7 +18,6 @@ import torch
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
-from toolkit.convert.hf_config import checked_spec
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, float32_buffers, weights_dtype
 from toolkit.convert.wrapper import open_hf
 from toolkit.convert.metadata import (
@@ -32,6 +32,7 @@ from toolkit.convert.metadata import (
 )
 from toolkit.convert.progress import progress_bar
 from toolkit.convert.range_copy import shard_or_ranges, shard_ranges
+from toolkit.convert.spec_guess import GuessWrong, SpecGuess
 from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_tensors
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
@@ -80,9 +81,9 @@ def output_bytes(src: HFCheckpoint) -> int:
     return sum(e.nbytes for e in src.tensors.values()) + sum(f.stat().st_size for f in copied)
 
 
-def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, bar) -> dict[Path, str]:
+def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, placed) -> dict[Path, str]:
     def build_stage(tp_rank: int, pp_rank: int, ep_rank: int):
-        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, lambda: bar.update(1), ep_rank,
+        return stage_tensors(src, family, spec, layout, tp_rank, pp_rank, placed, ep_rank,
                              build=shard_or_ranges)
 
     def stage_shapes(pp_rank: int):
@@ -149,8 +150,10 @@ def hf_to_megatron(
     """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir` (of a
     multimodal checkpoint, its language model: toolkit/convert/wrapper.py).
 
-    Everything is validated before the first byte is written; the result appears at `out_dir`
-    only once complete (see toolkit.atomic).
+    Everything is validated before the first byte is written, but for transformers' own reading of
+    config.json where a guess of it lets the writing start earlier (toolkit/convert/spec_guess.py):
+    its refusal still stops the conversion. The result appears at `out_dir` only once complete
+    (see toolkit.atomic).
     """
     if fmt not in FORMATS:
         raise ConversionError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
@@ -158,15 +161,42 @@ def hf_to_megatron(
         raise ConversionError(f"unknown layer spec {layer_spec!r} (choose from {', '.join(naming.LAYER_SPECS)})")
     refuse_output_overlapping_inputs(out_dir, hf_dir)
     src = open_hf(hf_dir)  # a multimodal checkpoint as its language model (toolkit/convert/wrapper.py)
-    family, spec = checked_spec(src.config, src.dir / "config.json", src.tensors)
-    if spec.mla and layer_spec == "te":
-        raise ConversionError(f"{family.name} (multi-latent attention) converts for megatron-core's local layer spec only: "
-                              "pass --layer-spec local (its TE spec replicates linear_q_down_proj / linear_kv_down_proj "
-                              "and folds the q / kv norms into the up projections, a layout not written yet)")
-    layout = Layout(tp, pp, vocab_divisor, ep)
-    layout.check(spec)
-    check_tensors(src, family, spec)
-    check_weight_dtypes(src.tensors, config_dtype(src.config))
+    target = _Target(Path(out_dir), tp, pp, ep, fmt, layer_spec, vocab_divisor, overwrite, progress)
+    with SpecGuess(src.config, src.dir / "config.json", src.tensors) as reading:
+        family, spec = reading.guess or reading.confirmed()
+        _notes(src, family, spec)
+        try:
+            return _convert(src, family, spec, target, check=reading.check)
+        except (GuessWrong, ConversionError) as e:
+            if reading.guess is None:
+                raise
+            confirmed = reading.confirmed()  # raises transformers' refusal of config.json, which comes first
+            if isinstance(e, ConversionError) and confirmed == reading.guess:
+                raise
+        return _convert(src, *confirmed, target, check=_confirmed_already)  # again, on the class's values
+
+
+def _confirmed_already(wait: bool = False) -> None:
+    """The check of a spec transformers' config class has read: nothing to check."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What hf_to_megatron was asked to write."""
+
+    out_dir: Path
+    tp: int
+    pp: int
+    ep: int
+    fmt: str
+    layer_spec: str
+    vocab_divisor: int
+    overwrite: bool
+    progress: bool | None
+
+
+def _notes(src, family: Family, spec: ModelSpec) -> None:
+    """What the conversion leaves out or changes, said once before the writing starts."""
     if getattr(src, "dequantized", None):
         print(f"note: the experts' MXFP4 weights ({len(src.dequantized)} tensors, e.g. {src.dequantized[0]!r} with its "
               "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
@@ -182,39 +212,61 @@ def hf_to_megatron(
         print(f"note: the multi-token-prediction layer(s) ({where}) are left out: HF's "
               f"{family.architecture} ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not "
               "converted yet", file=sys.stderr)
-    args = megatron_args(spec, layout, fmt)
-    with atomic_directory(out_dir, overwrite, needed_bytes=output_bytes(src)) as tmp:
+
+
+def _placed(bar, check) -> Callable[[], None]:
+    """Called as each record is placed: the progress bar, then the spec's check (SpecGuess.check)."""
+    def placed() -> None:
+        bar.update(1)
+        check()
+    return placed
+
+
+def _convert(src, family: Family, spec: ModelSpec, target: _Target, check) -> Path:
+    """Validate and write, given the spec; `check()` is called as records are placed and
+    `check(wait=True)` before the metadata (SpecGuess.check: it raises where the spec was a wrong guess)."""
+    if spec.mla and target.layer_spec == "te":
+        raise ConversionError(f"{family.name} (multi-latent attention) converts for megatron-core's local layer spec only: "
+                              "pass --layer-spec local (its TE spec replicates linear_q_down_proj / linear_kv_down_proj "
+                              "and folds the q / kv norms into the up projections, a layout not written yet)")
+    layout = Layout(target.tp, target.pp, target.vocab_divisor, target.ep)
+    layout.check(spec)
+    check_tensors(src, family, spec)
+    check_weight_dtypes(src.tensors, config_dtype(src.config))
+    args = megatron_args(spec, layout, target.fmt)
+    with atomic_directory(target.out_dir, target.overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE
-        if fmt == "torch":
-            with progress_bar(torch_tensor_count(family, spec, layout), "writing shards", progress) as bar:
-                written = _write_torch(release, src, family, spec, layout, layer_spec, args, bar)
+        if target.fmt == "torch":
+            with progress_bar(torch_tensor_count(family, spec, layout), "writing shards", target.progress) as bar:
+                written = _write_torch(release, src, family, spec, layout, target.layer_spec, args, _placed(bar, check))
             checksums = {str(p.relative_to(tmp)): digest for p, digest in written.items()}
         else:
             from toolkit.convert import dist_format
 
             chunks = dist_chunks(src, family, spec, layout)
             common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
-            with progress_bar(len(chunks), "writing torch_dist", progress) as bar:
+            with progress_bar(len(chunks), "writing torch_dist", target.progress) as bar:
                 objects = dist_format.extra_state_objects(
                     spec.num_layers, spec.num_experts, spec.moe_shared_ffn_hidden_size > 0, spec.moe_layers,
                     naming.attention_linears(r.megatron_name(0) for r in family.rows_for(spec) if r.per_layer),
                     spec.linear_layers)
-                hashed = dist_format.write(release, chunks, objects, common, bar.update)
+                hashed = dist_format.write(release, chunks, objects, common, _placed(bar, check))
             checksums = checksum_tree(tmp, known=hashed)
+        check(wait=True)
         (tmp / TRACKER).write_text(RELEASE)
         copy_hf_files(src.config_bytes, src.tokenizer_files(), tmp / HF_DIR)
         CheckpointMeta(
-            format=fmt,
-            layer_spec=layer_spec,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            vocab_divisor=vocab_divisor,
+            format=target.fmt,
+            layer_spec=target.layer_spec,
+            tp=target.tp,
+            pp=target.pp,
+            ep=target.ep,
+            vocab_divisor=target.vocab_divisor,
             vocab_size=spec.vocab_size,
             padded_vocab_size=layout.padded_vocab(spec.vocab_size),
             spec=spec.to_dict(),
             checksums=checksums,
             hf_source=str(Path(src.dir).resolve()),
         ).write(tmp)
-    warn_if_no_tokenizer(src.dir, Path(out_dir))
-    return Path(out_dir)
+    warn_if_no_tokenizer(src.dir, target.out_dir)
+    return target.out_dir
