@@ -24,6 +24,7 @@ reads the file first, as before.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -157,8 +158,11 @@ class SpecGuess:
 
 def _answer_in_child(cfg: dict, source: Path, read_end: int, pipe: int) -> None:
     """The forked child: transformers' reading of config.json, as JSON on `pipe`, then exit without
-    running anything of the parent's (atexit handlers, buffered output)."""
+    running anything of the parent's (atexit handlers, buffered output). It skips the garbage
+    collector's passes over the modules it imports (a sixth of their import time; it exits right
+    after). Not reniced: at nice 10 an 8B conversion's refusal came after 9.6 s instead of 4.3 s."""
     try:
+        gc.disable()
         os.close(read_end)
         try:
             _, spec, _ = checked_reading(cfg, source)
