@@ -42,26 +42,23 @@ from typing import NamedTuple
 GIB = 1 << 30
 SHARD_BYTES = 1 * GIB
 
-# Each size's config.json is the published one of its model (kept shrunk in tests/data/published_configs:
-# Llama-3.2-1B-Instruct, Llama-3.2-3B, Llama-3.1-8B) with the published sizes put back, so the converter
-# reads what users' files hold (an old-style rope_scaling, torch_dtype); "100m" is a quick check.
+# Each size's config.json is the published one of its model, kept shrunk in tests/data/published_configs
+# with its published sizes in index.json, which are put back: the converter reads what users' files hold
+# (an old-style rope_scaling, torch_dtype). "100m" is a quick check, on 1B's file with smaller sizes.
 PUBLISHED = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_configs"
 SIZES = {
-    "100m": ("llama-3.2-1b-instruct.json",
+    "100m": ("llama-3.2-1b-instruct",
              dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, head_dim=64, intermediate_size=4096)),
-    "1b": ("llama-3.2-1b-instruct.json",
-           dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64, intermediate_size=8192)),
-    "3b": ("llama-3.2-3b.json",
-           dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128, intermediate_size=8192)),
-    "8b": ("llama-3.1-8b.json",
-           dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336)),
+    "1b": ("llama-3.2-1b-instruct", {}),
+    "3b": ("llama-3.2-3b", {}),
+    "8b": ("llama-3.1-8b", {}),
 }
-PUBLISHED_COMMON = dict(num_key_value_heads=8, vocab_size=128256)
 
 
 def published_config(size: str) -> dict:
-    file, sizes = SIZES[size]
-    return {**json.loads((PUBLISHED / file).read_text()), **PUBLISHED_COMMON, **sizes}
+    name, changes = SIZES[size]
+    published_sizes = json.loads((PUBLISHED / "index.json").read_text())[name]["original_sizes"]
+    return {**json.loads((PUBLISHED / f"{name}.json").read_text()), **published_sizes, **changes}
 
 
 def hf_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
