@@ -83,13 +83,14 @@ class SpecGuess:
         if tensor_names is not None:
             check_layer_count(cfg, tensor_names, source, self.family)
         self.guess: tuple[Family, ModelSpec] | None = None
+        self._guess_json = None  # compared with the child's answer as each record is placed
         self._pid, self._pipe, self._answer = None, None, None
         self._lock = threading.Lock()
         if not (_can_fork() if fork is None else fork):
             return
         spec = guess_spec(cfg, self.family)
         if spec is not None:
-            self.guess = (self.family, spec)
+            self.guess, self._guess_json = (self.family, spec), _spec_json(spec)
             self._start_child()
 
     def _start_child(self) -> None:
@@ -122,7 +123,7 @@ class SpecGuess:
             return
         if "refused" in answer:
             raise ConversionError(answer["refused"])
-        if answer.get("spec") != _spec_json(self.guess[1]):
+        if answer.get("spec") != self._guess_json:
             raise GuessWrong(f"{self.source}: transformers' config class read another ModelSpec than the guess")
 
     def confirmed(self) -> tuple[Family, ModelSpec]:
@@ -132,7 +133,7 @@ class SpecGuess:
         if "refused" in answer:
             raise ConversionError(answer["refused"])
         if "spec" in answer:
-            same = answer["spec"] == _spec_json(self.guess[1])
+            same = answer["spec"] == self._guess_json
             return self.guess if same else (self.family, ModelSpec.from_dict(json.loads(answer["spec"])))
         family, spec, _ = checked_reading(self.cfg, self.source)  # no child, or it failed: read here
         return family, spec
