@@ -46,6 +46,23 @@ def test_more_processes_than_gpus_is_refused_with_both_numbers():
         launch_device(4, True, 2, False)
 
 
+def test_rendezvous_ports_come_from_below_the_kernels_ephemeral_range():
+    """A port from the ephemeral range (binding port 0) can be taken by another process's outgoing
+    connection before the launcher binds it: a launch failed with EADDRINUSE on 41719 while the other
+    test file's ranks connected. Those are never handed out below the range."""
+    import socket
+
+    from toolkit.runtime.launch import free_port
+
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(port < first_ephemeral for port in ports), (sorted(ports), first_ephemeral)
+    assert len(ports) > 1  # chosen at random, so two launches at once rarely meet
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free indeed
+
+
 def test_cpu_patches_name_their_upstream_spots():
     from toolkit.runtime import cpu_compat
 

@@ -15,10 +15,12 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 from toolkit.errors import DistributedError
@@ -38,7 +40,30 @@ HEAVY_IMPORTS = (
 )
 
 
+# The ports the kernel hands out to outgoing connections (gloo's between ranks, any other program's);
+# a rendezvous port is chosen below them, from LISTEN_PORTS_FROM up.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FROM = 10000
+
+
 def free_port() -> int:
+    """A TCP port free now, for a launcher to rendezvous on. Chosen at random below the kernel's
+    ephemeral range: a port from inside it (what binding port 0 gives) can be handed to another
+    process's outgoing connection between this check and the launcher's bind, which then fails
+    with EADDRINUSE (seen with two test files launching at once: gloo's connections take many).
+    Where the range is unknown or starts low, the kernel's choice."""
+    try:
+        first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = LISTEN_PORTS_FROM
+    candidates = range(LISTEN_PORTS_FROM, first_ephemeral)
+    for port in random.SystemRandom().sample(candidates, min(64, len(candidates))):  # not the seedable global
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
