@@ -32,6 +32,15 @@ def check_layer_count(cfg: dict, tensor_names, path: Path, family: Family | None
                               "fix config.json or use the weights it belongs to")
 
 
+def checked_family(cfg: dict, path: Path, tensor_names=None) -> Family:
+    """config.json's family, its layer count checked against `tensor_names` (when given): what is
+    checked before transformers' config class reads the file."""
+    family = family_for(cfg.get("model_type"))
+    if tensor_names is not None:
+        check_layer_count(cfg, tensor_names, path, family)
+    return family
+
+
 def checked_spec(cfg: dict, path: Path, tensor_names=None) -> tuple[Family, ModelSpec]:
     """Family and ModelSpec of a config.json, after the layer count (against `tensor_names`, when
     given) and the types (transformers' config class) are checked."""
@@ -41,9 +50,7 @@ def checked_spec(cfg: dict, path: Path, tensor_names=None) -> tuple[Family, Mode
 
 def checked_reading(cfg: dict, path: Path, tensor_names=None) -> tuple[Family, ModelSpec, ConfigReading]:
     """checked_spec, with which keys were read from the file and which transformers defaulted."""
-    family = family_for(cfg.get("model_type"))
-    if tensor_names is not None:
-        check_layer_count(cfg, tensor_names, path, family)
+    checked_family(cfg, path, tensor_names)
     try:
         return read_config(cfg, str(path))
     except (TypeError, ValueError) as e:  # a value transformers let through that is no number

@@ -32,9 +32,9 @@ import sys
 import threading
 from pathlib import Path
 
-from toolkit.convert.hf_config import check_layer_count, checked_reading
+from toolkit.convert.hf_config import checked_family, checked_reading
 from toolkit.errors import ConversionError
-from toolkit.families import Family, ModelSpec, family_for
+from toolkit.families import Family, ModelSpec
 from toolkit.families.hf_values import ConfigValues
 from toolkit.families.spec import read_spec
 
@@ -79,9 +79,7 @@ class SpecGuess:
 
     def __init__(self, cfg: dict, source: Path, tensor_names=None, fork: bool | None = None):
         self.cfg, self.source = cfg, source
-        self.family = family_for(cfg.get("model_type"))
-        if tensor_names is not None:
-            check_layer_count(cfg, tensor_names, source, self.family)
+        self.family = checked_family(cfg, source, tensor_names)
         self.guess: tuple[Family, ModelSpec] | None = None
         self._guess_json = None  # compared with the child's answer as each record is placed
         self._pid, self._pipe, self._answer = None, None, None
