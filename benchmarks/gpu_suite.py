@@ -117,7 +117,8 @@ def run_stage(stage: Stage, timeout_s: float, log: Path) -> dict:
     if result is None:
         tail = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
         return {**record, "status": "failed", "reason": f"exit {proc.returncode}: {tail[0][:300]}"}
-    status = "skipped" if result.get("skipped") else ("passed" if result.pop("ok") and proc.returncode == 0 else "failed")
+    # a stage says it did not apply with "stage_skipped" (gpu_tests' own "skipped" is pytest's count of skipped tests)
+    status = "skipped" if result.pop("stage_skipped", False) else ("passed" if result.pop("ok") and proc.returncode == 0 else "failed")
     return {**record, "status": status, **result}
 
 
@@ -260,7 +261,7 @@ def stage_gpu_tests(work: Path, dry: bool) -> dict:
     suite = suite if suite.tag == "testsuite" else suite[0]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     if not torch.cuda.is_available():
-        return {"ok": done.returncode == 0, "skipped": True, "reason": "no CUDA device: every gpu test skips", **counts}
+        return {"ok": done.returncode == 0, "stage_skipped": True, "reason": "no CUDA device: every gpu test skips", **counts}
     return {"ok": done.returncode == 0 and counts["tests"] > counts["skipped"], "pytest_exit": done.returncode, **counts}
 
 

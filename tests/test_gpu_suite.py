@@ -47,6 +47,8 @@ def test_a_failed_or_hung_stage_is_recorded_and_the_suite_goes_on(tmp_path):
     stages = [Stage("crashes", [*python, "raise SystemExit('no GPU driver')"], 60),
               Stage("hangs", [*python, "import time; time.sleep(60)"], 2),
               Stage("says_failed", [*python, f"print({RESULT_PREFIX!r} + '{{\"ok\": false, \"why\": 1}}')"], 60),
+              # gpu_tests on the H200: 1 failed, 3 skipped (pytest's count), once reported as a skipped stage
+              Stage("fails_with_skips", [*python, f"print({RESULT_PREFIX!r} + '{{\"ok\": false, \"failures\": 1, \"skipped\": 3}}')"], 60),
               Stage("passes", [*python, ok], 60)]
     summary = run_suite(tmp_path, stages, budget_s=120, dry=True)
     stages_seen = json.loads((tmp_path / "summary.json").read_text())["stages"]
@@ -55,7 +57,8 @@ def test_a_failed_or_hung_stage_is_recorded_and_the_suite_goes_on(tmp_path):
     assert stages_seen["hangs"]["status"] == "failed" and "timed out" in stages_seen["hangs"]["reason"]
     assert stages_seen["says_failed"]["status"] == "failed" and stages_seen["says_failed"]["why"] == 1
     assert stages_seen["passes"] == {**stages_seen["passes"], "status": "passed", "figure": 3}
-    assert summary["failed"] == ["crashes", "hangs", "says_failed"] and summary["passed"] == ["passes"]
+    assert stages_seen["fails_with_skips"]["status"] == "failed"
+    assert summary["failed"] == ["crashes", "hangs", "says_failed", "fails_with_skips"] and summary["passed"] == ["passes"]
     assert "working" in (tmp_path / "suite.log").read_text()
 
     spent = run_suite(tmp_path / "again", stages[-1:], budget_s=1, dry=True)  # no time left for any stage
