@@ -15,6 +15,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # NCCL would refuse, although gloo accepts it here (toolkit/runtime/strict_devices.py).
 os.environ.setdefault("TOOLKIT_STRICT_DEVICES", "1")
 
+# What decides where the processes tests launch compute. A test module or fixture that changed
+# one in os.environ would move every later launch: on the GPU machine, test_dsconfig_keys.py's
+# DS_ACCELERATOR=cpu made DeepSpeed put tests/test_gpu.py's model on the CPU. Checked after
+# collection and after every test.
+LAUNCH_ENV = {key: os.environ.get(key) for key in ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")}
+
+
+def launch_env_changes() -> dict:
+    return {key: (value, os.environ.get(key)) for key, value in LAUNCH_ENV.items() if os.environ.get(key) != value}
+
+
+def pytest_collection_finish(session):
+    if launch_env_changes():
+        raise pytest.UsageError(f"importing the test modules changed the environment launches inherit "
+                                f"(before, after): {launch_env_changes()}")
+
+
+@pytest.fixture(autouse=True)
+def launch_env_unchanged():
+    yield
+    assert not launch_env_changes(), f"this test left the environment launches inherit changed: {launch_env_changes()}"
+
 # Families and variants every conversion test covers (see toolkit/tinymodels.py).
 VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3",
             "phi4-mini", "gemma3", "olmo2")

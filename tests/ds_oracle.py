@@ -55,9 +55,24 @@ class Oracle:
         return None
 
 
+def cpu_accelerator_in_this_process() -> None:
+    """DeepSpeed's CPU accelerator for this (pytest) process only. DeepSpeed picks its accelerator
+    once, at the first get_accelerator(), from DS_ACCELERATOR; the variable is then put back as it
+    was, so that the fine-tunes later tests launch don't inherit it: on a GPU machine, DeepSpeed
+    would move their models to the CPU (tests/conftest.py checks that no test leaves it changed)."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()
+    finally:
+        _restore({"DS_ACCELERATOR": saved})
+
+
 @pytest.fixture(scope="session")
 def oracle():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cpu_accelerator_in_this_process()
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import logger

@@ -102,6 +102,31 @@ def test_recipe_refuses_more_ranks_per_node_than_gpus_in_one_line(monkeypatch, t
     assert err.startswith("error: 4 processes on this node, 1 GPU(s)") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("value, refused", [("cpu", True), ("xpu", True), ("cuda", False), (None, False)])
+def test_ds_accelerator_other_than_cuda_on_a_gpu_node_is_refused_in_one_line(monkeypatch, value, refused):
+    """DS_ACCELERATOR=cpu (from CPU-only instructions, or leaked into the environment: the GPU run of
+    tests/test_gpu.py inherited it from a test module) makes DeepSpeed move the model to the host
+    on a GPU node, and NCCL then fails in DeepSpeed's _broadcast_model with "No backend type
+    associated with device type cpu". The recipe and init_process_group refuse it first."""
+    from toolkit.runtime import distributed
+
+    cuda_present(monkeypatch, devices=1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    if value is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", value)
+    if not refused:
+        distributed.check_node_gpus()
+        return
+    for check in (distributed.check_node_gpus, distributed.init_process_group):
+        with pytest.raises(DistributedError, match=f"DS_ACCELERATOR={value} is set.*1 GPU.*unset DS_ACCELERATOR") as e:
+            check()
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("devices, expected", [(0, "cpu"), (1, "cpu"), (3, "cpu"), (4, "cuda"), (8, "cuda")])
 def test_quickstart_runs_its_four_ranks_on_cpu_unless_there_is_a_gpu_each(devices, expected):
     from toolkit.quickstart import quickstart_device

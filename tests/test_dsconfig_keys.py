@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import re
 
 import pytest
 
+from tests.ds_oracle import cpu_accelerator_in_this_process
 from toolkit.dsconfig import keys
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def recording(name: str, data: dict, seen: dict) -> dict:
@@ -57,6 +55,7 @@ def recording(name: str, data: dict, seen: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def read_keys() -> dict[str, set]:
+    cpu_accelerator_in_this_process()
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.utils import logger
 

@@ -63,11 +63,25 @@ def check_local_gpus(local_world_size: int, device_count: int) -> None:
             f"(torchrun --nproc_per_node={device_count}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on CPU")
 
 
+def check_deepspeed_accelerator(device_count: int) -> None:
+    """On a node with GPUs, DS_ACCELERATOR must be unset or `cuda`. DeepSpeed moves the model to its
+    accelerator's device (engine.py, _configure_distributed_model: self.module.to(self.device)), so
+    `cpu` (the value CPU-only instructions set) puts every parameter on the host, and NCCL then
+    refuses DeepSpeed's first broadcast with "No backend type associated with device type cpu"."""
+    chosen = os.environ.get("DS_ACCELERATOR")
+    if chosen and chosen != "cuda":
+        raise DistributedError(
+            f"DS_ACCELERATOR={chosen} is set, but this node has {device_count} GPU(s): DeepSpeed would move the model "
+            f"off the GPU, where NCCL cannot reach it; unset DS_ACCELERATOR to train on the GPUs, or hide them "
+            "(CUDA_VISIBLE_DEVICES=) to run every rank on CPU")
+
+
 def check_node_gpus() -> None:
-    """With CUDA, check_local_gpus for the launcher's LOCAL_WORLD_SIZE (recipes/finetune.py runs it
-    before anything else, where rank 0 alone reports it)."""
+    """With CUDA, check_local_gpus for the launcher's LOCAL_WORLD_SIZE and check_deepspeed_accelerator
+    (recipes/finetune.py runs it before anything else, where rank 0 alone reports it)."""
     if torch.cuda.is_available():
         check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+        check_deepspeed_accelerator(torch.cuda.device_count())
 
 
 def init_process_group() -> torch.device:
@@ -76,6 +90,7 @@ def init_process_group() -> torch.device:
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)), torch.cuda.device_count())
+        check_deepspeed_accelerator(torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
