@@ -32,3 +32,14 @@ def test_one_gpu_finetune_matches_the_hf_reference_on_the_gpu(tmp_path):
     print(f"layer spec {running_layer_spec()}; over {STEPS} steps max |loss - HF reference on the GPU| {loss:.2e}, "
           f"grad norm relative {norm:.2e}")
     assert loss < LOSS_TOLERANCE_BF16 and norm < GRAD_NORM_TOLERANCE_BF16, (loss, norm, result.stdout[-2000:])
+
+
+def test_sdpa_attention_matches_the_reference_on_the_gpu_with_the_flash_kernel():
+    """tests/test_sdpa_attention.py's comparisons on CUDA (float64 reference and megatron-core's
+    DotProductAttention, outputs and gradients), plus the bf16 causal case under the flash kernel alone."""
+    from tests.test_sdpa_attention import check
+    from toolkit.runtime.launch import run_on_processes
+
+    results = run_on_processes("tests.test_sdpa_attention:compare_attention", 1)[0]
+    assert "flash" in results
+    check(results, "cuda")

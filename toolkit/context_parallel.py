@@ -98,15 +98,15 @@ def pad_batch(batch: dict, length: int, pad_id: int = 0) -> dict:
 
 
 def _local_attention_class():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from toolkit.sdpa_attention import SdpaAttention  # the local spec's (toolkit.model.layer_spec_module)
 
-    return DotProductAttention
+    return SdpaAttention
 
 
 class ContextParallelAttention(torch.nn.Module):
-    """megatron-core's DotProductAttention over K/V gathered from the CP group, with the causal mask
-    (and the layer's sliding window, where it has one) over global positions. Built by SelfAttention
-    in place of DotProductAttention (same arguments)."""
+    """The local spec's attention (toolkit.sdpa_attention) over K/V gathered from the CP group, with the
+    causal mask (and the layer's sliding window, where it has one) over global positions. Built by
+    SelfAttention in place of DotProductAttention (same arguments)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -146,15 +146,17 @@ class ContextParallelAttention(torch.nn.Module):
 
 
 def with_context_parallel_attention(spec):
-    """A local layer spec (ModuleSpec or TransformerBlockSubmodules) with every DotProductAttention
-    replaced by ContextParallelAttention."""
+    """A local layer spec (ModuleSpec or TransformerBlockSubmodules) with every DotProductAttention (or
+    the toolkit's SdpaAttention that replaces it) replaced by ContextParallelAttention."""
     from dataclasses import replace
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from toolkit.sdpa_attention import with_sdpa_core_attention
+
     if isinstance(spec, TransformerBlockSubmodules):
         return replace(spec, layer_specs=[with_context_parallel_attention(one) for one in spec.layer_specs])
-    attention = spec.submodules.self_attention
+    attention = with_sdpa_core_attention(spec).submodules.self_attention  # a stock local spec's too
     if attention.submodules.core_attention is not _local_attention_class():
         raise NotImplementedError(f"context parallelism with {attention.submodules.core_attention.__name__}")
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=ContextParallelAttention))

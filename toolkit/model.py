@@ -106,9 +106,12 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
 
 def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     """megatron-core's layer spec for `config` (its q/k norm and normalization included), or the
-    family's own block spec. Under context parallelism the local spec's attention is the toolkit's
-    (toolkit.context_parallel); Transformer Engine's does CP itself."""
-    built = _layer_spec_module(layer_spec, config, spec)
+    family's own block spec. megatron-core's local DotProductAttention runs through torch's fused
+    attention (toolkit.sdpa_attention). Under context parallelism the local spec's attention is the
+    toolkit's (toolkit.context_parallel); Transformer Engine's does CP itself."""
+    from toolkit.sdpa_attention import with_sdpa_core_attention
+
+    built = with_sdpa_core_attention(_layer_spec_module(layer_spec, config, spec))
     if config.context_parallel_size > 1 and layer_spec == "local":
         from toolkit.context_parallel import with_context_parallel_attention
 
