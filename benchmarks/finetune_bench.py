@@ -247,6 +247,19 @@ def print_profiles(root: Path, hf: Path, mc: Path, data: Path, dp: int) -> None:
         print(path.read_text())
 
 
+def write_profiles(root: Path, hf: Path, mc: Path, data: Path, global_batch: int, shape: Shape, out: Path) -> None:
+    """Both sides' op tables at `shape` on the compared processes, to out/profile-{ours,hf}.txt."""
+    from step_profile import COUNT, FIRST
+
+    out.mkdir(parents=True, exist_ok=True)
+    dp = data_parallel_processes()
+    run_recipe(root, mc, data, dp, FIRST + COUNT, 1, global_batch, SAME_BUCKET, script=Path(__file__).parent / "step_profile.py",
+               script_args=(str(out / "profile-ours.txt"),), warmup=0, shape=shape)
+    baseline_run(hf, data, dp, FIRST + COUNT, global_batch, out / "profile-hf.txt", shape=shape)
+    for name in ("profile-ours.txt", "profile-hf.txt"):
+        print(f"{name}:\n{(out / name).read_text()}")
+
+
 def print_phases(root: Path, hf: Path, mc: Path, data: Path, dp: int, steps: int) -> None:
     """Where the step time goes, both sides, by wall clock (benchmarks/step_phases.py)."""
     from step_phases import FIRST, phase_table
@@ -286,16 +299,21 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=MICRO)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--json", type=Path, help="one comparison (`compare`) written here; no profiles")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="with --json: also both sides' op profiles (benchmarks/step_profile.py) at that shape, here")
     args = parser.parse_args()
     if args.json:
+        shape = Shape(args.seq, args.micro, args.precision)
         with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
             root = Path(tmp)
             hf, mc, data = prepare(root, model=SIZES[args.size], seq=args.seq,
                                    dtype="bfloat16" if args.precision == "bf16" else "float32")
-            result = compare(root, hf, mc, data, args.steps, args.global_batch, Shape(args.seq, args.micro, args.precision))
+            result = compare(root, hf, mc, data, args.steps, args.global_batch, shape)
             result["size"] = args.size
             args.json.write_text(json.dumps(result, indent=1))
             print(json.dumps(result, indent=1))
+            if args.profile_dir:
+                write_profiles(root, hf, mc, data, args.global_batch, shape, args.profile_dir)
         return
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
         root = Path(tmp)

@@ -1,4 +1,5 @@
-"""Per-op CPU profile of training steps, for benchmarks/finetune_bench.py.
+"""Per-op profile of training steps (self time on the GPU where there is one, else on the CPU),
+for benchmarks/finetune_bench.py.
 
     torchrun ... benchmarks/step_profile.py PROFILE_OUT [recipe overrides ...]
 
@@ -20,14 +21,21 @@ TOP_OPS = 18
 
 
 def op_table(prof, top: int = TOP_OPS) -> str:
-    """The `top` ops by self CPU time, with their share of the profiled time."""
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    lines = [f"{'op':<58} {'calls':>6} {'self ms':>9} {'share':>6}"]
+    """The `top` ops by self time on the GPU where kernels ran (else on the CPU), with their share of
+    the profiled time."""
+    averages = prof.key_averages()
+    on_gpu = any(getattr(e, "self_device_time_total", 0) > 0 for e in averages)
+
+    def self_time(e) -> float:
+        return e.self_device_time_total if on_gpu else e.self_cpu_time_total
+
+    events = [e for e in averages if self_time(e) > 0]
+    total = sum(self_time(e) for e in events) or 1
+    events.sort(key=self_time, reverse=True)
+    lines = [f"{'op':<58} {'calls':>6} {'self GPU ms' if on_gpu else 'self ms':>11} {'share':>6}"]
     for e in events[:top]:
-        lines.append(f"{e.key[:58]:<58} {e.count:>6} {e.self_cpu_time_total / 1e3:9.1f} {e.self_cpu_time_total / total:6.1%}")
-    lines.append(f"{'all ops':<58} {'':>6} {total / 1e3:9.1f}")
+        lines.append(f"{e.key[:58]:<58} {e.count:>6} {self_time(e) / 1e3:11.1f} {self_time(e) / total:6.1%}")
+    lines.append(f"{'all ops':<58} {'':>6} {total / 1e3:11.1f}")
     return "\n".join(lines)
 
 
@@ -44,7 +52,10 @@ def profiled(step_fn, out: Path, first: int = FIRST, count: int = COUNT):
     def step(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == first:
-            calls["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            calls["prof"] = torch.profiler.profile(activities=activities)
             calls["prof"].__enter__()
         try:
             return step_fn(*args, **kwargs)
