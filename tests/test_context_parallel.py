@@ -356,10 +356,15 @@ def test_plan_refuses_an_empty_recompute_list_or_a_cp_limit_below_one():
         planner.plan(spec, planner.Cluster(8, 80 * GIB), 4096, max_cp=0)
 
 
+# The local spec's CP attention is SDPA over the gathered K/V (toolkit/sdpa_attention.py): with no s^2
+# scores, a model blind to CP misses a tiny model's layer by 8% only, so the bar is 5% (measured: exact).
+CP_MEMORY_TOLERANCE = 0.05
+
+
 @pytest.mark.multiprocess
 def test_memory_model_matches_saved_tensors_at_cp2():
     """Activation bytes per layer and per model at CP2 on CPU (the local spec's all-gather attention)
-    against torch.autograd.graph.saved_tensors_hooks counts, each rank, within 10%."""
+    against torch.autograd.graph.saved_tensors_hooks counts, each rank, within 5%."""
     from tests.workers_memory import SEQ, tiny_spec
     from toolkit.dsconfig import Setup
     from toolkit.memory import CPU_LOCAL, estimate
@@ -381,11 +386,11 @@ def test_memory_model_matches_saved_tensors_at_cp2():
             rows.append(f"{r['variant']} {r['precision']} recompute {r['recompute']} rank {rank}: per layer measured "
                         f"{per_layer:,.0f} predicted {predicted:,} ({predicted / per_layer - 1:+.1%}); model measured "
                         f"{saved[4]:,} predicted {whole:,} ({whole / saved[4] - 1:+.1%})")
-            assert abs(predicted / per_layer - 1) <= 0.10, rows[-1]
-            assert abs(whole / saved[4] - 1) <= 0.10, rows[-1]
+            assert abs(predicted / per_layer - 1) <= CP_MEMORY_TOLERANCE, rows[-1]
+            assert abs(whole / saved[4] - 1) <= CP_MEMORY_TOLERANCE, rows[-1]
             if r["recompute"] == "none":  # guard: a model blind to CP (a rank as a sequence of SEQ / 2) misses
                 blind = act.layer_bytes(spec, act.Shape(SEQ // 2, r["micro"], 1, width), CPU_LOCAL)
-                assert abs(blind / per_layer - 1) > 0.10, (blind, per_layer)
+                assert abs(blind / per_layer - 1) > CP_MEMORY_TOLERANCE, (blind, per_layer)
     print("\n".join(rows))
 
 

@@ -32,13 +32,17 @@ def reference_attention(q, k, v, masked: torch.Tensor, scale: float) -> torch.Te
 
 
 def masks(device):
-    """Causal, the window's, and packed rows' (two documents in row 0, three in row 1); True = masked."""
+    """Causal, the window's, packed rows' (two documents in row 0, three in row 1), and context
+    parallelism's (rank 0 of 2: queries at positions 0-2 and 9-11 over all the keys); True = masked."""
     i = torch.arange(SEQ, device=device)
     causal = (i[None, :] > i[:, None])[None, None]
     window = causal | (i[:, None] - i[None, :] > WINDOW - 1)[None, None]
     docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5], device=device)
     packed = causal | (docs[:, None, :, None] != docs[:, None, None, :])
-    return causal, window, packed
+    return causal, window, packed, causal[:, :, CP_RANK0_QUERIES]
+
+
+CP_RANK0_QUERIES = [0, 1, 2, 9, 10, 11]
 
 
 def compare_attention() -> dict:
@@ -53,26 +57,28 @@ def compare_attention() -> dict:
 
     info = init_parallel(1, 1)
     device = info.device
-    causal, window, packed = masks(device)
+    causal, window, packed, cp_queries = masks(device)
     cases = {  # name: (dtype, window, softmax type, given mask, the mask the reference applies, megatron comparable)
         "causal-gqa": (torch.float32, None, "vanilla", None, causal, True),
         "packed": (torch.float32, None, "vanilla", packed, packed, True),
         "window": (torch.float32, (WINDOW - 1, 0), "vanilla", None, window, True),
         "window-packed": (torch.float32, (WINDOW - 1, 0), "vanilla", packed, window | packed, False),
+        "cp-queries-over-all-keys": (torch.float32, None, "vanilla", cp_queries, cp_queries, True),
         "sinks": (torch.float32, None, "learnable", None, None, True),
         "causal-bf16": (torch.bfloat16, None, "vanilla", None, causal, True),
         "guard-window-one-short": (torch.float32, (WINDOW - 2, 0), "vanilla", None, window, True),
     }
     out = {}
     for name, (dtype, win, softmax_type, given, reference_mask, comparable) in cases.items():
+        queries = len(CP_RANK0_QUERIES) if name.startswith("cp") else SEQ
         config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
                                    num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0,
                                    window_size=win, softmax_type=softmax_type, params_dtype=dtype,
                                    bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu")
         generator = torch.Generator().manual_seed(0)
-        shapes = [(SEQ, BATCH, HEADS, DIM), (SEQ, BATCH, GROUPS, DIM), (SEQ, BATCH, GROUPS, DIM)]
+        shapes = [(queries, BATCH, HEADS, DIM), (SEQ, BATCH, GROUPS, DIM), (SEQ, BATCH, GROUPS, DIM)]
         inputs = [torch.randn(s, generator=generator).to(device, dtype) for s in shapes]
-        grad_out = torch.randn(SEQ, BATCH, HEADS * DIM, generator=generator).to(device, dtype)
+        grad_out = torch.randn(queries, BATCH, HEADS * DIM, generator=generator).to(device, dtype)
         results = {}
         for cls in (SdpaAttention, DotProductAttention):
             module = cls(config, 1, AttnMaskType.causal, "self").to(device)
@@ -83,6 +89,8 @@ def compare_attention() -> dict:
             output = module(q, k, v, given)
             output.backward(grad_out)
             results[cls.__name__] = [output.detach(), q.grad, k.grad, v.grad]
+            if cls is SdpaAttention:  # the fused kernel ran (DotProductAttention's would be a BmmBackward)
+                row_kernel = output.grad_fn.next_functions[0][0].next_functions[0][0].name()
         row = {}
         if reference_mask is not None:
             q, k, v = (t.double().requires_grad_() for t in inputs)
@@ -95,6 +103,7 @@ def compare_attention() -> dict:
             row["vs_megatron"] = max((a.double() - b.double()).abs().max().item()
                                      for a, b in zip(results["SdpaAttention"], results["DotProductAttention"]))
         row["device"] = str(results["SdpaAttention"][0].device)
+        row["kernel"] = row_kernel
         out[name] = row
     if device.type == "cuda":  # the flash kernel itself takes the bf16 causal case
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -126,6 +135,8 @@ def check(results: dict, device_type: str) -> None:
             if key in row:
                 assert row[key] < tolerance(name), (name, key, row)
     assert results["sinks"]["vs_megatron"] == 0.0  # left to DotProductAttention: the same numbers
+    fused = {name for name, row in results.items() if "kernel" in row and "Attention" in row["kernel"]}
+    assert fused == set(results) - {"sinks", "flash"}, {name: row.get("kernel") for name, row in results.items()}
 
 
 def core_attentions() -> dict:

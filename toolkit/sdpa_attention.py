@@ -17,8 +17,8 @@ DotProductAttention's softmax replaces a given mask by the window's (fused_softm
 
 The cases SDPA has no place for are left to DotProductAttention, whose results they are:
 attention sinks (softmax_offset), query-key layer scaling, attention dropout while training, a
-query shorter than the keys (a KV cache), attention bias and packed_seq_params (which
-DotProductAttention refuses itself).
+query shorter than the keys without a mask (a KV cache), attention bias and packed_seq_params
+(which DotProductAttention refuses itself).
 """
 
 from __future__ import annotations
@@ -49,14 +49,17 @@ class SdpaAttention(DotProductAttention):
         self.window = self.scale_mask_softmax.window_size
         self._window_mask = None  # (sequence length, device, mask): the same for every micro-batch
 
-    def sdpa_applies(self, query, key, attention_bias, packed_seq_params) -> bool:
-        return (self.softmax_offset is None and not self.config.apply_query_key_layer_scaling
+    def sdpa_applies(self, query, key, attention_mask, attention_bias, packed_seq_params) -> bool:
+        # queries and keys of different lengths: a given mask says which pairs count (context parallelism's
+        # queries over the gathered keys); without one (a KV cache) DotProductAttention decides
+        lengths = query.shape[0] == key.shape[0] or (attention_mask is not None and self.window is None)
+        return (lengths and self.softmax_offset is None and not self.config.apply_query_key_layer_scaling
                 and not (self.training and self.attention_dropout.p > 0)
-                and attention_bias is None and packed_seq_params is None and query.shape[0] == key.shape[0])
+                and attention_bias is None and packed_seq_params is None)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if not self.sdpa_applies(query, key, attention_bias, packed_seq_params):
+        if not self.sdpa_applies(query, key, attention_mask, attention_bias, packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         masked = self._masked(query.shape[0], query.device, attention_mask)
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition

@@ -8,9 +8,11 @@ s^2 attention scores. Our models differ, term by term:
   GQA                               k and v are kv = groups x head_dim wide, not h
   q/k norms (Qwen3 qk_layernorm)    a norm over q and k per head, one 1/rms per token and head
   no dropout                        no masks (their 5as/h term's mask and 2sbh of masks)
-  flash attention (GPU)             no s^2 terms: q, k, v, output and an fp32 log-sum-exp
+  fused attention                   no s^2 terms: q, k, v, output and an fp32 log-sum-exp (the local
+                                    spec's SDPA keeps k and v repeated to every query head; attention
+                                    sinks and multi-latent attention stay unfused, with s^2 scores)
 Which tensors are kept depends on the kernels, so each term is switchable (`Kernels`). The CPU
-profile (megatron-core's local spec: torch's composite rms_norm, unfused attention and glu) is
+profile (megatron-core's local spec: torch's composite rms_norm and unfused glu, torch's SDPA) is
 validated against torch.autograd.graph.saved_tensors_hooks byte counts in
 tests/test_memory_measured.py; the GPU profile follows the same terms with the fused kernels'
 saved tensors (Transformer Engine: fused RMSNorm saves input + rsigma, flash attention saves
@@ -25,8 +27,8 @@ TP 2 in tests/test_memory_measured.py too.
 
 Context parallelism (parallel.cp, toolkit/context_parallel.py) gives each rank seq / CP tokens:
 every per-token term is divided by CP. Attention is not: each rank's queries see the whole
-sequence's keys. The local spec's CP attention all-gathers K and V, so its unfused attention keeps
-k and v (repeated per query head) over the whole sequence and [s/CP, s] scores and mask; TE's ring
+sequence's keys. The local spec's CP attention all-gathers K and V, so its SDPA keeps k and v
+(repeated per query head) over the whole sequence and the [s/CP, s] mask; TE's ring
 (GPU) keeps only its own q, k, v, output and LSE, and two K/V blocks in flight (temporaries).
 """
 
@@ -49,12 +51,12 @@ CE_PER_TOKEN = BOOL + INT64
 class Kernels:
     name: str
     fused_norm: bool  # saves input + fp32 rstd; torch's composite rms_norm keeps two fp32 copies instead
-    flash_attention: bool  # else: q, repeated k/v, fp32 softmax, the probabilities and the mask (s^2 terms)
+    flash_attention: bool  # Transformer Engine's; else the local spec's (runs_sdpa: SDPA, or unfused with s^2 terms)
     fused_swiglu: bool  # else megatron's unfused glu also keeps silu(x) and (x_linear + offset)
 
 
 GPU = Kernels("gpu: Transformer Engine (fused RMSNorm, flash attention, fused SwiGLU)", True, True, True)
-CPU_LOCAL = Kernels("cpu: megatron-core local spec (torch rms_norm, unfused attention and glu)", False, False, False)
+CPU_LOCAL = Kernels("cpu: megatron-core local spec (torch rms_norm, SDPA attention, unfused glu)", False, False, False)
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -172,7 +174,14 @@ def _attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     if kernels.flash_attention:
         lse = FP32 * heads * t
         return b * t * (2 * q + 2 * kv) // shape.tp + lse + rope
-    # q and k, v repeated to every query head (GQA; under CP over the whole gathered sequence), fp32
+    if runs_sdpa(spec):
+        # the local spec's SdpaAttention: q, k and v repeated to every query head (under CP over the whole
+        # gathered sequence) and an fp32 log-sum-exp (its output is linear_proj's input: the kernel writes it
+        # in q's [s, b, heads, dim] layout, so the reshape is a view); under CP the [s/CP, s] mask, which the
+        # kernel keeps in the activation dtype
+        mask = b * shape.local_seq * shape.seq if shape.cp > 1 else 0
+        return b * t * (1 + 2 * shape.cp) * q // shape.tp + FP32 * heads * t + mask + rope
+    # megatron-core's DotProductAttention (attention sinks): q and k, v repeated to every query head (GQA; under CP over the whole gathered sequence), fp32
     # softmax, the probabilities cast back for the second matmul (the same tensor in fp32), and the mask.
     scores = heads * shape.batch * shape.local_seq * shape.seq
     probs = b * scores if b != FP32 else 0
@@ -184,8 +193,15 @@ def _selective_attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int
     keeps the whole fused qkv output alive."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     kept = shape.act_bytes * shape.tokens * (q + kv + (q + 2 * kv)) // shape.tp
-    mask = 0 if kernels.flash_attention else BOOL * shape.local_seq * shape.seq
+    mask = 0 if kernels.flash_attention or runs_sdpa(spec) else BOOL * shape.local_seq * shape.seq
     return kept + mask
+
+
+def runs_sdpa(spec: ModelSpec) -> bool:
+    """Whether the local spec's attention runs torch's fused SDPA (toolkit/sdpa_attention.py) for this
+    model: every model but those with attention sinks (gpt-oss), which megatron-core's
+    DotProductAttention computes unfused. Multi-latent attention has its own (mla_layer_bytes)."""
+    return not spec.attention_sinks
 
 
 def _swiglu(spec: ModelSpec, shape: Shape, kernels: Kernels, ffn: int | None = None) -> int:
@@ -247,11 +263,14 @@ def logits_temporary(shape: Shape, padded_vocab: int) -> int:
 
 def attention_buffer(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
     """Unfused attention reuses one global [b*heads, s, s] buffer for the QK^T product ([s/CP, s]
-    under CP, with the gathered K and V); TE's CP ring holds two K/V blocks (sending, receiving)."""
+    under CP, with the gathered K and V); SDPA needs none, but the gathered K and V under CP; TE's CP
+    ring holds two K/V blocks (sending, receiving)."""
     if kernels.flash_attention:
         kv = spec.num_kv_heads * spec.head_dim
         return 2 * shape.act_bytes * shape.tokens * 2 * kv // shape.tp if shape.cp > 1 else 0
     gathered = 2 * shape.act_bytes * shape.batch * shape.seq * spec.num_kv_heads * spec.head_dim // shape.tp
+    if runs_sdpa(spec):
+        return gathered if shape.cp > 1 else 0
     return shape.act_bytes * shape.batch * spec.num_heads // shape.tp * shape.local_seq * shape.seq + \
         (gathered if shape.cp > 1 else 0)
 
