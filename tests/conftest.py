@@ -15,10 +15,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # NCCL would refuse, although gloo accepts it here (toolkit/runtime/strict_devices.py).
 os.environ.setdefault("TOOLKIT_STRICT_DEVICES", "1")
 
-# What decides where the processes tests launch compute. A test module or fixture that changed
-# one in os.environ would move every later launch: on the GPU machine, test_dsconfig_keys.py's
-# DS_ACCELERATOR=cpu made DeepSpeed put tests/test_gpu.py's model on the CPU. Checked after
-# collection and after every test.
+# What decides where the processes tests launch compute. A test module that changed one in
+# os.environ at import would move every later launch: on the GPU machine, test_dsconfig_keys.py's
+# DS_ACCELERATOR=cpu made DeepSpeed put tests/test_gpu.py's model on the CPU. Collection that
+# changes them fails; a test that does (the recipe's main, run in process on a CPU machine, sets
+# DS_ACCELERATOR as its own process would) gets them put back before the next test.
 LAUNCH_ENV = {key: os.environ.get(key) for key in ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")}
 
 
@@ -33,9 +34,13 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(autouse=True)
-def launch_env_unchanged():
+def launch_env_restored():
     yield
-    assert not launch_env_changes(), f"this test left the environment launches inherit changed: {launch_env_changes()}"
+    for key, value in LAUNCH_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 # Families and variants every conversion test covers (see toolkit/tinymodels.py).
 VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3",

@@ -1,6 +1,8 @@
 """The preference example (toolkit.examples.write_preference_task): on the quick start's tiny Llama,
 method=dpo moves the held-out preference from chance to above 0.9, and the exported HF model, read
-with plain transformers, prefers the chosen answer."""
+with plain transformers, prefers the chosen answer. 80 steps: after 40 the accuracy was still
+climbing, at 30 or 28 of the 32 held-out pairs depending on the attention kernel's rounding (unfused
+or SDPA), one or two pairs from the bar; after 80, 32 of 32 (60: 31)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def test_dpo_learns_the_preference_on_held_out_pairs_and_the_export_prefers_chos
     train, valid, held_out = write_preference_task(tmp_path / "data")
     before = preference_accuracy(hf, held_out)
     cfg = recipe(tmp_path, megatron, train, method="dpo", dpo={"beta": 0.1}, data__valid_file=str(valid),
-                 data__seq_len=16, data__shuffle=True, global_batch=16, micro_batch=8, steps=40, eval_every=20,
+                 data__seq_len=16, data__shuffle=True, global_batch=16, micro_batch=8, steps=80, eval_every=40,
                  optim={"lr": 2e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0, "clip_grad": 1.0},
                  log_every=5, export_hf=True, parallel={"tp": 1, "pp": 1, "zero_stage": 1})
     launch(2, cfg)
