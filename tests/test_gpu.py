@@ -34,6 +34,30 @@ def test_one_gpu_finetune_matches_the_hf_reference_on_the_gpu(tmp_path):
     assert loss < LOSS_TOLERANCE_BF16 and norm < GRAD_NORM_TOLERANCE_BF16, (loss, norm, result.stdout[-2000:])
 
 
+def test_one_gpu_lora_fine_tune_matches_peft_on_the_gpu(tmp_path):
+    """LoRA on the GPU, which no GPU run had covered: the adapters are made on the host after the model
+    moved to the GPU (toolkit/lora/adapter.py), and DeepSpeed's engine moves them with the module. fp32,
+    every linear targeted, against HF PEFT trained on the same GPU, with the CPU tests' bars
+    (tests/test_lora.py)."""
+    from tests.finetune_harness import write_peft_adapter
+    from tests.test_lora import ALL_TARGETS, LOSS_TOLERANCE, NORM_TOLERANCE
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("llama-odd-vocab", tmp_path / "hf", dtype="float32", num_hidden_layers=4, vocab_size=250)
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
+    adapter = write_peft_adapter(hf, tmp_path / "adapter", ALL_TARGETS, r=4, alpha=8.0)
+    data = write_uneven_data(tmp_path / "data.jsonl", 300)
+    cfg = recipe(tmp_path, mc, data, parallel={"tp": 1, "pp": 1, "zero_stage": 1},
+                 peft={"enabled": True, "init_from": str(adapter)})
+    launch(1, cfg)
+    loss, norm = differences(read_metrics(tmp_path / "run"),
+                             *hf_reference(hf, data, cfg, STEPS, device="cuda", adapter=adapter))
+    print(f"LoRA on the GPU over {STEPS} steps: max |loss - PEFT| {loss:.2e}, grad norm relative {norm:.2e}")
+    assert loss < LOSS_TOLERANCE and norm < NORM_TOLERANCE, (loss, norm)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+
+
 def test_sdpa_attention_matches_the_reference_on_the_gpu_with_the_flash_kernel():
     """tests/test_sdpa_attention.py's comparisons on CUDA (float64 reference and megatron-core's
     DotProductAttention, outputs and gradients), plus the bf16 causal case under the flash kernel alone."""
