@@ -217,20 +217,17 @@ def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path)
     reference with the expert bias zeroed, or with YaRN's mscales dropped, is far off the run."""
     from transformers import AutoModelForCausalLM
 
-    from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference,
-                                        launch, read_metrics, recipe, write_uneven_data)
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity
     from tests.test_family_glm4_moe import _routing_reference
 
-    hf = make_tiny_model("deepseek-v3", tmp_path / "hf", dtype="float32", vocab_size=250, seed=81)
-    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", **LOCAL)
-    data = write_uneven_data(tmp_path / "data.jsonl", 300)
-    cfg = recipe(tmp_path, mc, data, parallel=FINE_TUNE_LAYOUT, export_hf=True)
-    launch(8, cfg)
-    metrics = read_metrics(tmp_path / "run")
     reference = _routing_reference()
-    loss, norm = differences(metrics, *hf_reference(hf, data, cfg, STEPS, step_loss=reference))
-    print(f"DeepSeek-V3 TP2xPP2xDP2 EP2: max |loss - HF| {loss:.1e}, grad norm relative {norm:.1e}")
-    assert len(metrics) == STEPS and loss < LOSS_TOLERANCE_FP32 and norm < GRAD_NORM_TOLERANCE, (loss, norm)
+    run = family_finetune_parity(tmp_path, "deepseek-v3", 8, FINE_TUNE_LAYOUT, lambda hf: reference, export_hf=True,
+                                 layer_spec=LOCAL["layer_spec"], seed=81)
+    hf, data, cfg, metrics = run.hf, run.data, run.cfg, run.metrics
+    print(f"DeepSeek-V3 TP2xPP2xDP2 EP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
     assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in metrics] == reference.routing
     assert len(reference.routing[0]) == 3
     exported, original = load_all(tmp_path / "run" / "hf"), load_all(hf)
