@@ -59,15 +59,13 @@ def cpu_accelerator_in_this_process() -> None:
     """DeepSpeed's CPU accelerator for this (pytest) process only. DeepSpeed picks its accelerator
     once, at the first get_accelerator(), from DS_ACCELERATOR; the variable is then put back as it
     was, so that the fine-tunes later tests launch don't inherit it: on a GPU machine, DeepSpeed
-    would move their models to the CPU (tests/conftest.py checks that no test leaves it changed)."""
-    saved = os.environ.get("DS_ACCELERATOR")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
+    would move their models to the CPU (tests/conftest.py fails a collection that leaves it changed)."""
+    from toolkit.runtime.distributed import deepspeed_cpu_accelerator
+
+    with deepspeed_cpu_accelerator():
         from deepspeed.accelerator import get_accelerator
 
         get_accelerator()
-    finally:
-        _restore({"DS_ACCELERATOR": saved})
 
 
 @pytest.fixture(scope="session")

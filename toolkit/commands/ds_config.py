@@ -254,18 +254,11 @@ def _write_accelerate(args, setup) -> None:
 
 
 def _check(args) -> int:
-    import os
-
     from toolkit.dsconfig import check
+    from toolkit.runtime.distributed import deepspeed_cpu_accelerator
 
-    # Only DeepSpeed's config models are used; don't let it probe for (and warn about) a GPU. For this
-    # check only: a caller that runs this in process and launches training afterwards keeps its GPUs.
-    saved = os.environ.get("DS_ACCELERATOR")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
+    # Only DeepSpeed's config models are used; don't let it probe for (and warn about) a GPU.
+    with deepspeed_cpu_accelerator():
         report = check(args.file, gpus=total_gpus(args), tp=args.tp, pp=args.pp, hf_trainer=args.hf_trainer)
-    finally:
-        if saved is None:
-            os.environ.pop("DS_ACCELERATOR", None)
     print("\n".join(report.lines()))
     return 0 if report.ok else 1

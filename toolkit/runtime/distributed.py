@@ -6,6 +6,7 @@ compatibility layer applied. Nothing else differs between the two.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -52,6 +53,20 @@ def choose_deepspeed_accelerator() -> None:
     same, with a WARNING on every rank (the README's `DS_ACCELERATOR=cpu` is then optional)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@contextlib.contextmanager
+def deepspeed_cpu_accelerator():
+    """DeepSpeed's CPU accelerator for what runs in this block (DeepSpeed picks its accelerator once, at
+    the first get_accelerator(), from DS_ACCELERATOR), with the environment put back after it: processes
+    launched later inherit no DS_ACCELERATOR=cpu, which on a GPU node moves their models off the GPU."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def check_local_gpus(local_world_size: int, device_count: int) -> None:

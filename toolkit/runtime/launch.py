@@ -86,19 +86,12 @@ def process_context(cuda_available: bool):
         return mp.get_context("spawn")
     from multiprocessing import forkserver
 
-    from toolkit.runtime.distributed import choose_deepspeed_accelerator
+    from toolkit.runtime.distributed import deepspeed_cpu_accelerator
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(HEAVY_IMPORTS))
-    # The server imports DeepSpeed with the environment it starts with: DeepSpeed's CPU accelerator
-    # there, and this process's environment as it was (what else it launches inherits it).
-    saved = os.environ.get("DS_ACCELERATOR")
-    choose_deepspeed_accelerator()
-    try:
+    with deepspeed_cpu_accelerator():  # the server imports DeepSpeed with the environment it starts with
         forkserver.ensure_running()
-    finally:
-        if saved is None:
-            os.environ.pop("DS_ACCELERATOR", None)
     return ctx
 
 
