@@ -109,18 +109,30 @@ def moe_copy(tiny_moe, tmp_path):
     return copy
 
 
-@pytest.fixture
-def copy_everything(monkeypatch):
-    """Every shard a split kind describes as byte ranges is copied, however small its ranges;
-    returns the byte ranges copied, to show the copy path ran."""
+def _copied_ranges(monkeypatch, kernel_copy_from: int) -> list:
     from toolkit.convert import range_copy
 
     copied = []
     copy_ranges = range_copy.copy_ranges
     monkeypatch.setattr(range_copy, "MIN_RANGE_BYTES", 1)
+    monkeypatch.setattr(range_copy, "MIN_KERNEL_COPY_BYTES", kernel_copy_from)
     monkeypatch.setattr("toolkit.convert.torch_stream.copy_ranges",
                         lambda ranges, *a: copied.extend(ranges) or copy_ranges(ranges, *a))
     return copied
+
+
+@pytest.fixture
+def copy_everything(monkeypatch):
+    """Every shard a split kind describes as byte ranges is copied by the kernel (copy_file_range),
+    however small its ranges; returns the byte ranges copied, to show the copy path ran."""
+    return _copied_ranges(monkeypatch, kernel_copy_from=1)
+
+
+@pytest.fixture
+def gather_everything(monkeypatch):
+    """Every shard a split kind describes as byte ranges is gathered from maps of the source files
+    (pwritev), however large its ranges; returns the byte ranges copied."""
+    return _copied_ranges(monkeypatch, kernel_copy_from=1 << 62)
 
 
 @pytest.fixture

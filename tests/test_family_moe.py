@@ -276,9 +276,11 @@ def test_torch_writer_reads_only_the_experts_of_the_rank_it_writes(tiny_moe, tmp
     """Streaming stays bounded: between two rank files the writer reads exactly that EP rank's
     experts from the HF files (and each at most once per layer and TP rank), never all of them.
     Rank files are written on several threads at once: the reads are followed per thread."""
-    from toolkit.convert import torch_format
+    from toolkit.convert import range_copy, torch_format
     from toolkit.convert.hf_source import HFCheckpoint
 
+    # every shard built, so that every tensor it needs is read (byte ranges copied are never read)
+    monkeypatch.setattr(range_copy, "MIN_RANGE_BYTES", 1 << 62)
     events: list[tuple[int, str, str]] = []
     read, save = HFCheckpoint.read, torch_format.stream_rank_file
     monkeypatch.setattr(HFCheckpoint, "read", lambda self, name, *a, **k: events.append(

@@ -42,6 +42,12 @@ class _Relaid(ColumnSplit):
             start += length
         return out
 
+    def row_pieces(self, src, names, tp, rank, geo):
+        """Not described: the shard's rows are re-laid from several HF tensors, not rows of the first
+        (ColumnSplit's pieces would copy the wrong bytes, or too few: the record's size check refused
+        Qwen3-Next's linear_qkv wherever its ranges were large enough to be copied)."""
+        return None
+
     def build(self, src, names, tp, rank, geo):
         import torch
 
