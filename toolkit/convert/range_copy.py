@@ -51,12 +51,16 @@ class ByteRange(NamedTuple):
     length: int
 
 
+def _same_file(a: ByteRange, b: ByteRange) -> bool:
+    return a.file is b.file or a.file == b.file  # the same Path object, mostly: its __eq__ is slow per row
+
+
 def _piece_ranges(src, piece: RowPiece, row_bytes: int) -> list[ByteRange]:
     if piece.name is None:
         return [ByteRange(None, 0, (piece.stop - piece.start) * row_bytes)]
     entry = src.tensors[piece.name]
     row_bytes = math.prod(entry.shape[1:]) * entry.itemsize
-    if piece.cols is None:
+    if piece.cols is None or (piece.cols.start, piece.cols.stop) == (0, entry.shape[1]):  # whole rows: one range
         return [ByteRange(entry.file, entry.offset + piece.start * row_bytes, (piece.stop - piece.start) * row_bytes)]
     first, width = piece.cols.start * entry.itemsize, (piece.cols.stop - piece.cols.start) * entry.itemsize
     return [ByteRange(entry.file, entry.offset + r * row_bytes + first, width) for r in range(piece.start, piece.stop)]
@@ -68,7 +72,7 @@ def _merged(ranges: list[ByteRange]) -> list[ByteRange]:
         if r.length == 0:
             continue
         last = out[-1] if out else None
-        if last and last.file == r.file and (r.file is None or last.offset + last.length == r.offset):
+        if last and _same_file(last, r) and (r.file is None or last.offset + last.length == r.offset):
             out[-1] = last._replace(length=last.length + r.length)
         else:
             out.append(r)
@@ -185,7 +189,7 @@ def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, dst_offset: int) -> in
     at = dst_offset
     batch: list[ByteRange] = []  # small ranges of one file, gathered together
     for r in [*ranges, None]:
-        if batch and (r is None or r.file != batch[0].file or r.length >= MIN_KERNEL_COPY_BYTES
+        if batch and (r is None or not _same_file(r, batch[0]) or r.length >= MIN_KERNEL_COPY_BYTES
                       or len(batch) == _IOV_MAX):
             _gather(batch, dst_fd, at)
             at += ranges_bytes(batch)
