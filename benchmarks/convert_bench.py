@@ -166,9 +166,11 @@ def largest_file(path: Path) -> int:
 # events, nothing of the converter patched) marks the creation of the .partial output directory
 # (everything validated) and the opening of the metadata file (every record placed and hashed).
 TIMED_CLI = """
-import json, sys, time
+import gc, json, sys, time
 marks = [("started", time.monotonic())]
+gc.disable()  # as the CLI's convert command imports them
 import torch, toolkit.cli, toolkit.convert.to_megatron
+gc.enable()
 marks.append(("torch and toolkit imported", time.monotonic()))
 def note(event, args):
     if event == "os.mkdir" and ".partial-" in str(args[0]) and len(marks) == 2:
