@@ -5,8 +5,7 @@ shard is a list of byte ranges of the safetensors files. No dtype cast happens o
 the bytes are the tensor's bytes. Each range is copied one of two ways:
 
 * a large one (a column-parallel shard, a whole tensor) by the kernel with `copy_file_range`: no
-  pass through user space (on this machine ~4 GB/s page cache to page cache, where a `write()` of
-  a mapped tensor runs at 0.4-1.8 GB/s);
+  pass through user space and no mapping of the source;
 * small ones (a row-parallel shard is one column slice per row) gathered: up to IOV_MAX of them in
   one `pwritev` from a read-only map of the source file, so the bytes are copied once, page cache
   to page cache, as `cp` copies them. Building the shard as a tensor first (strided copy into fresh
