@@ -173,9 +173,9 @@ class FamilyRun:
 
 def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: dict, step_loss_for,
                            moe: dict | None = None, prepare=None, on_step=None, export_hf: bool = False,
-                           layer_spec: str | None = None, **model) -> FamilyRun:
+                           layer_spec: str = "te", **model) -> FamilyRun:
     """The recipe on a tiny fp32 `variant` (`model`: its config changes), converted to torch_dist (with
-    `layer_spec`'s parameter names where given), at
+    `layer_spec`'s parameter names), at
     `parallel` (ZeRO-1) on `nprocs` processes over uneven data, against the single-process HF
     reference of tests.finetune_harness.hf_reference with the family's step loss, `step_loss_for(hf
     directory)`, `prepare` and `on_step`, over STEPS steps. The caller asserts on the result (a guard reuses its
@@ -186,8 +186,7 @@ def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: 
     from toolkit.tinymodels import make_tiny_model
 
     hf = make_tiny_model(variant, tmp_path / "hf", dtype="float32", vocab_size=250, **model)
-    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False,
-                        **({"layer_spec": layer_spec} if layer_spec else {}))
+    mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False, layer_spec=layer_spec)
     data = write_uneven_data(tmp_path / "data.jsonl", 300)
     cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, **parallel}, moe=moe or {}, export_hf=export_hf)
     launch(nprocs, cfg)

@@ -113,6 +113,13 @@ def converting() -> list[str]:
     return [name for name, entry in index().items() if entry["outcome"] == CONVERTS and "unverified" not in entry]
 
 
+def distinct_converting() -> list[str]:
+    """converting(), without an entry whose shrunk file equals an earlier one's (Mixtral 8x7B Instruct's and
+    the base's, Qwen3 0.6B's and 1.7B's): the same model again. The first of them stands for both."""
+    first = {json.dumps(config(name), sort_keys=True): name for name in reversed(converting())}
+    return [name for name in converting() if name in first.values()]
+
+
 def converting_unverified() -> list[str]:
     """The entries that convert but that HF's model cannot be the reference of here (index.json "unverified" says why)."""
     return [name for name, entry in index().items() if entry["outcome"] == CONVERTS and "unverified" in entry]
