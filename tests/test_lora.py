@@ -275,6 +275,17 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapter(setup, r
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight], "fp32 resume must be exact"
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight]
+    # on another layout: refused in one line naming both ways on (the same layout, or init_from its adapter)
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.train.checkpoint import CheckpointError, check_resumable
+    from toolkit.train.checkpoint_verify import intact
+
+    base = setup.megatron(adapter)
+    with pytest.raises(CheckpointError, match=r"Resume it with parallel\.tp=2 parallel\.pp=1 parallel\.zero_stage=1 on 4 "
+                       r"processes, or start a new run_dir .*peft\.init_from=\S+step_0000005/adapter") as refused:
+        check_resumable(intact(step5), {"tp": 1, "pp": 1, "dp": 4, "zero_stage": 1}, None, CheckpointMeta.read(base),
+                        16, lora=True, base_checkpoint=base)
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.multiprocess
