@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import random
 import re
@@ -424,12 +425,12 @@ def check_resumable(checked, layout: dict, requested_schedule, meta: CheckpointM
     same_layout = saved == layout and state.get("cp", 1) == layout.get("cp", 1)
     if not same_layout:
         if lora:
+            overrides = " ".join(f"parallel.{k}={saved[k]}" for k in ("tp", "pp", "zero_stage") if k in saved)
+            processes = math.prod(saved.get(k) or 1 for k in ("tp", "pp", "cp", "dp"))
             raise CheckpointError(
                 f"{path} is a LoRA checkpoint written with {saved}: an adapter resumes on that layout only, not on "
-                f"{layout}. Resume it with parallel.tp={saved['tp']} parallel.pp={saved['pp']} "
-                f"parallel.zero_stage={saved['zero_stage']} on {saved['tp'] * saved['pp'] * saved['dp']} processes, or "
-                f"start a new run_dir on this layout from its adapter: peft.init_from={path / ADAPTER_EXPORT} "
-                "(a fresh optimizer and schedule)")
+                f"{layout}. Resume it with {overrides} on {processes} processes, or start a new run_dir on this "
+                f"layout from its adapter: peft.init_from={path / ADAPTER_EXPORT} (a fresh optimizer and schedule)")
         if "fsdp" in (state.get("dp_engine"), layout.get("dp_engine")):  # saved's keys are the requested layout's
             raise CheckpointError(f"{path} was written with {saved}: a checkpoint resumes across the DeepSpeed and "
                                   f"FSDP engines, or on another FSDP layout, not at all yet; resume on {saved}")
