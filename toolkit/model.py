@@ -22,6 +22,7 @@ from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
 from toolkit.moe_aux import AuxLoss
+from toolkit.runtime import megatron_versions
 
 
 # megatron-core fuses the bias add and the activation only for these (transformer_config.py:1485:
@@ -40,7 +41,13 @@ def te_status() -> tuple[bool, str]:
         return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
     if not (extension.HAVE_TE and gpt_layer_specs.HAVE_TE):
         return False, "megatron-core's Transformer Engine extension did not import"
-    return True, f"transformer_engine {extension.get_te_version()}"
+    version = megatron_versions.te_version()
+    if version is None:
+        return False, "transformer_engine imports but has no version"
+    supported, line = megatron_versions.te_supported(version)
+    if not supported:  # a layer built for another TE fails deep inside its forward, if at all
+        return False, f"{line}: not a supported pair; install a TE in that range or the megatron-core built for it"
+    return True, f"transformer_engine {version}"
 
 
 def running_layer_spec() -> str:

@@ -2,7 +2,8 @@
 
 The layout is what `megatron.core.dist_checkpointing.save(model.sharded_state_dict(), dir)`
 writes (checked against it in the tests):
-  * PyTorch DCP files (`.metadata`, `__0_*.distcp`) plus megatron's `metadata.json` and `common.pt`;
+  * PyTorch DCP files (`.metadata`, `__0_*.distcp`) plus megatron's `metadata.json` and the non-tensor
+    state (`common.pt`, or from megatron-core 0.19 a `common_state` object inside the DCP files);
   * every tensor has its *global* (TP=1) shape, so any TP/PP layout can load it;
   * per-layer tensors are stacked: `decoder.layers.<name>` has shape [num_layers, ...], stored as
     one chunk per layer; fc1 is the global [gate; up]. Not where dense layers are mixed with MoE
@@ -355,7 +356,14 @@ def _quiet_about(errors: list[BaseException]):
 
 def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], common: dict,
           on_item=lambda: None) -> dict[Path, str]:
-    """Write the checkpoint; returns the checksums of the data files, hashed as they were filled."""
+    """Write the checkpoint; returns the checksums of the data files, hashed as they were filled.
+    `common` goes where the installed megatron-core's loader looks for it (common.pt, or from 0.19 a
+    `common_state` object in the DCP files: toolkit.runtime.megatron_versions)."""
+    from toolkit.runtime import megatron_versions
+
+    in_dcp = megatron_versions.common_state_in_dcp()
+    if in_dcp:
+        objects = {**objects, megatron_versions.COMMON_STATE_KEY: [common]}
     directory.mkdir(parents=True)
     planner = _LazySavePlanner(chunks, objects, on_item)
     writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=DATA_FILES, sync_files=False)
@@ -376,7 +384,8 @@ def write(directory: Path, chunks: list[Chunk], objects: dict[str, object], comm
     if laid_out != len(chunks) or not data_files or set(filling.digests) != data_files:
         raise RuntimeError(f"{directory}: {laid_out} of {len(chunks)} chunks laid out, "
                            f"{len(filling.digests)} of {len(data_files)} data files filled")
-    torch.save(common, directory / "common.pt")
+    if not in_dcp:
+        torch.save(common, directory / megatron_versions.COMMON_PT)
     (directory / "metadata.json").write_text(json.dumps(MCORE_METADATA))
     return filling.digests
 

@@ -106,11 +106,11 @@ def load_dist(chunks: list, shards: Path) -> None:
     """megatron-core's own loader, for every model chunk at once (Megatron-LM's nesting: model0,
     model1, ...). `args` in common.pt is an argparse.Namespace, so it is allowed explicitly for
     weights_only unpickling."""
-    from megatron.core import dist_checkpointing
+    from toolkit.runtime import megatron_versions
 
     wanted = {f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)}
     with torch.serialization.safe_globals(torch_format.SAFE_GLOBALS):
-        loaded = dist_checkpointing.load(wanted, str(shards))
+        loaded = megatron_versions.dist_load(wanted, shards)
     for chunk, key in zip(chunks, wanted):
         missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -126,7 +126,7 @@ def load_state(directory: Path, engine, shards: ParamShards, step: int, states=S
     One read per kind of state (master weights, then each moment), so a rank holds at most one
     fp32 copy of its TP/PP shard at a time. `states`: (key prefix in `directory`, DeepSpeed's key)
     pairs, ours by default (a Megatron-LM optimizer state: toolkit.train.megatron_optimizer)."""
-    from megatron.core import dist_checkpointing
+    from toolkit.runtime import megatron_versions
 
     _create_adam_state(engine)
     for name, key in states:
@@ -134,7 +134,7 @@ def load_state(directory: Path, engine, shards: ParamShards, step: int, states=S
             str(index): shards.sharded(name, entry, torch.empty(shape, dtype=torch.float32))
             for index, (_, entry, shape) in enumerate(shards.entries)
         }
-        loaded = dist_checkpointing.load(template, str(directory))
+        loaded = megatron_versions.dist_load(template, directory)
         for index, (param, _, _) in enumerate(shards.entries):
             _set_fragment(param, loaded.pop(str(index)), key)
     for flat in _flat_partitions(engine):

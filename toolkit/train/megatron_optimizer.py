@@ -108,15 +108,14 @@ def _check_same_model(shards: Path, stored: dict, meta, tp: int, where: str) -> 
 
 
 def _common_optimizer(shards: Path, where: str) -> dict:
-    """The optimizer's non-tensor state (param groups, sharding type) from common.pt, unpickled
+    """The optimizer's non-tensor state (param groups, sharding type) from the checkpoint's common state (common.pt, or inside the DCP files from megatron-core 0.19), unpickled
     with the converter's allow-list (tensors, builtins, Megatron-LM's args)."""
     from toolkit.convert.torch_format import load_trusted_types
 
-    common = shards / "common.pt"
-    if not common.is_file():
-        return {}
+    from toolkit.runtime import megatron_versions
+
     try:
-        state = load_trusted_types(common, mmap=False)
+        state = megatron_versions.read_common_state(shards, lambda f: load_trusted_types(f, mmap=False))
     except ToolkitError as e:
         raise ConfigError(f"{where}: {e}") from None
     optimizer = state.get("optimizer") if isinstance(state, dict) else None

@@ -38,13 +38,16 @@ def save(sharded_state_dict: dict, directory: str) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+    from toolkit.runtime import megatron_versions
+
     if filesystem_async._results_queue is None:  # read by prepare_write_data; never a Manager's
         filesystem_async._results_queue = queue.Queue()
     first = _strategy is None
     if first:
         _strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
     request = dist_checkpointing.save(sharded_state_dict, directory, sharded_strategy=_strategy,
-                                      validate_access_integrity=first, async_sharded_save=True)
+                                      validate_access_integrity=first, async_sharded_save=True,
+                                      **megatron_versions.save_kwargs())
     if request.async_fn is not None:  # None where this rank has nothing to write
         _write_buckets(request)
     dist.barrier()  # as AsyncRequest.execute_sync: every rank's files are written

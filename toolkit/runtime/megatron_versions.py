@@ -1,0 +1,182 @@
+"""What changed in megatron-core between the releases the toolkit supports (0.16.1 through 0.19.x),
+each difference handled here once, named with the release that made it.
+
+Everywhere else the toolkit calls these functions instead of testing a version: a new release that
+moves something again is one new row of CHANGES and one branch below.
+
+    CHANGES: (release, what upstream changed, what the toolkit does about it)
+
+Only differences that the toolkit's own code meets are here; upstream's wider changes between these
+releases are in docs/design/megatron_versions.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import inspect
+from pathlib import Path
+
+from packaging.version import Version
+
+OLDEST, NEWEST_SERIES = Version("0.16.1"), (0, 19)  # pyproject.toml: megatron-core>=0.16.1,<0.20
+
+CHANGES = (
+    ("0.17.0", "dist_checkpointing.save() gained async_strategy, default 'nvrx': an async save imports "
+     "nvidia-resiliency-ext, and fails without it (strategies/torch.py get_async_strategy)",
+     "save_kwargs(): async_strategy='mcore' (megatron-core's own writer) wherever save() takes it, "
+     "without the deprecation warning it then logs on every rank"),
+    ("0.17.0", "extensions/transformer_engine.get_te_version() removed",
+     "te_version(): Transformer Engine's own version"),
+    ("0.17.0", "Python >= 3.12 (Requires-Python)", "pyproject allows >=3.11: pip on 3.11 resolves 0.16.1"),
+    ("0.19.0", "torch_dist stores the non-tensor state as a ShardedObject 'common_state' inside the DCP "
+     "files instead of common.pt (serialization.py save; load_common_state_dict reads both)",
+     "common_state_in_dcp(): the converter writes the installed release's layout; read_common_state() reads "
+     "both; reading_both_common_layouts() lets an older release load the new layout"),
+    ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",
+     "not called: the toolkit builds TorchDistSaveShardedStrategy itself"),
+)
+
+# Transformer Engine releases each megatron-core series was built and tested with: 0.16.1's `dev`
+# extra (transformer-engine>=2.9,<2.12); later series dropped the bound, so theirs are the NGC
+# containers that ship them (NeMo 26.04: TE 2.14 with 0.17.0; NeMo 26.06: TE 2.16 with 0.18.0; 0.19 is
+# tested on NGC 26.06). (lowest, first unsupported)
+TE_RANGES = {
+    (0, 16): (Version("2.9"), Version("2.12")),
+    (0, 17): (Version("2.9"), Version("2.15")),
+    (0, 18): (Version("2.9"), Version("2.17")),
+    (0, 19): (Version("2.9"), Version("2.17")),
+}
+
+COMMON_PT = "common.pt"  # the legacy layout's file (megatron-core <= 0.18 writes it)
+COMMON_STATE_KEY = "common_state/shard_0_1"  # ShardedObject("common_state", None, (1,), (0,)).unique_key
+
+
+@functools.cache
+def installed() -> Version:
+    from megatron.core import package_info
+
+    return Version(package_info.__version__)
+
+
+def series() -> tuple[int, int]:
+    v = installed()
+    return v.major, v.minor
+
+
+def save_kwargs() -> dict:
+    """Keyword arguments for dist_checkpointing.save that keep the save on megatron-core's own writer."""
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:  # 0.17.0
+        _quiet_about_mcore_async_deprecation()
+        return {"async_strategy": "mcore"}
+    return {}
+
+
+@functools.cache
+def _quiet_about_mcore_async_deprecation() -> None:
+    """0.17.0 logs on every rank that its own async writer is deprecated in favour of NVRx's, an
+    optional package clusters may lack; the toolkit chooses megatron-core's writer on purpose."""
+    import logging
+
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
+        lambda record: "MCore's async save is deprecated" not in record.getMessage())
+
+
+def te_version() -> Version | None:
+    """Transformer Engine's version, or None where it is not installed."""
+    for name in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            return Version(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        import transformer_engine
+
+        return Version(transformer_engine.__version__)
+    except Exception:  # noqa: BLE001 - not installed, or a build that does not import
+        return None
+
+
+def te_supported(version: Version) -> tuple[bool, str]:
+    """Whether the installed megatron-core supports this Transformer Engine, and a line that says so."""
+    low, high = TE_RANGES.get(series(), TE_RANGES[max(TE_RANGES)])
+    plain = Version(version.base_version)
+    ok = low <= plain < high
+    return ok, (f"Transformer Engine {version} with megatron-core {installed()} "
+                f"(which supports TE >= {low}, < {high})")
+
+
+def common_state_in_dcp() -> bool:
+    """Whether the installed release keeps torch_dist's non-tensor state inside the DCP files (0.19.0)."""
+    return installed() >= Version("0.19.0")
+
+
+def has_legacy_common(directory: Path) -> bool:
+    return (Path(directory) / COMMON_PT).is_file()
+
+
+def read_common_state(directory: Path, load_pt) -> dict:
+    """A torch_dist checkpoint's non-tensor state in either layout. `load_pt(path_or_buffer)` unpickles
+    with the caller's allow-list (never an unrestricted pickle)."""
+    import io
+
+    directory = Path(directory)
+    if has_legacy_common(directory):
+        return load_pt(directory / COMMON_PT)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    reader = FileSystemReader(str(directory))
+    if COMMON_STATE_KEY not in reader.read_metadata().state_dict_metadata:
+        return {}
+    buffer = {COMMON_STATE_KEY: io.BytesIO()}
+    dcp_load(buffer, storage_reader=reader, no_dist=True)
+    loaded = buffer[COMMON_STATE_KEY]
+    loaded.seek(0)
+    return load_pt(loaded)[0]  # megatron-core saves [data] of the one ShardedObject
+
+
+@contextlib.contextmanager
+def reading_both_common_layouts():
+    """Around dist_checkpointing.load: a release before 0.19.0 also reads a checkpoint that keeps its
+    common state inside the DCP files (one written by 0.19). Its own reader of common.pt is replaced
+    for the call only: 0.16.1's TorchCommonLoadStrategy.load_common (strategies/common.py:74, chosen by
+    serialization.verify_checkpoint_and_load_strategy), 0.17-0.18's module function load_common,
+    imported by name into serialization.py:32. 0.19.0 reads both layouts itself."""
+    if common_state_in_dcp():
+        yield
+        return
+    import torch
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common
+
+    def load_either(checkpoint_dir, original):
+        if has_legacy_common(checkpoint_dir):
+            return original(checkpoint_dir)
+        return read_common_state(checkpoint_dir, lambda f: torch.load(f, map_location="cpu", weights_only=True))
+
+    if hasattr(serialization, "load_common"):  # 0.17.0, 0.18.0
+        original = serialization.load_common
+        serialization.load_common = lambda d: load_either(d, original)
+        try:
+            yield
+        finally:
+            serialization.load_common = original
+        return
+    original = common.TorchCommonLoadStrategy.load_common  # 0.16.1
+    common.TorchCommonLoadStrategy.load_common = lambda self, d: load_either(d, lambda c: original(self, c))
+    try:
+        yield
+    finally:
+        common.TorchCommonLoadStrategy.load_common = original
+
+
+def dist_load(sharded_state_dict: dict, directory: str | Path, **kwargs) -> dict:
+    """dist_checkpointing.load of a checkpoint in either common-state layout, on any supported release."""
+    from megatron.core import dist_checkpointing
+
+    with reading_both_common_layouts():
+        return dist_checkpointing.load(sharded_state_dict, str(directory), **kwargs)
