@@ -170,6 +170,44 @@ def test_a_transformer_engine_that_fails_to_import_runs_the_local_spec(monkeypat
     assert spec == "local" and "undefined symbol" in reason, reason
 
 
+def _installed_te(monkeypatch, tmp_path, version: str) -> None:
+    """A Transformer Engine package of `version` as pip installs it (its dist-info), whose import fails as
+    a build for another CUDA would: the version is read without importing it."""
+    site = tmp_path / f"te-{version}"
+    (site / "transformer_engine").mkdir(parents=True)
+    (site / "transformer_engine" / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open')\n")
+    info = site / f"transformer_engine-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: transformer_engine\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(site))
+    for name in [n for n in sys.modules if n.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine"))]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize("where", ["below", "inside", "above"])
+def test_a_transformer_engine_outside_the_megatron_core_range_runs_the_local_spec_and_says_both_versions(
+        monkeypatch, tmp_path, where):
+    """The layer-spec decision checks TE's version against the installed megatron-core's range
+    (megatron_versions.TE_RANGES) before importing it: outside it, one line with both versions and the
+    spec chosen; inside it, TE is imported (here it then fails to, as a broken build would)."""
+    import toolkit.model
+    from toolkit.runtime import megatron_versions
+
+    low, high = megatron_versions.TE_RANGES[megatron_versions.series()]
+    version = {"below": "2.8.0", "inside": str(low), "above": f"{high.major}.{high.minor}.0"}[where]
+    _installed_te(monkeypatch, tmp_path, version)
+    cuda_present(monkeypatch)
+    toolkit.model.te_status.cache_clear()
+    monkeypatch.setattr(toolkit.model, "te_status", toolkit.model.te_status.__wrapped__)
+    spec, reason = toolkit.model.layer_spec_choice()
+    assert spec == "local", reason
+    if where == "inside":
+        assert "does not import" in reason and "libcudart" in reason, reason
+    else:
+        assert f"Transformer Engine {version} with megatron-core {megatron_versions.installed()}" in reason, reason
+        assert f">= {low}, < {high}" in reason and "local spec" in reason and "\n" not in reason, reason
+
+
 @pytest.mark.parametrize("name, precision, tf32, expected", [
     ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4),  # SXM5
     ("NVIDIA H100 PCIe", "bf16", False, 756.5),

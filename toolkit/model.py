@@ -32,7 +32,14 @@ FUSED_ACTIVATIONS = ("silu",)
 
 @functools.cache
 def te_status() -> tuple[bool, str]:
-    """Whether megatron-core's Transformer Engine extension is usable, and why (or why not)."""
+    """Whether megatron-core's Transformer Engine extension is usable, and why (or why not). TE's
+    version is read from its package metadata first: one that the installed megatron-core was not
+    built for is not imported at all (megatron_versions.TE_RANGES)."""
+    version = megatron_versions.te_version()
+    if version is not None:
+        supported, line = megatron_versions.te_supported(version)
+        if not supported:  # a layer built for another TE fails deep inside its forward, if at all
+            return False, f"{line}: not a supported pair, so the local spec; install a TE in that range to run TE's"
     try:
         import transformer_engine  # noqa: F401 - its own error says what is wrong
         from megatron.core.extensions import transformer_engine as extension
@@ -41,13 +48,7 @@ def te_status() -> tuple[bool, str]:
         return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
     if not (extension.HAVE_TE and gpt_layer_specs.HAVE_TE):
         return False, "megatron-core's Transformer Engine extension did not import"
-    version = megatron_versions.te_version()
-    if version is None:
-        return False, "transformer_engine imports but has no version"
-    supported, line = megatron_versions.te_supported(version)
-    if not supported:  # a layer built for another TE fails deep inside its forward, if at all
-        return False, f"{line}: not a supported pair; install a TE in that range or the megatron-core built for it"
-    return True, f"transformer_engine {version}"
+    return True, f"transformer_engine {version or megatron_versions.te_version()}"
 
 
 def running_layer_spec() -> str:

@@ -180,3 +180,13 @@ def dist_load(sharded_state_dict: dict, directory: str | Path, **kwargs) -> dict
 
     with reading_both_common_layouts():
         return dist_checkpointing.load(sharded_state_dict, str(directory), **kwargs)
+
+
+def common_layout(directory: Path) -> str | None:
+    """How a torch_dist directory keeps its non-tensor state, in words; None if not torch_dist."""
+    directory = Path(directory)
+    if not (directory / "metadata.json").is_file():
+        return None
+    if has_legacy_common(directory):
+        return "common.pt (megatron-core <= 0.18; every supported release loads it)"
+    return "common_state inside the DCP files (megatron-core >= 0.19; the toolkit loads it on every supported release)"

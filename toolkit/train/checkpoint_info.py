@@ -9,6 +9,7 @@ from pathlib import Path
 from toolkit.convert.metadata import CheckpointMeta
 from toolkit.errors import ConversionError
 from toolkit.layouts import Layout
+from toolkit.runtime import megatron_versions
 from toolkit.train import checkpoint, elastic
 
 MAX_PARALLEL = 64  # TP / PP sizes listed as resumable, at most
@@ -67,6 +68,8 @@ def describe(path: Path) -> dict:
         "tensors": {k: [list(shape), str(dtype).removeprefix("torch.")]
                     for k, (shape, dtype) in tensor_shapes(train).items()},
         "resumable": resumable_layouts(meta, state.get("global_batch")),
+        "torch_dist_layout": {name: where for name in ("model", elastic.STATE_DIR)
+                              if (where := megatron_versions.common_layout(step_dir / name))},
     }
 
 
@@ -82,5 +85,6 @@ def lines(info: dict) -> list[str]:
         "any ZeRO stage 1-3 (2/3 with PP 1)",
         f"{len(info['tensors'])} tensors (global shapes):",
     ]
+    out += [f"torch_dist {name}/: non-tensor state in {where}" for name, where in info["torch_dist_layout"].items()]
     out += [f"  {key} {shape} {dtype}" for key, (shape, dtype) in sorted(info["tensors"].items())]
     return out
