@@ -75,7 +75,7 @@ def test_wheelhouse_installs_with_no_index_and_leaves_the_sites_torch(tmp_path):
 
 def test_the_gpu_images_packages_and_cis_pins_fall_in_the_declared_ranges():
     """pip keeps a site's torch only if it satisfies our range: the GPU image's versions
-    (slurm/gpu-image-site.txt) and CI's lock (constraints.txt) must both fall in pyproject's ranges."""
+    (slurm/gpu-image-site.txt) and CI's locks (constraints.txt and each lane's in .ci/) must all fall in pyproject's ranges."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -85,6 +85,7 @@ def test_the_gpu_images_packages_and_cis_pins_fall_in_the_declared_ranges():
     image = read_site(REPO / "slurm" / "gpu-image-site.txt")
     for name in ("torch", "transformers", "accelerate", "safetensors"):
         assert declared[name].contains(image[name]), f"the GPU image's {name} {image[name]} is outside {declared[name]}"
-    ci = read_site(REPO / "constraints.txt")
-    outside = {n: (ci[n], str(s)) for n, s in declared.items() if n in ci and not s.contains(ci[n], prereleases=True)}
-    assert not outside, outside
+    for lock in ("constraints.txt", ".ci/oldest.txt", ".ci/container.txt"):  # .ci/run's lanes
+        ci = read_site(REPO / lock)
+        outside = {n: (ci[n], str(s)) for n, s in declared.items() if n in ci and not s.contains(ci[n], prereleases=True)}
+        assert not outside, (lock, outside)

@@ -173,6 +173,7 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
 
     if aux_loss:
         aux_loss.check(layout.pp)
+    megatron_versions.quiet_release_notices()  # GPTModel's deprecation from 0.19, chosen on purpose
     config = config or transformer_config(spec, layout, dtype, aux_loss)
     with buildable_mla(config):
         model = GPTModel(

@@ -34,6 +34,8 @@ CHANGES = (
      "files instead of common.pt (serialization.py save; load_common_state_dict reads both)",
      "common_state_in_dcp(): the converter writes the installed release's layout; read_common_state() reads "
      "both; reading_both_common_layouts() lets an older release load the new layout"),
+    ("0.19.0", "GPTModel deprecated in favour of HybridModel (a warning at every construction)",
+     "GPTModel kept for the transformer families while it is supported (RELEASE_NOTICES; docs/megatron_versions.md)"),
     ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",
      "not called: the toolkit builds TorchDistSaveShardedStrategy itself"),
 )
@@ -70,19 +72,26 @@ def save_kwargs() -> dict:
     from megatron.core import dist_checkpointing
 
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:  # 0.17.0
-        _quiet_about_mcore_async_deprecation()
+        quiet_release_notices()
         return {"async_strategy": "mcore"}
     return {}
 
 
+# Deprecation notices of choices the toolkit makes on purpose, logged on every rank: (logger, text).
+RELEASE_NOTICES = (
+    # 0.17.0: megatron-core's own async writer, in favour of NVRx's (an optional package clusters may lack)
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+    # 0.19.0: GPTModel, in favour of HybridModel (docs/megatron_versions.md says what moving would take)
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+)
+
+
 @functools.cache
-def _quiet_about_mcore_async_deprecation() -> None:
-    """0.17.0 logs on every rank that its own async writer is deprecated in favour of NVRx's, an
-    optional package clusters may lack; the toolkit chooses megatron-core's writer on purpose."""
+def quiet_release_notices() -> None:
     import logging
 
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
-        lambda record: "MCore's async save is deprecated" not in record.getMessage())
+    for name, text in RELEASE_NOTICES:
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
 
 
 def te_version() -> Version | None:
