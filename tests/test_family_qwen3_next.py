@@ -95,6 +95,22 @@ def test_settings_and_refusals(tmp_path):
     convert_fails(src, tmp_path / "out", "linear_num_key_heads=0; expected a positive integer")
 
 
+def test_linear_key_heads_not_divisible_by_tp_refused_in_one_line(tmp_path):
+    """megatron-core splits the gated delta net by whole key heads (transformer_config.py:975-980). The
+    published file's 2 key heads at TP 4 (its 4 attention heads and 2 KV heads allow TP 4) were written,
+    each rank a half key head, and `convert verify` / the recipe then died in megatron-core's
+    `AssertionError: linear_num_key_heads must be a multiple of tensor_model_parallel_size`."""
+    from toolkit.layouts import RECIPE_NAMES, Layout
+
+    spec = spec_from_config(make_config(VARIANT).to_dict())[1]
+    Layout(tp=2).check(spec)
+    for names, flag in ((None, "--tp 4"), (RECIPE_NAMES, "parallel.tp=4")):
+        with pytest.raises(ConversionError, match=f"2 linear-attention key heads .* not divisible by {flag}"):
+            Layout(tp=4).check(spec, *([names] if names else []))
+    src = make_tiny_model(VARIANT, tmp_path / "src", seed=2)
+    convert_fails(src, tmp_path / "out", "linear_num_key_heads", tp=4)
+
+
 @pytest.mark.parametrize("split, names, shapes", [
     (Split.GATED_QKV, ("q", "k", "v"), ((24, 7), (6, 7), (6, 7))),
     (Split.GDN_IN_PROJ, ("qkvz", "ba"), ((52, 7), (8, 7))),
