@@ -129,8 +129,8 @@ def refused() -> list[str]:
     return [name for name, entry in index().items() if entry["outcome"] != CONVERTS]
 
 
-def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> Path:
-    """A random model of the shrunk config (less the keys in `leave_out`), in the published dtype,
+def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), sizes: dict | None = None) -> Path:
+    """A random model of the shrunk config (less the keys in `leave_out`, with other `sizes`), in the published dtype,
     with that config.json itself (not transformers' re-save of it) beside the weights. Where the config
     has an FP8 quantization_config, the weights are stored as published: FP8 with block scales
     (toolkit/tinymodels.py quantize_fp8) and the expert bias in float32 (HF's _keep_in_fp32_modules_strict);
@@ -139,7 +139,7 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = ()) -> 
 
     from toolkit.tinymodels import quantize_fp8, quantize_mxfp4, save_random_model
 
-    cfg = {k: v for k, v in config(name).items() if k not in leave_out}
+    cfg = {k: v for k, v in {**config(name), **(sizes or {})}.items() if k not in leave_out}
     quantization = cfg.get("quantization_config")
     mxfp4 = isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
     # gpt-oss's file names no dtype: its checkpoints hold bf16 beside the MXFP4 experts (dequantized to bf16)

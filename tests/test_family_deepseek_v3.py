@@ -74,10 +74,35 @@ YARN_REFUSALS = (
 )
 
 
+def test_the_default_command_converts_for_the_local_spec_and_says_so_in_one_line(tmp_path, capsys):
+    """`toolkit convert hf-to-megatron HF OUT` on DeepSeek-V3 as published: multi-latent attention converts for
+    megatron-core's local spec only, so without --layer-spec that is the one written, said in one line on
+    stderr; an explicit --layer-spec te is refused in one line and nothing is written. Before: the default
+    (te) was refused, `converts for megatron-core's local layer spec only: pass --layer-spec local`.
+    Guard: a model that takes either spec (Llama) is written with the TE spec's names, without the line."""
+    from toolkit.cli import main
+
+    src = make_tiny_model("deepseek-v3", tmp_path / "src", seed=1)
+    assert main(["convert", "hf-to-megatron", str(src), str(tmp_path / "m"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    line = ("note: deepseek_v3: layer spec local (multi-latent attention converts for megatron-core's local spec only)")
+    assert [e for e in err.splitlines() if "layer spec" in e] == [line], err
+    assert CheckpointMeta.read(tmp_path / "m").layer_spec == "local"
+    assert main(["convert", "hf-to-megatron", str(src), str(tmp_path / "te"), "--layer-spec", "te"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: deepseek_v3: --layer-spec te refused: multi-latent "
+                                                     "attention converts for megatron-core's local spec only"), err
+    assert not (tmp_path / "te").exists()
+    llama = make_tiny_model("llama", tmp_path / "llama")
+    assert main(["convert", "hf-to-megatron", str(llama), str(tmp_path / "llama-m"), "--no-progress"]) == 0
+    assert "layer spec" not in capsys.readouterr().err
+    assert CheckpointMeta.read(tmp_path / "llama-m").layer_spec == "te"
+
+
 def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(tmp_path):
     src = make_tiny_model("deepseek-v3", tmp_path / "src", seed=1)
-    convert_fails(src, tmp_path / "out", "converts for megatron-core's local layer spec only: pass --layer-spec local",
-                  layer_spec="te")
+    convert_fails(src, tmp_path / "out", "--layer-spec te refused: multi-latent attention converts for megatron-core's "
+                  "local spec only", layer_spec="te")
     published = make_config("deepseek-v3").to_dict()
     for changes, line in REFUSALS:
         edit_config(src, **changes)
@@ -203,7 +228,7 @@ def test_a_gpu_run_with_transformer_engine_fine_tunes_on_the_local_spec(monkeypa
     deepseek, llama = (spec_from_config(make_config(v).to_dict())[1] for v in ("deepseek-v3", "llama"))
     assert toolkit.model.layer_spec_choice(False, llama) == ("te", "transformer_engine 2.9")
     assert toolkit.model.layer_spec_choice(False, deepseek) == (
-        "local", "multi-latent attention (deepseek_v3) converts and runs on megatron-core's local spec only "
+        "local", "deepseek_v3: multi-latent attention converts for megatron-core's local spec only "
                  "(transformer_engine 2.9)")
 
 

@@ -40,11 +40,26 @@ def tiny_qwen3_next(tmp_path_factory):
     return fp32_and_bf16_models(tmp_path_factory.mktemp("qwen3-next"), (VARIANT,), 100, 110)
 
 
+# Issue 40: the published config shrunk in sizes only, to other ones than the corpus' (equal key and value head
+# dims of 16, 16 attention heads, 20 experts, hidden 144), reported as failing `convert verify` at TP2 x PP2 x EP2
+# (max |dlogit| 7.5e-4, layer 0); it verifies here (the layer over such shapes: tests/test_gated_delta_net_shapes.py)
+ISSUE_40_SIZES = {"hidden_size": 144, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 16,
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                  "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 20, "num_hidden_layers": 4}
+
+
 def parity_pairs(models, tmp_path) -> tuple[list, int]:
     """(hf, megatron) pairs for the TP2 x PP2 x EP2 parity launch of tests/test_published_parity.py: the
-    model as per-rank torch files and as torch_dist; both must match (the guards run here, in-process)."""
+    model as per-rank torch files and as torch_dist, and the published config at issue 40's sizes; all must
+    match (the guards run here, in-process)."""
+    from tests import published_corpus
+
+    issue_40 = published_corpus.build_model("qwen3-next-80b-a3b-instruct", tmp_path / "qwen3-next-issue-40",
+                                            sizes=ISSUE_40_SIZES)
     pairs = [(models[VARIANT], hf_to_megatron(models[VARIANT], tmp_path / f"qwen3-next-{fmt}", tp=2, pp=2, ep=2,
                                                fmt=fmt, progress=False)) for fmt in ("torch", "torch_dist")]
+    pairs.append((issue_40, hf_to_megatron(issue_40, tmp_path / "qwen3-next-issue-40-torch", tp=2, pp=2, ep=2,
+                                           progress=False)))
     return pairs, len(pairs)
 
 
@@ -93,6 +108,22 @@ def test_settings_and_refusals(tmp_path):
     src = make_tiny_model(VARIANT, tmp_path / "src", seed=2)
     edit_config(src, linear_num_key_heads=0)
     convert_fails(src, tmp_path / "out", "linear_num_key_heads=0; expected a positive integer")
+
+
+def test_linear_key_heads_not_divisible_by_tp_refused_in_one_line(tmp_path):
+    """megatron-core splits the gated delta net by whole key heads (transformer_config.py:975-980). The
+    published file's 2 key heads at TP 4 (its 4 attention heads and 2 KV heads allow TP 4) were written,
+    each rank a half key head, and `convert verify` / the recipe then died in megatron-core's
+    `AssertionError: linear_num_key_heads must be a multiple of tensor_model_parallel_size`."""
+    from toolkit.layouts import RECIPE_NAMES, Layout
+
+    spec = spec_from_config(make_config(VARIANT).to_dict())[1]
+    Layout(tp=2).check(spec)
+    for names, flag in ((None, "--tp 4"), (RECIPE_NAMES, "parallel.tp=4")):
+        with pytest.raises(ConversionError, match=f"2 linear-attention key heads .* not divisible by {flag}"):
+            Layout(tp=4).check(spec, *([names] if names else []))
+    src = make_tiny_model(VARIANT, tmp_path / "src", seed=2)
+    convert_fails(src, tmp_path / "out", "linear_num_key_heads", tp=4)
 
 
 @pytest.mark.parametrize("split, names, shapes", [

@@ -90,3 +90,20 @@ def test_megatron_gated_delta_net_runs_the_stand_in_without_fla():
     if getattr(gated_delta_net, "TOOLKIT_GATED_DELTA_RULE", False):
         assert gated_delta_net.chunk_gated_delta_rule is chunk_gated_delta_rule
         assert gated_delta_net.l2norm is l2norm
+
+
+@pytest.mark.parametrize("k_heads, v_heads, d_k, d_v", [(2, 2, 16, 16), (2, 4, 16, 16), (2, 8, 8, 16), (4, 8, 16, 8)])
+def test_equals_transformers_with_key_heads_serving_several_value_heads(k_heads, v_heads, d_k, d_v):
+    """As megatron-core calls it (gated_delta_net.py:349-355: q and k L2-normed per key head, then each
+    repeated to the value heads it serves), against HF's chunked rule given the key heads as they are:
+    ratios 1, 2 and 4, equal and unequal head dims. Guard: the repeat in the other order (tiled) is far off."""
+    q, k, _, _, _ = _inputs(seed=3, heads=k_heads, d_k=d_k)
+    _, _, v, g, beta = _inputs(seed=4, heads=v_heads, d_v=d_v)
+    reference, _ = _hf(hf.torch_chunk_gated_delta_rule, q, k, v, g, beta)
+    ratio = v_heads // k_heads
+    ours, _ = chunk_gated_delta_rule(l2norm(q).repeat_interleave(ratio, 2), l2norm(k).repeat_interleave(ratio, 2),
+                                     v, g, beta)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    if ratio > 1:
+        tiled, _ = chunk_gated_delta_rule(l2norm(q).repeat(1, 1, ratio, 1), l2norm(k).repeat(1, 1, ratio, 1), v, g, beta)
+        assert (tiled - reference).abs().max() > 100 * TOLERANCE

@@ -80,6 +80,12 @@ class Layout:
                 f"{groups} key/value heads and {tp}: neither divides the other, which "
                 "megatron-core cannot shard"
             )
+        # megatron-core splits a gated delta net by whole key heads, each with the value heads it serves
+        # (transformer_config.py:975-980; value heads are a multiple of key heads, qwen3_next.read)
+        k_heads = (spec.linear_attention or {}).get("k_heads", 0)
+        if k_heads % self.tp:
+            raise ConversionError(f"{k_heads} linear-attention key heads (linear_num_key_heads) are not divisible "
+                                  f"by {tp}: megatron-core splits the gated delta net by whole key heads")
         if spec.ffn_hidden_size % self.tp:
             raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by {tp}")
         for key, size in self._mla_down_projections(spec):

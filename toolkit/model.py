@@ -65,8 +65,9 @@ def layer_spec_choice(lora: bool = False, model: ModelSpec | None = None) -> tup
     runs the local spec: its checkpoints are converted for it only (toolkit/families/mla.py)."""
     spec = running_layer_spec()
     why = te_status()[1] if torch.cuda.is_available() else "no CUDA"
-    if spec == "te" and model is not None and model.mla:
-        return "local", f"multi-latent attention ({model.family}) converts and runs on megatron-core's local spec only ({why})"
+    required = model.required_layer_spec if model is not None else None
+    if required and required[0] != spec:
+        return required[0], f"{model.family}: {required[1]} ({why})"
     if spec == "te" and lora:
         return "local", f"LoRA adapts the normalised input, which TE's fused-norm linears do not expose ({why})"
     return spec, why

@@ -58,9 +58,10 @@ def register(sub) -> None:
                    help="expert-parallel size for Mixture-of-Experts models (default 1): each EP rank holds "
                         "experts/EP experts, split over TP as well")
     p.add_argument("--format", dest="fmt", choices=("torch", "torch_dist"), default="torch")
-    p.add_argument("--layer-spec", choices=("te", "local"), default="te",
-                   help="parameter names in torch-format files: Transformer Engine (default, what GPU "
-                        "training uses) or megatron-core's local spec")
+    p.add_argument("--layer-spec", choices=("te", "local"), default=None,
+                   help="parameter names in torch-format files: Transformer Engine (what GPU training uses) or "
+                        "megatron-core's local spec; default: the spec the model needs where it converts for one "
+                        "only (local for multi-latent attention: DeepSeek-V3, Kimi-K2), else te")
     p.add_argument("--vocab-divisor", type=int, default=128,
                    help="pad the vocab with zero rows to a multiple of this x TP (Megatron-LM's "
                         "make_vocab_size_divisible_by; default 128)")

@@ -32,6 +32,9 @@ EXTRA_STATE_MODULES = (
     "mlp.linear_fc2",
 )
 LAYER_SPECS = ("te", "local")
+# The names a conversion writes unless the model needs the other spec (ModelSpec.required_layer_spec):
+# what GPU training builds
+DEFAULT_LAYER_SPEC = "te"
 # Attention modules with `_extra_state` in a Mixture-of-Experts layer; the experts add their own.
 MOE_ATTENTION_EXTRA_STATE = EXTRA_STATE_MODULES[:2]
 MLP_EXTRA_STATE = EXTRA_STATE_MODULES[2:]  # a dense layer's, after its attention's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -142,13 +142,16 @@ def hf_to_megatron(
     pp: int = 1,
     ep: int = 1,
     fmt: str = "torch",
-    layer_spec: str = "te",
+    layer_spec: str | None = None,
     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR,
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> Path:
     """Convert an HF checkpoint directory into a megatron-core checkpoint at `out_dir` (of a
     multimodal checkpoint, its language model: toolkit/convert/wrapper.py).
+
+    `layer_spec` None: the one the model needs where it converts for one only (ModelSpec.required_layer_spec,
+    said in a line on stderr), else the TE spec's names; one the model cannot take is refused.
 
     Everything is validated before the first byte is written, but for transformers' own reading of
     config.json where a guess of it lets the writing start earlier (toolkit/convert/spec_guess.py):
@@ -157,7 +160,7 @@ def hf_to_megatron(
     """
     if fmt not in FORMATS:
         raise ConversionError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
-    if layer_spec not in naming.LAYER_SPECS:
+    if layer_spec is not None and layer_spec not in naming.LAYER_SPECS:
         raise ConversionError(f"unknown layer spec {layer_spec!r} (choose from {', '.join(naming.LAYER_SPECS)})")
     refuse_output_overlapping_inputs(out_dir, hf_dir)
     src = open_hf(hf_dir)  # a multimodal checkpoint as its language model (toolkit/convert/wrapper.py)
@@ -166,14 +169,29 @@ def hf_to_megatron(
         family, spec = reading.guess or reading.confirmed()
         _notes(src, family, spec)
         try:
-            return _convert(src, family, spec, target, check=reading.check)
+            return _convert(src, family, spec, _with_layer_spec(target, family, spec, say=True), check=reading.check)
         except (GuessWrong, ConversionError) as e:
             if reading.guess is None:
                 raise
             confirmed = reading.confirmed()  # raises transformers' refusal of config.json, which comes first
             if isinstance(e, ConversionError) and confirmed == reading.guess:
                 raise
-        return _convert(src, *confirmed, target, check=_confirmed_already)  # again, on the class's values
+        return _convert(src, *confirmed, _with_layer_spec(target, *confirmed, say=False),  # again, on the class's values
+                        check=_confirmed_already)
+
+
+def _with_layer_spec(target: _Target, family: Family, spec: ModelSpec, say: bool) -> _Target:
+    """`target` with the layer spec it writes: the one asked for, or by default the one the model needs
+    (said on stderr where `say`), else the TE spec's names."""
+    required = spec.required_layer_spec
+    if target.layer_spec is None:
+        if required and say:
+            print(f"note: {family.name}: layer spec {required[0]} ({required[1]})", file=sys.stderr)
+        return replace(target, layer_spec=required[0] if required else naming.DEFAULT_LAYER_SPEC)
+    if required and target.layer_spec != required[0]:
+        raise ConversionError(f"{family.name}: --layer-spec {target.layer_spec} refused: {required[1]} (leave "
+                              f"--layer-spec out, or pass {required[0]}; the TE spec's layout is not written yet)")
+    return target
 
 
 def _confirmed_already(wait: bool = False) -> None:
@@ -189,7 +207,7 @@ class _Target:
     pp: int
     ep: int
     fmt: str
-    layer_spec: str
+    layer_spec: str | None  # None: the model's own (_with_layer_spec)
     vocab_divisor: int
     overwrite: bool
     progress: bool | None
@@ -225,10 +243,6 @@ def _placed(bar, check) -> Callable[[], None]:
 def _convert(src, family: Family, spec: ModelSpec, target: _Target, check) -> Path:
     """Validate and write, given the spec; `check()` is called as records are placed and
     `check(wait=True)` before the metadata (SpecGuess.check: it raises where the spec was a wrong guess)."""
-    if spec.mla and target.layer_spec == "te":
-        raise ConversionError(f"{family.name} (multi-latent attention) converts for megatron-core's local layer spec only: "
-                              "pass --layer-spec local (its TE spec replicates linear_q_down_proj / linear_kv_down_proj "
-                              "and folds the q / kv norms into the up projections, a layout not written yet)")
     layout = Layout(target.tp, target.pp, target.vocab_divisor, target.ep)
     layout.check(spec)
     check_tensors(src, family, spec)

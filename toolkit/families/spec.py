@@ -115,6 +115,14 @@ class ModelSpec:
         """Multi-latent attention with a full-rank query (q_proj)."""
         return bool(self.mla) and self.mla["q_lora_rank"] is None
 
+    @property
+    def required_layer_spec(self) -> tuple[str, str] | None:
+        """(layer spec, why) where the model converts and runs on one of megatron-core's layer specs only;
+        None where either does. The converter's default and the recipe's choice both come from here."""
+        if self.mla:  # toolkit/families/mla.py: the TE spec's layout (gpt_layer_specs.py:232-268) is not written
+            return "local", "multi-latent attention converts for megatron-core's local spec only"
+        return None
+
     def _mla_sizes(self) -> dict:
         if not self.mla:
             return {}
