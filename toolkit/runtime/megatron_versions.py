@@ -135,15 +135,19 @@ def read_common_state(directory: Path, load_pt) -> dict:
     directory = Path(directory)
     if has_legacy_common(directory):
         return load_pt(directory / COMMON_PT)
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
+
+    class RawBytes(DefaultLoadPlanner):  # DCP's own load_bytes unpickles with weights_only=False
+        def load_bytes(self, read_item, value):
+            self.state_dict[read_item.dest_index.fqn] = io.BytesIO(value.read())
 
     reader = FileSystemReader(str(directory))
     if COMMON_STATE_KEY not in reader.read_metadata().state_dict_metadata:
         return {}
-    buffer = {COMMON_STATE_KEY: io.BytesIO()}
-    dcp_load(buffer, storage_reader=reader, no_dist=True)
-    loaded = buffer[COMMON_STATE_KEY]
+    planner = RawBytes()
+    dcp_load({COMMON_STATE_KEY: io.BytesIO()}, storage_reader=reader, planner=planner, no_dist=True)
+    loaded = planner.state_dict[COMMON_STATE_KEY]
     loaded.seek(0)
     return load_pt(loaded)[0]  # megatron-core saves [data] of the one ShardedObject
 
