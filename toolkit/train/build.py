@@ -345,6 +345,7 @@ def _memory_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):
 
 def _prepared_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):
     """data.prepared: each source's prepared store (made now if missing), its stored counts added to `stats`."""
+    import functools
     import os
 
     from toolkit.train.prepare_data import PrepareSettings, prepared_source
@@ -352,7 +353,7 @@ def _prepared_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):
     from toolkit.train.row_views import PairItems
     from toolkit.train.tokenize_pool import available_cores
 
-    say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
+    say = functools.partial(print, flush=True) if os.environ.get("RANK", "0") == "0" else (lambda _: None)
     settings = PrepareSettings(cache, cfg.data.num_proc or available_cores(), cfg.data.verify_prepared, say)
     digest = tokenizer_fingerprint(tokenizer)
 

@@ -12,7 +12,8 @@ wins; the others open the winner's.
 A damaged directory (toolkit.train.prepared_store.DamagedStore) is said in one line and prepared
 again. A refusal while tokenizing (a malformed record, a template that fails) is kept next to the
 directory as .NAME.refused, so that the waiting processes, and a later start with the same inputs,
-refuse in the same line without tokenizing again. A full disk is one line and leaves nothing.
+refuse in the same line without tokenizing again. A full disk is one line and leaves nothing; the
+processes waiting on that writer are told the same line (.NAME.failed) instead of trying again.
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def prepared_source(source: Source, tokenizer, tokenizer_digest: str, opts: Read
     if store is not None:
         return store
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _prepare_lock(final, settings.say) as locked:
-        refused = final.parent / f".{final.name}.refused"
+    waiting_since = time.time()
+    with _prepare_lock(final, settings.say) as (locked, waited):
+        refused, failed = (final.parent / f".{final.name}.{end}" for end in ("refused", "failed"))
         if refused.is_file():
             raise DataError(refused.read_text())
+        if waited and failed.is_file() and failed.stat().st_mtime >= waiting_since:
+            raise ToolkitError(failed.read_text())  # the writer we waited for failed (a full disk): not again
         store = _open(final, settings, rebuild_damaged=True)
         if store is not None:
             return store
@@ -73,13 +77,15 @@ def prepared_source(source: Source, tokenizer, tokenizer_digest: str, opts: Read
             _write(final, fields, source, tokenizer, opts, method, settings)
         except DamagedStore:
             raise
-        except DataError as e:
-            _keep_refusal(refused, str(e))
+        except DataError as e:  # the inputs' own verdict: the same whenever they are read again
+            _keep_note(refused, str(e))
             raise
-        except ToolkitError:
+        except ToolkitError as e:
             if not locked and final.is_dir():  # no lock: another process's copy was renamed first
                 return SampleStore.open(final)
+            _keep_note(failed, str(e))  # for the processes waiting now only
             raise
+        failed.unlink(missing_ok=True)
     return SampleStore.open(final)
 
 
@@ -98,34 +104,39 @@ def _open(final: Path, settings: PrepareSettings, rebuild_damaged: bool) -> Samp
         return None
 
 
-def _keep_refusal(path: Path, message: str) -> None:
+def _keep_note(path: Path, message: str) -> None:
     try:
         write_file(path, message)
     except ToolkitError:
-        pass  # the refusal is still raised; only its reuse is lost
+        pass  # a full disk may refuse it: the error is still raised, only its reuse is lost
 
 
 @contextmanager
 def _prepare_lock(final: Path, say: Callable[[str], None]):
     """Hold .NAME.prepare-lock (flock, released by the kernel if the process dies); yields whether
-    the file system gave the lock."""
+    the file system gave the lock, and whether another process held it first."""
     fd = os.open(final.parent / f".{final.name}.prepare-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    waited = False
     try:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                waited = True
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
                 say(f"waiting for {holder} to prepare the data into {final}")
                 fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             if e.errno not in _NO_LOCK_ERRNOS:
                 raise
-            yield False
+            yield False, False
             return
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
-        yield True
+        try:  # who holds it, for the waiters' line (informational: a full disk may refuse it)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError:
+            pass
+        yield True, waited
     finally:
         os.close(fd)
 
@@ -153,7 +164,7 @@ def _write(final: Path, fields: dict, source: Source, tokenizer, opts: ReadOptio
                 writer.close()
     except ToolkitError as e:
         if is_disk_full(e):
-            raise DataError(f"no space left on the device while preparing {source.name} into {final.parent} "
+            raise ToolkitError(f"no space left on the device while preparing {source.name} into {final.parent} "
                             f"(nothing was left there): free space or set data.cache_dir to a larger disk") from None
         raise
     finally:

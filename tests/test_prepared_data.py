@@ -1,0 +1,268 @@
+"""Prepared data (issue 39): each source tokenized once into memory-mapped arrays every rank maps.
+
+In process, with the tiny digits tokenizer: the rows and batches from the cache are the in-memory
+path's (data.prepared=false), packed and unpacked, SFT and DPO, mixtures included; a second start
+opens the cache and still refuses what cannot train; a changed file is another cache; a damaged one
+is said in one line and rebuilt; the process pool gives the one-process result; a full disk leaves
+nothing. One launch of two processes shows two writers at once make one cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from toolkit.errors import ToolkitError
+from toolkit.tinymodels import build_tokenizer
+from toolkit.train import build
+from toolkit.train.config import load_config
+from toolkit.train.data import BatchSource, DataStats, ReadOptions
+from toolkit.train.data_sources import DataError, Source, records
+from toolkit.train.preference import PairSource
+from toolkit.train.prepare_data import PREPARED
+from toolkit.train.prepared_store import SampleStore
+from toolkit.train.tokenize_pool import tokenize
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _digits(rng, low, high):
+    return "".join(rng.choice("0123456789") for _ in range(rng.randint(low, high)))
+
+
+def _jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Prompt/response records of uneven lengths (some truncated at seq_len 16), a smaller second
+    source for mixtures, and preference pairs."""
+    root = tmp_path_factory.mktemp("prepared")
+    rng = random.Random(0)
+    qa = [{"prompt": _digits(rng, 1, 12) + "=", "response": _digits(rng, 1, 12)} for _ in range(40)]
+    pairs = [{"prompt": r["prompt"], "chosen": r["response"], "rejected": r["response"][::-1] + "1"} for r in qa]
+    return {"qa": _jsonl(root / "qa.jsonl", qa), "small": _jsonl(root / "small.jsonl", qa[:13]),
+            "pairs": _jsonl(root / "pairs.jsonl", pairs)}
+
+
+def _config(run_dir: Path, *overrides):
+    return load_config(None, ["model.checkpoint=unused", f"run_dir={run_dir}", "global_batch=4", "micro_batch=1",
+                              "data.seq_len=16", *overrides])
+
+
+def _prepared_dirs(run_dir: Path) -> list[Path]:
+    root = run_dir / "data_cache" / PREPARED
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+
+
+def _same_batches(a, b, global_batches: int) -> None:
+    for _ in range(global_batches):
+        x, y = a.next_global_batch(), b.next_global_batch()
+        assert a.last_counts == b.last_counts
+        for bx, by in zip(x, y, strict=True):
+            assert bx.keys() == by.keys()
+            for key in bx:
+                assert bx[key].dtype == by[key].dtype and bx[key].equal(by[key]) if hasattr(bx[key], "dtype") \
+                    else bx[key] == by[key], key
+
+
+CASES = {"sft": ["data.train_file={qa}"], "sft-packed": ["data.train_file={qa}", "data.pack=true"],
+         "mixture-packed": ["data.train_file={qa},{small}", "data.weights=1,3", "data.pack=true"],
+         "dpo": ["data.train_file={pairs}", "method=dpo"]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rows_and_batches_from_the_cache_are_the_in_memory_ones(files, tmp_path, case):
+    overrides = [o.format(**files) for o in CASES[case]]
+    memory = build.read_data(_config(tmp_path / "mem", *overrides, "data.prepared=false"), build_tokenizer())
+    cached = build.read_data(_config(tmp_path / "run", *overrides), build_tokenizer())
+    assert _prepared_dirs(tmp_path / "run") and not _prepared_dirs(tmp_path / "mem")
+    assert not isinstance(cached.train, list)  # rows made from the mapped arrays
+    assert cached.stats.summary() == memory.stats.summary()
+    assert list(cached.train) == memory.train
+    dpo = case == "dpo"
+    for rank in range(2):  # DP 2, shuffled, 25 global batches: past the first epoch
+        if dpo:
+            a, b = (PairSource(rows, 4, 1, 2, rank, 5, True) for rows in (memory.train, cached.train))
+        else:
+            a, b = (BatchSource(rows, 4, 1, 2, rank, 5, True, "data.pack=true" in overrides) for rows in
+                    (memory.train, cached.train))
+        _same_batches(a, b, 25)
+
+
+def test_a_second_start_opens_the_cache_and_still_refuses_what_cannot_train(files, tmp_path, capfd):
+    cfg = _config(tmp_path / "run", f"data.train_file={files['qa']}")
+    first = build.read_data(cfg, build_tokenizer())
+    assert "prepared " in capfd.readouterr().err
+    (written,) = _prepared_dirs(tmp_path / "run")
+    stamp = (written / "tokens.bin").stat().st_mtime_ns
+    again = build.read_data(cfg, build_tokenizer())
+    assert "prepared " not in capfd.readouterr().err and (written / "tokens.bin").stat().st_mtime_ns == stamp
+    assert list(again.train) == list(first.train)
+    for _ in range(2):  # the first start prepares, the second opens the cache: the same one line each time
+        with pytest.raises(DataError, match="gives 40 samples, fewer than one global batch of 64") as refused:
+            build.read_data(_config(tmp_path / "run", f"data.train_file={files['qa']}", "global_batch=64"),
+                            build_tokenizer())
+        assert "\n" not in str(refused.value)
+    words = _jsonl(tmp_path / "words.jsonl", [{"text": "hello there"}] * 8)
+    for _ in range(2):
+        with pytest.raises(DataError, match=r"are the tokenizer's unknown token '<unk>'.*words.jsonl:1"):
+            build.read_data(_config(tmp_path / "run", f"data.train_file={words}"), build_tokenizer())
+    assert len(_prepared_dirs(tmp_path / "run")) == 2
+
+
+def test_a_malformed_line_refuses_and_the_refusal_is_kept_for_the_same_inputs(tmp_path, capfd):
+    data = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1=", "response": "1"}] * 3)
+    with open(data, "a") as f:
+        f.write("{not json\n")
+    cfg = _config(tmp_path / "run", f"data.train_file={data}")
+    for _ in range(2):
+        with pytest.raises(DataError, match=r"bad.jsonl:4: ") as refused:
+            build.read_data(cfg, build_tokenizer())
+        assert "\n" not in str(refused.value)
+    assert not _prepared_dirs(tmp_path / "run")
+    assert capfd.readouterr().err.count("prepared ") == 0  # neither start wrote a cache
+    skipped = build.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.malformed=skip",
+                                      "global_batch=2"), build_tokenizer())
+    assert skipped.stats.skipped_malformed == 1 and len(skipped.train) == 3
+
+
+def test_a_changed_data_file_is_prepared_again(tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}=", "response": f"{i}"} for i in range(6)])
+    cfg = _config(tmp_path / "run", f"data.train_file={data}", "data.shuffle=false")
+    before = build.read_data(cfg, build_tokenizer())
+    _jsonl(data, [{"prompt": f"{i}=", "response": f"{i}{i}"} for i in range(6)])  # same name, new content
+    after = build.read_data(cfg, build_tokenizer())
+    assert len(_prepared_dirs(tmp_path / "run")) == 2
+    assert [r.tokens for r in after.train] != [r.tokens for r in before.train]
+    assert [r.tokens for r in after.train] == [r.tokens for r in
+                                               build.read_data(_config(tmp_path / "mem", f"data.train_file={data}",
+                                                                       "data.prepared=false"), build_tokenizer()).train]
+    # a changed option (seq_len) is another cache too; pack and shuffle only arrange the same one
+    build.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.pack=true", "global_batch=2"),
+                    build_tokenizer())
+    assert len(_prepared_dirs(tmp_path / "run")) == 2
+    build.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.seq_len=8"), build_tokenizer())
+    assert len(_prepared_dirs(tmp_path / "run")) == 3
+
+
+@pytest.mark.parametrize("damage", ["tokens.bin", "offsets.bin", "meta.json"])
+def test_a_damaged_cache_is_said_in_one_line_and_prepared_again(files, tmp_path, capfd, damage):
+    cfg = _config(tmp_path / "run", f"data.train_file={files['qa']}")
+    expected = list(build.read_data(cfg, build_tokenizer()).train)
+    (written,) = _prepared_dirs(tmp_path / "run")
+    path = written / damage
+    if damage == "meta.json":
+        path.write_text(path.read_text()[:50])  # half-written
+    else:
+        os.truncate(path, path.stat().st_size - 8)
+    capfd.readouterr()
+    again = build.read_data(cfg, build_tokenizer())
+    lines = [line for line in capfd.readouterr().err.splitlines() if " is damaged: " in line]
+    assert len(lines) == 1 and damage in lines[0] and lines[0].endswith("preparing it again"), lines
+    assert list(again.train) == expected
+    assert [p.name for p in _prepared_dirs(tmp_path / "run")] == [written.name]
+
+
+def test_a_changed_byte_is_caught_by_the_full_check(files, tmp_path, capfd):
+    cfg = _config(tmp_path / "run", f"data.train_file={files['qa']}")
+    expected = list(build.read_data(cfg, build_tokenizer()).train)
+    (written,) = _prepared_dirs(tmp_path / "run")
+    tokens = np.memmap(written / "tokens.bin", dtype=np.uint32, mode="r+")
+    tokens[3] += 1  # same size: only the BLAKE3 digest tells
+    tokens.flush()
+    del tokens
+    assert list(build.read_data(cfg, build_tokenizer()).train) != expected  # sizes alone cannot see it
+    capfd.readouterr()
+    checked = build.read_data(_config(tmp_path / "run", f"data.train_file={files['qa']}", "data.verify_prepared=true"),
+                              build_tokenizer())
+    assert "tokens.bin does not have the BLAKE3 digest" in capfd.readouterr().err
+    assert list(checked.train) == expected
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_the_process_pool_gives_the_one_process_result(files, tmp_path, method):
+    tok, opts = build_tokenizer(), ReadOptions(17)
+    source = Source(str(files["pairs" if method == "dpo" else "qa"]))
+
+    def run(num_proc, chunk_records):
+        chunks = list(tokenize(records(source, opts.columns, tmp_path), tok, opts, method, num_proc, chunk_records))
+        stats = DataStats()
+        for c in chunks:
+            stats.add(c.stats)
+        arrays = [np.concatenate([getattr(c, name) for c in chunks]) for name in ("tokens", "loss_mask", "lengths",
+                                                                                 "targets")]
+        return arrays, stats.summary(), len(chunks)
+
+    one, pooled = run(1, 1000), run(2, 3)
+    assert pooled[2] > 2 and one[2] == 1  # the pool ran, on many chunks
+    assert pooled[1] == one[1]
+    for a, b in zip(one[0], pooled[0]):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1=", "response": "1"}] * 7 + [{"x": 1}] + [{"y": 1}] * 7)
+    with pytest.raises(DataError, match=r"bad.jsonl:8: expected keys"):  # the first bad line, as one process says it
+        list(tokenize(records(Source(str(bad)), opts.columns, tmp_path), tok, opts, "sft", 2, 2))
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_cache(tmp_path, small_fs):
+    fs = small_fs("256k")
+    data = _jsonl(tmp_path / "big.jsonl", [{"text": "0123456789" * 3}] * 4000)  # 5 bytes a token: ~600 kB of arrays
+    cfg = _config(tmp_path / "run", f"data.train_file={data}", f"data.cache_dir={fs}")
+    with pytest.raises(ToolkitError, match="no space left on the device while preparing") as refused:
+        build.read_data(cfg, build_tokenizer())
+    assert "\n" not in str(refused.value)
+    prepared = fs / PREPARED
+    assert not [p for p in prepared.iterdir() if p.is_dir() or "partial" in p.name]  # no cache, no partial
+    assert not [p for p in prepared.iterdir() if p.name.endswith(".refused")]  # a full disk is not the data's verdict
+    with pytest.raises(ToolkitError, match="no space left"):  # the next start tries again
+        build.read_data(cfg, build_tokenizer())
+
+
+WRITER = """
+import sys
+from toolkit.tinymodels import build_tokenizer
+from toolkit.train import build
+from toolkit.train.config import load_config
+cfg = load_config(None, ["model.checkpoint=unused", "run_dir=" + sys.argv[1], "global_batch=4", "micro_batch=1",
+                         "data.seq_len=16", "data.train_file=" + sys.argv[2]])
+rows = build.read_data(cfg, build_tokenizer()).train
+print("rows", [r.tokens for r in rows])
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_preparing_at_once_make_one_cache(files, tmp_path):
+    """The first writer is held just before its rename (toolkit.atomic's fault point) while a second
+    process starts: the second waits on the lock, then opens the first one's cache."""
+    flag = tmp_path / "paused"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", WRITER, str(tmp_path / "run"), str(files["qa"])]
+    first = subprocess.Popen(args, env={**env, "TOOLKIT_FAULT_PAUSE": f"before-rename:{flag}"}, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    second = subprocess.Popen(args, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    waiting = second.stdout.readline()  # its first line, once it has found the lock held
+    assert f"waiting for process {first.pid} on " in waiting, waiting
+    assert not _prepared_dirs(tmp_path / "run")  # nothing published yet
+    flag.unlink()
+    out1, err1 = first.communicate(timeout=120)
+    out2, err2 = second.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, err1 + err2
+    assert "prepared " in err1 and "prepared " not in err2  # one tokenized and wrote; the other opened it
+    assert out1.splitlines()[-1] == out2.splitlines()[-1]
+    (cache,) = _prepared_dirs(tmp_path / "run")
+    assert not [p for p in cache.parent.iterdir() if "partial" in p.name]
+    SampleStore.open(cache, verify=True)
