@@ -266,3 +266,46 @@ def test_two_processes_preparing_at_once_make_one_cache(files, tmp_path):
     (cache,) = _prepared_dirs(tmp_path / "run")
     assert not [p for p in cache.parent.iterdir() if "partial" in p.name]
     SampleStore.open(cache, verify=True)
+
+
+def _recipe_with_tokenizer(tmp_path: Path, data: Path, **data_keys) -> Path:
+    """A recipe whose model.checkpoint holds only the tokenizer, which is all `toolkit data` reads."""
+    import yaml
+
+    from toolkit.convert.metadata import HF_DIR
+
+    build_tokenizer().save_pretrained(tmp_path / "ckpt" / HF_DIR)
+    recipe = {"model": {"checkpoint": str(tmp_path / "ckpt")}, "run_dir": str(tmp_path / "run"), "global_batch": 4,
+              "micro_batch": 1, "data": {"train_file": str(data), "seq_len": 16, **data_keys}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_data_prepare_ahead_then_inspect_and_a_damaged_cache_refused_in_one_line(files, tmp_path, capfd):
+    from toolkit.cli import main
+
+    recipe = _recipe_with_tokenizer(tmp_path, files["qa"], pack=True)
+    assert main(["data", "prepare", "--config", str(recipe), "micro_batch=2"]) == 0
+    out = capfd.readouterr().out
+    assert "data ready: 39 packed rows (633 tokens read)" in out and "every check passed" in out
+    (cache,) = _prepared_dirs(tmp_path / "run")
+    cfg = load_config(str(recipe), [])
+    build.read_data(cfg, build.load_tokenizer(cfg))  # the run's start: opens what `data prepare` wrote
+    assert "prepared " not in capfd.readouterr().err
+
+    assert main(["data", "inspect", str(tmp_path / "run" / "data_cache"), "--verify"]) == 0
+    shown = capfd.readouterr().out
+    assert "sft: 40 samples, 587 tokens (264 trained)" in shown and "BLAKE3 of every array" in shown and "truncated 13" in shown
+    assert main(["data", "inspect", str(cache), "--json"]) == 0
+    (described,) = json.loads(capfd.readouterr().out)
+    assert described["rows"] == 40 and described["key"]["options"]["max_tokens"] == 17
+
+    os.truncate(cache / "targets.bin", 3)
+    assert main(["data", "inspect", str(cache)]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "targets.bin is 3 bytes" in err, err
+    assert main(["data", "prepare", "--config", str(recipe), "global_batch=64"]) == 2  # rebuilt, then refused
+    err = capfd.readouterr().err
+    assert "fewer than one global batch of 64" in err.splitlines()[-1]
+    assert main(["data", "inspect", str(cache), "--verify"]) == 0  # the rebuilt cache is whole
