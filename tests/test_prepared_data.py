@@ -190,25 +190,42 @@ def test_a_changed_byte_is_caught_by_the_full_check(files, tmp_path, capfd):
     assert list(checked.train) == expected
 
 
-@pytest.mark.parametrize("method", ["sft", "dpo"])
-def test_the_process_pool_gives_the_one_process_result(files, tmp_path, method):
-    tok, opts = build_tokenizer(), ReadOptions(17)
-    source = Source(str(files["pairs" if method == "dpo" else "qa"]))
+CHATS = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"}, {"role": "assistant", "content": f"{2 * i}"},
+                       {"role": "user", "content": "and twice that?"}, {"role": "assistant", "content": f"{4 * i}."}]}
+         for i in range(11)]
 
-    def run(num_proc, chunk_records):
-        chunks = list(tokenize(records(source, opts.columns, tmp_path), tok, opts, method, num_proc, chunk_records))
-        stats = DataStats()
-        for c in chunks:
-            stats.add(c.stats)
-        arrays = [np.concatenate([getattr(c, name) for c in chunks]) for name in ("tokens", "loss_mask", "lengths",
-                                                                                 "targets")]
-        return arrays, stats.summary(), len(chunks)
 
-    one, pooled = run(1, 1000), run(2, 3)
-    assert pooled[2] > 2 and one[2] == 1  # the pool ran, on many chunks
-    assert pooled[1] == one[1]
-    for a, b in zip(one[0], pooled[0]):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
+@pytest.mark.parametrize("kind", ["sft", "dpo", "messages"])
+def test_the_process_pool_gives_the_one_process_result(files, tmp_path, kind):
+    """Chunks on two processes (conversations' turns rendered in one batched call per chunk) against
+    the in-memory path's read_samples / read_pairs, one record at a time."""
+    from toolkit.train.chat_templates import NAMED
+    from toolkit.train.data import read_samples
+    from toolkit.train.preference import read_pairs
+
+    tok, opts = build_tokenizer(text=kind == "messages"), ReadOptions(17)
+    if kind == "messages":
+        tok.chat_template = NAMED["chatml"]
+    path = {"sft": files["qa"], "dpo": files["pairs"], "messages": _jsonl(tmp_path / "chats.jsonl", CHATS)}[kind]
+    method = "dpo" if kind == "dpo" else "sft"
+    named = lambda: records(Source(str(path)), opts.columns, tmp_path)  # noqa: E731
+
+    expected_stats = DataStats()
+    if method == "dpo":
+        samples = [s for pair in read_pairs(named(), tok, opts, expected_stats) for s in pair]
+    else:
+        samples = read_samples(named(), tok, opts, expected_stats)
+    chunks = list(tokenize(named(), tok, opts, method, 2, 3))
+    assert len(chunks) > 2  # the pool ran, on many chunks
+    stats = DataStats()
+    for c in chunks:
+        stats.add(c.stats)
+    assert stats.summary() == expected_stats.summary() and stats.unk_example == expected_stats.unk_example
+    tokens, mask, lengths = (np.concatenate([getattr(c, name) for c in chunks]) for name in ("tokens", "loss_mask",
+                                                                                           "lengths"))
+    assert tokens.tolist() == [t for s in samples for t in s.tokens]
+    assert mask.tolist() == [m for s in samples for m in s.loss_mask]
+    assert lengths.tolist() == [len(s.tokens) for s in samples]
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1=", "response": "1"}] * 7 + [{"x": 1}] + [{"y": 1}] * 7)
     with pytest.raises(DataError, match=r"bad.jsonl:8: expected keys"):  # the first bad line, as one process says it
         list(tokenize(records(Source(str(bad)), opts.columns, tmp_path), tok, opts, "sft", 2, 2))

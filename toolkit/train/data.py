@@ -87,26 +87,31 @@ def _prompt_response(tokenizer, prompt: str, response: str) -> Sample:
     return Sample(p + r, [0] * len(p) + [1] * len(r))
 
 
-def _messages(tokenizer, messages) -> Sample:
-    """Render turn by turn: the tokens each assistant turn adds count in the loss."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+def _is_conversation(messages) -> bool:
+    return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+
+
+def _messages(tokenizer, messages, prefixes=None) -> Sample:
+    """Render turn by turn: the tokens each assistant turn adds count in the loss. `prefixes`: each
+    prefix already rendered (chat_templates.render_prefixes)."""
+    if not _is_conversation(messages):
         raise ValueError('"messages" must be a list of {"role", "content"} objects')
     chat_templates.require(tokenizer)
     tokens: list[int] = []
     mask: list[int] = []
-    for added, assistant in chat_templates.locate_turns(tokenizer, messages):
+    for added, assistant in chat_templates.locate_turns(tokenizer, messages, prefixes):
         tokens += added
         mask += [1 if assistant else 0] * len(added)
     return Sample(tokens, mask)
 
 
-def parse_line(tokenizer, record) -> Sample:
+def parse_line(tokenizer, record, prefixes=None) -> Sample:
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     if "prompt" in record and "response" in record:
         return _prompt_response(tokenizer, str(record["prompt"]), str(record["response"]))
     if "messages" in record:
-        return _messages(tokenizer, record["messages"])
+        return _messages(tokenizer, record["messages"], prefixes)
     if "text" in record:
         tokens = _encode(tokenizer, str(record["text"])) + [tokenizer.eos_token_id]
         return Sample(tokens, [1] * len(tokens))
@@ -135,12 +140,24 @@ def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats
         raise DataError(f"{where}: {e}") from None
 
 
-def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats) -> list[Sample]:
+def prerendered_parse(tokenizer, records: list):
+    """parse_line for these records, their conversations' prefixes rendered in one batched call
+    (chat_templates.render_prefixes) first: the same samples, without a tokenizer call per turn."""
+    conversations = [r for r in records if isinstance(r, dict) and "messages" in r and _is_conversation(r["messages"])
+                     and not ("prompt" in r and "response" in r)]
+    rendered = chat_templates.render_prefixes(tokenizer, [r["messages"] for r in conversations]) \
+        if conversations and getattr(tokenizer, "chat_template", None) else None
+    by_record = {id(r): prefixes for r, prefixes in zip(conversations, rendered or [])}
+    return lambda tok, record: parse_line(tok, record, by_record.get(id(record)))
+
+
+def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats,
+                 parse=parse_line) -> list[Sample]:
     """Samples of (where, record) pairs; a record that failed to parse arrives as its exception."""
     samples = []
     unk = tokenizer.unk_token_id
     for where, record in named:
-        sample = parse_counted(parse_line, tokenizer, where, record, opts, stats)
+        sample = parse_counted(parse, tokenizer, where, record, opts, stats)
         if sample is None:
             continue
         if unk is not None:

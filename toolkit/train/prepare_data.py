@@ -40,6 +40,7 @@ from toolkit.train.prepared_store import DamagedStore, SampleStore, StoreWriter
 from toolkit.train.tokenize_pool import CHUNK_RECORDS, tokenize
 
 PREPARED = "prepared"  # under data.cache_dir
+MIN_CHUNK_RECORDS = 64  # a source of fewer than two chunks of these is tokenized without a pool
 PROGRESS_EVERY_S = 30.0  # a plain progress line this often in a log (a terminal gets a bar)
 _NO_LOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -155,7 +156,10 @@ def _write(final: Path, fields: dict, source: Source, tokenizer, opts: ReadOptio
             writer = StoreWriter(tmp)
             try:
                 named = data_sources.records(source, opts.columns, settings.cache_dir)
-                for chunk in tokenize(named, tokenizer, opts, method, settings.num_proc, settings.chunk_records):
+                chunk_records = settings.chunk_records
+                if total:  # every process busy on a smaller source too (MIN_CHUNK_RECORDS keeps tiny ones in one)
+                    chunk_records = max(MIN_CHUNK_RECORDS, min(chunk_records, -(-total // (4 * settings.num_proc))))
+                for chunk in tokenize(named, tokenizer, opts, method, settings.num_proc, chunk_records):
                     writer.append(chunk.tokens, chunk.loss_mask, chunk.lengths, chunk.targets)
                     stats.add(chunk.stats)
                     progress.update(stats.lines, stats.tokens)

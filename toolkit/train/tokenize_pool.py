@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toolkit.train.data import DataStats, ReadOptions, read_samples
+from toolkit.train.data import DataStats, ReadOptions, prerendered_parse, read_samples
 from toolkit.train.data_sources import DataError
 
 CHUNK_RECORDS = 512  # records a worker tokenizes at a time: large against the pickling, small against memory
@@ -48,7 +48,8 @@ def tokenize_chunk(records: list, tokenizer, opts: ReadOptions, method: str) -> 
         if method == "dpo":
             samples = [s for pair in read_pairs(records, tokenizer, opts, stats) for s in pair]
         else:
-            samples = read_samples(records, tokenizer, opts, stats)
+            parse = prerendered_parse(tokenizer, [record for _, record in records])
+            samples = read_samples(records, tokenizer, opts, stats, parse)
     except DataError as e:
         return Chunk(*_empty(), stats, error=str(e))
     lengths = np.fromiter((len(s.tokens) for s in samples), dtype=np.int64, count=len(samples))
