@@ -45,24 +45,24 @@ def synthetic_conversations(n: int, seed: int):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    syllables = ["".join(p) for p in zip(rng.choice(list("bcdfghklmnprstvz"), 600),
-                                         rng.choice(["a", "e", "i", "o", "u", "ai", "ou", "ea"], 600))]
-    words = sorted({"".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(40000)})[:30000]
-    weights = 1.0 / np.arange(1, len(words) + 1) ** 1.1
-    weights /= weights.sum()
+    syllables = [c + v for c, v in zip(rng.choice(list("bcdfghklmnprstvz"), 600),
+                                       rng.choice(["a", "e", "i", "o", "u", "ai", "ou", "ea"], 600))]
+    parts = rng.integers(0, len(syllables), (60000, 3))
+    counts = rng.integers(1, 4, 60000)
+    words = list(dict.fromkeys("".join(syllables[k] for k in row[:c]) for row, c in zip(parts, counts)))[:30000]
+    rng.shuffle(words)  # frequency unrelated to spelling
+    cdf = np.cumsum(1.0 / np.arange(1, len(words) + 1) ** 1.1)
+    cdf /= cdf[-1]
+    words = np.array(words, dtype=object)
 
     def text(lo: int, hi: int) -> str:
-        count = int(rng.integers(lo, hi))
-        drawn = rng.choice(len(words), count, p=weights)
-        out, sentence = [], 0
-        for k, w in enumerate(drawn):
-            word = words[w]
-            out.append(word.capitalize() if sentence == 0 else word)
-            sentence += 1
-            if sentence > 6 and (rng.random() < 0.12 or k == count - 1):
-                out[-1] += "." if rng.random() < 0.8 else "?"
-                sentence = 0
-        return " ".join(out)
+        drawn = words[np.searchsorted(cdf, rng.random(int(rng.integers(lo, hi))))]
+        ends = np.flatnonzero(rng.random(len(drawn)) < 0.1)  # about ten words a sentence
+        for start in np.concatenate([[0], ends + 1])[:-1] if len(ends) else [0]:
+            drawn[start] = drawn[start].capitalize()
+        for end in ends:
+            drawn[end] = drawn[end] + ("." if end % 5 else "?")
+        return " ".join(drawn) + "."
 
     for _ in range(n):
         messages = []
@@ -179,7 +179,9 @@ def rank_worker(args) -> None:
     for _ in range(BATCHES_READ - 1):
         source.next_global_batch()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_rss": peak, "after_imports_rss": imported, "first_batch_s": first, "tokens": rows.stats.tokens,
+    status = Path("/proc/self/status").read_text()
+    now = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+    print(json.dumps({"peak_rss": peak, "rss_end": now, "after_imports_rss": imported, "first_batch_s": first, "tokens": rows.stats.tokens,
                       "rows": len(rows.train), "process_s": time.perf_counter() - began}))
 
 
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
 def _bench(args, work: Path) -> int:
     import transformers  # noqa: F401  (imported before any timing, as a job has it)
 
-    figures = {"num_proc": args.num_proc, "vocab": args.vocab}
+    figures = {"num_proc": args.num_proc, "vocab": args.vocab, "cores": os.cpu_count()}
     began = time.perf_counter()
     sizes = {"tiny": args.tiny, "small": args.small, "large": 10 * args.small}
     data = {name: write_jsonl(work / f"{name}.jsonl", n, seed=i) for i, (name, n) in enumerate(sizes.items())
@@ -236,38 +238,41 @@ def _bench(args, work: Path) -> int:
     print(f"wrote {', '.join(f'{n:,} ({name})' for name, n in sizes.items())} conversations in "
           f"{time.perf_counter() - began:.0f} s", flush=True)
     began = time.perf_counter()
-    train_tokenizer(work / "ckpt" / "hf", data["tiny" if "tiny" in data else "large"], args.vocab)
-    print(f"trained a {args.vocab:,}-token byte-level BPE in {time.perf_counter() - began:.0f} s", flush=True)
+    train_tokenizer(work / "ckpt" / "hf", data["small" if "small" in data else "large"], args.vocab)
+    from transformers import AutoTokenizer
 
-    measured = "large" if args.only_prepare else "small"
-    seconds, tokens = ours(work, data[measured], work / "cache", args.num_proc)
-    figures["ours"] = {"conversations": sizes[measured], "seconds": seconds, "tokens": tokens,
-                       "conversations_per_s": sizes[measured] / seconds, "tokens_per_s": tokens / seconds}
-    print(f"ours: {sizes[measured]:,} conversations, {tokens:,} tokens in {seconds:.1f} s "
-          f"({tokens / seconds:,.0f} tokens/s, {sizes[measured] / seconds:,.0f} conversations/s)", flush=True)
+    figures["vocab"] = len(AutoTokenizer.from_pretrained(work / "ckpt" / "hf"))
+    print(f"trained a byte-level BPE of {figures['vocab']:,} tokens in {time.perf_counter() - began:.0f} s", flush=True)
+
+    # Throughput at the larger size, where neither side's fixed costs (process pools, a tokenizer's load) count
+    seconds, tokens = ours(work, data["large"], work / "cache-large", args.num_proc)
+    figures["ours"] = {"conversations": sizes["large"], "seconds": seconds, "tokens": tokens,
+                       "conversations_per_s": sizes["large"] / seconds, "tokens_per_s": tokens / seconds}
+    print(f"ours: {sizes['large']:,} conversations, {tokens:,} tokens in {seconds:.1f} s "
+          f"({tokens / seconds:,.0f} tokens/s, {sizes['large'] / seconds:,.0f} conversations/s)", flush=True)
     if not args.only_prepare:
-        seconds_b, mapped = baseline(work, data["small"], args.num_proc)
-        check_same_output(work, data["small"], work / "cache", mapped, args.num_proc)
+        seconds_b, mapped = baseline(work, data["large"], args.num_proc)
+        check_same_output(work, data["large"], work / "cache-large", mapped, args.num_proc)
         figures["datasets_map"] = {"seconds": seconds_b, "tokens_per_s": tokens / seconds_b}
         figures["prepare_speedup"] = seconds_b / seconds
         print(f"datasets.load_dataset('json').map(batched=True, num_proc={args.num_proc}): {seconds_b:.1f} s; "
               f"ours {seconds_b / seconds:.2f}x as fast (same tokens and masks)", flush=True)
-        ours(work, data["large"], work / "cache", args.num_proc)  # the larger size prepared, for the ranks
-        ours(work, data["tiny"], work / "cache-tiny", args.num_proc)
-    else:
-        pass
+        for name in ("tiny", "small"):  # prepared, for the ranks' second start
+            ours(work, data[name], work / f"cache-{name}", args.num_proc)
 
     ranks = {}
     for name in (["large"] if args.only_prepare else ["tiny", "small", "large"]):
-        cache = work / ("cache-tiny" if name == "tiny" else "cache")
-        ranks[name] = run_rank(recipe_overrides(work, data[name], cache, args.num_proc))
-        print(f"rank, prepared, {name}: peak RSS {ranks[name]['peak_rss'] / 2**20:,.0f} MiB, "
+        ranks[name] = run_rank(recipe_overrides(work, data[name], work / f"cache-{name}", args.num_proc))
+        print(f"rank, prepared, {name}: peak RSS {ranks[name]['peak_rss'] / 2**20:,.0f} MiB (at the end "
+              f"{ranks[name]['rss_end'] / 2**20:,.0f} MiB), "
               f"{ranks[name]['tokens']:,} tokens, first batch after {ranks[name]['first_batch_s']:.2f} s", flush=True)
     figures["ranks_prepared"] = ranks
     if not args.only_prepare:
         growth = (ranks["large"]["peak_rss"] - ranks["small"]["peak_rss"]) / (ranks["large"]["tokens"] -
                                                                               ranks["small"]["tokens"])
         figures["rss_growth_bytes_per_token"] = growth
+        figures["rss_end_growth_bytes_per_token"] = (ranks["large"]["rss_end"] - ranks["small"]["rss_end"]) / (
+            ranks["large"]["tokens"] - ranks["small"]["tokens"])
         memory = {name: run_rank(recipe_overrides(work, data[name], work / "cache-memory", args.num_proc, prepared=False))
                   for name in ("small", "large")}
         figures["ranks_in_memory"] = memory
@@ -276,8 +281,9 @@ def _bench(args, work: Path) -> int:
         figures["rss_growth_bytes_per_token_in_memory"] = growth_memory
         extra = ranks["large"]["first_batch_s"] - ranks["tiny"]["first_batch_s"]
         figures["second_start_extra_s"] = extra
-        print(f"per-rank RSS growth: prepared {growth:.2f} bytes/token, in memory {growth_memory:.1f} bytes/token "
-              f"({growth_memory / max(growth, 1e-9):.0f}x); second start of {sizes['large']:,} conversations: first "
+        print(f"per-rank RSS growth: prepared {growth:.2f} bytes/token (at the end "
+              f"{figures['rss_end_growth_bytes_per_token']:.2f}), in memory {growth_memory:.1f} bytes/token "
+              f"; second start of {sizes['large']:,} conversations: first "
               f"batch {extra:+.2f} s against {sizes['tiny']:,} (in memory: "
               f"{memory['large']['first_batch_s']:.1f} s)", flush=True)
     if args.json:

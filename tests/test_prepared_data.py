@@ -232,8 +232,10 @@ def test_the_process_pool_gives_the_one_process_result(files, tmp_path, kind):
 
 
 def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_cache(tmp_path, small_fs):
+    """Short rows first, so that the projection from the first chunk fits and the disk fills later."""
     fs = small_fs("256k")
-    data = _jsonl(tmp_path / "big.jsonl", [{"text": "0123456789" * 3}] * 4000)  # 5 bytes a token: ~600 kB of arrays
+    rows = [{"text": "1"}] * 600 + [{"text": "0123456789" * 3}] * 4000  # 17 tokens each: ~400 kB of arrays
+    data = _jsonl(tmp_path / "big.jsonl", rows)
     cfg = _config(tmp_path / "run", f"data.train_file={data}", f"data.cache_dir={fs}")
     with pytest.raises(ToolkitError, match="no space left on the device while preparing") as refused:
         build.read_data(cfg, build_tokenizer())
@@ -243,6 +245,12 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_cache(tmp_path, s
     assert not [p for p in prepared.iterdir() if p.name.endswith(".refused")]  # a full disk is not the data's verdict
     with pytest.raises(ToolkitError, match="no space left"):  # the next start tries again
         build.read_data(cfg, build_tokenizer())
+    # long rows first: the first chunk's projection says it will not fit, before the disk is full
+    _jsonl(data, rows[600:] + rows[:600])
+    with pytest.raises(ToolkitError, match=r"big.jsonl will not fit: preparing its 4,600 rows needs about .* free "
+                                           r"under .*: free space or set data.cache_dir"):
+        build.read_data(cfg, build_tokenizer())
+    assert not [p for p in prepared.iterdir() if p.is_dir()]
 
 
 WRITER = """

@@ -161,8 +161,11 @@ def _write(final: Path, fields: dict, source: Source, tokenizer, opts: ReadOptio
                     chunk_records = max(MIN_CHUNK_RECORDS, min(chunk_records, -(-total // (4 * settings.num_proc))))
                 for chunk in tokenize(named, tokenizer, opts, method, settings.num_proc, chunk_records):
                     writer.append(chunk.tokens, chunk.loss_mask, chunk.lengths, chunk.targets)
+                    first = not stats.lines
                     stats.add(chunk.stats)
                     progress.update(stats.lines, stats.tokens)
+                    if first and total:
+                        _refuse_what_will_not_fit(source, final, writer, stats.lines, total)
                 writer.finish(fields, method, stats, time.monotonic() - began)
             finally:
                 writer.close()
@@ -174,6 +177,20 @@ def _write(final: Path, fields: dict, source: Source, tokenizer, opts: ReadOptio
     finally:
         progress.close()
     progress.done(stats, final, time.monotonic() - began)
+
+
+def _refuse_what_will_not_fit(source: Source, final: Path, writer: StoreWriter, rows: int, total: int) -> None:
+    """One line now, rather than a full disk later, when the arrays' size projected from the first
+    chunk's rows is above the free space."""
+    from toolkit.atomic import human_bytes
+
+    written = writer.bytes_written()
+    needed = written * total / max(rows, 1)
+    free = shutil.disk_usage(writer.directory).free
+    if needed - written > free:
+        raise ToolkitError(f"{source.name} will not fit: preparing its {total:,} rows needs about {human_bytes(needed)} "
+                           f"(projected from its first {rows:,}) and {human_bytes(free)} is free under {final.parent}: "
+                           "free space or set data.cache_dir to a larger disk")
 
 
 class PrepareProgress:

@@ -71,6 +71,9 @@ class StoreWriter:
         self.sequences += len(lengths)
         self.token_count += int(lengths.sum())
 
+    def bytes_written(self) -> int:
+        return sum(f.tell() for f in self.files.values())
+
     def finish(self, fields: dict, method: str, stats: DataStats, seconds: float) -> dict:
         """Flush and fsync the arrays, hash them, write meta.json last; returns the meta."""
         counts = {"tokens": self.token_count, "loss_mask": self.token_count, "offsets": self.sequences + 1,
