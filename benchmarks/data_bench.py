@@ -44,13 +44,14 @@ def synthetic_conversations(n: int, seed: int):
     """`n` conversations of 1-3 user/assistant exchanges, words drawn from a Zipf law over 30k pseudo-words."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)  # the same words at every size (the tokenizer is trained on one)
     syllables = [c + v for c, v in zip(rng.choice(list("bcdfghklmnprstvz"), 600),
                                        rng.choice(["a", "e", "i", "o", "u", "ai", "ou", "ea"], 600))]
     parts = rng.integers(0, len(syllables), (60000, 3))
     counts = rng.integers(1, 4, 60000)
     words = list(dict.fromkeys("".join(syllables[k] for k in row[:c]) for row, c in zip(parts, counts)))[:30000]
     rng.shuffle(words)  # frequency unrelated to spelling
+    rng = np.random.default_rng(seed)
     cdf = np.cumsum(1.0 / np.arange(1, len(words) + 1) ** 1.1)
     cdf /= cdf[-1]
     words = np.array(words, dtype=object)
