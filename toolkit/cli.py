@@ -15,7 +15,7 @@ from toolkit import __version__
 from toolkit.errors import ToolkitError
 
 COMMAND_MODULES = ("convert", "quickstart", "ds_config", "memory", "plan", "plot", "slurm", "wandb_summary", "ckpt",
-                   "parity")
+                   "parity", "data")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -117,7 +117,13 @@ class DataConfig:
     # Refuse data of which more than this share of tokens is the tokenizer's unknown token (a
     # tokenizer that cannot read it: training would learn <unk>).
     max_unk_share: Annotated[float, Bound(ge=0.0, le=1.0)] = 0.05
-    cache_dir: str | None = None  # `datasets`' cache (default RUN_DIR/data_cache)
+    cache_dir: str | None = None  # `datasets`' cache and the prepared data under it (default RUN_DIR/data_cache)
+    # Tokenize each source once into memory-mapped arrays under CACHE_DIR/prepared, keyed on
+    # everything that changes a token, which every rank maps and every later start reuses (false:
+    # tokenized in memory by every rank at every start).
+    prepared: bool = True
+    num_proc: PositiveInt | None = None  # processes that tokenize while preparing (default: every core this process may use)
+    verify_prepared: bool = False  # check every prepared array's BLAKE3 on open (their sizes are always checked)
     shuffle: bool = True  # a seeded order, the same on every layout; its position is checkpointed
 
 

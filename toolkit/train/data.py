@@ -56,6 +56,15 @@ class DataStats:
     def summary(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "unk_example"}
 
+    def add(self, other: "DataStats") -> None:
+        """Count `other` (read after these) in: its counts added, the first `<unk>` example kept."""
+        for name, value in other.__dict__.items():
+            if isinstance(value, int):
+                setattr(self, name, getattr(self, name) + value)
+        if self.unk_example is None:
+            self.unk_example = other.unk_example
+        self.mixture.update(other.mixture)
+
 
 @dataclass(frozen=True)
 class ReadOptions:
@@ -78,26 +87,31 @@ def _prompt_response(tokenizer, prompt: str, response: str) -> Sample:
     return Sample(p + r, [0] * len(p) + [1] * len(r))
 
 
-def _messages(tokenizer, messages) -> Sample:
-    """Render turn by turn: the tokens each assistant turn adds count in the loss."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+def _is_conversation(messages) -> bool:
+    return isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+
+
+def _messages(tokenizer, messages, prefixes=None) -> Sample:
+    """Render turn by turn: the tokens each assistant turn adds count in the loss. `prefixes`: each
+    prefix already rendered (chat_templates.render_prefixes)."""
+    if not _is_conversation(messages):
         raise ValueError('"messages" must be a list of {"role", "content"} objects')
     chat_templates.require(tokenizer)
     tokens: list[int] = []
     mask: list[int] = []
-    for added, assistant in chat_templates.locate_turns(tokenizer, messages):
+    for added, assistant in chat_templates.locate_turns(tokenizer, messages, prefixes):
         tokens += added
         mask += [1 if assistant else 0] * len(added)
     return Sample(tokens, mask)
 
 
-def parse_line(tokenizer, record) -> Sample:
+def parse_line(tokenizer, record, prefixes=None) -> Sample:
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     if "prompt" in record and "response" in record:
         return _prompt_response(tokenizer, str(record["prompt"]), str(record["response"]))
     if "messages" in record:
-        return _messages(tokenizer, record["messages"])
+        return _messages(tokenizer, record["messages"], prefixes)
     if "text" in record:
         tokens = _encode(tokenizer, str(record["text"])) + [tokenizer.eos_token_id]
         return Sample(tokens, [1] * len(tokens))
@@ -126,12 +140,24 @@ def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats
         raise DataError(f"{where}: {e}") from None
 
 
-def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats) -> list[Sample]:
+def prerendered_parse(tokenizer, records: list):
+    """parse_line for these records, their conversations' prefixes rendered in one batched call
+    (chat_templates.render_prefixes) first: the same samples, without a tokenizer call per turn."""
+    conversations = [r for r in records if isinstance(r, dict) and "messages" in r and _is_conversation(r["messages"])
+                     and not ("prompt" in r and "response" in r)]
+    rendered = chat_templates.render_prefixes(tokenizer, [r["messages"] for r in conversations]) \
+        if conversations and getattr(tokenizer, "chat_template", None) else None
+    by_record = {id(r): prefixes for r, prefixes in zip(conversations, rendered or [])}
+    return lambda tok, record: parse_line(tok, record, by_record.get(id(record)))
+
+
+def read_samples(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions, stats: DataStats,
+                 parse=parse_line) -> list[Sample]:
     """Samples of (where, record) pairs; a record that failed to parse arrives as its exception."""
     samples = []
     unk = tokenizer.unk_token_id
     for where, record in named:
-        sample = parse_counted(parse_line, tokenizer, where, record, opts, stats)
+        sample = parse_counted(parse, tokenizer, where, record, opts, stats)
         if sample is None:
             continue
         if unk is not None:
@@ -186,20 +212,27 @@ def refuse_unreadable(name: str, stats: DataStats, max_share: float, tokenizer) 
             f"cannot read the data (e.g. {stats.unk_example}); use the model's own tokenizer or other data")
 
 
+def mixture_picks(parts: list[tuple[Source, int]], seed: int, stats: DataStats) -> list[list[int]]:
+    """Several data sets (each with its sample count) in the shares data.weights gives them: the
+    mixture keeps the total sample count, each source's share drawn in a seeded order (repeated when
+    the share is larger than the source). Returns each source's picked sample indices, in order."""
+    total, weights = sum(n for _, n in parts), sum(src.weight for src, _ in parts)
+    picks = []
+    for i, (src, n) in enumerate(parts):
+        want = round(total * src.weight / weights)
+        order = list(range(n))
+        random.Random(seed + i).shuffle(order)
+        picks.append([order[k % len(order)] for k in range(want)])
+        stats.mixture[src.name] = want
+    return picks
+
+
 def mix(parts: list[tuple[Source, list[Sample]]], seed: int, stats: DataStats) -> list[Sample]:
-    """Several data sets in the shares data.weights gives them: the mixture keeps the total sample
-    count, each source's share drawn in a seeded order (repeated when the share is larger than the source)."""
+    """The samples of several data sets mixed as mixture_picks draws them."""
     if len(parts) == 1:
         return parts[0][1]
-    total, weights = sum(len(s) for _, s in parts), sum(src.weight for src, _ in parts)
-    mixed = []
-    for i, (src, samples) in enumerate(parts):
-        want = round(total * src.weight / weights)
-        order = list(range(len(samples)))
-        random.Random(seed + i).shuffle(order)
-        mixed += [samples[order[k % len(order)]] for k in range(want)]
-        stats.mixture[src.name] = want
-    return mixed
+    picks = mixture_picks([(src, len(samples)) for src, samples in parts], seed, stats)
+    return [samples[k] for (_, samples), picked in zip(parts, picks) for k in picked]
 
 
 @dataclass
@@ -211,35 +244,49 @@ class Row:
     doc_ids: list[int] = field(default_factory=list)
 
 
+def padded_row(s: Sample, length: int, pad_id: int) -> Row:
+    """One sample in a row; padding has document id -1, as in packed rows."""
+    n = length - len(s.tokens)
+    return Row(s.tokens + [pad_id] * n, s.loss_mask + [0] * n, [0] * len(s.tokens) + [-1] * n)
+
+
 def pad_rows(samples: list[Sample], length: int, pad_id: int) -> list[Row]:
-    """One sample per row; padding has document id -1, as in packed rows."""
-    return [
-        Row(s.tokens + [pad_id] * (length - len(s.tokens)), s.loss_mask + [0] * (length - len(s.tokens)),
-            [0] * len(s.tokens) + [-1] * (length - len(s.tokens)))
-        for s in samples
-    ]
+    """One sample per row."""
+    return [padded_row(s, length, pad_id) for s in samples]
+
+
+def pack_plan(lengths: Iterable[int], length: int) -> list[int]:
+    """Greedy packing in order, a sample never spanning two rows: the index of each row's first
+    sample, then the sample count (row i packs samples starts[i] to starts[i + 1])."""
+    starts, used, n = [], length + 1, 0  # `used` past `length`: the first sample opens a row
+    for n, size in enumerate(lengths):
+        if used + size > length:
+            starts.append(n)
+            used = 0
+        used += size
+    starts.append(n + 1 if starts else 0)
+    return starts
+
+
+def packed_row(samples: list[Sample], length: int, pad_id: int) -> Row:
+    """Samples concatenated in one row, each its own document, padded to `length`."""
+    row = Row([], [], [])
+    for doc, s in enumerate(samples):
+        row.tokens += s.tokens
+        # A document's first token would be "predicted" from the previous document: never a target.
+        row.loss_mask += [0] + s.loss_mask[1:]
+        row.doc_ids += [doc] * len(s.tokens)
+    n = length - len(row.tokens)
+    row.tokens += [pad_id] * n
+    row.loss_mask += [0] * n
+    row.doc_ids += [-1] * n
+    return row
 
 
 def pack_rows(samples: list[Sample], length: int, pad_id: int) -> list[Row]:
-    """Greedy packing in order; a sample never spans two rows."""
-    rows, cur = [], Row([], [], [])
-    for s in samples:
-        if len(cur.tokens) + len(s.tokens) > length:
-            rows.append(cur)
-            cur = Row([], [], [])
-        doc = (cur.doc_ids[-1] + 1) if cur.doc_ids else 0
-        cur.tokens += s.tokens
-        # A document's first token would be "predicted" from the previous document: never a target.
-        cur.loss_mask += [0] + s.loss_mask[1:]
-        cur.doc_ids += [doc] * len(s.tokens)
-    if cur.tokens:
-        rows.append(cur)
-    for r in rows:
-        n = length - len(r.tokens)
-        r.tokens += [pad_id] * n
-        r.loss_mask += [0] * n
-        r.doc_ids += [-1] * n
-    return rows
+    """Greedy packing in order (pack_plan); a sample never spans two rows."""
+    starts = pack_plan((len(s.tokens) for s in samples), length)
+    return [packed_row(samples[a:b], length, pad_id) for a, b in zip(starts, starts[1:])]
 
 
 def collate(rows: list[Row], packed: bool) -> dict[str, torch.Tensor]:
@@ -302,22 +349,25 @@ class BatchSource:
             self._orders = {epoch: order}  # keep one epoch's order
         return self._orders[epoch]
 
-    def _global_rows(self, start: int) -> list[Row]:
+    def _global_indices(self, start: int) -> list[int]:
         n = len(self.rows)
         out = []
         for i in range(start, start + self.global_batch):
             epoch, pos = divmod(i, n)
-            out.append(self.rows[self._order(epoch)[pos]])
+            out.append(self._order(epoch)[pos])
         return out
 
     def next_global_batch(self) -> list[dict[str, torch.Tensor]]:
         """This DP rank's micro-batches of the next global batch. Every rank knows the whole global
-        batch, so its token counts (`last_counts`, the loss normaliser) need no collective."""
-        rows = self._global_rows(self.consumed)
+        batch, so its token counts (`last_counts`, the loss normaliser) need no collective; rows
+        mapped from a prepared cache (toolkit.train.row_views) count from their index, so a rank
+        reads the tokens of its own micro-batches only."""
+        indices = self._global_indices(self.consumed)
         self.consumed += self.global_batch
-        self.last_counts = self._counts(rows)
+        counts = getattr(self.rows, "counts", None)
+        self.last_counts = counts(indices) if counts else self._counts([self.rows[i] for i in indices])
         per_rank = self.global_batch // self.dp
-        mine = rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        mine = [self.rows[i] for i in indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]]
         batches = [self._collate(mine[i : i + self.micro_batch]) for i in range(0, per_rank, self.micro_batch)]
         if self.cp == 1:
             return batches
@@ -338,8 +388,13 @@ class BatchSource:
         self.consumed = int(state["consumed"])
 
 
+def pad_token(tokenizer) -> int:
+    """Tokenizers without a pad token (Llama 3) pad with EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def to_rows(samples: list[Sample], tokenizer, seq_len: int, pack: bool, stats: DataStats) -> list[Row]:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token(tokenizer)
     rows = pack_rows(samples, seq_len + 1, pad_id) if pack else pad_rows(samples, seq_len + 1, pad_id)
     stats.packed_rows = len(rows) if pack else 0
     return rows

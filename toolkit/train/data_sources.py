@@ -77,6 +77,37 @@ def records(source: Source, columns: dict[str, str], cache_dir: Path) -> Iterato
         yield f"{source.name} [{source.split} row {i}]", rename(row, columns)
 
 
+def content_fingerprint(source: Source, cache_dir: Path) -> str:
+    """What the records of `source` are, for the prepared-data key (toolkit.train.prepared_key): the
+    BLAKE3 of a file's bytes, or of every file under a directory (with their relative paths); a Hub
+    dataset's `datasets` fingerprint (its revision's files), which needs it loaded."""
+    from toolkit.checksum import Hasher, file_digest
+
+    path = Path(source.name)
+    if path.is_file():
+        return file_digest(path)
+    if path.is_dir():
+        hasher = Hasher()
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            hasher.update(f"{file.relative_to(path).as_posix()}\0{file_digest(file)}\0".encode())
+        return hasher.hexdigest()
+    if path.suffix == ".jsonl" or path.suffix in BUILDERS or path.is_absolute() or source.name.startswith("."):
+        raise DataError(f"data file {path} does not exist")
+    return f"datasets:{_load(source, cache_dir)._fingerprint}"
+
+
+def count_records(source: Source, cache_dir: Path) -> int:
+    """How many records `source` holds (a JSONL file: its lines), for a progress bar's total."""
+    path = Path(source.name)
+    if path.suffix == ".jsonl" or (path.is_file() and path.suffix not in BUILDERS):
+        lines, last = 0, b"\n"
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                lines, last = lines + block.count(b"\n"), block[-1:]
+        return lines + (last != b"\n")
+    return len(_load(source, cache_dir))
+
+
 def rename(record, columns: dict[str, str]):
     """The record with its columns under our names; columns with no value (a Parquet or CSV row
     lacking a field) are left out, as a JSONL line would."""

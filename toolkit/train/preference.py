@@ -26,7 +26,7 @@ import torch
 from toolkit.train import chat_templates
 from toolkit.train.chat_templates import ChatTemplateError
 from toolkit.train.data import (EXAMPLE_CHARS, BatchSource, DataStats, GlobalCounts, ReadOptions, Row, Sample, collate,
-                                pad_rows, parse_counted)
+                                pad_rows, pad_token, parse_counted)
 
 
 @dataclass
@@ -149,7 +149,7 @@ def read_pairs(named: Iterable[tuple[str, object]], tokenizer, opts: ReadOptions
 
 
 def to_pair_rows(pairs: list[tuple[Sample, Sample]], tokenizer, seq_len: int) -> list[PairRow]:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token(tokenizer)
     chosen = pad_rows([c for c, _ in pairs], seq_len + 1, pad_id)
     rejected = pad_rows([r for _, r in pairs], seq_len + 1, pad_id)
     return [PairRow(c, r) for c, r in zip(chosen, rejected)]
