@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+# DCP's writers report failures as this BaseException (megatron-core 0.19's torch_dist writer on a full disk)
+from torch.distributed.checkpoint.api import CheckpointException
 
 from toolkit.atomic import fault_point, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
@@ -219,7 +221,7 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
             marker.write_text(final.name)
             os.replace(marker, root / LATEST)
             _prune(root, keep_last, step)
-    except Exception as e:  # noqa: BLE001 - any writer's failure on a full disk is the same story
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any writer's failure on a full disk is the same story
         if not _disk_full(e, root):
             if reported.exists():  # a collective broke because the rank that hit the full disk has left
                 raise ReportedByAnotherRank(f"{final.name}: the disk is full") from None
@@ -246,11 +248,16 @@ def _first_to_report(note: Path) -> bool:
 
 
 def _disk_full(error: BaseException, root: Path) -> bool:
-    seen = error
-    while seen is not None:
+    pending = [error]
+    while pending:
+        seen = pending.pop()
         if (isinstance(seen, OSError) and seen.errno == errno.ENOSPC) or "No space left on device" in str(seen):
             return True
-        seen = seen.__cause__ or seen.__context__
+        pending += [e for e in (seen.__cause__ or seen.__context__,) if e is not None]
+        for failure in getattr(seen, "failures", {}).values():  # DCP's, by rank: (exception, traceback)
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, BaseException):
+                pending.append(failure)
     try:
         return shutil.disk_usage(root).free < DISK_FULL_BYTES
     except OSError:
