@@ -18,7 +18,7 @@ import torch
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
 from toolkit.convert import naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
-from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, float32_buffers, weights_dtype
+from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, stored_dtype, weights_dtype
 from toolkit.convert.wrapper import open_hf
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
@@ -37,7 +37,6 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_t
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
-from toolkit.families import BUFFERS
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
@@ -90,12 +89,18 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, pla
         return stage_megatron_shapes(family, spec, layout, pp_rank)
 
     local_experts = len(layout.local_experts(spec, 0))
-    dtype = weights_dtype(src.tensors)  # one dtype (check_weight_dtypes), never cast
-    # megatron-core keeps the expert bias in float32 too (router.py _maintain_float32_expert_bias)
-    buffers = {suffix: torch.float32 for suffix in BUFFERS} if float32_buffers(src.tensors) else None
+    dtype = weights_dtype(src.tensors, family.hf_float32)  # one dtype (check_weight_dtypes), never cast
     return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, len(layout.stage_layers(spec, 0)),
-                                         layer_spec, args, local_experts, dtype=dtype, suffix_dtypes=buffers,
-                                         file_threads=FILE_THREADS)
+                                         layer_spec, args, local_experts, dtype=dtype,
+                                         suffix_dtypes=float32_as_stored(src, family), file_threads=FILE_THREADS)
+
+
+def float32_as_stored(src, family: Family) -> dict[str, torch.dtype]:
+    """megatron-core name suffix -> the dtype the HF checkpoint stores it in, of each tensor transformers
+    keeps in float32 (Row.kept_in_float32): the router weight (float32 from transformers 5.24, the weights'
+    dtype before), the expert bias (float32, as megatron-core keeps it: router.py _maintain_float32_expert_bias)."""
+    stored = {ours: stored_dtype(src.tensors, hf) for ours, hf in family.float32_names}
+    return {suffix: dtype for suffix, dtype in stored.items() if dtype is not None}
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
@@ -232,7 +237,7 @@ def _convert(src, family: Family, spec: ModelSpec, target: _Target, check) -> Pa
     layout = Layout(target.tp, target.pp, target.vocab_divisor, target.ep)
     layout.check(spec)
     check_tensors(src, family, spec)
-    check_weight_dtypes(src.tensors, config_dtype(src.config))
+    check_weight_dtypes(src.tensors, config_dtype(src.config), family.hf_float32)
     args = megatron_args(spec, layout, target.fmt)
     with atomic_directory(target.out_dir, target.overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE
