@@ -43,10 +43,6 @@ _DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-# Per-layer rotary buffers older checkpoints stored (Llama 2 era fine-tunes, some DeepSeek / Kimi exports).
-# transformers computes the frequencies from config.json and drops these on load
-# (modeling_utils.py `_adjust_missing_and_unexpected_keys`); so does the conversion, saying so.
-STALE_ROTARY_SUFFIX = "rotary_emb.inv_freq"
 _SAFETENSORS_CODE = {_DTYPES[code][0]: code for code in FLOAT_DTYPES}  # "bfloat16" -> "BF16"
 
 
@@ -206,9 +202,6 @@ class HFCheckpoint:
         self.config = read_config(self.dir)
         self.config_bytes = (self.dir / "config.json").read_bytes()
         self.tensors = self._index()
-        self.stale_rotary = sorted(name for name in self.tensors if name.endswith(STALE_ROTARY_SUFFIX))
-        for name in self.stale_rotary:  # never read: HF's model ignores them too (STALE_ROTARY_SUFFIX)
-            del self.tensors[name]
 
     def _weight_files(self) -> list[Path]:
         index = self.dir / INDEX_FILE

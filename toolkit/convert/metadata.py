@@ -77,6 +77,9 @@ class CheckpointMeta:
     # transformers keeps in float32 as the installed class keeps them; False: a conversion, every tensor as
     # the HF checkpoint stored it (toolkit/families/float32.py)
     master_weights: bool = False
+    # kind -> how many of the HF checkpoint's tensors the conversion left out as HF's model ignores them on
+    # load (toolkit/convert/ignored.py): what the export says it does not write
+    ignored: dict = field(default_factory=dict)
 
     @property
     def model_spec(self) -> ModelSpec:

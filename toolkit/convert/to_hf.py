@@ -6,16 +6,18 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
+from toolkit.convert import ignored
 from toolkit.convert.consistency import expected_hf_tensors
-from toolkit.families.float32 import export_cast
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.progress import progress_bar
 from toolkit.errors import ConversionError
+from toolkit.families.float32 import export_cast
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
@@ -153,4 +155,18 @@ def megatron_to_hf(
         (tmp / "config.json").write_bytes(ckpt.config_bytes if wrapped is None else wrapped.whole.config_bytes)
         for f in ckpt.tokenizer_files + _wrapper_files(wrapped, skip={f.name for f in ckpt.tokenizer_files}):
             shutil.copyfile(f, tmp / f.name)
+    _say_left_out(ckpt, wrapped)
     return Path(out_dir)
+
+
+def _say_left_out(ckpt: MegatronCheckpoint, wrapped) -> None:
+    """One line for the tensors HF's model ignores on load that the export does not write: those the
+    conversion left out (CheckpointMeta.ignored), or where it writes into a wrapper those of the wrapper's
+    files (toolkit/convert/ignored.py)."""
+    if wrapped is not None:
+        counts = {kind: len(names) for kind, names in wrapped.ignored.items()}
+    else:
+        counts = dict(ckpt.meta.ignored) if ckpt.meta is not None else {}
+    if counts:
+        listed = ", ".join(f"{n} {ignored.KIND_NAMES[kind]}" for kind, n in sorted(counts.items()))
+        print(f"note: not written, as HF's model ignores them on load: {listed} of the HF checkpoint", file=sys.stderr)

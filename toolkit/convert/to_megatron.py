@@ -16,7 +16,7 @@ import torch
 
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
-from toolkit.convert import naming, torch_format
+from toolkit.convert import ignored, naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
 from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, stored_dtype, weights_dtype
 from toolkit.convert.wrapper import open_hf
@@ -53,7 +53,7 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
     """Refuse missing, extra or misshapen tensors before anything is written."""
     expected = expected_hf_tensors(family, spec)
     missing = sorted(set(expected) - set(src.tensors))
-    extra = sorted(set(src.tensors) - set(expected) - mtp_tensors(src, family, spec))
+    extra = sorted(set(src.tensors) - set(expected))  # what HF ignores on load is out already (src.ignored)
     if missing:
         raise ConversionError(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}")
     if extra:
@@ -63,15 +63,6 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
             raise ConversionError(
                 f"tensor {name!r} has shape {list(src.shape(name))} but config.json implies {list(shape)}"
             )
-
-
-def mtp_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> set[str]:
-    """The tensors of the multi-token-prediction layers, stored after the decoder layers (Family.mtp_key)
-    or under a prefix of their own (Family.mtp_prefix), which the conversion leaves out as HF's model does."""
-    count = (src.config.get(family.mtp_key) or 0) if family.mtp_key else 0
-    layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(count if type(count) is int else 0))
-    prefixes = layers + ((family.mtp_prefix,) if family.mtp_prefix else ())
-    return {name for name in src.tensors if name.startswith(prefixes)} if prefixes else set()
 
 
 def output_bytes(src: HFCheckpoint) -> int:
@@ -207,16 +198,8 @@ def _notes(src, family: Family, spec: ModelSpec) -> None:
               "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
               "the converted checkpoint and its export are bf16, their config.json without quantization_config",
               file=sys.stderr)
-    if src.stale_rotary:
-        print(f"note: {len(src.stale_rotary)} stored rotary frequency buffer(s) (e.g. {src.stale_rotary[0]!r}) are left "
-              "out: transformers recomputes them from config.json and ignores them on load too", file=sys.stderr)
-    left_out = mtp_tensors(src, family, spec)
-    if left_out:
-        where = (f"{len(left_out)} tensors {family.mtp_prefix}*" if family.mtp_prefix else
-                 f"{family.mtp_key}={src.config[family.mtp_key]}, {len(left_out)} tensors from model.layers.{spec.num_layers}.")
-        print(f"note: the multi-token-prediction layer(s) ({where}) are left out: HF's "
-              f"{family.architecture} ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not "
-              "converted yet", file=sys.stderr)
+    for kind, names in src.ignored.items():
+        print(f"note: {ignored.note(kind, names, src.config, family)}", file=sys.stderr)
 
 
 def _placed(bar, check) -> Callable[[], None]:
@@ -272,6 +255,7 @@ def _convert(src, family: Family, spec: ModelSpec, target: _Target, check) -> Pa
             spec=spec.to_dict(),
             checksums=checksums,
             hf_source=str(Path(src.dir).resolve()),
+            ignored={kind: len(names) for kind, names in src.ignored.items()},
         ).write(tmp)
     warn_if_no_tokenizer(src.dir, target.out_dir)
     return target.out_dir
