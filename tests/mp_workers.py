@@ -464,3 +464,28 @@ def _save_tensors_not_on_cpu(save_dir: str) -> dict:
     loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4), replica_id=0)},
                                      save_dir)
     return {"equal": bool(torch.equal(loaded["w"], values))}
+
+
+def router_tensors_in_bf16_model(checkpoints: list[str]) -> list[dict]:
+    """For each converted checkpoint, loaded by load_converted into a one-process bf16 local-spec model (both
+    layer specs' checkpoints load into it): {name: tensor} of every router weight and expert bias as the
+    model holds them, as (dtype name, values as float lists: exact for bf16 and float32) since tensors do not
+    outlive the worker."""
+    import torch
+
+    from toolkit.convert.load import load_converted
+    from toolkit.convert.metadata import CheckpointMeta
+    from toolkit.layouts import Layout
+    from toolkit.model import build_gpt_model
+    from toolkit.runtime.distributed import init_parallel
+
+    init_parallel(1, 1)
+    out = []
+    for checkpoint in checkpoints:
+        meta = CheckpointMeta.read(Path(checkpoint))
+        model = build_gpt_model(meta.model_spec, Layout(1, 1, meta.vocab_divisor), torch.bfloat16, layer_spec="local")
+        load_converted(model, checkpoint)
+        held = [*model.named_parameters(), *model.named_buffers()]
+        out.append({name: (str(t.dtype), t.detach().float().tolist()) for name, t in held if ".mlp.router." in name})
+        del model
+    return out

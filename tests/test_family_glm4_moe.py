@@ -21,7 +21,8 @@ from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensor
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
-from toolkit.families import spec_from_config
+from toolkit.families import family_named, spec_from_config
+from toolkit.families.float32 import installed_float32
 from toolkit.megatron_settings import settings_for
 from toolkit.memory.params import stage_param_numels
 from toolkit.tinymodels import make_config, make_tiny_model
@@ -174,14 +175,17 @@ def add_mtp_layer(src, num_layers: int) -> int:
     return len(layer)
 
 
-def test_mtp_layer_is_left_out_with_a_line_and_only_the_expert_bias_may_be_float32(tiny_glm, tmp_path, capfd):
+def test_mtp_layer_is_left_out_with_a_line_and_only_the_router_and_its_bias_may_be_float32(tiny_glm, tmp_path, capfd):
     """As published: the MTP layer stored after the decoder layers (num_nextn_predict_layers, which HF's
-    model ignores) is left out, saying so; the expert bias is float32 among bf16 weights (converted as
-    stored), any other float32 tensor there is refused in one line."""
+    model ignores) is left out, saying so; the expert bias (and from transformers 5.24 the router weight,
+    tests/test_float32_routers.py) is float32 among bf16 weights, converted as stored; any other float32
+    tensor there is refused in one line."""
     src = tmp_path / "published"
     shutil.copytree(tiny_glm["glm4-moe-bf16"], src)
     stored = {k: v.dtype for k, v in load_all(src).items()}
-    assert {k for k, d in stored.items() if d == torch.float32} == {k for k in stored if k.endswith("e_score_correction_bias")}
+    kept = ("e_score_correction_bias", "mlp.gate.weight") if "gate.weight" in installed_float32(
+        family_named("glm4_moe")) else ("e_score_correction_bias",)
+    assert {k for k, d in stored.items() if d == torch.float32} == {k for k in stored if k.endswith(kept)}
     mtp = add_mtp_layer(src, 4)
     out = hf_to_megatron(src, tmp_path / "out", tp=2, ep=2, progress=False)
     assert (f"multi-token-prediction layer(s) (num_nextn_predict_layers=1, {mtp} tensors from model.layers.4.) "
@@ -190,11 +194,9 @@ def test_mtp_layer_is_left_out_with_a_line_and_only_the_expert_bias_may_be_float
     edit_config(src, num_nextn_predict_layers=0)
     convert_fails(src, tmp_path / "no-mtp", "says num_hidden_layers=4 but the weights hold 5 layers")
     edit_config(src, num_nextn_predict_layers=1)
-    edit_tensors(src, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("mlp.gate.weight")}))
-    # as transformers >= 5.24 saves it (_keep_in_fp32_modules_strict): refused, naming the way out
-    convert_fails(src, tmp_path / "f32-router", r"router weight .* is F32 among BF16 weights, as transformers >= 5.24 "
-                  r"saves .* cast the `mlp.gate.weight` tensors to the weights' dtype .* or save the model with "
-                  r"transformers <= 5.23")
+    edit_tensors(src, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("mlp.shared_experts.up_proj.weight")}))
+    convert_fails(src, tmp_path / "f32-expert", r"tensor 'model.layers.1.mlp.shared_experts.up_proj.weight' is F32 but "
+                  r"config.json says dtype bfloat16")
 
 
 def native_check_case(tiny_glm, tmp_path) -> dict:

@@ -9,6 +9,7 @@ swaps them cannot pass a logit comparison by accident.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 # Tokens of the tokenizer shipped with every tiny model (digits and a few specials).
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -221,22 +222,27 @@ def make_config(variant: str, **overrides):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
-    """Create and save a tiny random model of `variant`; returns its directory."""
-    return save_random_model(make_config(variant, **overrides), directory, dtype, seed)
+def make_tiny_model(variant: str, directory: str | Path, dtype: str = "float32", seed: int = 0,
+                    fp32_modules: Sequence[str] | None = None, **overrides) -> Path:
+    """Create and save a tiny random model of `variant`; returns its directory. `fp32_modules`: the
+    `_keep_in_fp32_modules_strict` to save with (None: the installed class's), to save as another
+    transformers release does."""
+    return save_random_model(make_config(variant, **overrides), directory, dtype, seed, fp32_modules)
 
 
-def save_random_model(config, directory: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
+def save_random_model(config, directory: str | Path, dtype: str = "float32", seed: int = 0,
+                      fp32_modules: Sequence[str] | None = None) -> Path:
     """Save a random model of a transformers config (norms, routers and biases randomised too)
     with the digit tokenizer; returns its directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype)
+    return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype, fp32_modules)
 
 
-def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) -> Path:
+def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
+                     fp32_modules: Sequence[str] | None = None) -> Path:
     import torch
 
     from toolkit.families import HF_FLOAT32_BUFFERS
@@ -257,9 +263,11 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) 
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
-    # bias of DeepSeek-V3 / GLM-4.5) stay float32, so a bf16 model holds a float32 tensor, as published.
+    # bias of DeepSeek-V3 / GLM-4.5, their router from transformers 5.24) stay float32, so a bf16 model holds
+    # float32 tensors, as published
+    kept = getattr(model, "_keep_in_fp32_modules_strict", None) if fp32_modules is None else fp32_modules
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if any(kept in name for kept in getattr(model, "_keep_in_fp32_modules_strict", None) or ()):
+        if any(pattern in name for pattern in kept or ()):
             tensor.data = tensor.data.float()
     directory = Path(directory)
     model.save_pretrained(directory)

@@ -79,7 +79,6 @@ class Fp8View:
 
     def __init__(self, src: HFCheckpoint):
         self.whole, self.dir = src, src.dir
-        self.stale_rotary = src.stale_rotary
         self.block = block_size(src.config)
         self.config = {k: v for k, v in src.config.items() if k != "quantization_config"}
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()

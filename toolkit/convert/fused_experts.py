@@ -64,7 +64,6 @@ class FusedExpertsView:
 
     def __init__(self, src, fused: FusedExperts):
         self.whole, self.fused, self.dir = src, fused, src.dir
-        self.stale_rotary = src.stale_rotary
         self.config = {k: v for k, v in src.config.items() if k != "quantization_config"}
         quant = src.config.get("quantization_config")
         if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != QUANT_METHOD):

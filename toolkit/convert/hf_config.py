@@ -18,16 +18,15 @@ from toolkit.families import ConfigReading, Family, ModelSpec, family_for, read_
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def check_layer_count(cfg: dict, tensor_names, path: Path, family: Family | None = None) -> None:
-    """Refuse a num_hidden_layers that contradicts the layers present in the weights (which may hold
-    the family's multi-token-prediction layers after them, Family.mtp_key)."""
+def check_layer_count(cfg: dict, tensor_names, path: Path) -> None:
+    """Refuse a num_hidden_layers that contradicts the layers present in the weights (`tensor_names`: those
+    of an opened checkpoint, without the multi-token-prediction layers HF ignores, toolkit/convert/ignored.py)."""
     declared = cfg.get("num_hidden_layers")
     if type(declared) is not int:
         return  # a wrong type: transformers' config class reports it
-    mtp = cfg.get(family.mtp_key) if family is not None and family.mtp_key else 0
     layers = {int(m.group(1)) for name in tensor_names if (m := _HF_LAYER.match(name))}
     held = max(layers) + 1 if layers else 0
-    if declared != held and not (type(mtp) is int and mtp > 0 and held == declared + mtp):
+    if declared != held:
         raise ConversionError(f"{path} says num_hidden_layers={declared} but the weights hold {held} layers: "
                               "fix config.json or use the weights it belongs to")
 
@@ -37,7 +36,7 @@ def checked_family(cfg: dict, path: Path, tensor_names=None) -> Family:
     checked before transformers' config class reads the file."""
     family = family_for(cfg.get("model_type"))
     if tensor_names is not None:
-        check_layer_count(cfg, tensor_names, path, family)
+        check_layer_count(cfg, tensor_names, path)
     return family
 
 

@@ -19,7 +19,6 @@ import torch
 
 from toolkit.convert.jsonfile import read_json_object
 from toolkit.errors import ConversionError
-from toolkit.families import HF_FLOAT32_BUFFERS
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,13 +43,6 @@ _DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-# The router weight of a MoE layer, which transformers >= 5.24 keeps (and saves) in float32 for GLM-4.5 and
-# DeepSeek-V3 (_keep_in_fp32_modules_strict): refused with the way out (check_weight_dtypes)
-ROUTER_WEIGHT_SUFFIX = ".mlp.gate.weight"
-# Per-layer rotary buffers older checkpoints stored (Llama 2 era fine-tunes, some DeepSeek / Kimi exports).
-# transformers computes the frequencies from config.json and drops these on load
-# (modeling_utils.py `_adjust_missing_and_unexpected_keys`); so does the conversion, saying so.
-STALE_ROTARY_SUFFIX = "rotary_emb.inv_freq"
 _SAFETENSORS_CODE = {_DTYPES[code][0]: code for code in FLOAT_DTYPES}  # "bfloat16" -> "BF16"
 
 
@@ -155,26 +147,28 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _kept_in_float32(name: str, entry: TensorEntry) -> bool:
-    """A buffer HF keeps in float32 among weights of another dtype (_keep_in_fp32_modules_strict:
-    published GLM-4.5 and DeepSeek-V3 checkpoints store the expert bias so; Row.float32_buffer)."""
-    return entry.dtype == "F32" and name.endswith(HF_FLOAT32_BUFFERS)
+def _kept_in_float32(name: str, entry: TensorEntry, kept: tuple[str, ...]) -> bool:
+    """A tensor transformers keeps in float32 among weights of another dtype, stored so (`kept`: the HF name
+    suffixes of the family's rows that say so, Family.float32_suffixes; toolkit/families/float32.py)."""
+    return entry.dtype == "F32" and name.endswith(kept)
 
 
-def weights_dtype(tensors: dict[str, TensorEntry]) -> torch.dtype:
-    """The one dtype of the weights (check_weight_dtypes), the float32 buffers aside."""
-    kept = [e for n, e in tensors.items() if not _kept_in_float32(n, e)]
-    return (kept or list(tensors.values()))[0].torch_dtype
+def weights_dtype(tensors: dict[str, TensorEntry], kept: tuple[str, ...] = ()) -> torch.dtype:
+    """The one dtype of the weights (check_weight_dtypes), the float32 tensors `kept` aside."""
+    weights = [e for n, e in tensors.items() if not _kept_in_float32(n, e, kept)]
+    return (weights or list(tensors.values()))[0].torch_dtype
 
 
-def float32_buffers(tensors: dict[str, TensorEntry]) -> bool:
-    """Whether the checkpoint stores HF's float32 buffers in float32 among weights of another dtype."""
-    return any(_kept_in_float32(n, e) for n, e in tensors.items()) and weights_dtype(tensors) != torch.float32
+def stored_dtype(tensors: dict[str, TensorEntry], suffix: str) -> torch.dtype | None:
+    """The one dtype the tensors named `...suffix` are stored in (check_weight_dtypes); None: there are none."""
+    return next((e.torch_dtype for n, e in tensors.items() if n.endswith(suffix)), None)
 
 
-def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | None) -> None:
+def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | None, kept: tuple[str, ...] = ()) -> None:
     """Floating-point weights only, all of the dtype config.json declares (or of one dtype when
-    it declares none): a header that relabels bf16 bytes as int16 or float16 is refused."""
+    it declares none): a header that relabels bf16 bytes as int16 or float16 is refused. The tensors
+    transformers keeps in float32 (`kept`: HF name suffixes, Family.float32_suffixes) may be float32
+    instead, all of a suffix in one dtype: converted as stored."""
     expected = _SAFETENSORS_CODE.get(config_dtype) if config_dtype else None
     if config_dtype and expected is None:
         raise ConversionError(f"config.json declares dtype {config_dtype!r}, which is not a floating-point weight "
@@ -183,19 +177,19 @@ def check_weight_dtypes(tensors: dict[str, TensorEntry], config_dtype: str | Non
         if entry.dtype not in FLOAT_DTYPES:
             raise ConversionError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; only floating-point "
                                   f"weights ({', '.join(FLOAT_DTYPES)}) can be converted")
-        if _kept_in_float32(name, entry):
-            continue  # converted as stored: rounding the expert bias would change which experts are chosen
+        if _kept_in_float32(name, entry, kept):
+            continue  # converted as stored: rounding the router or its expert bias would change which experts are chosen
         expected = expected or entry.dtype
         if entry.dtype != expected:
             declared = f"config.json says dtype {config_dtype}" if config_dtype else f"other tensors are {expected}"
-            if entry.dtype == "F32" and name.endswith(ROUTER_WEIGHT_SUFFIX):
-                # transformers >= 5.24 keeps these routers in float32 (_keep_in_fp32_modules_strict) and saves them so
-                raise ConversionError(f"{entry.file}: the router weight {name!r} is F32 among {expected} weights, as "
-                                      "transformers >= 5.24 saves GLM-4.5 / DeepSeek-V3 routers; a float32 router is not "
-                                      "converted yet: cast the `mlp.gate.weight` tensors to the weights' dtype (as the "
-                                      "published checkpoints store them) or save the model with transformers <= 5.23")
             raise ConversionError(f"{entry.file}: tensor {name!r} is {entry.dtype} but {declared}: the header or "
                                   "config.json is wrong; re-save the model with save_pretrained")
+    for suffix in kept:
+        stored = sorted((n, e.dtype) for n, e in tensors.items() if n.endswith(suffix))
+        if len({d for _, d in stored}) > 1:
+            (one, first), (other, second) = stored[0], next(x for x in stored if x[1] != stored[0][1])
+            raise ConversionError(f"tensor {one!r} is {first} but {other!r} is {second}: transformers saves every "
+                                  f"`{suffix.lstrip('.')}` of a model in one dtype; re-save the model with save_pretrained")
 
 
 class HFCheckpoint:
@@ -208,9 +202,6 @@ class HFCheckpoint:
         self.config = read_config(self.dir)
         self.config_bytes = (self.dir / "config.json").read_bytes()
         self.tensors = self._index()
-        self.stale_rotary = sorted(name for name in self.tensors if name.endswith(STALE_ROTARY_SUFFIX))
-        for name in self.stale_rotary:  # never read: HF's model ignores them too (STALE_ROTARY_SUFFIX)
-            del self.tensors[name]
 
     def _weight_files(self) -> list[Path]:
         index = self.dir / INDEX_FILE

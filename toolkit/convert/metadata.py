@@ -73,6 +73,13 @@ class CheckpointMeta:
     # The HF model directory this was converted from: an exported LoRA adapter's base_model_name_or_path
     # (AutoPeftModelForCausalLM loads the base from there), unless the recipe names another.
     hf_source: str | None = None
+    # A training run's fp32 master weights (toolkit.train.checkpoint), exported in spec.dtype with the tensors
+    # transformers keeps in float32 as the installed class keeps them; False: a conversion, every tensor as
+    # the HF checkpoint stored it (toolkit/families/float32.py)
+    master_weights: bool = False
+    # kind -> how many of the HF checkpoint's tensors the conversion left out as HF's model ignores them on
+    # load (toolkit/convert/ignored.py): what the export says it does not write
+    ignored: dict = field(default_factory=dict)
 
     @property
     def model_spec(self) -> ModelSpec:

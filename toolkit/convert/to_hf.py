@@ -6,16 +6,18 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
+from toolkit.convert import ignored
 from toolkit.convert.consistency import expected_hf_tensors
-from toolkit.families import HF_FLOAT32_BUFFERS
 from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.progress import progress_bar
 from toolkit.errors import ConversionError
+from toolkit.families.float32 import export_cast
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
@@ -60,14 +62,6 @@ class SafetensorsShardWriter:
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _in_export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """The tensor in the checkpoint's dtype, but HF's float32 buffers (the expert bias) as stored:
-    HF keeps them in float32 whatever the weights' dtype, and rounding them changes the routing."""
-    if dtype is None or not tensor.is_floating_point() or name.endswith(HF_FLOAT32_BUFFERS):
-        return tensor
-    return tensor.to(dtype)
 
 
 def export_bytes(ckpt: MegatronCheckpoint, dtype: torch.dtype | None, wrapped=None) -> int:
@@ -143,13 +137,16 @@ def megatron_to_hf(
     refuse_output_overlapping_inputs(out_dir, ckpt.root, hf_config, wrapper)
     wrapped = None if wrapper is None else _open_wrapper(wrapper, ckpt)
     prefix = "" if wrapped is None else wrapped.wrapper.prefix
-    # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype.
+    # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype, but the tensors
+    # transformers keeps in float32 (the router and its expert bias: rounding them changes the routing) as a
+    # conversion stored them, or as the installed class keeps them (toolkit/families/float32.py)
     dtype = getattr(torch, ckpt.spec.dtype, None)
+    cast = export_cast(ckpt.family, dtype, as_stored=ckpt.meta is not None and not ckpt.meta.master_weights)
     with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype, wrapped)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in _hf_layout(ckpt, transform):
-                writer.add(prefix + name, _in_export_dtype(name, tensor, dtype))
+                writer.add(prefix + name, cast(name, tensor))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():
                 writer.add(name, wrapped.whole.read(name))  # the stored bytes, never cast
@@ -158,4 +155,18 @@ def megatron_to_hf(
         (tmp / "config.json").write_bytes(ckpt.config_bytes if wrapped is None else wrapped.whole.config_bytes)
         for f in ckpt.tokenizer_files + _wrapper_files(wrapped, skip={f.name for f in ckpt.tokenizer_files}):
             shutil.copyfile(f, tmp / f.name)
+    _say_left_out(ckpt, wrapped)
     return Path(out_dir)
+
+
+def _say_left_out(ckpt: MegatronCheckpoint, wrapped) -> None:
+    """One line for the tensors HF's model ignores on load that the export does not write: those the
+    conversion left out (CheckpointMeta.ignored), or where it writes into a wrapper those of the wrapper's
+    files (toolkit/convert/ignored.py)."""
+    if wrapped is not None:
+        counts = {kind: len(names) for kind, names in wrapped.ignored.items()}
+    else:
+        counts = dict(ckpt.meta.ignored) if ckpt.meta is not None else {}
+    if counts:
+        listed = ", ".join(f"{n} {ignored.KIND_NAMES[kind]}" for kind, n in sorted(counts.items()))
+        print(f"note: not written, as HF's model ignores them on load: {listed} of the HF checkpoint", file=sys.stderr)

@@ -16,9 +16,9 @@ import torch
 
 
 from toolkit.atomic import atomic_directory, refuse_output_overlapping_inputs
-from toolkit.convert import naming, torch_format
+from toolkit.convert import ignored, naming, torch_format
 from toolkit.convert.consistency import expected_hf_tensors
-from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, float32_buffers, weights_dtype
+from toolkit.convert.hf_source import HFCheckpoint, check_weight_dtypes, config_dtype, stored_dtype, weights_dtype
 from toolkit.convert.wrapper import open_hf
 from toolkit.convert.metadata import (
     CHECKPOINT_VERSION,
@@ -37,7 +37,6 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes, stage_t
 from toolkit.convert.tokenizer_check import warn_if_no_tokenizer
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
-from toolkit.families import BUFFERS
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
 from toolkit.splits import build_shard, megatron_shape
@@ -54,7 +53,7 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
     """Refuse missing, extra or misshapen tensors before anything is written."""
     expected = expected_hf_tensors(family, spec)
     missing = sorted(set(expected) - set(src.tensors))
-    extra = sorted(set(src.tensors) - set(expected) - mtp_tensors(src, family, spec))
+    extra = sorted(set(src.tensors) - set(expected))  # what HF ignores on load is out already (src.ignored)
     if missing:
         raise ConversionError(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]!r}")
     if extra:
@@ -64,15 +63,6 @@ def check_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> None:
             raise ConversionError(
                 f"tensor {name!r} has shape {list(src.shape(name))} but config.json implies {list(shape)}"
             )
-
-
-def mtp_tensors(src: HFCheckpoint, family: Family, spec: ModelSpec) -> set[str]:
-    """The tensors of the multi-token-prediction layers, stored after the decoder layers (Family.mtp_key)
-    or under a prefix of their own (Family.mtp_prefix), which the conversion leaves out as HF's model does."""
-    count = (src.config.get(family.mtp_key) or 0) if family.mtp_key else 0
-    layers = tuple(f"model.layers.{spec.num_layers + i}." for i in range(count if type(count) is int else 0))
-    prefixes = layers + ((family.mtp_prefix,) if family.mtp_prefix else ())
-    return {name for name in src.tensors if name.startswith(prefixes)} if prefixes else set()
 
 
 def output_bytes(src: HFCheckpoint) -> int:
@@ -90,12 +80,18 @@ def _write_torch(release: Path, src, family, spec, layout, layer_spec, args, pla
         return stage_megatron_shapes(family, spec, layout, pp_rank)
 
     local_experts = len(layout.local_experts(spec, 0))
-    dtype = weights_dtype(src.tensors)  # one dtype (check_weight_dtypes), never cast
-    # megatron-core keeps the expert bias in float32 too (router.py _maintain_float32_expert_bias)
-    buffers = {suffix: torch.float32 for suffix in BUFFERS} if float32_buffers(src.tensors) else None
+    dtype = weights_dtype(src.tensors, family.hf_float32)  # one dtype (check_weight_dtypes), never cast
     return torch_format.write_rank_files(release, layout, build_stage, stage_shapes, len(layout.stage_layers(spec, 0)),
-                                         layer_spec, args, local_experts, dtype=dtype, suffix_dtypes=buffers,
-                                         file_threads=FILE_THREADS)
+                                         layer_spec, args, local_experts, dtype=dtype,
+                                         suffix_dtypes=float32_as_stored(src, family), file_threads=FILE_THREADS)
+
+
+def float32_as_stored(src, family: Family) -> dict[str, torch.dtype]:
+    """megatron-core name suffix -> the dtype the HF checkpoint stores it in, of each tensor transformers
+    keeps in float32 (Row.kept_in_float32): the router weight (float32 from transformers 5.24, the weights'
+    dtype before), the expert bias (float32, as megatron-core keeps it: router.py _maintain_float32_expert_bias)."""
+    stored = {ours: stored_dtype(src.tensors, hf) for ours, hf in family.float32_names}
+    return {suffix: dtype for suffix, dtype in stored.items() if dtype is not None}
 
 
 def dist_chunks(src, family: Family, spec: ModelSpec, layout: Layout) -> list[dist_format.Chunk]:
@@ -220,16 +216,8 @@ def _notes(src, family: Family, spec: ModelSpec) -> None:
               "_scales) are dequantized to bfloat16 on import (exactly: each is an FP4 value times a power of two); "
               "the converted checkpoint and its export are bf16, their config.json without quantization_config",
               file=sys.stderr)
-    if src.stale_rotary:
-        print(f"note: {len(src.stale_rotary)} stored rotary frequency buffer(s) (e.g. {src.stale_rotary[0]!r}) are left "
-              "out: transformers recomputes them from config.json and ignores them on load too", file=sys.stderr)
-    left_out = mtp_tensors(src, family, spec)
-    if left_out:
-        where = (f"{len(left_out)} tensors {family.mtp_prefix}*" if family.mtp_prefix else
-                 f"{family.mtp_key}={src.config[family.mtp_key]}, {len(left_out)} tensors from model.layers.{spec.num_layers}.")
-        print(f"note: the multi-token-prediction layer(s) ({where}) are left out: HF's "
-              f"{family.architecture} ignores them on load too, and megatron-core's MTP block (mtp_num_layers) is not "
-              "converted yet", file=sys.stderr)
+    for kind, names in src.ignored.items():
+        print(f"note: {ignored.note(kind, names, src.config, family)}", file=sys.stderr)
 
 
 def _placed(bar, check) -> Callable[[], None]:
@@ -246,7 +234,7 @@ def _convert(src, family: Family, spec: ModelSpec, target: _Target, check) -> Pa
     layout = Layout(target.tp, target.pp, target.vocab_divisor, target.ep)
     layout.check(spec)
     check_tensors(src, family, spec)
-    check_weight_dtypes(src.tensors, config_dtype(src.config))
+    check_weight_dtypes(src.tensors, config_dtype(src.config), family.hf_float32)
     args = megatron_args(spec, layout, target.fmt)
     with atomic_directory(target.out_dir, target.overwrite, needed_bytes=output_bytes(src)) as tmp:
         release = tmp / RELEASE
@@ -281,6 +269,7 @@ def _convert(src, family: Family, spec: ModelSpec, target: _Target, check) -> Pa
             spec=spec.to_dict(),
             checksums=checksums,
             hf_source=str(Path(src.dir).resolve()),
+            ignored={kind: len(names) for kind, names in src.ignored.items()},
         ).write(tmp)
     warn_if_no_tokenizer(src.dir, target.out_dir)
     return target.out_dir

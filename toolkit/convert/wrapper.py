@@ -62,7 +62,6 @@ class LanguageModelView:
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
         n = len(wrapper.prefix)
         self.tensors = {name[n:]: e for name, e in src.tensors.items() if name.startswith(wrapper.prefix)}
-        self.stale_rotary = [name[n:] for name in src.stale_rotary if name.startswith(wrapper.prefix)]
         if not self.tensors:
             raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefix}*: not the language model of a "
                                   f"{wrapper.model_type} checkpoint as transformers saves it")
@@ -84,24 +83,36 @@ class LanguageModelView:
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     """An HF checkpoint directory as the converter reads it: a wrapper as its language model, a
     model with fused experts per expert (toolkit/convert/fused_experts.py), FP8 weights with block scales
-    dequantized to bf16 (toolkit/convert/fp8.py)."""
-    from toolkit.convert import fp8
+    dequantized to bf16 (toolkit/convert/fp8.py); without the tensors HF's model ignores on load, which
+    the view lists as `ignored` (toolkit/convert/ignored.py)."""
+    from toolkit.convert import fp8, ignored
     from toolkit.convert.hf_source import HFCheckpoint
 
     from toolkit.convert.fused_experts import fused_view
-    from toolkit.families import family_for
 
     src = HFCheckpoint(directory)
+    ignored.drop(src, None)  # transformers' own rules, over every tensor of the file (a wrapper's others too)
     wrapper = wrapper_for(src.config)
     if wrapper:
-        return LanguageModelView(src, wrapper)
-    try:  # experts stored fused (gpt-oss) are read one expert at a time, their own quantization with them
-        fused = family_for(src.config.get("model_type")).fused_experts
+        view = LanguageModelView(src, wrapper)
+        family = _family(view.config)
+    else:
+        family = _family(src.config)
+        fused = family.fused_experts if family else None  # experts stored fused (gpt-oss): read one at a time
+        view = fp8.Fp8View(src) if fused is None and fp8.is_fp8(src.config) else fused_view(src, fused)
+    of_file = src.ignored
+    ignored.drop(view, family)  # the family's rules (multi-token-prediction layers)
+    view.ignored = {**of_file, **view.ignored}
+    return view
+
+
+def _family(cfg: dict):
+    from toolkit.families import family_for
+
+    try:
+        return family_for(cfg.get("model_type"))
     except ConversionError:
-        fused = None  # an unknown model_type: refused later, by the reader of its config
-    if fused is None and fp8.is_fp8(src.config):
-        return fp8.Fp8View(src)
-    return fused_view(src, fused)
+        return None  # an unknown model_type: refused later, by the reader of its config
 
 
 def open_wrapper(directory) -> LanguageModelView:

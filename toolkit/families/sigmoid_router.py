@@ -25,6 +25,8 @@ width. Layers below first_k_dense_replace are dense MLPs of width intermediate_s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from toolkit.errors import ConversionError
 from toolkit.families.experts import DENSE_LAYER_ROWS, GATE_PROJ_EXPERT_ROWS, shared_expert_rows
 from toolkit.families.llama import L, M
@@ -75,9 +77,13 @@ def read_sigmoid_routing(cfg: dict) -> dict:
 SHARED = L + "mlp.shared_experts."
 EXPERT_BIAS = row(M + "mlp.router.expert_bias", L + "mlp.gate.e_score_correction_bias", Split.REPLICATED,
                   ("experts",), kind=MOE_LAYER, float32_buffer=True)
+# The router weight, which transformers >= 5.24 keeps in float32 as well (_keep_in_fp32_modules_strict
+# `gate.weight`; 5.23 lists the bias alone) and saves so: a checkpoint may hold it in either dtype
+FLOAT32_ROUTER = tuple(replace(r, float32_parameter=r.megatron.endswith("mlp.router.weight"))
+                       for r in GATE_PROJ_EXPERT_ROWS)
 # DeepSeek-V3's MoE layout, as GLM-4.5 names it too: the router with its bias, routed experts, the
 # fused shared experts, dense MLPs below first_k_dense_replace
-DEEPSEEK_MOE_ROWS = (GATE_PROJ_EXPERT_ROWS + (EXPERT_BIAS,)
+DEEPSEEK_MOE_ROWS = (FLOAT32_ROUTER + (EXPERT_BIAS,)
                      + shared_expert_rows(SHARED + "gate_proj.weight", SHARED + "up_proj.weight",
                                           SHARED + "down_proj.weight") + DENSE_LAYER_ROWS)
 DEEPSEEK_ROUTER = Router(experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size",

@@ -38,6 +38,10 @@ class Row:
     # dtype (the sigmoid router's expert bias: HF's _keep_in_fp32_modules_strict, megatron-core's
     # _maintain_float32_expert_bias): converted, loaded and exported as stored, never trained by the optimizer
     float32_buffer: bool = False
+    # A parameter some transformers release keeps in float32 whatever the weights' dtype (the sigmoid router's
+    # weight: _keep_in_fp32_modules_strict lists `gate.weight` from transformers 5.24, not in 5.23), so a
+    # checkpoint may store it in either: converted and exported as stored (toolkit/families/float32.py)
+    float32_parameter: bool = False
     # The kind of token mixer the row belongs to where a model mixes them (LINEAR_ATTENTION: Qwen3-Next's
     # gated delta net layers, FULL_ATTENTION: its attention layers); None: every layer
     attention: str | None = None
@@ -54,6 +58,11 @@ class Row:
     @property
     def per_expert(self) -> bool:
         return EXPERT in self.megatron
+
+    @property
+    def kept_in_float32(self) -> bool:
+        """A tensor transformers keeps in float32 among weights of another dtype (in some release)."""
+        return self.float32_buffer or self.float32_parameter
 
     @property
     def is_buffer(self) -> bool:
@@ -78,18 +87,21 @@ def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
 
 def row(megatron: str, hf: str | tuple[str, ...], split: SplitKind, *shapes: tuple[str, ...], kind: str | None = None,
         when: str | None = None, dist: str | None = None, float32_buffer: bool = False,
-        attention: str | None = None) -> Row:
+        attention: str | None = None, float32_parameter: bool = False) -> Row:
     return Row(megatron, (hf,) if isinstance(hf, str) else hf, split, shapes, kind, when, dist, float32_buffer,
-               attention)
+               float32_parameter, attention)
+
+
+def _after_layer(name: str) -> str:
+    return name.rsplit("*", 1)[-1]
 
 
 def float32_buffer_suffixes(families) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(megatron-core, HF) name suffixes, after the layer index, of the float32 buffers `families`' tables
-    declare (Row.float32_buffer): what the converter, the loader and the exporter keep in float32."""
+    declare (Row.float32_buffer): what the loader and the training checkpoint keep in float32."""
     rows = [r for f in families for r in f.rows if r.float32_buffer]
-    after_layer = lambda name: name.rsplit("*", 1)[-1]  # noqa: E731
-    return (tuple(sorted({after_layer(r.megatron) for r in rows})),
-            tuple(sorted({after_layer(n) for r in rows for n in r.hf})))
+    return (tuple(sorted({_after_layer(r.megatron) for r in rows})),
+            tuple(sorted({_after_layer(n) for r in rows for n in r.hf})))
 
 
 MOE_LAYER, DENSE_LAYER = "moe", "dense"
@@ -190,6 +202,17 @@ class Family:
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
     # Experts stored fused per layer (gpt-oss), read and written per expert by the converter
     fused_experts: FusedExperts | None = None
+
+    @property
+    def float32_names(self) -> tuple[tuple[str, str], ...]:
+        """(megatron-core, HF) name suffixes, after the layer index, of each tensor transformers keeps in
+        float32 (Row.kept_in_float32): converted and exported as stored (toolkit/families/float32.py)."""
+        return tuple(sorted({(_after_layer(r.megatron), _after_layer(r.hf[0])) for r in self.rows if r.kept_in_float32}))
+
+    @property
+    def hf_float32(self) -> tuple[str, ...]:
+        """The HF name suffixes of float32_names."""
+        return tuple(hf for _, hf in self.float32_names)
 
     def rows_for(self, spec) -> tuple[Row, ...]:
         """The rows of `spec` (a ModelSpec): with tied embeddings the output layer is the embedding,

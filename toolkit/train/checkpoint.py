@@ -125,7 +125,8 @@ def _write_model(step_dir: Path, module, masters: dict, source_meta: CheckpointM
     tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
     written = stages(module)
     pp = written[0][0]
-    meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep})
+    meta = CheckpointMeta(**{**source_meta.__dict__, "format": "torch", "layer_spec": "local", "tp": tp, "pp": pp, "ep": ep,
+                             "master_weights": True})
     digests = []
     writer = ps.get_expert_data_parallel_rank() == 0  # one writer per (PP, EP) rank and its TP rank(s)
     args = megatron_args(meta.model_spec, meta.layout, "torch")
