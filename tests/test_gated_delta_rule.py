@@ -81,15 +81,38 @@ def test_l2norm_is_fla_s():
 
 
 def test_megatron_gated_delta_net_runs_the_stand_in_without_fla():
-    """megatron-core 0.16.1 refuses to build GatedDeltaNet without `fla` (gated_delta_net.py:103);
-    after cpu_compat it builds and calls the torch rule. (Where `fla` is installed, nothing changes.)"""
-    from megatron.core.ssm import gated_delta_net
+    """megatron-core refuses to build GatedDeltaNet without `fla` (0.16.1 gated_delta_net.py:103; 0.19
+    gated_delta_net/common.py:141); after cpu_compat every module that holds the kernels by name holds the
+    torch ones (0.19 imports them into gdn.py too). (Where `fla` is installed, nothing changes.)"""
+    import importlib
+
+    from toolkit.runtime import gated_delta_rule, megatron_versions
 
     cpu_compat.apply()
-    assert gated_delta_net.HAVE_FLA
-    if getattr(gated_delta_net, "TOOLKIT_GATED_DELTA_RULE", False):
-        assert gated_delta_net.chunk_gated_delta_rule is chunk_gated_delta_rule
-        assert gated_delta_net.l2norm is l2norm
+    homes = [importlib.import_module(name) for name in megatron_versions.gated_delta_net_modules()]
+    assert homes[0].HAVE_FLA
+    if getattr(homes[0], "TOOLKIT_GATED_DELTA_RULE", False):
+        for module in homes:
+            for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d"):
+                if hasattr(module, name):
+                    assert getattr(module, name) is getattr(gated_delta_rule, name), (module.__name__, name)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_causal_conv_equals_a_causal_depthwise_conv1d(width):
+    """The conv megatron-core 0.18+ calls from `fla` (x [batch, time, channels], weight [channels, width])
+    against torch's own depthwise nn.Conv1d, left-padded and cut to the sequence as transformers' Qwen3-Next
+    runs it (modeling_qwen3_next.py: self.conv1d(...)[..., :seq_len], then SiLU)."""
+    from toolkit.runtime.gated_delta_rule import causal_conv1d
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    conv = torch.nn.Conv1d(6, 6, width, groups=6, padding=width - 1, bias=True, dtype=torch.float64)
+    expected = torch.nn.functional.silu(conv(x.transpose(1, 2))[..., :9]).transpose(1, 2)
+    got, state = causal_conv1d(x=x, weight=conv.weight.squeeze(1), bias=conv.bias, activation="silu")
+    assert state is None and torch.allclose(got, expected, atol=1e-12)
+    shifted, _ = causal_conv1d(x=x, weight=conv.weight.squeeze(1).flip(-1), bias=conv.bias, activation="silu")
+    assert not torch.allclose(shifted, expected, atol=1e-3), "guard: the taps reversed (an anti-causal conv) differ"
 
 
 @pytest.mark.parametrize("k_heads, v_heads, d_k, d_v", [(2, 2, 16, 16), (2, 4, 16, 16), (2, 8, 8, 16), (4, 8, 16, 8)])

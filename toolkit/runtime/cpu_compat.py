@@ -53,7 +53,9 @@ UPSTREAM_SPOTS = {
     "uneven_gather": "tensor_parallel/mappings.py:150: _gather_along_first_dim with output_split_sizes is a list "
     "all_gather of unequal tensors, which gloo refuses; the MoE alltoall dispatcher calls it over the "
     "expert-TP group (token_dispatcher.py:696) when expert TP > 1",
-    "gated_delta_rule": "ssm/gated_delta_net.py:39-47 imports l2norm and chunk_gated_delta_rule from `fla` "
+    "gated_delta_rule": "ssm/gated_delta_net.py:39-47 (0.19: ssm/gated_delta_net/common.py:44-54, imported by name "
+    "into gdn.py:18-27; megatron_versions.gated_delta_net_modules) imports l2norm and chunk_gated_delta_rule "
+    "(from 0.18 also causal_conv1d, the depthwise conv) from `fla` "
     "(flash-linear-attention's Triton kernels), :103-106 refuses to build GatedDeltaNet without them and "
     ":349-350/:382 call them (Qwen3-Next's linear-attention layers). Stood in by toolkit/runtime/gated_delta_rule.py "
     "wherever `fla` is missing, on GPUs too (apply_upstream_fixes). The causal conv needs no stand-in: without "
@@ -287,16 +289,20 @@ def _distributed_optimizer():
 def stand_in_gated_delta_rule() -> None:
     """See UPSTREAM_SPOTS["gated_delta_rule"]: the torch gated delta rule where `fla` is missing; with `fla`
     installed, nothing changes. Idempotent."""
-    from megatron.core.ssm import gated_delta_net
+    import importlib
 
-    if gated_delta_net.HAVE_FLA:
+    from toolkit.runtime import gated_delta_rule, megatron_versions
+
+    homes = [importlib.import_module(name) for name in megatron_versions.gated_delta_net_modules()]
+    if homes[0].HAVE_FLA:
         return
-    from toolkit.runtime import gated_delta_rule
-
-    gated_delta_net.l2norm = gated_delta_rule.l2norm
-    gated_delta_net.chunk_gated_delta_rule = gated_delta_rule.chunk_gated_delta_rule
-    gated_delta_net.HAVE_FLA = True  # the guard at :103 asks only whether the two names are there
-    gated_delta_net.TOOLKIT_GATED_DELTA_RULE = True
+    for module in homes:  # each name where the release reads it (imported by name into several modules)
+        for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d"):
+            if hasattr(module, name):
+                setattr(module, name, getattr(gated_delta_rule, name))
+        if hasattr(module, "HAVE_FLA"):
+            module.HAVE_FLA = True  # the guard in GatedDeltaNet.__init__ asks only whether the names are there
+    homes[0].TOOLKIT_GATED_DELTA_RULE = True
 
 
 def define_te_general_gemm() -> None:

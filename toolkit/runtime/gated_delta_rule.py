@@ -55,3 +55,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t] * scale))
     out = torch.stack(outputs, dim=2).transpose(1, 2).contiguous().to(out_dtype)
     return out, state if output_final_state else None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+                  initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                  cu_seqlens=None, **_) -> tuple[torch.Tensor, None]:
+    """fla.modules.convolution.causal_conv1d's contract, which megatron-core 0.18 and later call for the gated
+    delta net's depthwise conv (x: [batch, time, channels], weight: [channels, width]): the same sum
+    as their own torch path (F.conv1d over the left-padded sequence, then the activation)."""
+    if cu_seqlens is not None or initial_state is not None or output_final_state:
+        raise NotImplementedError("the torch causal conv takes no packed sequences (cu_seqlens) nor states")
+    channels, width = weight.shape
+    out = torch.nn.functional.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1,
+                                     groups=channels)[..., :x.shape[1]]
+    if activation in ("silu", "swish"):
+        out = torch.nn.functional.silu(out)
+    elif activation is not None:
+        raise NotImplementedError(f"the torch causal conv has no activation {activation!r}")
+    return out.transpose(1, 2), None

@@ -34,6 +34,10 @@ CHANGES = (
      "files instead of common.pt (serialization.py save; load_common_state_dict reads both)",
      "common_state_in_dcp(): the converter writes the installed release's layout; read_common_state() reads "
      "both; reading_both_common_layouts() lets an older release load the new layout"),
+    ("0.18.0", "GatedDeltaNet's depthwise conv calls fla's causal_conv1d (its torch path only under deterministic_mode)",
+     "the toolkit's torch causal_conv1d stands in where fla is missing (gated_delta_net_modules)"),
+    ("0.19.0", "ssm/gated_delta_net.py became a package: the fla names live in gated_delta_net/common.py and are "
+     "imported by name into gated_delta_net/gdn.py", "gated_delta_net_modules(): every module that holds them"),
     ("0.19.0", "GPTModel deprecated in favour of HybridModel (a warning at every construction)",
      "GPTModel kept for the transformer families while it is supported (RELEASE_NOTICES; docs/megatron_versions.md)"),
     ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",
@@ -92,6 +96,13 @@ def quiet_release_notices() -> None:
 
     for name, text in RELEASE_NOTICES:
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+
+
+def gated_delta_net_modules() -> tuple[str, ...]:
+    """The modules that hold GatedDeltaNet's fla kernels by name (the one with HAVE_FLA first)."""
+    if installed() >= Version("0.19.0"):
+        return ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net.gdn")
+    return ("megatron.core.ssm.gated_delta_net",)
 
 
 def te_version() -> Version | None:
