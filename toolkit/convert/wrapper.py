@@ -1,10 +1,13 @@
 """Multimodal checkpoints whose language model is a family the toolkit converts (Gemma 3 4B / 12B /
-27B as published: Gemma3ForConditionalGeneration), read as that language model.
+27B as published: Gemma3ForConditionalGeneration; Qwen3.5 / 3.6: Qwen3_5ForConditionalGeneration,
+Qwen3_5MoeForConditionalGeneration), read as that language model.
 
-transformers 5.23 saves the wrapper's text model under `language_model.` (`language_model.model.*`,
+transformers 5.23 saves Gemma 3's text model under `language_model.` (`language_model.model.*`,
 `language_model.lm_head.weight` where untied: its _checkpoint_conversion_mapping reversed on save,
 as the published files are), the vision tower and the projector beside it, and the text model's
-config under `text_config`. The converter reads the language model through `LanguageModelView`:
+config under `text_config`. Qwen3.5's keeps the text model's `model.*` under `model.language_model.*`
+and `lm_head.weight` as it is, beside `model.visual.*` and the multi-token-prediction `mtp.*` (as
+published, and as transformers' qwen3_5_text PrefixChange reads them into Qwen3_5ForCausalLM). The converter reads the language model through `LanguageModelView`:
 the text config as the checkpoint's config.json, the prefixed tensors under their text-model names.
 The megatron checkpoint is the text model; `megatron_to_hf(..., wrapper=DIR)` writes it back into
 the wrapper, every other tensor of DIR copied as it is.
@@ -29,12 +32,30 @@ if TYPE_CHECKING:  # the CLI's help lists WRAPPERS without importing torch
 class Wrapper:
     model_type: str  # the wrapper's config.json model_type
     text_config: str  # the key of the language model's config
-    prefix: str  # of the language model's tensors
+    # (prefix in the wrapper, prefix in the language model alone) of the language model's tensors, in order
+    renames: tuple[tuple[str, str], ...]
     text_architecture: str  # the HF class of the language model alone
     architecture: str  # the wrapper's HF class
 
+    def text_name(self, name: str) -> str | None:
+        """A wrapper tensor's name in the language model alone; None outside the language model."""
+        return next((text + name[len(outer):] for outer, text in self.renames if name.startswith(outer)), None)
 
-WRAPPERS = (Wrapper("gemma3", "text_config", "language_model.", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),)
+    def wrapper_name(self, name: str) -> str:
+        """A language-model tensor's name in the wrapper."""
+        return next(outer + name[len(text):] for outer, text in self.renames if name.startswith(text))
+
+    @property
+    def prefixes(self) -> str:
+        return ", ".join(outer + "*" for outer, _ in self.renames)
+
+
+_QWEN3_5 = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+WRAPPERS = (
+    Wrapper("gemma3", "text_config", (("language_model.", ""),), "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    Wrapper("qwen3_5", "text_config", _QWEN3_5, "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    Wrapper("qwen3_5_moe", "text_config", _QWEN3_5, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+)
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
 INHERITED = ("dtype", "torch_dtype", "tie_word_embeddings")
@@ -60,25 +81,24 @@ class LanguageModelView:
         self.wrapper, self.whole, self.dir = wrapper, src, src.dir
         self.config = text_config(src.config, wrapper, src.dir / "config.json")
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
-        n = len(wrapper.prefix)
-        self.tensors = {name[n:]: e for name, e in src.tensors.items() if name.startswith(wrapper.prefix)}
-        self.stale_rotary = [name[n:] for name in src.stale_rotary if name.startswith(wrapper.prefix)]
+        self.tensors = {wrapper.text_name(name): e for name, e in src.tensors.items() if wrapper.text_name(name)}
+        self.stale_rotary = [wrapper.text_name(name) for name in src.stale_rotary if wrapper.text_name(name)]
         if not self.tensors:
-            raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefix}*: not the language model of a "
+            raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefixes}: not the language model of a "
                                   f"{wrapper.model_type} checkpoint as transformers saves it")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        return self.whole.read(self.wrapper.prefix + name, rows, cols)
+        return self.whole.read(self.wrapper.wrapper_name(name), rows, cols)
 
     def tokenizer_files(self) -> list[Path]:
         return self.whole.tokenizer_files()
 
     def other_tensors(self) -> list[str]:
         """The wrapper's tensors outside the language model (vision tower, projector), in file order."""
-        return [name for name in self.whole.tensors if not name.startswith(self.wrapper.prefix)]
+        return [name for name in self.whole.tensors if self.wrapper.text_name(name) is None]
 
 
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:
