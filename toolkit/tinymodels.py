@@ -246,10 +246,16 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
     """Save a random model of a transformers config (norms, routers and biases randomised too)
     with the digit tokenizer; returns its directory."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    from toolkit.convert.wrapper import wrapper_for
+
+    # a multimodal wrapper as its own class (AutoModelForCausalLM builds Qwen3.5's language model alone from it)
+    wrapper = wrapper_for({"model_type": config.model_type})
     torch.manual_seed(seed)
-    return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype)
+    model = (getattr(transformers, wrapper.architecture)(config) if wrapper
+             else transformers.AutoModelForCausalLM.from_config(config))
+    return _save_randomised(model, config.model_type, directory, dtype)
 
 
 def _save_randomised(model, model_type: str, directory: str | Path, dtype: str) -> Path:

@@ -36,6 +36,10 @@ class Wrapper:
     renames: tuple[tuple[str, str], ...]
     text_architecture: str  # the HF class of the language model alone
     architecture: str  # the wrapper's HF class
+    # The wrapper ties its lm_head to the embeddings as its own config's tie_word_embeddings says (class default
+    # where the file leaves it out), whatever its text_config says (Qwen3_5ForConditionalGeneration, whose save
+    # writes text_config.tie_word_embeddings false beside a top-level true for a tied model)
+    ties_at_top_level: bool = False
 
     def text_name(self, name: str) -> str | None:
         """A wrapper tensor's name in the language model alone; None outside the language model."""
@@ -53,8 +57,9 @@ class Wrapper:
 _QWEN3_5 = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
 WRAPPERS = (
     Wrapper("gemma3", "text_config", (("language_model.", ""),), "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-    Wrapper("qwen3_5", "text_config", _QWEN3_5, "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-    Wrapper("qwen3_5_moe", "text_config", _QWEN3_5, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    Wrapper("qwen3_5", "text_config", _QWEN3_5, "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", True),
+    Wrapper("qwen3_5_moe", "text_config", _QWEN3_5, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+            True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
@@ -71,7 +76,18 @@ def text_config(cfg: dict, wrapper: Wrapper, where: Path) -> dict:
         raise ConversionError(f"{where}: model_type {wrapper.model_type!r} without a {wrapper.text_config!r} object: "
                               "not a multimodal checkpoint this toolkit can read")
     inherited = {k: cfg[k] for k in INHERITED if k in cfg and k not in text}
+    if wrapper.ties_at_top_level:
+        inherited["tie_word_embeddings"] = _wrapper_ties(cfg, wrapper)
     return {**text, **inherited, "architectures": [wrapper.text_architecture]}
+
+
+def _wrapper_ties(cfg: dict, wrapper: Wrapper) -> bool:
+    """tie_word_embeddings as the wrapper's config class reads it (its default where the file has none)."""
+    from transformers import CONFIG_MAPPING
+
+    if "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    return bool(CONFIG_MAPPING[wrapper.model_type].tie_word_embeddings)
 
 
 class LanguageModelView:
