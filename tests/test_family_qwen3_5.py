@@ -310,3 +310,37 @@ def test_published_sizes_count_as_hf_builds_them(name):
     if card_active:
         assert int(active_params(spec) / 1e9) == card_active
 
+
+
+@pytest.mark.multiprocess
+def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (TP2 x EP2 and PP2 in one launch: a gated
+    delta net and an attention layer on each stage, Qwen3.5's concatenated in_proj and the gated attention's
+    heads split over TP, the experts whole on each TP rank) on the tiny fp32 Qwen3.5-MoE, routers in fp64 on
+    both sides and router_aux_loss_coef 0.1: HF + torch AdamW's losses and gradient norms over 10 steps, every
+    step's tokens per expert as HF's routers chose them, the HF export loading as Qwen3_5MoeForCausalLM. Guard:
+    the reference with its in_proj laid out Qwen3-Next's way is far off the run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+
+    run = family_finetune_parity(tmp_path, MOE, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                                 prepare=route_in_fp64, export_hf=True, router_aux_loss_coef=0.1)
+    print(f"Qwen3.5-MoE TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == run.step_loss.routing
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+
+    def regrouped(model):
+        route_in_fp64(model)
+        with torch.no_grad():
+            _as_qwen3_next_grouping(model)
+
+    off = differences(run.metrics, *hf_reference(run.hf, run.data, run.cfg, STEPS,
+                                                 step_loss=moe_step_loss(pad_token_id(run.hf)), prepare=regrouped))
+    print(f"guard, HF with Qwen3-Next's in_proj layout: {off[0]:.1e} / {off[1]:.1e}")
+    assert off[0] > 100 * LOSS_TOLERANCE_FP32
