@@ -35,9 +35,10 @@ HEADS = 4
 EXPERTS = 16
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # A wrapper's vision tower: toolkit/tinymodels.py's TINY_VISION, but 16 x 16 patches so that the
-# published mm_tokens_per_image (256, pooled from the patches) is kept
+# published mm_tokens_per_image (256, pooled from the patches) is kept (Gemma 3's SigLIP); Qwen3.5's
+# names its layers `depth` and its heads `num_heads`, and projects to the text model's width (out_hidden_size)
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-          "image_size": 224, "patch_size": 14}
+          "image_size": 224, "patch_size": 14, "depth": 1, "num_heads": 2}
 
 
 def shrink(published: dict) -> tuple[dict, dict]:
@@ -61,6 +62,10 @@ def shrink(published: dict) -> tuple[dict, dict]:
     for key in EXPERT_KEYS:
         if key in cfg:
             new[key] = min(cfg[key], EXPERTS)
+    k_heads, v_heads = cfg.get("linear_num_key_heads"), cfg.get("linear_num_value_heads")
+    if isinstance(k_heads, int) and isinstance(v_heads, int) and v_heads % k_heads == 0:
+        # value heads per key head as published (Qwen3.5-0.8B's 1, Qwen3-Next's 2)
+        new["linear_num_value_heads"] = SIZES["linear_num_key_heads"] * (v_heads // k_heads)
     if isinstance(cfg.get("layer_types"), list):  # one per layer: the first ones (Qwen3-Next: 3 linear, 1 full)
         new["layer_types"] = cfg["layer_types"][:new["num_hidden_layers"]]
     original = {k: cfg.get(k) for k in new}
@@ -79,8 +84,11 @@ def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
     original = {text_key: text_original}
     vision = published.get("vision_config")
     if isinstance(vision, dict):
-        cfg["vision_config"] = {**vision, **{k: v for k, v in VISION.items() if k in vision}}
-        original["vision_config"] = {k: vision[k] for k in VISION if k in vision}
+        sizes = {k: v for k, v in VISION.items() if k in vision}
+        if "out_hidden_size" in vision:
+            sizes["out_hidden_size"] = cfg[text_key]["hidden_size"]
+        cfg["vision_config"] = {**vision, **sizes}
+        original["vision_config"] = {k: vision[k] for k in sizes}
     return cfg, original
 
 
@@ -143,7 +151,10 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
     quantization = cfg.get("quantization_config")
     mxfp4 = isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
     # gpt-oss's file names no dtype: its checkpoints hold bf16 beside the MXFP4 experts (dequantized to bf16)
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or ("bfloat16" if mxfp4 else "float32")
+    # a wrapper may name it in its text_config only (Qwen3.5-0.8B)
+    text = language_config(cfg)
+    dtype = (cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+             or ("bfloat16" if mxfp4 else "float32"))
     model_type = transformers_model_type(cfg)
     # as its own model_type: transformers lays out the saved experts by it (Kimi-K2's kimi_k2 has no layout)
     model_config = CONFIG_MAPPING[model_type].from_dict(json.loads(json.dumps({**cfg, "model_type": model_type})))

@@ -12,6 +12,10 @@ holds the r-th chunk of every part, in part order.
                [key heads x (b group; a group)] (Qwen3NextGatedDeltaNet.fix_query_key_value_ordering)
                -> GatedDeltaNet.in_proj [q; k; v; z; beta; alpha], each part over TP
                (gated_delta_net.py:289-298)
+  GDN_IN_PROJ_CAT  Qwen3.5's in_proj_qkv [q; k; v], in_proj_z, in_proj_b, in_proj_a (Qwen3_5GatedDeltaNet:
+               value heads in the same order, key head i serving value heads i*r .. i*r + r - 1 as in
+               Qwen3-Next and megatron-core) -> the same in_proj, concatenated: already megatron-core's
+               part order, so GDN_IN_PROJ's parts, TP split and torch_dist keys, without its regrouping
   GDN_CONV     HF conv1d.weight [q; k; v channels, 1, kernel] -> GatedDeltaNet.conv1d, each part over TP
                (gated_delta_net.py:161-174, :333-337)
 """
@@ -126,6 +130,21 @@ class GDNInProj(_Relaid):
         q, k, v, z, b, a = (t.reshape(nk, -1, *rest) for t in whole.split(self.parts(whole.shape[0], geo)))
         return [torch.cat([q, k, v, z], dim=1).reshape(-1, *rest).contiguous(),
                 torch.cat([b, a], dim=1).reshape(-1, *rest).contiguous()]
+
+
+class GDNInProjCat(GDNInProj):
+    name = "GDN_IN_PROJ_CAT"
+
+    def to_megatron(self, tensors, geo):
+        import torch
+
+        return torch.cat(list(tensors))
+
+    def to_hf(self, whole, geo):
+        import torch
+
+        q, k, v, z, b, a = whole.split(self.parts(whole.shape[0], geo))
+        return [t.contiguous() for t in (torch.cat((q, k, v)), z, b, a)]
 
 
 class GDNConv(_Relaid):

@@ -398,6 +398,7 @@ class Split:
     # the gated delta net's input projection and its causal conv
     GATED_QKV: SplitKind
     GDN_IN_PROJ: SplitKind
+    GDN_IN_PROJ_CAT: SplitKind  # Qwen3.5's four in_proj_* tensors, in megatron-core's order already
     GDN_CONV: SplitKind
 
 
@@ -428,6 +429,7 @@ def _register_gated_delta_splits() -> None:
     from toolkit import gated_delta_splits as g
 
     Split.GATED_QKV, Split.GDN_IN_PROJ, Split.GDN_CONV = g.GatedQKV(), g.GDNInProj(), g.GDNConv()
+    Split.GDN_IN_PROJ_CAT = g.GDNInProjCat()
 
 
 _register_gated_delta_splits()

@@ -127,7 +127,8 @@ OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, inte
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
 # Gemma's and Qwen3-Next's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5
 # (gemma3: the multimodal wrapper, whose language model is Gemma 3's).
-NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5)}
+NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5),
+                **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"), (-0.5, 0.5))}
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
@@ -140,6 +141,19 @@ QWEN3_NEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, 
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                   linear_conv_kernel_dim=4, vocab_size=251,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+# Qwen3.5 with every feature on: Qwen3-Next's layers (gated delta net with 2 key heads of 8 serving 4 value
+# heads of 12, conv 4, between output-gated attention layers every 2nd) with partial rotary 0.25 of head_dim
+# 32 (8 rotated dimensions, 4 frequencies) and an interleaved MRoPE whose sections [2, 1, 1] give the H and W
+# streams a frequency each; the MoE variant with 6 experts top-2 (always renormalised) and a gated shared
+# expert of width 40 on every layer.
+QWEN3_5 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+               num_hidden_layers=4, full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, vocab_size=251,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "moe_intermediate_size": 24,
+               "shared_expert_intermediate_size": 40, "num_experts": 6, "num_experts_per_tok": 2}
 
 # name -> (config class name, overrides)
 VARIANTS = {
@@ -185,6 +199,8 @@ VARIANTS = {
     "olmo2": ("Olmo2Config", OLMO2),
     "gpt-oss": ("GptOssConfig", GPT_OSS),
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
+    "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
 }
 
 
@@ -235,10 +251,16 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
     """Save a random model of a transformers config (norms, routers and biases randomised too)
     with the digit tokenizer; returns its directory."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    from toolkit.convert.wrapper import wrapper_for
+
+    # a multimodal wrapper as its own class (AutoModelForCausalLM builds Qwen3.5's language model alone from it)
+    wrapper = wrapper_for({"model_type": config.model_type})
     torch.manual_seed(seed)
-    return _save_randomised(AutoModelForCausalLM.from_config(config), config.model_type, directory, dtype, fp32_modules)
+    model = (getattr(transformers, wrapper.architecture)(config) if wrapper
+             else transformers.AutoModelForCausalLM.from_config(config))
+    return _save_randomised(model, config.model_type, directory, dtype, fp32_modules)
 
 
 def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
@@ -292,6 +314,29 @@ def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", s
                           mm_tokens_per_image=4)
     torch.manual_seed(seed)
     return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)
+
+
+# Qwen3.5's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                      num_position_embeddings=16)
+
+
+def make_tiny_qwen3_5_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, moe: bool = False,
+                                 **text_overrides) -> Path:
+    """Qwen3.5 / 3.6 as published (Qwen3_5ForConditionalGeneration, or Qwen3_5MoeForConditionalGeneration with
+    `moe`: the tiny `qwen3.5` / `qwen3.5-moe` text model under `model.language_model`, `lm_head` beside it, a
+    vision tower under `model.visual`), from transformers' own config classes; returns its directory."""
+    import torch
+    import transformers
+
+    text = make_config("qwen3.5-moe" if moe else "qwen3.5", **text_overrides)
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text.to_dict(), vision_config={**QWEN3_5_VISION, "out_hidden_size": text.hidden_size},
+        tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
+                            directory, dtype)
 
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and

@@ -136,7 +136,7 @@ def megatron_to_hf(
     # The directory actually read: a run directory's export may go inside it (RUN_DIR/hf).
     refuse_output_overlapping_inputs(out_dir, ckpt.root, hf_config, wrapper)
     wrapped = None if wrapper is None else _open_wrapper(wrapper, ckpt)
-    prefix = "" if wrapped is None else wrapped.wrapper.prefix
+    outer = (lambda name: name) if wrapped is None else wrapped.wrapper.wrapper_name  # noqa: E731
     # Training checkpoints hold fp32 master weights: export in the source checkpoint's dtype, but the tensors
     # transformers keeps in float32 (the router and its expert bias: rounding them changes the routing) as a
     # conversion stored them, or as the installed class keeps them (toolkit/families/float32.py)
@@ -146,7 +146,7 @@ def megatron_to_hf(
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
             for name, tensor in _hf_layout(ckpt, transform):
-                writer.add(prefix + name, cast(name, tensor))
+                writer.add(outer(name), cast(name, tensor))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():
                 writer.add(name, wrapped.whole.read(name))  # the stored bytes, never cast

@@ -1,10 +1,13 @@
 """Multimodal checkpoints whose language model is a family the toolkit converts (Gemma 3 4B / 12B /
-27B as published: Gemma3ForConditionalGeneration), read as that language model.
+27B as published: Gemma3ForConditionalGeneration; Qwen3.5 / 3.6: Qwen3_5ForConditionalGeneration,
+Qwen3_5MoeForConditionalGeneration), read as that language model.
 
-transformers 5.23 saves the wrapper's text model under `language_model.` (`language_model.model.*`,
+transformers 5.23 saves Gemma 3's text model under `language_model.` (`language_model.model.*`,
 `language_model.lm_head.weight` where untied: its _checkpoint_conversion_mapping reversed on save,
 as the published files are), the vision tower and the projector beside it, and the text model's
-config under `text_config`. The converter reads the language model through `LanguageModelView`:
+config under `text_config`. Qwen3.5's keeps the text model's `model.*` under `model.language_model.*`
+and `lm_head.weight` as it is, beside `model.visual.*` and the multi-token-prediction `mtp.*` (as
+published, and as transformers' qwen3_5_text PrefixChange reads them into Qwen3_5ForCausalLM). The converter reads the language model through `LanguageModelView`:
 the text config as the checkpoint's config.json, the prefixed tensors under their text-model names.
 The megatron checkpoint is the text model; `megatron_to_hf(..., wrapper=DIR)` writes it back into
 the wrapper, every other tensor of DIR copied as it is.
@@ -29,12 +32,35 @@ if TYPE_CHECKING:  # the CLI's help lists WRAPPERS without importing torch
 class Wrapper:
     model_type: str  # the wrapper's config.json model_type
     text_config: str  # the key of the language model's config
-    prefix: str  # of the language model's tensors
+    # (prefix in the wrapper, prefix in the language model alone) of the language model's tensors, in order
+    renames: tuple[tuple[str, str], ...]
     text_architecture: str  # the HF class of the language model alone
     architecture: str  # the wrapper's HF class
+    # The wrapper ties its lm_head to the embeddings as its own config's tie_word_embeddings says (class default
+    # where the file leaves it out), whatever its text_config says (Qwen3_5ForConditionalGeneration, whose save
+    # writes text_config.tie_word_embeddings false beside a top-level true for a tied model)
+    ties_at_top_level: bool = False
+
+    def text_name(self, name: str) -> str | None:
+        """A wrapper tensor's name in the language model alone; None outside the language model."""
+        return next((text + name[len(outer):] for outer, text in self.renames if name.startswith(outer)), None)
+
+    def wrapper_name(self, name: str) -> str:
+        """A language-model tensor's name in the wrapper."""
+        return next(outer + name[len(text):] for outer, text in self.renames if name.startswith(text))
+
+    @property
+    def prefixes(self) -> str:
+        return ", ".join(outer + "*" for outer, _ in self.renames)
 
 
-WRAPPERS = (Wrapper("gemma3", "text_config", "language_model.", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),)
+_QWEN3_5 = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+WRAPPERS = (
+    Wrapper("gemma3", "text_config", (("language_model.", ""),), "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    Wrapper("qwen3_5", "text_config", _QWEN3_5, "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", True),
+    Wrapper("qwen3_5_moe", "text_config", _QWEN3_5, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+            True),
+)
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
 INHERITED = ("dtype", "torch_dtype", "tie_word_embeddings")
@@ -50,7 +76,18 @@ def text_config(cfg: dict, wrapper: Wrapper, where: Path) -> dict:
         raise ConversionError(f"{where}: model_type {wrapper.model_type!r} without a {wrapper.text_config!r} object: "
                               "not a multimodal checkpoint this toolkit can read")
     inherited = {k: cfg[k] for k in INHERITED if k in cfg and k not in text}
+    if wrapper.ties_at_top_level:
+        inherited["tie_word_embeddings"] = _wrapper_ties(cfg, wrapper)
     return {**text, **inherited, "architectures": [wrapper.text_architecture]}
+
+
+def _wrapper_ties(cfg: dict, wrapper: Wrapper) -> bool:
+    """tie_word_embeddings as the wrapper's config class reads it (its default where the file has none)."""
+    from transformers import CONFIG_MAPPING
+
+    if "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    return bool(CONFIG_MAPPING[wrapper.model_type].tie_word_embeddings)
 
 
 class LanguageModelView:
@@ -60,24 +97,29 @@ class LanguageModelView:
         self.wrapper, self.whole, self.dir = wrapper, src, src.dir
         self.config = text_config(src.config, wrapper, src.dir / "config.json")
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
+<<<<<<< HEAD
         n = len(wrapper.prefix)
         self.tensors = {name[n:]: e for name, e in src.tensors.items() if name.startswith(wrapper.prefix)}
+=======
+        self.tensors = {wrapper.text_name(name): e for name, e in src.tensors.items() if wrapper.text_name(name)}
+        self.stale_rotary = [wrapper.text_name(name) for name in src.stale_rotary if wrapper.text_name(name)]
+>>>>>>> qwen35
         if not self.tensors:
-            raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefix}*: not the language model of a "
+            raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefixes}: not the language model of a "
                                   f"{wrapper.model_type} checkpoint as transformers saves it")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        return self.whole.read(self.wrapper.prefix + name, rows, cols)
+        return self.whole.read(self.wrapper.wrapper_name(name), rows, cols)
 
     def tokenizer_files(self) -> list[Path]:
         return self.whole.tokenizer_files()
 
     def other_tensors(self) -> list[str]:
         """The wrapper's tensors outside the language model (vision tower, projector), in file order."""
-        return [name for name in self.whole.tensors if not name.startswith(self.wrapper.prefix)]
+        return [name for name in self.whole.tensors if self.wrapper.text_name(name) is None]
 
 
 def open_hf(directory) -> HFCheckpoint | LanguageModelView:

@@ -70,11 +70,12 @@ LINEAR_KEYS = {"k_heads": "linear_num_key_heads", "v_heads": "linear_num_value_h
                "v_dim": "linear_value_head_dim", "conv_kernel": "linear_conv_kernel_dim"}
 
 
-def read(cfg: dict) -> dict:
+def read(cfg: dict, family: str = "qwen3_next") -> dict:
+    """The hybrid layout and the gated delta net's sizes (Qwen3-Next's, and Qwen3.5's: toolkit/families/qwen3_5.py)."""
     types = cfg.get("layer_types") or []
     for i, t in enumerate(types):
         if t not in LAYER_TYPES:
-            raise ConversionError(f"qwen3_next with layer_types[{i}]={t!r} cannot be mapped exactly to megatron-core "
+            raise ConversionError(f"{family} with layer_types[{i}]={t!r} cannot be mapped exactly to megatron-core "
                                   f"(accepted: {', '.join(map(repr, LAYER_TYPES))})")
     if len(types) != cfg.get("num_hidden_layers"):
         raise ConversionError(f"config.json has {len(types)} layer_types for num_hidden_layers="

@@ -138,7 +138,7 @@ class ModelSpec:
         la = self.linear_attention
         qk, v = la["k_heads"] * la["k_dim"], la["v_heads"] * la["v_dim"]
         return {"gated_q_size": 2 * self.num_heads * self.head_dim, "gdn_qkvz": 2 * qk + 2 * v,
-                "gdn_ba": 2 * la["v_heads"], "gdn_conv": 2 * qk + v, "gdn_kernel": la["conv_kernel"],
+                "gdn_ba": 2 * la["v_heads"], "gdn_conv": 2 * qk + v, "gdn_qkv": 2 * qk + v, "gdn_kernel": la["conv_kernel"],
                 "gdn_v_heads": la["v_heads"], "gdn_v_dim": la["v_dim"], "gdn_v_size": v}
 
     def size_of(self, symbol: str) -> int:
@@ -277,7 +277,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
         family=family.name,
         num_layers=_count(cfg, "num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=_count(cfg, "intermediate_size"),
+        ffn_hidden_size=_count(cfg, family.ffn_key),
         num_heads=heads,
         num_kv_heads=_count(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(cfg.get("head_dim") or hidden // heads),

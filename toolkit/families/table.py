@@ -182,6 +182,9 @@ class Family:
     megatron: dict[str, object] = field(default_factory=dict, hash=False)
     # Mixture-of-Experts: where config.json holds the experts and how tokens are routed (None: dense)
     router: Router | None = None
+    # config.json key of the dense MLP's width; an all-MoE family whose config class has none (Qwen3.5-MoE
+    # deletes intermediate_size) names its experts' width, which then sizes no layer
+    ffn_key: str = "intermediate_size"
     # config.json key naming the MLP activation, and the only value accepted
     activation: tuple[str, str] = ("hidden_act", "silu")
     # Where rope_parameters holds one dict per layer type: the key of the full-attention layers' dict

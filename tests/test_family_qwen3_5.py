@@ -1,0 +1,346 @@
+"""Qwen3.5 / 3.6 (qwen3_5_text, qwen3_5_moe_text; published as the wrappers qwen3_5 / qwen3_5_moe):
+Qwen3-Next's layers with Qwen3.5's four in_proj_* Linears, MRoPE on the attention layers, dense MLPs or
+every layer MoE (toolkit/families/qwen3_5.py).
+
+HF is the reference: megatron-core loading our checkpoints at TP2 x PP2 (dense) and TP2 x PP2 x EP2 (MoE),
+both formats, and the wrappers' language models, gives HF's logits within 1e-4 in fp32, in the one launch
+of tests/test_published_parity.py (the published configs: tests/test_published_configs.py's). Each new
+piece has a guard here: the piece dropped or done Qwen3-Next's way moves HF's own logits far past that
+tolerance, so a conversion without it fails the parity check.
+
+The MRoPE finding: for text the three position streams are equal and Qwen3_5TextRotaryEmbedding's
+interleaving copies values already there, so it is plain (partial, rotate-half) RoPE bit for bit,
+whatever mrope_section says; with unequal streams it is not (the tiny model's sections give H and W a
+frequency each), so the parity launch proves the reduction, not an inert MRoPE."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.test_convert_parity import FP32_TOLERANCE
+from tests.test_convert_roundtrip import load_all
+from tests.test_gemma3_wrapper import tensor_hashes
+from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.convert.metadata import CheckpointMeta
+from toolkit.errors import ConversionError
+from toolkit.families import spec_from_config
+from toolkit.megatron_settings import settings_for
+from toolkit.splits import Geometry, Split
+from toolkit.tinymodels import make_config, make_tiny_model, make_tiny_qwen3_5_multimodal
+
+DENSE, MOE = "qwen3.5", "qwen3.5-moe"
+LM = "model.language_model."
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory):
+    """The text models (fp32 for parity, `-bf16` for round trips) and the wrappers (`vl`, `vl-moe`, and
+    `-bf16`), each seeded on its own."""
+    root = tmp_path_factory.mktemp("qwen3.5")
+    models = {}
+    for i, v in enumerate((DENSE, MOE)):
+        models[v] = make_tiny_model(v, root / v, seed=120 + i)
+        models[f"{v}-bf16"] = make_tiny_model(v, root / f"{v}-bf16", dtype="bfloat16", seed=130 + i)
+    for i, (name, moe) in enumerate((("vl", False), ("vl-moe", True))):
+        models[name] = make_tiny_qwen3_5_multimodal(root / name, seed=140 + i, moe=moe)
+        models[f"{name}-bf16"] = make_tiny_qwen3_5_multimodal(root / f"{name}-bf16", "bfloat16", seed=150 + i, moe=moe)
+    return models
+
+
+def parity_pairs(models, tmp_path) -> tuple[list, int]:
+    """(hf, megatron) pairs for the TP2 x PP2 x EP2 launch of tests/test_published_parity.py (the dense
+    ones at EP 1, the EP ranks then data-parallel): each text model in both formats, each wrapper's language
+    model (its reference the wrapper checkpoint as transformers reads it); all must match."""
+    pairs = []
+    for v in (DENSE, MOE):
+        for fmt in ("torch", "torch_dist"):
+            pairs.append((models[v], hf_to_megatron(models[v], tmp_path / f"{v}-{fmt}", tp=2, pp=2,
+                                                    ep=2 if v == MOE else 1, fmt=fmt, progress=False)))
+    for name, ep in (("vl", 1), ("vl-moe", 2)):
+        pairs.append((models[name], hf_to_megatron(models[name], tmp_path / f"qwen3.5-{name}", tp=2, pp=2, ep=ep,
+                                                   progress=False)))
+    return pairs, len(pairs)
+
+
+def test_settings_and_refusals():
+    dense, moe = (spec_from_config(make_config(v).to_dict())[1] for v in (DENSE, MOE))
+    assert (dense.family, dense.linear_layers, dense.rotary_percent, dense.is_moe) == ("qwen3_5", "1010", 0.25, False)
+    assert (moe.family, moe.moe_layers, moe.moe_renormalise, moe.moe_shared_expert_gate) == ("qwen3_5_moe", None,
+                                                                                         True, True)
+    t = settings_for(moe).transformer
+    assert {k: t[k] for k in ("experimental_attention_variant", "linear_attention_freq", "attention_output_gate",
+                              "layernorm_zero_centered_gamma", "qk_layernorm")} == {
+        "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": [1, 0, 1, 0],
+        "attention_output_gate": True, "layernorm_zero_centered_gamma": True, "qk_layernorm": True}
+    for variant, changes, line in (
+            (DENSE, {"linear_num_value_heads": 3}, "each key head serves whole value heads"),
+            (MOE, {"layer_types": ["linear_attention", "sliding_attention"] * 2},
+             r"qwen3_5_moe with layer_types\[1\]='sliding_attention'"),
+            (DENSE, {"attention_bias": True}, "qwen3_5 with attention_bias=True")):
+        with pytest.raises(ConversionError, match=line):
+            spec_from_config(make_config(variant, **changes).to_dict())
+
+
+def test_in_proj_concatenation_splits_and_merges_back_exactly():
+    """2 key heads of 3, 4 value heads of 5: in_proj_qkv [6 + 6 + 20], z [20], b [4], a [4]; per TP rank
+    its chunk of each of the six parts, as megatron-core's GatedDeltaNet splits in_proj."""
+    geo = Geometry(4, 2, 3, 10, 10, linear_k_heads=2, linear_v_heads=4, linear_k_dim=3, linear_v_dim=5)
+    shapes = {"qkv": (32, 7), "z": (20, 7), "b": (4, 7), "a": (4, 7)}
+    tensors = {n: torch.randn(*s) for n, s in shapes.items()}
+
+    class Source:
+        def read(self, name, rows=None, cols=None):
+            return tensors[name]
+
+        def shape(self, name):
+            return tuple(tensors[name].shape)
+
+    split = Split.GDN_IN_PROJ_CAT
+    whole = split.build(Source(), tuple(shapes), 1, 0, geo)
+    assert torch.equal(whole, torch.cat(list(tensors.values())))  # megatron-core's [q; k; v; z; beta; alpha]
+    shards = [split.build(Source(), tuple(shapes), 2, r, geo) for r in range(2)]
+    q, k, v = tensors["qkv"].split([6, 6, 20])
+    assert torch.equal(shards[1], torch.cat([q[3:], k[3:], v[10:], tensors["z"][10:], tensors["b"][2:],
+                                             tensors["a"][2:]]))
+    assert all(torch.equal(m, tensors[n]) for m, n in zip(split.merge(shards, geo), shapes, strict=True))
+
+
+def _rope_cos_sin(config, position_ids):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    rotary = Qwen3_5TextRotaryEmbedding(config)
+    return rotary(torch.zeros(1, dtype=torch.float32), position_ids)
+
+
+def test_mrope_on_text_positions_is_plain_rope_bit_for_bit():
+    """Qwen3_5TextRotaryEmbedding with the three streams equal (text) against megatron-core's RotaryEmbedding
+    (rotary_percent 0.25, the same base): equal cos and sin, for the tiny model's mrope_section and the published
+    one alike. Guard: the H stream shifted changes them (MRoPE is live: the equality is the streams')."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    seq = 40
+    text = torch.arange(seq)[None, None].expand(3, 1, -1)
+    for section in ([2, 1, 1], [11, 11, 10]):
+        config = make_config(DENSE, rope_parameters={**make_config(DENSE).rope_parameters, "mrope_section": section})
+        cos, sin = _rope_cos_sin(config, text)
+        rope = RotaryEmbedding(kv_channels=config.head_dim, rotary_percent=0.25, rotary_base=10000.0,
+                               use_cpu_initialization=True)
+        freqs = rope.get_freqs_non_repeated(seq)  # what get_emb concatenates twice (rotate-half), off the GPU
+        emb = torch.cat((freqs, freqs), dim=-1)
+        assert torch.equal(cos[0], emb.cos()) and torch.equal(sin[0], emb.sin()), section
+    shifted = text.clone()
+    shifted[1] += 7
+    assert not torch.equal(_rope_cos_sin(make_config(DENSE), shifted)[0], cos)
+
+
+def hf_logits(src, **patches):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tokens = reference_tokens(model.config.vocab_size, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+    with torch.no_grad():
+        if "edit" in patches:
+            patches["edit"](model)
+        return model(input_ids=tokens, **patches.get("inputs", {})).logits
+
+
+def _as_qwen3_next_grouping(model):
+    """Each in_proj_* re-laid as if the four tensors were Qwen3-Next's per-key-head groups (in_proj_qkvz,
+    in_proj_ba), i.e. Split.GDN_IN_PROJ where GDN_IN_PROJ_CAT belongs."""
+    config = model.config
+    geo = Geometry(config.num_attention_heads, config.num_key_value_heads, config.head_dim, 1, 1,
+                   linear_k_heads=config.linear_num_key_heads, linear_v_heads=config.linear_num_value_heads,
+                   linear_k_dim=config.linear_key_head_dim, linear_v_dim=config.linear_value_head_dim)
+    for layer in model.model.layers:
+        if hasattr(layer, "linear_attn"):
+            gdn = layer.linear_attn
+            qkvz = torch.cat([gdn.in_proj_qkv.weight, gdn.in_proj_z.weight])
+            ba = torch.cat([gdn.in_proj_b.weight, gdn.in_proj_a.weight])
+            for p, w in zip((gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a),
+                            Split.GDN_IN_PROJ_CAT.to_hf(Split.GDN_IN_PROJ.to_megatron([qkvz, ba], geo), geo)):
+                p.weight.copy_(w)
+
+
+def _router_not_renormalised(model):
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+
+    def forward(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, index = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        return logits, top.to(logits.dtype), index
+
+    for module in model.modules():
+        if isinstance(module, m.Qwen3_5MoeTopKRouter):
+            module.forward = forward.__get__(module)
+
+
+def test_guards_each_piece_moves_hf_logits_past_the_tolerance(tiny_qwen3_5):
+    """HF's own model: the in_proj tensors laid out as Qwen3-Next's (what its table would convert), the MoE
+    router without renormalising (norm_topk_prob's default elsewhere), and the H/W streams of MRoPE
+    differing from T: each moves the logits more than 100x the parity tolerance."""
+    far = 100 * FP32_TOLERANCE
+    dense, moe = tiny_qwen3_5[DENSE], tiny_qwen3_5[MOE]
+    base = {name: hf_logits(src) for name, src in (("dense", dense), ("moe", moe))}
+    assert (hf_logits(dense, edit=_as_qwen3_next_grouping) - base["dense"]).abs().max() > far
+    assert (hf_logits(moe, edit=_router_not_renormalised) - base["moe"]).abs().max() > far
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN
+
+    positions = torch.arange(DEFAULT_SEQ_LEN)[None, None].expand(4, DEFAULT_BATCH, -1).clone()
+    assert (hf_logits(dense, inputs={"position_ids": positions}) - base["dense"]).abs().max() == 0
+    positions[2:] //= 3  # the H and W streams of an image-like grid
+    assert (hf_logits(dense, inputs={"position_ids": positions}) - base["dense"]).abs().max() > far
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_bf16_round_trips_bit_exactly(tiny_qwen3_5, tmp_path, fmt):
+    for v in (DENSE, MOE):
+        src = tiny_qwen3_5[f"{v}-bf16"]
+        out = hf_to_megatron(src, tmp_path / v, tp=2, pp=2, ep=2 if v == MOE else 1, fmt=fmt, progress=False)
+        back = megatron_to_hf(out, tmp_path / f"{v}-back", progress=False)
+        assert tensor_hashes(back) == tensor_hashes(src), v
+        assert json.loads((back / "config.json").read_text())["architectures"] == [
+            "Qwen3_5MoeForCausalLM" if v == MOE else "Qwen3_5ForCausalLM"]
+
+
+@pytest.mark.parametrize("name", ["vl-bf16", "vl-moe-bf16"])
+def test_wrapper_round_trip_keeps_every_byte_and_loads_as_the_multimodal_class(tiny_qwen3_5, tmp_path, name):
+    """Converted from the wrapper's files (model.language_model.*, lm_head), exported back into it: every
+    tensor (vision tower, language model) byte-identical, the config untouched, loaded by transformers'
+    multimodal class; exported alone, the language model as Qwen3_5(Moe)ForCausalLM with the same bytes."""
+    import transformers
+
+    src = tiny_qwen3_5[name]
+    moe = "moe" in name
+    out = hf_to_megatron(src, tmp_path / "m", tp=2, pp=2, ep=2 if moe else 1, fmt="torch_dist", progress=False)
+    assert CheckpointMeta.read(out).model_spec.family == ("qwen3_5_moe" if moe else "qwen3_5")
+    back = megatron_to_hf(out, tmp_path / "wrapped", wrapper=src, progress=False)
+    original = tensor_hashes(src)
+    assert tensor_hashes(back) == original and (back / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert any(n.startswith("model.visual.") for n in original)
+    cls = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    assert type(transformers.AutoModelForImageTextToText.from_pretrained(back)).__name__ == cls
+
+    text = megatron_to_hf(out, tmp_path / "text", progress=False)
+    rename = {LM: "model.", "lm_head.": "lm_head."}
+    expected = {next(t + n[len(w):] for w, t in rename.items() if n.startswith(w)): h for n, h in original.items()
+                if n.startswith(tuple(rename))}
+    assert tensor_hashes(text) == expected
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(text)).__name__ == cls.replace(
+        "ForConditionalGeneration", "ForCausalLM")
+
+
+def test_the_multimodal_class_on_text_gives_the_text_models_logits(tiny_qwen3_5):
+    """The reference `verify` reads a wrapper with (AutoModelForCausalLM: Qwen3_5ForCausalLM through
+    transformers' qwen3_5_text prefix change) against the multimodal class itself, whose text-only forward
+    builds its 3D positions (get_rope_index): the same logits, so either is the reference."""
+    from transformers import AutoModelForImageTextToText
+
+    from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
+
+    for name in ("vl", "vl-moe"):
+        src = tiny_qwen3_5[name]
+        wrapper = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
+        tokens = reference_tokens(wrapper.config.text_config.vocab_size, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
+        with torch.no_grad():
+            assert torch.allclose(wrapper(input_ids=tokens).logits, hf_logits(src), rtol=0, atol=1e-6), name
+
+
+def test_tied_wrapper_reads_tying_from_its_own_config(tiny_qwen3_5, tmp_path):
+    """Qwen3_5ForConditionalGeneration ties as its top-level tie_word_embeddings says; its save_pretrained
+    writes text_config.tie_word_embeddings false beside a top-level true (Qwen3.5-0.8B, 2B, 4B are tied)."""
+    src = make_tiny_qwen3_5_multimodal(tmp_path / "tied", "bfloat16", seed=160, tie_word_embeddings=True)
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    cfg["text_config"]["tie_word_embeddings"] = False  # as transformers' own save of a tied wrapper writes it
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = hf_to_megatron(src, tmp_path / "m", progress=False)
+    assert CheckpointMeta.read(out).model_spec.tied_embeddings is True
+    assert tensor_hashes(megatron_to_hf(out, tmp_path / "back", wrapper=src, progress=False)) == tensor_hashes(src)
+
+
+def test_mtp_layers_of_a_text_checkpoint_are_left_out(tiny_qwen3_5, tmp_path):
+    """The published files hold a multi-token-prediction layer (`mtp.*`), which Qwen3_5ForCausalLM ignores on
+    load: left out of the conversion of a text checkpoint (kept, as every non-language tensor, in a wrapper's)."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_qwen3_5[f"{DENSE}-bf16"], src)
+    tensors = load_file(src / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.ones(4, 4, dtype=torch.bfloat16)}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", progress=False), tmp_path / "back", progress=False)
+    assert set(load_all(back)) == set(tensors)
+
+
+# The published sizes: (corpus entry, the model card's total and active billions, truncated). Qwen3.5-0.8B:
+# "0.8B" (0.75B with its tied embeddings); Qwen3.6-35B-A3B: "35B total, 3B activated" (35.95B; 3.45B with
+# the embedding and output layer, 2.44B without).
+PUBLISHED_SIZES = {"qwen3.5-0.8b": (0.7, None), "qwen3.6-35b-a3b": (35, 3)}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_SIZES)
+def test_published_sizes_count_as_hf_builds_them(name):
+    """`toolkit memory`'s parameter counts (toolkit.memory.params) of the published language model equal HF's
+    Qwen3_5(Moe)ForCausalLM built on the meta device from the full-size text_config."""
+    import transformers
+
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import active_params, total_params
+
+    published = corpus.config(name)
+    original = corpus.index()[name]["original_sizes"]
+    text = {**published["text_config"], **original["text_config"]}
+    cfg = corpus.language_config({**published, "text_config": text})
+    spec = spec_from_config(cfg)[1]
+    config = transformers.CONFIG_MAPPING[text["model_type"]].from_dict(cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    hf_total = sum(p.numel() for p in model.parameters())
+    hf_active = sum(p.numel() * (config.num_experts_per_tok / config.num_experts if ".mlp.experts." in n else 1)
+                    for n, p in model.named_parameters()) if spec.is_moe else hf_total
+    assert (total_params(spec), active_params(spec)) == (hf_total, int(hf_active))
+    card_total, card_active = PUBLISHED_SIZES[name]
+    assert round(total_params(spec) / 1e9, 1 if card_total < 1 else 0) >= card_total
+    if card_active:
+        assert int(active_params(spec) / 1e9) == card_active
+
+
+
+@pytest.mark.multiprocess
+def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (TP2 x EP2 and PP2 in one launch: a gated
+    delta net and an attention layer on each stage, Qwen3.5's concatenated in_proj and the gated attention's
+    heads split over TP, the experts whole on each TP rank) on the tiny fp32 Qwen3.5-MoE, routers in fp64 on
+    both sides and router_aux_loss_coef 0.1: HF + torch AdamW's losses and gradient norms over 10 steps, every
+    step's tokens per expert as HF's routers chose them, the HF export loading as Qwen3_5MoeForCausalLM. Guard:
+    the reference with its in_proj laid out Qwen3-Next's way is far off the run."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64
+
+    run = family_finetune_parity(tmp_path, MOE, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                                 prepare=route_in_fp64, export_hf=True, router_aux_loss_coef=0.1)
+    print(f"Qwen3.5-MoE TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == run.step_loss.routing
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+
+    def regrouped(model):
+        route_in_fp64(model)
+        with torch.no_grad():
+            _as_qwen3_next_grouping(model)
+
+    off = differences(run.metrics, *hf_reference(run.hf, run.data, run.cfg, STEPS,
+                                                 step_loss=moe_step_loss(pad_token_id(run.hf)), prepare=regrouped))
+    print(f"guard, HF with Qwen3-Next's in_proj layout: {off[0]:.1e} / {off[1]:.1e}")
+    assert off[0] > 100 * LOSS_TOLERANCE_FP32
