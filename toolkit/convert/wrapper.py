@@ -97,13 +97,7 @@ class LanguageModelView:
         self.wrapper, self.whole, self.dir = wrapper, src, src.dir
         self.config = text_config(src.config, wrapper, src.dir / "config.json")
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
-<<<<<<< HEAD
-        n = len(wrapper.prefix)
-        self.tensors = {name[n:]: e for name, e in src.tensors.items() if name.startswith(wrapper.prefix)}
-=======
         self.tensors = {wrapper.text_name(name): e for name, e in src.tensors.items() if wrapper.text_name(name)}
-        self.stale_rotary = [wrapper.text_name(name) for name in src.stale_rotary if wrapper.text_name(name)]
->>>>>>> qwen35
         if not self.tensors:
             raise ConversionError(f"{src.dir} holds no tensor named {wrapper.prefixes}: not the language model of a "
                                   f"{wrapper.model_type} checkpoint as transformers saves it")
