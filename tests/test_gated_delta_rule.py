@@ -92,6 +92,7 @@ def test_megatron_gated_delta_net_runs_the_stand_in_without_fla():
     homes = [importlib.import_module(name) for name in megatron_versions.gated_delta_net_modules()]
     assert homes[0].HAVE_FLA
     if getattr(homes[0], "TOOLKIT_GATED_DELTA_RULE", False):
+        assert homes[0].l2norm is gated_delta_rule.l2norm  # 0.16.1 leaves it undefined without fla
         for module in homes:
             for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d"):
                 if hasattr(module, name):

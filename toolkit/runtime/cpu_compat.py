@@ -298,7 +298,8 @@ def stand_in_gated_delta_rule() -> None:
         return
     for module in homes:  # each name where the release reads it (imported by name into several modules)
         for name in ("l2norm", "chunk_gated_delta_rule", "causal_conv1d"):
-            if hasattr(module, name):
+            # 0.16.1 leaves l2norm undefined without fla (gated_delta_net.py:39-47), yet calls it
+            if hasattr(module, name) or (module is homes[0] and name != "causal_conv1d"):
                 setattr(module, name, getattr(gated_delta_rule, name))
         if hasattr(module, "HAVE_FLA"):
             module.HAVE_FLA = True  # the guard in GatedDeltaNet.__init__ asks only whether the names are there
