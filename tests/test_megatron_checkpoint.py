@@ -16,6 +16,7 @@ from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.dist_format import read_box, tensor_shapes
 from toolkit.convert.megatron_checkpoint import OPTIMIZER_PREFIX, VOCAB_KEYS, resolve_iteration_dir
 from toolkit.errors import ToolkitError
+from toolkit.runtime import megatron_versions
 from toolkit.runtime.launch import run_on_processes
 from toolkit.tinymodels import make_tiny_model
 
@@ -115,14 +116,16 @@ def test_optimizer_step_reset_starts_adam_at_step_zero(megatron, tmp_path):
 
 def test_optimizer_state_bad_input_refused_in_one_line(megatron, tmp_path):
     """No optimizer state, megatron-core's dp_reshardable format, the legacy per-rank format, a
-    non-Adam optimizer (common.pt edited: megatron-core's DistributedOptimizer writes Adam's state
+    non-Adam optimizer (its common state edited: megatron-core's DistributedOptimizer writes Adam's state
     only), LoRA, FSDP, a missing directory: one line each, before anything is written."""
     not_adam = tmp_path / "not-adam"
     shutil.copytree(megatron["saved"], not_adam)
-    common = torch.load(not_adam / "common.pt", weights_only=True)
+    # in either layout (inside the DCP files from megatron-core 0.19); written back as common.pt, which every
+    # supported release reads first
+    common = megatron_versions.read_common_state(not_adam, lambda f: torch.load(f, weights_only=True))
     for group in common["optimizer"]["optimizer"]["param_groups"]:
         del group["betas"]
-    torch.save(common, not_adam / "common.pt")
+    torch.save(common, not_adam / megatron_versions.COMMON_PT)
     cases = {
         str(megatron["start"]): "holds no optimizer state",
         str(megatron["dp_reshardable"]): "in the 'dp_reshardable' format: only a DistributedOptimizer's 'fully_reshardable'",

@@ -45,7 +45,8 @@ UPSTREAM_SPOTS = {
     "found-inf, overflow and unit-scale tensors with device='cuda'; optimizer/distrib_optimizer.py:361/420: "
     "DistributedOptimizer accepts parameters only by their CUDA type names (model_param.type() == "
     "'torch.cuda.FloatTensor', else TypeError); optimizer/clip_grads.py:103 (get_grad_norm_fp32, from "
-    "ChainedOptimizer.step) makes its norm tensor with device='cuda'; distrib_optimizer.py:1089: get_parameter_state_dp_zero (saving the fully_reshardable format) calls .cuda(). Needed only to build and step "
+    "ChainedOptimizer.step) makes its norm tensor with device='cuda'; distrib_optimizer.py:1089: get_parameter_state_dp_zero (saving the fully_reshardable format) calls .cuda(); 0.19: "
+    "distributed/param_and_grad_buffer.py:632 _ParamAndGradBucketGroup.start_grad_sync waits on torch.cuda.current_stream(). Needed only to build and step "
     "megatron-core's own DistributedOptimizer (the test that reads its checkpoints); our trainer uses DeepSpeed's",
     "context_parallel_rope": "models/common/embeddings/rope_utils.py:62-64: get_pos_emb_on_this_cp_rank (each CP "
     "rank's RoPE chunks) builds its index with pin_memory=True and .cuda(); imported by name into "
@@ -277,6 +278,7 @@ def _context_parallel_rope():
 
 
 def _distributed_optimizer():
+    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
     for cls, names in ((optimizer.MixedPrecisionOptimizer, ("__init__",)),
@@ -284,6 +286,37 @@ def _distributed_optimizer():
                        (optimizer.ChainedOptimizer, ("step",))):
         for name in names:
             setattr(cls, name, _run_on_cpu(vars(cls)[name], _CudaFactoriesAndTypeNames))
+    group = param_and_grad_buffer._ParamAndGradBucketGroup
+    group.start_grad_sync = _with_host_stream(group.start_grad_sync)
+
+
+class _HostStream:
+    """What torch.cuda.current_stream() stands for on a host: work is already in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def _with_host_stream(fn):
+    """megatron-core 0.19's DDP grad sync waits on the current CUDA stream for CUDA-graph events
+    (distributed/param_and_grad_buffer.py:632), which a host cannot give: for the call only, it is _HostStream."""
+    if getattr(fn, "_cpu_compat", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        real = torch.cuda.current_stream
+        torch.cuda.current_stream = lambda device=None: _HostStream()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.current_stream = real
+
+    wrapper._cpu_compat = True
+    return wrapper
 
 
 def stand_in_gated_delta_rule() -> None:
