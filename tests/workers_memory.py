@@ -330,9 +330,11 @@ def reset_moe_globals(spec) -> None:
     first MoE model's layers, and the aux-loss scale keeps the shape of whoever set it first (a
     backward outside the schedule sets a 0-d one the schedule can't copy its [1] scale into)."""
     if spec.is_moe:
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        get_moe_layer_wise_logging_tracker().clear()
+        from toolkit.runtime import megatron_versions
+
+        megatron_versions.reset_moe_metrics()
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 

@@ -38,6 +38,8 @@ CHANGES = (
      "the toolkit's torch causal_conv1d stands in where fla is missing (gated_delta_net_modules)"),
     ("0.19.0", "ssm/gated_delta_net.py became a package: the fla names live in gated_delta_net/common.py and are "
      "imported by name into gated_delta_net/gdn.py", "gated_delta_net_modules(): every module that holds them"),
+    ("0.19.0", "the MoE aux-loss tracker became moe_logging.MoEMetricsTracker, sized by the first model's layers, "
+     "whose clear() only zeroes", "reset_moe_metrics(): between models of different depths in one process"),
     ("0.19.0", "GPTModel deprecated in favour of HybridModel (a warning at every construction)",
      "GPTModel kept for the transformer families while it is supported (RELEASE_NOTICES; docs/megatron_versions.md)"),
     ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",
@@ -103,6 +105,18 @@ def gated_delta_net_modules() -> tuple[str, ...]:
     if installed() >= Version("0.19.0"):
         return ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net.gdn")
     return ("megatron.core.ssm.gated_delta_net",)
+
+
+def reset_moe_metrics() -> None:
+    """Forget megatron-core's per-layer MoE metrics (sized by the first MoE model built in the process)."""
+    if installed() >= Version("0.19.0"):
+        from megatron.core.transformer.moe import moe_logging
+
+        moe_logging.destroy_moe_metrics_tracker()
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def te_version() -> Version | None:
