@@ -30,6 +30,8 @@ from dataclasses import replace
 
 import torch
 
+from toolkit.runtime import megatron_versions
+
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
@@ -41,17 +43,20 @@ class MLACoreAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-def with_mla_core_attention(spec):
+def with_mla_core_attention(spec, full_rank_query: bool = False):
     """A local-spec layer (ModuleSpec) or block (TransformerBlockSubmodules) with MLACoreAttention as
-    each MLA layer's core attention."""
+    each MLA layer's core attention. `full_rank_query` (q_lora_rank None): no query norm, which such a
+    layer never applies, and which megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if isinstance(spec, TransformerBlockSubmodules):
-        return replace(spec, layer_specs=[with_mla_core_attention(layer) for layer in spec.layer_specs])
+        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query) for layer in spec.layer_specs])
     attention = spec.submodules.self_attention
     if attention.submodules.core_attention is not DotProductAttention:
         return spec
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=MLACoreAttention))
+    query_norm = {"q_layernorm": IdentityOp} if full_rank_query and hasattr(attention.submodules, "q_layernorm") else {}
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=MLACoreAttention, **query_norm))
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 
 
@@ -72,10 +77,38 @@ def buildable_mla(config):
         patches["YarnRotaryEmbedding"] = CpuYarnRotaryEmbedding
     original = {name: getattr(mla, name) for name in patches}
     vars(mla).update(patches)
+    resolver = megatron_versions.mla_qk_norm_resolver()
+    if resolver is not None:
+        resolve = resolver._resolve_mla_qk_layernorm
+        resolver._resolve_mla_qk_layernorm = _full_rank_query_unfused(resolve)
     try:
         yield
     finally:
         vars(mla).update(original)
+        if resolver is not None:
+            resolver._resolve_mla_qk_layernorm = resolve
+
+
+def _full_rank_query_unfused(resolve):
+    """megatron-core 0.19 gives a full-rank query (q_lora_rank None) under qk_layernorm only the backend's fused
+    norm + linear (mla_qk_norm_config.py:147-150), which the local spec has none of (backends.py:114), so it
+    cannot build (with TE installed but the local spec chosen, it builds TE's); the local spec norms the layer input in its own input_layernorm, so the query projection is
+    the spec's plain linear, as in 0.16-0.18; the key-value side is resolved as upstream does."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    def resolved(self):
+        if self.has_q_lora or self.submodules.linear_q_proj is None or self._is_fused_norm_linear(self.submodules.linear_q_proj):
+            return resolve(self)  # TE's spec (its fused norm + linear) resolves as upstream
+        kv_norm = self.submodules.kv_layernorm or IdentityOp
+        return self._result(
+            linear_q_proj=self.submodules.linear_q_proj or self.linear_impl,
+            linear_q_up_proj=IdentityOp,
+            linear_kv_up_proj=self._non_fused_or_default(self.submodules.linear_kv_up_proj, "linear_kv_up_proj"),
+            q_layernorm=IdentityOp,
+            kv_layernorm=kv_norm,
+        )
+
+    return resolved
 
 
 def _gather_latent(latent: torch.Tensor, group=None) -> torch.Tensor:

@@ -153,7 +153,7 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     if config.multi_latent_attention and layer_spec == "local":
         from toolkit.mla_attention import with_mla_core_attention
 
-        local = with_mla_core_attention(local)
+        local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None)
     if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
         from toolkit.layers import sequence_parallel_block_spec
 

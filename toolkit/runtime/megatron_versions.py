@@ -40,6 +40,11 @@ CHANGES = (
      "imported by name into gated_delta_net/gdn.py", "gated_delta_net_modules(): every module that holds them"),
     ("0.19.0", "the MoE aux-loss tracker became moe_logging.MoEMetricsTracker, sized by the first model's layers, "
      "whose clear() only zeroes", "reset_moe_metrics(): between models of different depths in one process"),
+    ("0.19.0", "MLA refuses a q_layernorm in the spec where q_lora_rank is None (mla_qk_norm_config.py:259)",
+     "none is put there on any release: toolkit/mla_attention.with_mla_core_attention(full_rank_query)"),
+    ("0.19.0", "MLA with qk_layernorm and a full-rank query takes only the backend's fused norm + linear for "
+     "linear_q_proj (mla_qk_norm_config.py:147-150), which the local spec lacks",
+     "mla_qk_norm_resolver(): toolkit/mla_attention.buildable_mla resolves it to the spec's plain linear"),
     ("0.19.0", "GPTModel deprecated in favour of HybridModel (a warning at every construction)",
      "GPTModel kept for the transformer families while it is supported (RELEASE_NOTICES; docs/megatron_versions.md)"),
     ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",
@@ -117,6 +122,15 @@ def reset_moe_metrics() -> None:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     get_moe_layer_wise_logging_tracker().clear()
+
+
+def mla_qk_norm_resolver():
+    """0.19.0's resolver of MLA's norms and projections (None before it)."""
+    if installed() < Version("0.19.0"):
+        return None
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+    return QKNormConfigResolver
 
 
 def te_version() -> Version | None:
