@@ -205,3 +205,19 @@ def weight_change_errors(original: dict, exported: dict, reference: dict) -> dic
         change = reference[name] - before
         errors[name] = float(((exported[name] - before) - change).norm() / change.norm())
     return errors
+
+
+def gated_delta_moe_parity(tmp_path: Path, variant: str, name: str) -> FamilyRun:
+    """The TP2 x PP2 x DP2 x EP2 (sequence-parallel) fine-tune of a gated-delta-net MoE family (Qwen3-Next,
+    Qwen3.5-MoE) against HF with fp64 routing, router_aux_loss_coef 0.1 and the HF export: losses and gradient
+    norms within the fp32 bars, and every step's tokens per expert as HF's routers chose them."""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
+
+    run = family_finetune_parity(tmp_path, variant, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                                 prepare=route_in_fp64, export_hf=True, router_aux_loss_coef=0.1)
+    print(f"{name} TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == run.step_loss.routing
+    return run

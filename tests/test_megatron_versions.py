@@ -13,7 +13,6 @@ import filecmp
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from packaging.version import Version

@@ -48,7 +48,7 @@ def te_status() -> tuple[bool, str]:
         return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
     if not (extension.HAVE_TE and gpt_layer_specs.HAVE_TE):
         return False, "megatron-core's Transformer Engine extension did not import"
-    return True, f"transformer_engine {version or megatron_versions.te_version()}"
+    return True, f"transformer_engine {version}"
 
 
 def running_layer_spec() -> str:

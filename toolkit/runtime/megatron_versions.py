@@ -20,7 +20,6 @@ from pathlib import Path
 
 from packaging.version import Version
 
-OLDEST, NEWEST_SERIES = Version("0.16.1"), (0, 19)  # pyproject.toml: megatron-core>=0.16.1,<0.20
 
 CHANGES = (
     ("0.17.0", "dist_checkpointing.save() gained async_strategy, default 'nvrx': an async save imports "
