@@ -45,7 +45,8 @@ def _toolkit(env: dict, *args) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def ends():
     if not OTHER:
-        reason = "TOOLKIT_OTHER_MEGATRON_CORE is not set (.ci/run installs the other end of the range there)"
+        reason = ("needs the other end of megatron-core's supported range beside the installed one: `pip install "
+                  "--no-deps --target DIR megatron-core==0.16.1` and TOOLKIT_OTHER_MEGATRON_CORE=DIR (.ci/run does both)")
         if os.environ.get("CI"):
             pytest.fail(reason + "; CI provides it, so this is a broken set-up, not a skip")
         pytest.skip(reason)
