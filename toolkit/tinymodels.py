@@ -77,7 +77,8 @@ DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
 DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
-# 1.5 that the larger weights (initializer_range 0.1) cross often, windows of 8 (shorter than the test
+# 1.5 that the larger weights (initializer_range 0.1) cross often (transformers before 5.19 fixes it at
+# the published 7.0, toolkit/families/gpt_oss.py: there the model says so), windows of 8 (shorter than the test
 # sequences) on every other layer, YaRN interpolating all but the fastest frequency (16 original
 # positions, factor 32, truncate false as published) with its attention factor 1 + 0.1 ln 32; the
 # sinks, the router and its bias randomised far from HF's init (SINK_STD, ROUTER_STD).
@@ -227,11 +228,20 @@ def build_tokenizer(text: bool = False):
     )
 
 
+def _as_the_installed_model_computes(cls_name: str) -> dict:
+    """Values of a variant that the installed transformers' model fixes whatever its config says."""
+    if cls_name == "GptOssConfig":
+        from toolkit.families.gpt_oss import FIXED_BEFORE_TRANSFORMERS_5_19, installed_transformers_reads_swiglu
+
+        return {} if installed_transformers_reads_swiglu() else FIXED_BEFORE_TRANSFORMERS_5_19
+    return {}
+
+
 def make_config(variant: str, **overrides):
     import transformers
 
     cls_name, variant_overrides = VARIANTS[variant]
-    kwargs = {**BASE, **variant_overrides, **overrides}
+    kwargs = {**BASE, **variant_overrides, **_as_the_installed_model_computes(cls_name), **overrides}
     kwargs.setdefault("bos_token_id", 1)
     kwargs.setdefault("eos_token_id", 2)
     kwargs.setdefault("pad_token_id", 0)
