@@ -353,7 +353,8 @@ def make_tiny_qwen3_5_multimodal(directory: str | Path, dtype: str = "float32", 
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
-FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")
+FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",
+                 ".w1.weight", ".w2.weight", ".w3.weight")  # MiniMax-M2's experts, stored as Mixtral's
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
