@@ -141,6 +141,23 @@ def test_round_trip_as_published_is_bit_exact_and_loads_in_transformers(tiny_min
     assert torch.equal(model.model.layers[1].mlp.e_score_correction_bias, original[f"model.layers.1.{BIAS}"]) 
 
 
+def test_toolkit_memory_counts_the_tiny_and_the_published_sizes_as_hf_builds_them():
+    """The whole-projection q/k norms, the router and the experts counted as HF's model (on the meta device) holds
+    them, the expert bias a buffer: the tiny model, and MiniMax-M2.7 at its published sizes, 228,689,748,992
+    parameters (with the 62 x 256 bias entries and the FP8 scales, the checkpoint's 228,703,644,928 tensor
+    elements the report of index.json lists), 9.80B a token goes through without the embedding and output
+    layer (the card's "230B total, 10B active")."""
+    from transformers import MiniMaxM2Config
+
+    from tests.test_memory_moe_families import hf_counts, published
+    from toolkit.memory.params import active_params, total_params
+
+    for cfg in (make_config(VARIANT), MiniMaxM2Config(**published("minimax-m2.7"))):
+        spec = spec_from_config(cfg.to_dict())[1]
+        assert (total_params(spec), active_params(spec)) == hf_counts(cfg)
+    assert (total_params(spec), active_params(spec) - 2 * 200064 * 3072) == (228_689_748_992, 9_801_344_000)
+
+
 # -- guards on HF's own model: each piece switched off moves the logits far past the tolerance --
 
 def _per_head_norm(norm, heads: int):
@@ -282,3 +299,34 @@ def fp8_parity_pair(tiny_minimax, tmp_path):
     save_file(reference_dequantization(src / "model.safetensors"), reference / "model.safetensors", metadata={"format": "pt"})
     edit_config(reference, quantization_config=None)
     return reference, hf_to_megatron(src, tmp_path / "m-minimax-fp8", tp=2, pp=2, ep=2, progress=False)
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (experts at expert TP 2) on the tiny fp32
+    MiniMax-M2 (8 experts top-3 behind the sigmoid router with a random expert bias, whole-projection q/k norms
+    split over TP, partial RoPE): HF's losses and gradient norms over 10 steps, every step's tokens per expert as
+    HF's routers chose them, the expert bias as loaded in the HF export (neither side trains it: HF's is a buffer,
+    megatron-core's moe_router_bias_update_rate is left unused). No load-balancing loss on either side (HF adds
+    one only with output_router_logits). Guard: the reference with the expert bias negated routes otherwise and
+    is far off the run (zeroed, it is 1.0e-3 off in loss: just past 100 x the tolerance, too close to hold)."""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity, routed_per_document
+
+    reference = routed_per_document()
+    run = family_finetune_parity(tmp_path, VARIANT, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: reference, export_hf=True, seed=95)
+    print(f"MiniMax-M2 TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == reference.routing
+    assert len(reference.routing[0]) == 4
+    exported, original = load_all(tmp_path / "run" / "hf"), load_all(run.hf)
+    biases = [k for k in original if k.endswith(BIAS)]
+    assert len(biases) == 4 and all(torch.equal(exported[k], original[k]) for k in biases)
+
+    edit_tensors(run.hf, lambda t: [v.neg_() for k, v in t.items() if k.endswith(BIAS)])
+    unbiased = routed_per_document()
+    off = differences(run.metrics, *hf_reference(run.hf, run.data, run.cfg, STEPS, step_loss=unbiased))
+    print(f"guard, HF with the expert bias negated: {off[0]:.2e} / {off[1]:.2e}")
+    assert unbiased.routing != reference.routing and off[0] > 100 * LOSS_TOLERANCE_FP32
