@@ -118,6 +118,12 @@ def test_the_published_configs_keys_read_as_transformers_reads_them():
 
     for name in ("minimax-m2.7", "minimax-m2.5"):
         cfg = corpus.config(name)
+        from transformers import MiniMaxM2Config
+
+        if "partial_rotary_factor" not in MiniMaxM2Config(**cfg).rope_parameters:  # transformers 5.17 ignores rotary_dim
+            with pytest.raises(ConversionError, match="rotary_dim=8 \\(of head_dim 16\\), which the installed"):
+                spec_from_config(cfg)
+            continue
         spec = spec_from_config(cfg)[1]
         assert cfg["rotary_dim"] == spec.rotary_dim and spec.rotary_percent == 0.5 and spec.rope_theta == 5e6, name
         assert (spec.num_experts, spec.moe_topk, spec.moe_score_function, spec.moe_expert_bias) == (16, 8, "sigmoid", True)
@@ -152,7 +158,10 @@ def test_toolkit_memory_counts_the_tiny_and_the_published_sizes_as_hf_builds_the
     from tests.test_memory_moe_families import hf_counts, published
     from toolkit.memory.params import active_params, total_params
 
-    for cfg in (make_config(VARIANT), MiniMaxM2Config(**published("minimax-m2.7"))):
+    # rotary_dim as partial_rotary_factor, as transformers 5.24 reads it (5.17 ignores it; counts do not depend on it)
+    sizes = {**published("minimax-m2.7"), "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
+                                                               "partial_rotary_factor": 0.5}}
+    for cfg in (make_config(VARIANT), MiniMaxM2Config(**sizes)):
         spec = spec_from_config(cfg.to_dict())[1]
         assert (total_params(spec), active_params(spec)) == hf_counts(cfg)
     assert (total_params(spec), active_params(spec) - 2 * 200064 * 3072) == (228_689_748_992, 9_801_344_000)

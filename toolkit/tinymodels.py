@@ -164,7 +164,7 @@ MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, 
                   num_local_experts=8, num_experts_per_tok=3, num_hidden_layers=4, vocab_size=251, rotary_dim=8,
                   router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
                   qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),

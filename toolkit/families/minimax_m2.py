@@ -53,6 +53,18 @@ def read_minimax_routing(cfg: dict) -> dict:
     return dict(score_function="sigmoid", expert_bias=True, renormalise=True)
 
 
+def read_rotary_dim(cfg: dict) -> dict:
+    """The published `rotary_dim` as the installed MiniMaxM2Config reads it: transformers 5.24 turns it into
+    partial_rotary_factor; 5.17's class ignores it (whole-head RoPE, not the published model): refused there."""
+    rotary_dim, head_dim = cfg.get("rotary_dim"), cfg.get("head_dim")
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if isinstance(rotary_dim, int) and isinstance(head_dim, int) and int(head_dim * factor) != rotary_dim:
+        raise ConversionError(f"config.json has rotary_dim={rotary_dim} (of head_dim {head_dim}), which the installed "
+                              f"transformers' MiniMaxM2Config does not read (its RoPE would rotate {int(head_dim * factor)} "
+                              "dimensions): use a transformers that does (5.24 does)")
+    return {}
+
+
 MINIMAX_M2 = Family(
     name="minimax_m2",
     model_types=("minimax_m2",),
@@ -72,4 +84,5 @@ MINIMAX_M2 = Family(
         read=read_minimax_routing,
     ),
     layer=CustomLayer(pre_norms=True, post_norms=False, qk_norm="projection"),
+    read=read_rotary_dim,
 )
