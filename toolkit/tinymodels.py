@@ -156,6 +156,16 @@ QWEN3_5 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hea
 QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "moe_intermediate_size": 24,
                "shared_expert_intermediate_size": 40, "num_experts": 6, "num_experts_per_tok": 2}
 
+# MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
+# random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
+# projection of 6 heads / 2 KV heads of 16 (split over TP ranks); RoPE on 8 of each head's 16 dimensions
+# (rotary_dim, as the published 64 of 128) at base 10,000 so the short test sequences rotate; the remote-code
+# keys of the published config at their values; no load-balancing loss (HF adds one only with output_router_logits).
+MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                  num_local_experts=8, num_experts_per_tok=3, num_hidden_layers=4, vocab_size=251, rotary_dim=8,
+                  router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
+                  qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -202,6 +212,7 @@ VARIANTS = {
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
+    "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 
 
@@ -291,7 +302,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith(HF_FLOAT32_BUFFERS):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
+            # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init); MiniMax-M2's, `mlp.` in the model, `block_sparse_moe.` saved
+            if name.endswith(HF_FLOAT32_BUFFERS + ("mlp.e_score_correction_bias",)):
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
@@ -351,7 +363,8 @@ def make_tiny_qwen3_5_multimodal(directory: str | Path, dtype: str = "float32", 
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
-FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")
+FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",
+                 ".w1.weight", ".w2.weight", ".w3.weight")  # MiniMax-M2's experts, stored as Mixtral's
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 

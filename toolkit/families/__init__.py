@@ -33,9 +33,20 @@ BUFFERS, HF_FLOAT32_BUFFERS = float32_buffer_suffixes(FAMILIES)
 # Gemma 3, once here, converts as its language model: toolkit/convert/wrapper.py.)
 _LLAMA4 = ("Llama 4's chunked local attention (attention_chunk_size, on every RoPE layer) has no megatron-core 0.16.1 "
            "counterpart, and converting without it would change the logits past the first chunk")
+# transformers 5.24 modeling_ministral3.py: after RoPE (YaRN, which megatron-core has), the query is multiplied by
+# get_llama_4_attn_scale, 1 + beta ln(1 + floor(position / original_max_position_embeddings)): 1 exactly below
+# that position (16384 in the published 3B / 8B / 14B), above it a per-position temperature megatron-core lacks
+_MINISTRAL3 = ("Ministral 3 scales each query by 1 + llama_4_scaling_beta * ln(1 + floor(position / "
+               "original_max_position_embeddings)) (modeling_ministral3.py get_llama_4_attn_scale), a per-position "
+               "attention temperature megatron-core (0.16.1 to 0.19) has no counterpart of")
 REFUSED: dict[str, str] = {
     "llama4_text": _LLAMA4,
     "llama4": _LLAMA4,
+    "ministral3": _MINISTRAL3,
+    # the published Ministral 3 checkpoints are this wrapper (Mistral3ForConditionalGeneration, a Pixtral tower beside
+    # a ministral3 text_config); it has no wrapper route (toolkit/convert/wrapper.py) either
+    "mistral3": "the multimodal wrapper Mistral3ForConditionalGeneration has no wrapper route yet "
+                "(toolkit/convert/wrapper.py); its Ministral 3 language model besides: " + _MINISTRAL3,
 }
 
 
