@@ -139,3 +139,24 @@ def test_the_published_attention_factor_is_the_one_megatron_core_derives():
         spec_from_config(make_config(VARIANT, rope_parameters={
             "full_attention": {**YARN_FULL, "attention_factor": 1.3},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}).to_dict())
+
+
+def published_size_counts(name: str) -> tuple[int, int]:
+    """(`toolkit memory`'s parameter count of corpus entry `name` at its published sizes, HF's model of those
+    sizes built on the meta device)."""
+    import transformers
+
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import total_params
+
+    cfg = {**corpus.config(name), **corpus.index()[name]["original_sizes"]}
+    config = transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return total_params(spec_from_config(cfg)[1]), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name, billions", [("olmo-3-7b", 7), ("olmo-3.1-32b-think", 32)])
+def test_published_sizes_count_as_hf_builds_them(name, billions):
+    ours, hf = published_size_counts(name)
+    assert ours == hf and int(ours / 1e9) == billions

@@ -70,3 +70,11 @@ def test_unsupported_smollm3_variant_is_refused_in_one_line_naming_field_and_val
     src = make_tiny_model(VARIANT, tmp_path / "src", dtype="bfloat16")
     edit_config(src, **changes)
     convert_fails(src, tmp_path / "out", r"^[^\n]*" + re.escape(line) + r"[^\n]*$")
+
+
+def test_published_size_counts_as_hf_builds_it():
+    """SmolLM3-3B: 3.08B with its tied embeddings, as HF builds it and `toolkit memory` counts it."""
+    from tests.test_family_olmo3 import published_size_counts
+
+    ours, hf = published_size_counts("smollm3-3b")
+    assert ours == hf and round(ours / 1e9, 1) == 3.1
