@@ -126,7 +126,9 @@ YARN_FULL = make_config(VARIANT).rope_parameters["full_attention"]
 def test_unsupported_olmo3_variant_is_refused_in_one_line_naming_field_and_value(tmp_path, changes, line):
     src = make_tiny_model(VARIANT, tmp_path / "src", dtype="bfloat16")
     edit_config(src, **changes)
-    convert_fails(src, tmp_path / "out", r"^[^\n]*" + re.escape(line) + r"[^\n]*$")
+    # transformers 5.17's Olmo3Config refuses the unknown layer type itself, naming it ("...: 'chunked_attention'")
+    first = "|Olmo3Config: 'chunked_attention'" if "layer_types" in changes else ""
+    convert_fails(src, tmp_path / "out", r"^[^\n]*(" + re.escape(line) + first + r")[^\n]*$")
 
 
 def test_the_published_attention_factor_is_the_one_megatron_core_derives():
