@@ -124,6 +124,19 @@ GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head
                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
 # OLMo 2: GQA 6 (2 KV heads, fewer than TP 4: the whole-projection k norm spans replicated heads)
 OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
+# OLMo 3: OLMo 2's sizes, windows of 8 (shorter than the test sequences) on layers 0-2 and 4-5 (Olmo3Config's
+# default, every 4th layer full: each PP 2 / PP 3 stage holds windowed layers, one a full one), YaRN on the
+# full-attention layer only (16 original positions, factor 4, the attention factor written out as published:
+# 1 + 0.1 ln 4), the windowed layers' plain RoPE of another base; weights of std 0.1 sharpen attention so that
+# YaRN on every layer (transformers 5.2's regression) moves the logits far past the parity tolerance.
+OLMO3 = dict(OLMO2, sliding_window=8, initializer_range=0.1, max_position_embeddings=64,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "attention_factor": 1.138629436111989},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+# SmolLM3: GQA 2, NoPE every 3rd layer (no_rope_layer_interval 3, the list left to SmolLM3Config: layers 2 and 5,
+# one per PP 2 stage), tied embeddings as the published 3B
+SMOLLM3 = dict(no_rope_layer_interval=3, tie_word_embeddings=True, vocab_size=251, initializer_range=0.1)
 
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
 # Gemma's and Qwen3-Next's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5
@@ -208,6 +221,8 @@ VARIANTS = {
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
     "gemma3": ("Gemma3TextConfig", GEMMA3),
     "olmo2": ("Olmo2Config", OLMO2),
+    "olmo3": ("Olmo3Config", OLMO3),
+    "smollm3": ("SmolLM3Config", SMOLLM3),
     "gpt-oss": ("GptOssConfig", GPT_OSS),
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
