@@ -72,8 +72,11 @@ def reference_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0) -
 
 def hf_reference(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype) -> dict:
     """Logits and per-layer outputs of the HF model (the independent implementation)."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from toolkit.families.hf_values import auto_causal_lm
+
+    AutoModelForCausalLM = auto_causal_lm()  # noqa: N806
 
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
