@@ -214,3 +214,32 @@ def test_a_spec_without_the_rotary_share_is_not_deepseek_v3s():
     assert cfg["head_dim"] == 24 and cfg["rope_parameters"]["partial_rotary_factor"] == 8 / 24
     with pytest.raises(ConversionError, match="partial_rotary_factor=0.333.* is not supported for deepseek_v3"):
         spec_from_config({**cfg, "model_type": "deepseek_v3"})
+
+
+def test_published_size_counts_as_hf_builds_it():
+    """`toolkit memory`'s parameter counts of Mistral Small 4's language model at its published sizes equal HF's
+    Mistral4ForCausalLM built on the meta device from that text_config: 119B total as the card says ("119B total
+    parameters", 118.97B); active, the 4 routed of 128 experts and the shared one, 6.63B with the embedding and output
+    layer (the architecture gallery's 6.63B), 5.56B without (the card's "6B active parameters per token")."""
+    import transformers
+
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import active_params, total_params
+
+    name = "mistral-small-4-119b-2603"
+    published, original = corpus.config(name), corpus.index()[name]["original_sizes"]["text_config"]
+    text = {**published["text_config"], **{k: v for k, v in original.items() if "." not in k}}
+    text["rope_parameters"] = {**text["rope_parameters"], "partial_rotary_factor": original["rope_parameters.partial_rotary_factor"]}
+    cfg = corpus.language_config({**published, "text_config": text})
+    spec = spec_from_config(cfg)[1]
+    config = transformers.Mistral4Config.from_dict(cfg)
+    with torch.device("meta"):
+        model = transformers.Mistral4ForCausalLM(config)
+    hf_total = sum(p.numel() for p in model.parameters())
+    hf_active = sum(p.numel() * (config.num_experts_per_tok / config.n_routed_experts if ".mlp.experts." in n else 1)
+                    for n, p in model.named_parameters())
+    assert (total_params(spec), active_params(spec)) == (hf_total, int(hf_active))
+    embeddings = 2 * spec.vocab_size * spec.hidden_size
+    print(f"Mistral Small 4: {hf_total / 1e9:.2f}B total, {hf_active / 1e9:.2f}B active "
+          f"({(hf_active - embeddings) / 1e9:.2f}B without the embedding and output layer)")
+    assert round(hf_total / 1e9) == 119 and round(hf_active / 1e9, 2) == 6.63 and round((hf_active - embeddings) / 1e9) == 6
