@@ -243,3 +243,36 @@ def test_published_size_counts_as_hf_builds_it():
     print(f"Mistral Small 4: {hf_total / 1e9:.2f}B total, {hf_active / 1e9:.2f}B active "
           f"({(hf_active - embeddings) / 1e9:.2f}B without the embedding and output layer)")
     assert round(hf_total / 1e9) == 119 and round(hf_active / 1e9, 2) == 6.63 and round((hf_active - embeddings) / 1e9) == 6
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 with EP2 (8 ranks, sequence parallel) on the tiny fp32 Mistral 4 with every
+    feature on (low-rank query, YaRN with mscale / mscale_all_dim, the Llama-4 query scale within its bound, a
+    dense first layer, 8 experts top-3 renormalised with routed scaling 1.5, 2 shared experts, fused experts), on
+    megatron-core's local layer spec: HF's losses and gradient norms over 10 steps, every step's tokens per expert
+    as HF's routers chose them, and the export loads in transformers with the experts fused again. Guards: the
+    reference without the routed scaling, or without renormalisation, is far off the run."""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity, routed_per_document
+    from tests.test_convert_roundtrip import load_all
+    from toolkit.families.hf_values import auto_causal_lm
+
+    reference = routed_per_document()
+    run = family_finetune_parity(tmp_path, TEXT, 8, FINE_TUNE_LAYOUT, lambda hf: reference, export_hf=True,
+                                 layer_spec="local", seed=174)
+    print(f"Mistral 4 TP2xPP2xDP2 EP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == reference.routing
+    assert len(reference.routing[0]) == 3
+    exported = load_all(tmp_path / "run" / "hf")
+    assert set(exported) == set(load_all(run.hf)) and any(k.endswith("mlp.experts.gate_up_proj") for k in exported)
+    assert type(auto_causal_lm().from_pretrained(tmp_path / "run" / "hf")).__name__ == "Mistral4ForCausalLM"
+
+    for piece, change in (("routed scaling", {"routed_scaling_factor": 1.0}), ("renormalisation", {"norm_topk_prob": False})):
+        guard = shutil.copytree(run.hf, tmp_path / f"hf-no-{piece.replace(' ', '-')}")
+        edit_config(guard, **change)
+        off = differences(run.metrics, *hf_reference(guard, run.data, run.cfg, STEPS))
+        print(f"guard, HF without the {piece}: {off[0]:.1e} / {off[1]:.1e}")
+        assert off[0] > 100 * LOSS_TOLERANCE_FP32, piece
