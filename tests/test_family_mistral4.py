@@ -276,3 +276,21 @@ def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path)
         off = differences(run.metrics, *hf_reference(guard, run.data, run.cfg, STEPS))
         print(f"guard, HF without the {piece}: {off[0]:.1e} / {off[1]:.1e}")
         assert off[0] > 100 * LOSS_TOLERANCE_FP32, piece
+
+
+def test_lora_on_the_fused_experts_keeps_transformers_gate_up_order():
+    """PEFT's LoRA on `mlp.experts.gate_up_proj` (target_parameters) adds B's rows to megatron-core's [gate; up]
+    rows as they are for Mistral 4's LINEAR fused experts (transformers 5's module layout, as every MoE family's),
+    and de-interleaves them only for gpt-oss's. Found by the LoRA-vs-PEFT run at DP2 x EP2 (before: Mistral 4's
+    rows were de-interleaved as gpt-oss's, and its first step already routed otherwise than PEFT's; after: losses
+    within 9.0e-7 of PEFT's, gradient norms 2.1e-7, PeftModel on the exported adapter 7.7e-7 off the reference's
+    logits, --merge equal to merge_and_unload; not a CI launch, see docs/frontier_families.md)."""
+    from toolkit.families import family_named
+    from toolkit.lora.experts import resolve
+
+    for variant, family, interleaved in ((TEXT, "mistral4", False), ("gpt-oss", "gpt_oss", True)):
+        spec = spec_from_config(make_config(variant).to_dict())[1]
+        gate_up, down = resolve(family_named(family), spec, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], 0.0)
+        assert (gate_up.interleaved, down.interleaved) == (interleaved, False), variant
+        rows = gate_up.positions()
+        assert torch.equal(rows, torch.arange(2 * spec.moe_ffn_hidden_size)) != interleaved, variant
