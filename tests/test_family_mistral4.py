@@ -90,7 +90,7 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(tmp_path):
 
 def test_training_past_the_exact_length_is_refused_in_one_line(tiny_mistral4, tmp_path):
     """The recipe refuses data.seq_len past original_max_position_embeddings (64 here, 8192 as published), where
-    HF's Llama-4 query scale leaves 1; at the bound it starts."""
+    HF's Llama-4 query scale leaves 1, and `verify` a --seq-len past it, each in one line; at the bound it starts."""
     from tests.finetune_harness import recipe, recipe_prepare, write_uneven_data
     from toolkit.errors import ToolkitError
 
@@ -99,6 +99,10 @@ def test_training_past_the_exact_length_is_refused_in_one_line(tiny_mistral4, tm
     with pytest.raises(ToolkitError, match="data.seq_len 65 exceeds 64, the longest sequence mistral4 trains exactly"):
         recipe_prepare()(str(recipe(tmp_path, converted, data, data__seq_len=65)), [])
     assert recipe_prepare()(str(recipe(tmp_path, converted, data, data__seq_len=64)), []).meta.model_spec.family == TEXT
+    from toolkit.convert.parity import verify_many
+
+    with pytest.raises(ToolkitError, match="--seq-len 65 exceeds 64, the longest sequence mistral4 converts exactly for"):
+        verify_many([(tiny_mistral4[f"{TEXT}-bf16"], converted)], seq_len=65)
 
 
 def _hf_logits(src, tokens, **config):

@@ -197,6 +197,12 @@ def verify_many(
     from toolkit.runtime.launch import run_on_processes
 
     metas = [_checked_inputs(hf_dir, mdir) for hf_dir, mdir in pairs]
+    for meta in metas:
+        spec = meta.model_spec
+        if spec.exact_seq_len is not None and seq_len > spec.exact_seq_len:
+            raise VerificationError(f"--seq-len {seq_len} exceeds {spec.exact_seq_len}, the longest sequence {spec.family} "
+                                    "converts exactly for (its Llama-4 query scale, 1 up to rope_parameters."
+                                    "original_max_position_embeddings, has no megatron-core counterpart)")
     tp = tp or metas[0].tp
     pp = pp or metas[0].pp
     ep = ep or metas[0].ep
