@@ -69,6 +69,11 @@ def shrink(published: dict) -> tuple[dict, dict]:
         new["linear_num_value_heads"] = SIZES["linear_num_key_heads"] * (v_heads // k_heads)
     if isinstance(cfg.get("layer_types"), list):  # one per layer: the first ones (Qwen3-Next: 3 linear, 1 full)
         new["layer_types"] = cfg["layer_types"][:new["num_hidden_layers"]]
+    if isinstance(cfg.get("attn_type_list"), list):  # MiniMax-M2's, one per layer likewise
+        new["attn_type_list"] = cfg["attn_type_list"][:new["num_hidden_layers"]]
+    if isinstance(cfg.get("rotary_dim"), int) and isinstance(cfg.get("head_dim"), int):
+        # MiniMax-M2's legacy partial RoPE: the same share of the smaller head (64 of 128 -> 8 of 16)
+        new["rotary_dim"] = cfg["rotary_dim"] * SIZES["head_dim"] // cfg["head_dim"]
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)

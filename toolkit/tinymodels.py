@@ -77,7 +77,8 @@ DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
 DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
-# 1.5 that the larger weights (initializer_range 0.1) cross often, windows of 8 (shorter than the test
+# 1.5 that the larger weights (initializer_range 0.1) cross often (transformers before 5.19 fixes it at
+# the published 7.0, toolkit/families/gpt_oss.py: there the model says so), windows of 8 (shorter than the test
 # sequences) on every other layer, YaRN interpolating all but the fastest frequency (16 original
 # positions, factor 32, truncate false as published) with its attention factor 1 + 0.1 ln 32; the
 # sinks, the router and its bias randomised far from HF's init (SINK_STD, ROUTER_STD).
@@ -123,6 +124,19 @@ GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head
                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
 # OLMo 2: GQA 6 (2 KV heads, fewer than TP 4: the whole-projection k norm spans replicated heads)
 OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
+# OLMo 3: OLMo 2's sizes, windows of 8 (shorter than the test sequences) on layers 0-2 and 4-5 (Olmo3Config's
+# default, every 4th layer full: each PP 2 / PP 3 stage holds windowed layers, one a full one), YaRN on the
+# full-attention layer only (16 original positions, factor 4, the attention factor written out as published:
+# 1 + 0.1 ln 4), the windowed layers' plain RoPE of another base; weights of std 0.1 sharpen attention so that
+# YaRN on every layer (transformers 5.2's regression) moves the logits far past the parity tolerance.
+OLMO3 = dict(OLMO2, sliding_window=8, initializer_range=0.1, max_position_embeddings=64,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "attention_factor": 1.138629436111989},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+# SmolLM3: GQA 2, NoPE every 3rd layer (no_rope_layer_interval 3, the list left to SmolLM3Config: layers 2 and 5,
+# one per PP 2 stage), tied embeddings as the published 3B
+SMOLLM3 = dict(no_rope_layer_interval=3, tie_word_embeddings=True, vocab_size=251, initializer_range=0.1)
 
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
 # Gemma's and Qwen3-Next's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5
@@ -168,6 +182,16 @@ MISTRAL4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, in
                                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 
+# MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
+# random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
+# projection of 6 heads / 2 KV heads of 16 (split over TP ranks); RoPE on 8 of each head's 16 dimensions
+# (rotary_dim, as the published 64 of 128) at base 10,000 so the short test sequences rotate; the remote-code
+# keys of the published config at their values; no load-balancing loss (HF adds one only with output_router_logits).
+MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                  num_local_experts=8, num_experts_per_tok=3, num_hidden_layers=4, vocab_size=251, rotary_dim=8,
+                  router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
+                  qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -210,11 +234,14 @@ VARIANTS = {
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
     "gemma3": ("Gemma3TextConfig", GEMMA3),
     "olmo2": ("Olmo2Config", OLMO2),
+    "olmo3": ("Olmo3Config", OLMO3),
+    "smollm3": ("SmolLM3Config", SMOLLM3),
     "gpt-oss": ("GptOssConfig", GPT_OSS),
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
+    "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 
 
@@ -241,11 +268,20 @@ def build_tokenizer(text: bool = False):
     )
 
 
+def _as_the_installed_model_computes(cls_name: str) -> dict:
+    """Values of a variant that the installed transformers' model fixes whatever its config says."""
+    if cls_name == "GptOssConfig":
+        from toolkit.families.gpt_oss import FIXED_BEFORE_TRANSFORMERS_5_19, installed_transformers_reads_swiglu
+
+        return {} if installed_transformers_reads_swiglu() else FIXED_BEFORE_TRANSFORMERS_5_19
+    return {}
+
+
 def make_config(variant: str, **overrides):
     import transformers
 
     cls_name, variant_overrides = VARIANTS[variant]
-    kwargs = {**BASE, **variant_overrides, **overrides}
+    kwargs = {**BASE, **variant_overrides, **_as_the_installed_model_computes(cls_name), **overrides}
     kwargs.setdefault("bos_token_id", 1)
     kwargs.setdefault("eos_token_id", 2)
     kwargs.setdefault("pad_token_id", 0)
@@ -296,7 +332,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith(HF_FLOAT32_BUFFERS):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
+            # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init); MiniMax-M2's, `mlp.` in the model, `block_sparse_moe.` saved
+            if name.endswith(HF_FLOAT32_BUFFERS + ("mlp.e_score_correction_bias",)):
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
@@ -375,7 +412,8 @@ def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32",
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
-FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")
+FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",
+                 ".w1.weight", ".w2.weight", ".w3.weight")  # MiniMax-M2's experts, stored as Mixtral's
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 

@@ -82,6 +82,9 @@ class ModelSpec:
     # layers); None: the window, if any, applies to every layer
     window_layers: str | None = None
     window_rope_theta: float | None = None  # RoPE base of the windowed layers where it differs (Gemma 3)
+    # Per layer, "1" for a layer without RoPE (SmolLM3's NoPE layers, megatron-core's no_rope_freq as a
+    # list), "0" for one with it; None: RoPE on every layer
+    nope_layers: str | None = None
     softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
     rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor), None when unscaled
     # LongRoPE (toolkit/longrope.py): short_factor, long_factor, original_max_position_embeddings,
