@@ -22,8 +22,7 @@ def test_multimodal_gemma3_without_its_text_config_is_refused_in_one_line(hf_cop
 @pytest.mark.parametrize("model_type, reason", [
     ("llama4_text", "Llama 4's chunked local attention (attention_chunk_size"),
     ("llama4", "Llama 4's chunked local attention (attention_chunk_size"),
-    ("ministral3", "Ministral 3 scales each query by 1 + llama_4_scaling_beta * ln(1 + floor(position / "),
-    ("mistral3", "the multimodal wrapper Mistral3ForConditionalGeneration has no wrapper route yet")])
+    ("ministral3", "Ministral 3 scales each query by 1 + llama_4_scaling_beta * ln(1 + floor(position / ")])
 def test_frontier_families_megatron_core_cannot_express_are_refused_with_the_reason(hf_copy, tmp_path, model_type,
                                                                                   reason):
     """Issue 26: Llama 4 is refused in one line naming the missing piece (README repeats it). (Qwen3-Next,

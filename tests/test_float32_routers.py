@@ -73,7 +73,7 @@ def test_the_rows_flagged_float32_cover_what_the_installed_class_keeps_in_float3
     own _keep_in_fp32_modules_strict, matched as transformers matches it) are exactly rows the family flags
     (Row.float32_buffer / float32_parameter): a release that adds one fails here. From 5.24 the flags are
     exactly what it keeps; 5.23 keeps the bias only (the router flag covers the checkpoints 5.24 saves)."""
-    from transformers import AutoModelForCausalLM
+    from toolkit.families.hf_values import auto_causal_lm  # mistral4 too (transformers maps it otherwise)
     from transformers.core_model_loading import build_glob_alternation
 
     import transformers
@@ -85,7 +85,7 @@ def test_the_rows_flagged_float32_cover_what_the_installed_class_keeps_in_float3
             continue
         checked.add(family.name)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(make_config(variant))
+            model = auto_causal_lm().from_config(make_config(variant))
         patterns = sorted(model._keep_in_fp32_modules_strict or ())
         names = [n for n, _ in [*model.named_parameters(), *model.named_buffers()]]
         kept = {n for n in names if patterns and build_glob_alternation(patterns)[0].search(n)}

@@ -168,6 +168,19 @@ QWEN3_5 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hea
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "moe_intermediate_size": 24,
                "shared_expert_intermediate_size": 40, "num_experts": 6, "num_experts_per_tok": 2}
+# Mistral 4 with every feature on: DeepSeek-V3's multi-latent attention sizes above, YaRN as published (mscale and
+# mscale_all_dim 1: cos and sin unscaled, the softmax by get_mscale(4, 1) squared) over 64 original positions with
+# the Llama-4 query scale (beta 0.1, exactly 1 below those 64, past the test sequences); 8 experts top-3 (4 per EP 2
+# rank) renormalised, routed scaling 1.5 (1.0 as published, which would hide it), 2 shared experts, a dense first
+# layer, no groups (as published); weights of std 0.05 as DeepSeek-V3's.
+MISTRAL4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+                n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                num_hidden_layers=4, vocab_size=251, max_position_embeddings=256, initializer_range=0.05,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 
 # MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
 # random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
@@ -227,6 +240,7 @@ VARIANTS = {
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
+    "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 
@@ -290,12 +304,13 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
     import transformers
 
     from toolkit.convert.wrapper import wrapper_for
+    from toolkit.families.hf_values import auto_causal_lm
 
     # a multimodal wrapper as its own class (AutoModelForCausalLM builds Qwen3.5's language model alone from it)
     wrapper = wrapper_for({"model_type": config.model_type})
     torch.manual_seed(seed)
     model = (getattr(transformers, wrapper.architecture)(config) if wrapper
-             else transformers.AutoModelForCausalLM.from_config(config))
+             else auto_causal_lm().from_config(config))
     return _save_randomised(model, config.model_type, directory, dtype, fp32_modules)
 
 
@@ -374,6 +389,25 @@ def make_tiny_qwen3_5_multimodal(directory: str | Path, dtype: str = "float32", 
     torch.manual_seed(seed)
     return _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
                             directory, dtype)
+
+
+# Pixtral's vision tower as small as the class allows: one layer of width 16, 4 x 4 patches of 8 pixels
+PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=32, patch_size=8)
+
+
+def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Mistral Small 4 as published (Mistral3ForConditionalGeneration: the tiny `mistral4` text model under
+    `language_model.model`, its untied head as `language_model.lm_head`, a Pixtral tower and projector beside
+    them), from transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    text = make_config("mistral4", **text_overrides)
+    config = Mistral3Config(text_config=text.to_dict(), vision_config=PixtralVisionConfig(**PIXTRAL_VISION).to_dict(),
+                            tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return _save_randomised(Mistral3ForConditionalGeneration(config), config.model_type, directory, dtype)
 
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and

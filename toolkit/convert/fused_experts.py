@@ -1,4 +1,4 @@
-"""Experts stored fused per layer (gpt-oss, Family.fused_experts), read and written one expert at a time.
+"""Experts stored fused per layer (gpt-oss, Mistral 4: Family.fused_experts), read and written one expert at a time.
 
 Import: `FusedExpertsView` shows an HF checkpoint (HFCheckpoint's interface) with each layer's fused
 expert tensors replaced by per-expert ones under the names the family's rows use
@@ -7,6 +7,11 @@ slicing out one expert: memory holds one expert's weights, never a layer's. MXFP
 published gpt-oss checkpoints, quantization_config.quant_method 'mxfp4') are dequantized to bf16 as
 they are read: `dequantize_mxfp4` below, exact (every FP4 value times a power of two fits bf16).
 Those per-expert tensors have no bytes in a file, so the converter builds them (never range-copies).
+
+Two layouts (FusedExperts.layout): gpt-oss's INTERLEAVED one (gate and up interleaved on the last
+dimension, applied as x @ W, with biases) and transformers 5's LINEAR one (Mistral4Experts: gate_up
+[experts, 2 x ffn, hidden] = [gate; up], down [experts, hidden, ffn], applied as nn.functional.linear,
+no biases), whose expert e's gate is gate_up[e, :ffn], its up gate_up[e, ffn:], its down down[e].
 
 Export: `fuse_experts` collects a layer's per-expert tensors from the megatron checkpoint and writes
 the fused HF tensors (bf16 or the checkpoint's dtype; never requantized).
@@ -24,7 +29,7 @@ import torch
 
 from toolkit.convert.hf_source import TensorEntry
 from toolkit.errors import ConversionError
-from toolkit.families.table import FusedExperts
+from toolkit.families.table import LINEAR, FusedExperts
 
 # MXFP4 (OCP Microscaling, E2M1 elements): the 16 values of a 4-bit code, sign bit highest
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -54,8 +59,8 @@ class _Fused:
 
     gate_up: str
     down: str
-    gate_up_bias: str
-    down_bias: str
+    gate_up_bias: str | None
+    down_bias: str | None
     mxfp4: bool
 
 
@@ -92,48 +97,64 @@ class FusedExpertsView:
 
     def _layer(self, layer: int, names: set[str]) -> _Fused:
         f = self.fused
-        mxfp4 = {f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES} <= names
-        wanted = {f.gate_up_bias, f.down_bias} | ({f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES}
-                                                 if mxfp4 else {f.gate_up, f.down})
+        mxfp4 = f.layout != LINEAR and {f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES} <= names
+        biases = {b for b in (f.gate_up_bias, f.down_bias) if b is not None}
+        wanted = biases | ({f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES}
+                           if mxfp4 else {f.gate_up, f.down})
         if names != wanted:
             odd = sorted(names - wanted) or sorted(wanted - names)
             raise ConversionError(f"layer {layer}'s fused experts are incomplete or mixed: "
                                   f"{'unexpected' if names - wanted else 'missing'} {self._name(layer, odd[0])!r} (a "
-                                  f"layer holds {f.gate_up}, {f.down} or their MXFP4 {BLOCKS}/{SCALES}, and both biases)")
-        return _Fused(*(self._name(layer, n + (BLOCKS if mxfp4 and n in (f.gate_up, f.down) else ""))
+                                  f"layer holds {f.gate_up}, {f.down}" + (f" or their MXFP4 {BLOCKS}/{SCALES}, and both "
+                                                                          "biases)" if biases else ")"))
+        return _Fused(*(None if n is None else self._name(layer, n + (BLOCKS if mxfp4 and n in (f.gate_up, f.down) else ""))
                         for n in (f.gate_up, f.down, f.gate_up_bias, f.down_bias)), mxfp4=mxfp4)
 
     def _add_entries(self, layer: int, where: _Fused) -> None:
         """Per expert: gate / up [ffn, hidden], down [hidden, ffn] and their biases, in the fused dtype
         (bf16 where MXFP4)."""
         src = self.whole
-        bias = src.tensors[where.gate_up_bias]
-        experts, two_ffn = bias.shape if len(bias.shape) == 2 else (0, 0)
-        hidden = src.tensors[where.down_bias].shape[-1]
+        if self.fused.layout == LINEAR:  # the sizes from the weight itself: [experts, 2 x ffn, hidden]
+            gate_up = src.tensors[where.gate_up]
+            experts, two_ffn, hidden = gate_up.shape if len(gate_up.shape) == 3 else (0, 0, 0)
+            bias = None
+        else:
+            bias = src.tensors[where.gate_up_bias]
+            experts, two_ffn = bias.shape if len(bias.shape) == 2 else (0, 0)
+            hidden = src.tensors[where.down_bias].shape[-1]
         dtype = "BF16" if where.mxfp4 else src.tensors[where.gate_up].dtype
         shapes = {GATE: (two_ffn // 2, hidden), UP: (two_ffn // 2, hidden), DOWN: (hidden, two_ffn // 2)}
+        kinds = ("weight",) if bias is None else ("weight", "bias")
         for e in range(experts):
             base = self.fused.per_expert.replace("*", str(layer)).replace("#", str(e))
             for part, shape in shapes.items():
                 self.tensors[f"{base}{part}.weight"] = TensorEntry(None, dtype, shape, 0)
-                self.tensors[f"{base}{part}.bias"] = TensorEntry(None, bias.dtype, shape[:1], 0)
-                self._virtual.update({f"{base}{part}.{kind}": (where, e, part, kind) for kind in ("weight", "bias")})
+                if bias is not None:
+                    self.tensors[f"{base}{part}.bias"] = TensorEntry(None, bias.dtype, shape[:1], 0)
+                self._virtual.update({f"{base}{part}.{kind}": (where, e, part, kind) for kind in kinds})
         self._check_shapes(layer, where, experts, two_ffn, hidden)
 
     def _check_shapes(self, layer: int, where: _Fused, experts: int, two_ffn: int, hidden: int) -> None:
         ffn = two_ffn // 2
-        if where.mxfp4:
+        if self.fused.layout == LINEAR:
+            expected = {where.down: (experts, hidden, ffn)}
+            if two_ffn % 2 or not experts:
+                raise ConversionError(f"tensor {where.gate_up!r} has shape {list(self.whole.shape(where.gate_up))}: "
+                                      "expected [experts, 2 x ffn, hidden] (gate and up projections stacked)")
+        elif where.mxfp4:
             expected = {where.gate_up: (experts, two_ffn, hidden // MXFP4_BLOCK, MXFP4_BLOCK // 2),
                         where.gate_up.replace(BLOCKS, SCALES): (experts, two_ffn, hidden // MXFP4_BLOCK),
                         where.down: (experts, hidden, ffn // MXFP4_BLOCK, MXFP4_BLOCK // 2),
                         where.down.replace(BLOCKS, SCALES): (experts, hidden, ffn // MXFP4_BLOCK)}
         else:
             expected = {where.gate_up: (experts, hidden, two_ffn), where.down: (experts, ffn, hidden)}
-        expected[where.down_bias] = (experts, hidden)
+        if where.down_bias is not None:
+            expected[where.down_bias] = (experts, hidden)
         for name, shape in expected.items():
             if self.whole.shape(name) != shape:
                 raise ConversionError(f"tensor {name!r} has shape {list(self.whole.shape(name))} but layer {layer}'s "
-                                      f"biases imply {list(shape)} (experts, 2 x ffn = {two_ffn}, hidden = {hidden})")
+                                      f"{'gate_up' if self.fused.layout == LINEAR else 'biases'} imply {list(shape)} "
+                                      f"(experts, 2 x ffn = {two_ffn}, hidden = {hidden})")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
@@ -147,6 +168,12 @@ class FusedExpertsView:
 
     def _expert_tensor(self, name: str) -> torch.Tensor:
         where, e, part, kind = self._virtual[name]
+        if self.fused.layout == LINEAR:  # nn.Linear's [out, in] already: down [hidden, ffn], gate_up [gate; up]
+            if part == DOWN:
+                return self._one(where.down, e, False)
+            gate_up = self._one(where.gate_up, e, False)
+            ffn = gate_up.shape[0] // 2
+            return gate_up[:ffn] if part == GATE else gate_up[ffn:]
         if kind == "bias":
             bias = self._one(where.down_bias if part == DOWN else where.gate_up_bias, e, None)
             return bias if part == DOWN else bias[0::2] if part == GATE else bias[1::2]
@@ -212,15 +239,25 @@ def fuse_experts(fused: FusedExperts, num_experts: int, tensors: Iterator[tuple[
         slot[(expert, part)] = tensor
         if len(slot) == num_experts * (1 if part == DOWN else 2):
             yield fused.prefix.replace("*", str(layer)) + target, _fused_tensor(pending.pop((layer, target)), num_experts,
-                                                                               kind == "bias")
+                                                                               kind == "bias", fused.layout)
     if pending:
         raise ConversionError(f"the checkpoint holds only some experts of {sorted(pending)[0]}: not a complete model")
 
 
-def _fused_tensor(parts: dict[tuple[int, str], torch.Tensor], experts: int, bias: bool) -> torch.Tensor:
+def _fused_tensor(parts: dict[tuple[int, str], torch.Tensor], experts: int, bias: bool,
+                  layout: str = "interleaved") -> torch.Tensor:
     """The fused HF tensor, filled expert by expert as each expert's tensors are let go."""
     down = (0, DOWN) in parts
     first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
+    if layout == LINEAR:  # [experts, hidden, ffn] of each down as it is; [experts, 2 x ffn, hidden] of [gate; up]
+        out = torch.empty((experts, *first.shape) if down else (experts, 2 * first.shape[0], first.shape[1]),
+                          dtype=first.dtype)
+        for e in range(experts):
+            if down:
+                out[e] = parts.pop((e, DOWN))
+            else:
+                out[e, :first.shape[0]], out[e, first.shape[0]:] = parts.pop((e, GATE)), parts.pop((e, UP))
+        return out
     if bias:
         shape = (experts, first.shape[0] * (1 if down else 2))
     else:

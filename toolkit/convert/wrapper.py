@@ -1,13 +1,19 @@
 """Multimodal checkpoints whose language model is a family the toolkit converts (Gemma 3 4B / 12B /
 27B as published: Gemma3ForConditionalGeneration; Qwen3.5 / 3.6: Qwen3_5ForConditionalGeneration,
-Qwen3_5MoeForConditionalGeneration), read as that language model.
+Qwen3_5MoeForConditionalGeneration; Mistral Small 4: Mistral3ForConditionalGeneration around a mistral4
+text model), read as that language model.
 
 transformers 5.23 saves Gemma 3's text model under `language_model.` (`language_model.model.*`,
 `language_model.lm_head.weight` where untied: its _checkpoint_conversion_mapping reversed on save,
 as the published files are), the vision tower and the projector beside it, and the text model's
 config under `text_config`. Qwen3.5's keeps the text model's `model.*` under `model.language_model.*`
 and `lm_head.weight` as it is, beside `model.visual.*` and the multi-token-prediction `mtp.*` (as
-published, and as transformers' qwen3_5_text PrefixChange reads them into Qwen3_5ForCausalLM). The converter reads the language model through `LanguageModelView`:
+published, and as transformers' qwen3_5_text PrefixChange reads them into Qwen3_5ForCausalLM). Mistral3ForConditionalGeneration (transformers' llava conversion mapping) is saved as Gemma 3's, under
+`language_model.model.*` and `language_model.lm_head.weight` beside `vision_tower.*` and
+`multi_modal_projector.*`; its text model is whichever text_config.model_type names (its family's class),
+tied as the wrapper's own tie_word_embeddings says (Mistral3Config's default true), and experts stored fused
+(Mistral 4's) are read per expert through the wrapper's names.
+The converter reads the language model through `LanguageModelView`:
 the text config as the checkpoint's config.json, the prefixed tensors under their text-model names.
 The megatron checkpoint is the text model; `megatron_to_hf(..., wrapper=DIR)` writes it back into
 the wrapper, every other tensor of DIR copied as it is.
@@ -16,7 +22,7 @@ the wrapper, every other tensor of DIR copied as it is.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +40,7 @@ class Wrapper:
     text_config: str  # the key of the language model's config
     # (prefix in the wrapper, prefix in the language model alone) of the language model's tensors, in order
     renames: tuple[tuple[str, str], ...]
-    text_architecture: str  # the HF class of the language model alone
+    text_architecture: str | None  # the HF class of the language model alone; None: its family's (text_config.model_type's)
     architecture: str  # the wrapper's HF class
     # The wrapper ties its lm_head to the embeddings as its own config's tie_word_embeddings says (class default
     # where the file leaves it out), whatever its text_config says (Qwen3_5ForConditionalGeneration, whose save
@@ -60,6 +66,8 @@ WRAPPERS = (
     Wrapper("qwen3_5", "text_config", _QWEN3_5, "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", True),
     Wrapper("qwen3_5_moe", "text_config", _QWEN3_5, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
             True),
+    Wrapper("mistral3", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            None, "Mistral3ForConditionalGeneration", True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
@@ -78,7 +86,11 @@ def text_config(cfg: dict, wrapper: Wrapper, where: Path) -> dict:
     inherited = {k: cfg[k] for k in INHERITED if k in cfg and k not in text}
     if wrapper.ties_at_top_level:
         inherited["tie_word_embeddings"] = _wrapper_ties(cfg, wrapper)
-    return {**text, **inherited, "architectures": [wrapper.text_architecture]}
+    architecture = wrapper.text_architecture
+    if architecture is None:  # the text model's family's class; an unknown model_type is refused by its reader later
+        family = _family(text)
+        architecture = family.architecture if family else None
+    return {**text, **inherited, "architectures": [architecture]}
 
 
 def _wrapper_ties(cfg: dict, wrapper: Wrapper) -> bool:
@@ -130,8 +142,17 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     ignored.drop(src, None)  # transformers' own rules, over every tensor of the file (a wrapper's others too)
     wrapper = wrapper_for(src.config)
     if wrapper:
-        view = LanguageModelView(src, wrapper)
-        family = _family(view.config)
+        quantization = src.config.get("quantization_config")
+        if quantization is not None:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ConversionError(f"{src.dir / 'config.json'}: a quantized {wrapper.model_type} checkpoint "
+                                  f"(quantization_config.quant_method={method!r}) is not read: only unquantized "
+                                  "multimodal checkpoints convert through their language model")
+        family = _family(text_config(src.config, wrapper, src.dir / "config.json"))
+        fused = family.fused_experts if family else None
+        if fused is not None:  # experts stored fused (Mistral 4): read one at a time, under the wrapper's names
+            fused = replace(fused, prefix=wrapper.wrapper_name(fused.prefix), per_expert=wrapper.wrapper_name(fused.per_expert))
+        view = LanguageModelView(fused_view(src, fused), wrapper)
     else:
         family = _family(src.config)
         fused = family.fused_experts if family else None  # experts stored fused (gpt-oss): read one at a time

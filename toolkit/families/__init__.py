@@ -42,11 +42,9 @@ _MINISTRAL3 = ("Ministral 3 scales each query by 1 + llama_4_scaling_beta * ln(1
 REFUSED: dict[str, str] = {
     "llama4_text": _LLAMA4,
     "llama4": _LLAMA4,
+    # (also inside the wrapper mistral3, Mistral3ForConditionalGeneration, as published: its wrapper route,
+    # toolkit/convert/wrapper.py, reads the ministral3 text_config and refuses it so)
     "ministral3": _MINISTRAL3,
-    # the published Ministral 3 checkpoints are this wrapper (Mistral3ForConditionalGeneration, a Pixtral tower beside
-    # a ministral3 text_config); it has no wrapper route (toolkit/convert/wrapper.py) either
-    "mistral3": "the multimodal wrapper Mistral3ForConditionalGeneration has no wrapper route yet "
-                "(toolkit/convert/wrapper.py); its Ministral 3 language model besides: " + _MINISTRAL3,
 }
 
 

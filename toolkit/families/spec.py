@@ -107,6 +107,10 @@ class ModelSpec:
     # for an attention layer (megatron-core's linear_attention_freq as a list)
     linear_attention: dict | None = field(default=None, hash=False)
     linear_layers: str | None = None
+    # The longest sequence the model converts and trains exactly as HF computes it (Mistral 4: its Llama-4
+    # query scale is 1 below rope_parameters.original_max_position_embeddings, toolkit/families/mistral4.py);
+    # None: no such bound
+    exact_seq_len: int | None = None
 
     @property
     def q_lora(self) -> bool:
@@ -306,6 +310,12 @@ def _rotary_percent(cfg: dict, family: Family) -> float:
     the HF config classes read it."""
     rope_params = cfg.get("rope_parameters") or {}
     partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if family.mla_rope_share:  # the MLA head's rotated share, which qk_pos_emb_head_dim already is
+        nope, rope = cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim")
+        if partial is not None and isinstance(nope, int) and isinstance(rope, int) and float(partial) != rope / (nope + rope):
+            raise ConversionError(f"partial_rotary_factor={partial!r} is not supported for {family.name}: its RoPE rotates "
+                                  f"the qk_rope_head_dim={rope} of each {nope + rope}-dimensional head (only {rope / (nope + rope)!r})")
+        return 1.0
     if partial is None or float(partial) == 1.0:
         return 1.0
     if not family.partial_rotary:

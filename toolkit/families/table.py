@@ -154,8 +154,15 @@ class FusedExperts:
     per_expert: str
     gate_up: str
     down: str
-    gate_up_bias: str
-    down_bias: str
+    gate_up_bias: str | None = None  # None: experts without biases
+    down_bias: str | None = None
+    # INTERLEAVED: as above (gpt-oss). LINEAR: transformers 5's own fused experts (Mistral 4's Mistral4Experts),
+    # applied as nn.functional.linear: `gate_up` [experts, 2 x ffn, hidden] = [gate; up] along dim 1 (its
+    # .chunk(2, dim=-1) of the output), `down` [experts, hidden, ffn], no biases
+    layout: str = "interleaved"
+
+
+INTERLEAVED, LINEAR = "interleaved", "linear"
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,10 @@ class Family:
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
     # Experts stored fused per layer (gpt-oss), read and written per expert by the converter
     fused_experts: FusedExperts | None = None
+    # HF's partial_rotary_factor is the share of a multi-latent attention head that RoPE rotates,
+    # qk_rope_head_dim / (qk_nope_head_dim + qk_rope_head_dim) (Mistral 4), which megatron-core's
+    # qk_pos_emb_head_dim already is: read as that share (rotary_percent 1), any other value refused
+    mla_rope_share: bool = False
 
     @property
     def float32_names(self) -> tuple[tuple[str, str], ...]:
