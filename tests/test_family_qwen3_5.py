@@ -460,6 +460,42 @@ def test_damaged_fused_experts_are_refused_in_one_line(tiny_qwen3_5, tmp_path):
         r"gate_up_proj' \(a layer holds gate_up_proj, down_proj, without biases\)"))
 
 
+def test_lora_on_the_four_in_proj_linears_lands_on_megatron_cores_one_in_proj_rows():
+    """PEFT puts one LoRA on each of in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; the toolkit wraps megatron-core's
+    one GatedDeltaNet.in_proj (column-parallel) with four (A, B) pairs, A whole, each B's rows added where that
+    tensor's rows are. At TP 2, rank r's in_proj is [q_r; k_r; v_r; z_r; beta_r; alpha_r] (each part's r-th half,
+    gated_delta_net.py's in_proj split), written out here from the part sizes: in_proj_qkv's rows of q_r, k_r, v_r,
+    then z_r, b_r, a_r."""
+    from toolkit.families.qwen3_5 import QWEN3_5_MOE
+    from toolkit.layouts import Layout
+    from toolkit.lora import targets
+    from toolkit.lora.shards import placements
+
+    spec = spec_from_config(make_config(MOE).to_dict())[1]
+    names = [f"in_proj_{p}" for p in ("qkv", "z", "b", "a")]
+    [linear] = targets.resolve(QWEN3_5_MOE, spec, names)
+    assert (linear.module, linear.parallel, linear.chosen) == ("self_attention.in_proj", "column", tuple(names))
+    qk, v, heads = 2 * 8, 4 * 12, 4  # key heads x key dim; value heads x value dim; value heads
+    sizes = {"in_proj_qkv": 2 * qk + v, "in_proj_z": v, "in_proj_b": heads, "in_proj_a": heads}
+    assert [(t.name, t.out_features, t.in_features) for t in linear.parts] == [(n, sizes[n], 64) for n in names]
+    for rank in range(2):
+        # each part (q, k, v, z, b, a) halved: the rank's rows, in its local order
+        halves = [(name, start + rank * length // 2, length // 2) for name, start, length in (
+            ("in_proj_qkv", 0, qk), ("in_proj_qkv", qk, qk), ("in_proj_qkv", 2 * qk, v), ("in_proj_z", 0, v),
+            ("in_proj_b", 0, heads), ("in_proj_a", 0, heads))]
+        expected: dict[str, list[int]] = {}
+        for name, start, length in halves:
+            expected.setdefault(name, []).extend(range(start, start + length))
+        local = 0
+        placed = placements(linear.row.split, [(t.name, t.out_features) for t in linear.parts], 2, rank,
+                            Layout(2, 1).geometry(spec), 0)
+        for t, where in zip(linear.parts, placed):
+            rows = expected[t.name]
+            assert where.hf.tolist() == rows, (rank, t.name)
+            assert where.local.tolist() == list(range(local, local + len(rows))), (rank, t.name)
+            local += len(rows)
+
+
 # The published sizes: (corpus entry, the model card's total and active billions, truncated). Qwen3.5-0.8B:
 # "0.8B" (0.75B with its tied embeddings); Qwen3.6-35B-A3B: "35B total, 3B activated" (35.95B; 3.45B with
 # the embedding and output layer, 2.44B without).
