@@ -383,15 +383,29 @@ def test_guards_fused_halves_read_interleaved_or_transposed_are_far_off(tiny_qwe
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_fused_experts_convert_bit_exactly_and_export_per_expert(tiny_qwen3_5, tmp_path, fmt):
+def test_fused_experts_convert_bit_exactly_and_export_per_expert(tiny_qwen3_5, tmp_path, fmt, monkeypatch):
     """The fused bf16 files at TP2 x PP2 x EP2: the text model's export holds the per-expert tensors transformers
     saves, byte for byte the per-expert model's, and loads as Qwen3_5MoeForCausalLM; exported into the fused
     wrapper, every tensor outside the language model keeps the wrapper's bytes, the config is untouched, the
-    language model's tensors are the per-expert wrapper's, and Qwen3_5MoeForConditionalGeneration loads it."""
+    language model's tensors are the per-expert wrapper's, and Qwen3_5MoeForConditionalGeneration loads it.
+    The fused tensors are read one expert at a time from the file, never a layer's whole."""
     import transformers
 
+    from toolkit.convert.hf_source import HFCheckpoint
+
+    read, fused_reads = HFCheckpoint.read, []
+
+    def recorded(self, name, *args, **kwargs):
+        tensor = read(self, name, *args, **kwargs)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            fused_reads.append(tuple(tensor.shape))
+        return tensor
+
+    monkeypatch.setattr(HFCheckpoint, "read", recorded)
     text = tiny_qwen3_5[f"{MOE}-bf16-fused"]
     out = hf_to_megatron(text, tmp_path / "m", tp=2, pp=2, ep=2, fmt=fmt, progress=False)
+    monkeypatch.undo()
+    assert fused_reads and {shape[0] for shape in fused_reads} == {1}, fused_reads[:3]
     back = megatron_to_hf(out, tmp_path / "back", progress=False)
     assert tensor_hashes(back) == tensor_hashes(tiny_qwen3_5[f"{MOE}-bf16"])
     assert type(transformers.AutoModelForCausalLM.from_pretrained(back)).__name__ == "Qwen3_5MoeForCausalLM"
