@@ -178,8 +178,7 @@ class FusedExpertsView:
             if self.whole.shape(name) != shape:
                 raise ConversionError(f"tensor {self._stored(name)!r} has shape {list(self.whole.shape(name))} but "
                                       f"layer {layer}'s {where.gate_up.rsplit('.', 1)[-1]} implies {list(shape)} "
-                                      f"(experts = {experts}, "
-                                      f"2 x ffn = {two_ffn}, hidden = {hidden})")
+                                      f"(experts = {experts}, 2 x ffn = {two_ffn}, hidden = {hidden})")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
