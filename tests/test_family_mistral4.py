@@ -299,7 +299,7 @@ def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path)
 
 def test_lora_on_the_fused_experts_keeps_transformers_gate_up_order():
     """PEFT's LoRA on `mlp.experts.gate_up_proj` (target_parameters) adds B's rows to megatron-core's [gate; up]
-    rows as they are for Mistral 4's LINEAR fused experts (transformers 5's module layout, as every MoE family's),
+    rows as they are for Mistral 4's fused experts (FUSED_HALVES) (transformers 5's module layout, as every MoE family's),
     and de-interleaves them only for gpt-oss's. Found by the LoRA-vs-PEFT run at DP2 x EP2 (before: Mistral 4's
     rows were de-interleaved as gpt-oss's, and its first step already routed otherwise than PEFT's; after: losses
     within 9.0e-7 of PEFT's, gradient norms 2.1e-7, PeftModel on the exported adapter 7.7e-7 off the reference's

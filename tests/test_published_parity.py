@@ -6,7 +6,8 @@ the multimodal Gemma 3's language model, against the wrapper's own text-only for
 its guards (tests/test_family_glm4_moe.py); gpt-oss with its guards, its experts at expert TP 1
 (tests/test_family_gpt_oss.py); DeepSeek-V3 with its guards (tests/test_family_deepseek_v3.py); Qwen3-Next in
 both formats (its guards in tests/test_family_qwen3_next.py); Qwen3.5 dense and MoE in both formats and both
-wrappers' language models (its guards in tests/test_family_qwen3_5.py); MiniMax-M2 in both formats, as published
+wrappers' language models, the MoE ones with their experts stored fused too (its guards in
+tests/test_family_qwen3_5.py); MiniMax-M2 in both formats, as published
 in FP8 (against HF's model of the dequantized weights) and with its guard (tests/test_family_minimax_m2.py); Mistral 4
 and Mistral Small 4's wrapper with its guards (tests/test_family_mistral4.py)."""
 

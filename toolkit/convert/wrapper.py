@@ -22,7 +22,7 @@ the wrapper, every other tensor of DIR copied as it is.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,6 +107,7 @@ class LanguageModelView:
 
     def __init__(self, src: HFCheckpoint, wrapper: Wrapper):
         self.wrapper, self.whole, self.dir = wrapper, src, src.dir
+        self.experts = None  # the language model's experts, where stored fused, read per expert (fuse_experts)
         self.config = text_config(src.config, wrapper, src.dir / "config.json")
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
         self.tensors = {wrapper.text_name(name): e for name, e in src.tensors.items() if wrapper.text_name(name)}
@@ -118,7 +119,23 @@ class LanguageModelView:
         return self.tensors[name].shape
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        entry = self.tensors.get(name)  # None: a fused tensor itself, read by self.experts
+        if self.experts is not None and entry is not None and entry.file is None:  # one expert of a fused tensor
+            return self.experts.read(name, rows, cols)
         return self.whole.read(self.wrapper.wrapper_name(name), rows, cols)
+
+    def stored_name(self, name: str) -> str:
+        """A language-model tensor's name in the wrapper's files."""
+        return self.wrapper.wrapper_name(name)
+
+    def fuse_experts(self, fused) -> None:
+        """Show the language model's fused experts (`model.language_model.layers.*.mlp.experts.gate_up_proj`
+        in the wrapper) per expert, as a text checkpoint's (toolkit/convert/fused_experts.py): the view
+        reads the fused tensors through this one; every tensor of the wrapper stays where it is."""
+        from toolkit.convert.fused_experts import FusedExpertsView
+
+        self.experts = FusedExpertsView(self, fused)
+        self.tensors = self.experts.tensors
 
     def tokenizer_files(self) -> list[Path]:
         return self.whole.tokenizer_files()
@@ -148,15 +165,16 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
             raise ConversionError(f"{src.dir / 'config.json'}: a quantized {wrapper.model_type} checkpoint "
                                   f"(quantization_config.quant_method={method!r}) is not read: only unquantized "
                                   "multimodal checkpoints convert through their language model")
-        family = _family(text_config(src.config, wrapper, src.dir / "config.json"))
-        fused = family.fused_experts if family else None
-        if fused is not None:  # experts stored fused (Mistral 4): read one at a time, under the wrapper's names
-            fused = replace(fused, prefix=wrapper.wrapper_name(fused.prefix), per_expert=wrapper.wrapper_name(fused.per_expert))
-        view = LanguageModelView(fused_view(src, fused), wrapper)
+        view = LanguageModelView(src, wrapper)
+        family = _family(view.config)
+        if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, where stored fused
+            view.fuse_experts(family.fused_experts)
     else:
         family = _family(src.config)
         fused = family.fused_experts if family else None  # experts stored fused (gpt-oss): read one at a time
-        view = fp8.Fp8View(src) if fused is None and fp8.is_fp8(src.config) else fused_view(src, fused)
+        # FP8 weights dequantized beneath a view of fused experts that has no MXFP4 of its own (Qwen3.5-MoE's)
+        fp8_first = fp8.is_fp8(src.config) and (fused is None or not fused.mxfp4)
+        view = fused_view(fp8.Fp8View(src) if fp8_first else src, fused)
     of_file = src.ignored
     ignored.drop(view, family)  # the family's rules (multi-token-prediction layers)
     view.ignored = {**of_file, **view.ignored}

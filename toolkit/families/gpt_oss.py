@@ -34,7 +34,7 @@ from toolkit.families.gemma3 import LAYER_TYPES, layer_types
 from toolkit.families.llama import L, M
 from toolkit.families.qwen2 import QWEN2
 from toolkit.families.router import Router
-from toolkit.families.table import MOE_LAYER, Family, FusedExperts, row
+from toolkit.families.table import FUSED_INTERLEAVED, MOE_LAYER, Family, FusedExperts, row
 from toolkit.splits import Split
 
 # megatron-core's quick_gelu is x * sigmoid(1.702 * x) (fusions/fused_bias_geglu.py)
@@ -110,5 +110,5 @@ GPT_OSS = Family(
     router=Router(experts_keys=("num_local_experts",), ffn_key="intermediate_size"),
     fused_experts=FusedExperts(
         prefix=L + "mlp.experts.", per_expert=X, gate_up="gate_up_proj", down="down_proj",
-        gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias"),
+        gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias", layout=FUSED_INTERLEAVED, mxfp4=True),
 )

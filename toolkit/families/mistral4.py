@@ -24,7 +24,7 @@ Mistral3ForConditionalGeneration, whose language model this is: toolkit/convert/
   mlp.experts (Mistral4Experts)     transformers 5's fused experts, stored so in the checkpoint (mistral4 has no
                                     checkpoint conversion mapping to per-expert tensors): gate_up_proj
                                     [experts, 2 x ffn, hidden] = [gate; up], down_proj [experts, hidden, ffn],
-                                    read and written per expert (toolkit/convert/fused_experts.py, LINEAR)
+                                    read and written per expert (toolkit/convert/fused_experts.py, FUSED_HALVES)
   shared_experts, dense layers      DeepSeek-V3's: one ungated MLP of n_shared_experts x moe_intermediate_size,
                                     Llama's MLP of intermediate_size below first_k_dense_replace
   norms, embeddings, head           RMSNorm (eps rms_norm_eps; the latent norms 1e-6 whatever it says, as
@@ -42,7 +42,7 @@ from toolkit.families.llama import L
 from toolkit.families.mla import read_mla
 from toolkit.families.router import Router, positive
 from toolkit.families.sigmoid_router import DEEPSEEK_ROUTER, read_sigmoid_routing
-from toolkit.families.table import LINEAR, FusedExperts
+from toolkit.families.table import FUSED_HALVES, FusedExperts
 
 # DeepSeek-V3's rows without the expert bias, the router weight as any other (Mistral 4 keeps none in float32)
 ROWS = tuple(replace(r, float32_parameter=False) for r in DEEPSEEK_V3.rows if not r.float32_buffer)
@@ -88,6 +88,6 @@ MISTRAL4 = replace(
     mtp_key=None,
     router=replace(DEEPSEEK_ROUTER, read=read_softmax_routing),
     fused_experts=FusedExperts(prefix=L + "mlp.experts.", per_expert=L + "mlp.experts.#.", gate_up="gate_up_proj",
-                               down="down_proj", layout=LINEAR),
+                               down="down_proj", layout=FUSED_HALVES),
     mla_rope_share=True,
 )
