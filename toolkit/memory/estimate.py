@@ -24,7 +24,7 @@ from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_st
 from toolkit.units import size
 
 GIB = 1 << 30
-WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # fp8: bf16 weights (FP8 copies: fp8_extra_bytes)
 # CUDA context, cuBLAS workspaces and NCCL communicator buffers on each GPU. An assumption for
 # planning (typically 1-3 GiB on H100/A100 with NCCL), not measured here; 0 on CPU.
 RUNTIME_RESERVE_BYTES = 2 * GIB
