@@ -79,9 +79,6 @@ def refusal(fp8, device: Device) -> str | None:
             "Transformer Engine, which runs on GPUs only"
         return (f"fp8.recipe={recipe} needs {where}; the local spec runs fp8.recipe=tensorwise or rowwise "
                 "through torchao")
-    if fp8.param_gather:
-        return ("fp8.param_gather=true keeps TE's weights in FP8 (megatron-core's fp8_param): the local spec keeps "
-                "bf16 weights and quantizes them at each GEMM; leave it false")
     return None
 
 

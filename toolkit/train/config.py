@@ -194,8 +194,8 @@ class Fp8Config:
     amax_history_len: PositiveInt = 1024  # recipe=delayed: amaxes kept per tensor (Megatron-Bridge's delayed recipe)
     amax_compute_algo: Literal["max", "most_recent"] = "max"  # recipe=delayed: the scale from the history's max or its last
     margin: Count = 0  # recipe=delayed: scales lowered by 2**margin
-    # Transformer Engine spec: the weights kept in FP8 (megatron-core's fp8_param), so that their
-    # all-gathers move FP8; off by default, as in megatron-core
+    # the weights kept in FP8 (megatron-core's fp8_param, TE spec), so that their all-gathers move FP8;
+    # off, as in megatron-core, and refused for now: DeepSpeed's ZeRO keeps bf16 weights
     param_gather: bool = False
 
 
@@ -567,6 +567,10 @@ def _validate_fp8(cfg: TrainConfig) -> None:
     if cfg.fp8.first_last_bf16 and cfg.fp8.recipe == "delayed":
         raise ConfigError("fp8.first_last_bf16 with fp8.recipe=delayed is not supported (megatron-core refuses it: "
                           "delayed scaling keeps one amax history for every layer); use fp8.recipe=tensorwise")
+    if cfg.fp8.param_gather:
+        raise ConfigError("fp8.param_gather=true is not supported yet: megatron-core's fp8_param makes the weights "
+                          "Transformer Engine FP8 tensors, made for megatron-core's distributed optimizer; DeepSpeed's "
+                          "ZeRO flattens or partitions bf16 weights and copies its fp32 masters into them; leave it false")
     for given, what in ((cfg.peft.enabled, "peft.enabled (LoRA's adapters are not FP8 linears)"),
                         (cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp (FSDP's fp32 masters and its "
                                                            "casts are not wired with FP8)")):
