@@ -176,3 +176,47 @@ def test_ds_config_cli_refuses_fp8_with_fp16_in_one_line():
     with pytest.raises(ConfigError, match="FP8 with fp16 is not supported") as e:
         precision_from_flags(["fp8", "fp16"])
     assert "\n" not in str(e.value)
+
+
+def test_memory_prices_fp8_as_each_spec_keeps_it():
+    """Llama-3-8B at TP 2 x PP 2, 4k tokens, on the GPU profile (Transformer Engine): the linears' kept
+    inputs at 1 byte instead of 2 and two FP8 copies (row- and column-wise) of every decoder linear
+    weight, counted from the published config's shapes; on the local spec (torchao) bf16's figures."""
+    from toolkit.dsconfig import Setup
+    from toolkit.memory import GPU, estimate
+    from toolkit.memory import activations as act
+    from toolkit.modelspec import read
+    from tests.test_plan import MODELS
+
+    spec = read(MODELS / "llama-3-8b")
+    tp, pp, seq = 2, 2, 4096
+
+    def stage0(precision, kernels):
+        return estimate(spec, Setup(gpus=8, tp=tp, pp=pp, precision=precision, micro_batch=1, global_batch=16), seq,
+                        kernels=kernels).stages[0]
+
+    bf16, fp8 = stage0("bf16", GPU), stage0("fp8", GPU)
+    h, q, kv, f = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.ffn_hidden_size
+    linear_weights = spec.num_layers // pp * (h * (q + 2 * kv) + q * h + 3 * h * f) // tp
+    assert fp8.temporaries - bf16.temporaries == 2 * linear_weights
+    bf16_inputs = act._linear_inputs(spec, act.Shape(seq, 1, tp, 2))
+    in_flight = (bf16.activations - fp8.activations) // (spec.num_layers // pp * bf16_inputs // 2)
+    assert in_flight == pp and bf16.activations - fp8.activations == in_flight * spec.num_layers // pp * bf16_inputs // 2
+    assert fp8.states == bf16.states  # bf16 weights, fp32 masters and Adam as with bf16
+    local_bf16, local_fp8 = stage0("bf16", act.CPU_LOCAL), stage0("fp8", act.CPU_LOCAL)
+    assert (local_fp8.activations, local_fp8.temporaries) == (local_bf16.activations, local_bf16.temporaries)
+
+
+def test_plan_and_memory_take_fp8_and_refuse_it_with_lora(capsys):
+    from tests.test_plan import MODELS
+    from toolkit.cli import main
+
+    assert main(["memory", str(MODELS / "llama-3-8b"), "--gpus", "8", "--tp", "2", "--pp", "2",
+                 "--fp8", "--seq-len", "4096"]) == 0
+    assert "fp8" in capsys.readouterr().out
+    assert main(["plan", "--model", str(MODELS / "llama-3-8b"), "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--precision", "fp8", "--top", "1"]) == 0
+    assert main(["plan", "--model", str(MODELS / "llama-3-8b"), "--gpus", "8", "--gpu-memory", "80GiB",
+                 "--precision", "fp8", "--lora-r", "16"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: precision=fp8 with LoRA is not supported yet; use bf16", err
