@@ -47,6 +47,16 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
     return meta
 
 
+def fp8_line(cfg: TrainConfig, spec) -> str:
+    """What precision=fp8 runs, in one line for the log."""
+    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0]
+    ends = ", the first and last decoder layers in bf16" if cfg.fp8.first_last_bf16 else ""
+    if layer_spec == "te":
+        return f"fp8: recipe {cfg.fp8.recipe}, Transformer Engine's (megatron-core's fp8_recipe){ends}"
+    return (f"fp8: recipe {cfg.fp8.recipe}, torchao's FP8 GEMMs in the decoder layers' linears{ends}; the embedding, "
+            "output layer, router and experts in bf16 (toolkit/fp8/local.py)")
+
+
 def check_fp8(cfg: TrainConfig, spec) -> None:
     """precision=fp8's recipe against this machine and the layer spec it runs (toolkit.fp8.recipes)."""
     if cfg.precision != "fp8":
