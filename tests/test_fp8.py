@@ -129,6 +129,22 @@ def gemm_snr(gemm, recipe: str | None) -> dict:
             "grad_weight": snr_db(g.flatten(0, -2).t() @ x.flatten(0, -2), wb.grad)}
 
 
+def chosen_linears() -> dict:
+    """The linears apply_fp8 switches, per model: a dense one with fp8.first_last_bf16, a MoE one."""
+    from toolkit.families import spec_from_config
+    from toolkit.fp8.local import apply_fp8
+    from toolkit.layouts import Layout
+    from toolkit.model import build_gpt_model
+    from toolkit.tinymodels import make_config
+
+    chosen = {}
+    for variant, first_last in (("llama", True), ("qwen3-moe", False)):
+        _, spec = spec_from_config(make_config(variant, num_hidden_layers=LAYERS).to_dict())
+        model = build_gpt_model(spec, Layout(1, 1), torch.bfloat16, layer_spec="local")
+        chosen[variant] = apply_fp8([model], "tensorwise", first_last, spec.num_layers, pad_inner_dim=False)
+    return chosen
+
+
 def snr_sweep(checkpoint: str) -> dict:
     """Worker (one rank): per case, the worst linear's SNR against fp32 for each of its three GEMMs."""
     from toolkit.runtime.distributed import init_parallel
@@ -141,7 +157,7 @@ def snr_sweep(checkpoint: str) -> dict:
              "rowwise, scales not applied": ("rowwise", scales_not_applied),
              "tensorwise, gradients unquantized": ("tensorwise", gradients_unquantized),
              "rowwise, gradients unquantized": ("rowwise", gradients_unquantized)}
-    results = {}
+    results = {"chosen": chosen_linears()}
     for name, (recipe, guard) in cases.items():
         with guard():
             per_layer = [gemm_snr(gemm, recipe) for gemm in gemms.values()]
@@ -163,12 +179,19 @@ def test_fp8_linears_signal_to_noise_against_fp32_in_one_step(tiny_checkpoint):
     """One process: every decoder linear's GEMMs (4 linears per layer) as the model ran them in fp32,
     replayed through the FP8 forward: tensorwise and rowwise at >= 18 dB (outputs) and >= 17 dB (both
     gradients), each at least 6 dB below bf16's; scales not applied fail the bar, gradients left
-    unquantized fail the distance from bf16."""
+    unquantized fail the distance from bf16. Which linears switch: with fp8.first_last_bf16 none of
+    the first and last layers'; in a MoE model none of the experts' or the router's."""
     from toolkit.runtime.launch import run_on_processes
 
     results = run_on_processes("tests.test_fp8:snr_sweep", 1, str(tiny_checkpoint), cpu=True)[0]
     print("\n".join(f"{name}: " + ", ".join(f"{k} {v:.1f} dB" for k, v in r.items() if k != "layers")
-                    for name, r in results.items()))
+                    for name, r in results.items() if name != "chosen"))
+    chosen = results.pop("chosen")
+    dense = [f"chunk0.layer{n}.{m}" for n in range(2, LAYERS) for m in
+             ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")]
+    assert chosen["llama"] == sorted(dense), chosen["llama"]  # fp8.first_last_bf16: layers 1 and 4 in bf16
+    assert chosen["qwen3-moe"] == sorted(f"chunk0.layer{n}.self_attention.{m}" for n in range(1, LAYERS + 1)
+                                         for m in ("linear_proj", "linear_qkv")), chosen["qwen3-moe"]  # experts, router: bf16
     bf16 = results["bf16"]
     for recipe in ("tensorwise", "rowwise"):
         r = results[recipe]

@@ -140,6 +140,30 @@ def test_te_spec_config_of_every_recipe_builds_with_the_gpu_flags(monkeypatch, t
     assert {k: getattr(config, k) for k in expected} == expected
 
 
+def test_te_spec_config_of_a_moe_model_pads_the_experts_tokens_and_refuses_allgather(monkeypatch, tmp_path):
+    """A Mixture-of-Experts model on the TE spec in FP8: each expert's tokens padded to FP8's GEMM multiple
+    (megatron-core's moe_router_padding_for_quantization, alltoall only). megatron-core checks TE's version
+    for MoE FP8 in __post_init__: TE's version is given as a TE in megatron-core's range reads (none can be
+    installed here)."""
+    from megatron.core import utils
+    from packaging.version import Version
+
+    from toolkit.layouts import Layout
+    from toolkit.train import build
+
+    on_gpu(monkeypatch, H100, te=True)
+    monkeypatch.setattr(utils, "get_te_version", lambda: Version("2.14.0"))
+    cfg = recipe_config(tmp_path, ["precision=fp8"])
+    _, spec = spec_from_config(make_config("qwen3-moe").to_dict())
+    build.check_fp8(cfg, spec)
+    config, _ = build.model_config(spec, cfg, Layout(1, 1), "te")
+    assert config.fp8 == "hybrid" and config.moe_router_padding_for_quantization and config.moe_grouped_gemm
+    cfg = recipe_config(tmp_path, ["precision=fp8", "moe.dispatcher=allgather"])
+    with pytest.raises(ConfigError, match="moe.dispatcher=allgather on the Transformer Engine spec") as e:
+        build.check_fp8(cfg, spec)
+    assert "\n" not in str(e.value)
+
+
 def test_megatron_core_without_te_runs_no_fp8_hence_the_local_path(tmp_path):
     """Why the local spec does its own FP8: megatron-core's FP8 recipe and context without TE are None
     and a null context, for a config that validates (fp8_utils.py)."""

@@ -63,9 +63,15 @@ def check_fp8(cfg: TrainConfig, spec) -> None:
         return
     from toolkit.fp8 import recipes
 
-    problem = recipes.refusal(cfg.fp8, recipes.this_device(*model_builder.layer_spec_choice(cfg.peft.enabled, spec)))
+    layer_spec, why = model_builder.layer_spec_choice(cfg.peft.enabled, spec)
+    problem = recipes.refusal(cfg.fp8, recipes.this_device(layer_spec, why))
     if problem:
         raise ConfigError(problem)
+    if spec.is_moe and layer_spec == "te" and cfg.moe.dispatcher == "allgather":
+        # transformer_config.py: moe_router_padding_for_quantization refuses the allgather dispatcher
+        raise ConfigError("precision=fp8 with moe.dispatcher=allgather on the Transformer Engine spec is not supported: "
+                          "megatron-core pads each expert's tokens to FP8's GEMM multiple with the alltoall dispatcher "
+                          "only; use moe.dispatcher=alltoall")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -230,6 +236,8 @@ def model_config(spec, cfg: TrainConfig, layout: Layout, layer_spec: str):
         from toolkit.fp8.recipes import te_fields
 
         settings.update(te_fields(cfg.fp8))
+        if spec.is_moe:  # each expert's tokens padded to FP8's GEMM multiple (megatron-core's moe_utils / dispatcher)
+            settings.update(moe_router_padding_for_quantization=True)
     config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
                                 **settings)
     return config, aux_loss
