@@ -244,3 +244,16 @@ def test_plan_and_memory_take_fp8_and_refuse_it_with_lora(capsys):
                  "--precision", "fp8", "--lora-r", "16"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "error: precision=fp8 with LoRA is not supported yet; use bf16", err
+
+
+def test_the_fp8_forward_refuses_a_linear_argument_it_would_ignore():
+    """megatron-core 0.19.2's linears pass gtp_remat_size (1 unless a gtp_remat group shards the weight);
+    the FP8 forward takes 1 and refuses another value, or an argument no supported release passes."""
+    from toolkit.runtime import megatron_versions
+
+    megatron_versions.check_linear_forward_arguments({"gtp_remat_size": 1})
+    for later, message in (({"gtp_remat_size": 2}, "takes gtp_remat_size=1 only"),
+                           ({"fp8_output": True}, "passes fp8_output=True to a linear's _forward_impl")):
+        with pytest.raises(ConfigError, match=message) as e:
+            megatron_versions.check_linear_forward_arguments(later)
+        assert "\n" not in str(e.value)

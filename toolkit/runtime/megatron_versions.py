@@ -143,12 +143,14 @@ LINEAR_FORWARD_LATER = {"gtp_remat_size": 1}  # 0.19.2
 
 def check_linear_forward_arguments(later: dict) -> None:
     """Refuse a linear's _forward_impl argument that the FP8 forward would silently ignore."""
+    from toolkit.errors import ConfigError
+
     for name, value in later.items():
         if name not in LINEAR_FORWARD_LATER:
-            raise NotImplementedError(f"megatron-core {installed()} passes {name}={value!r} to a linear's _forward_impl, "
+            raise ConfigError(f"megatron-core {installed()} passes {name}={value!r} to a linear's _forward_impl, "
                                       "which toolkit/fp8/local.py does not know: it would compute another GEMM")
         if value != LINEAR_FORWARD_LATER[name]:
-            raise NotImplementedError(f"{name}={value!r} (megatron-core {installed()}): the FP8 forward on the local "
+            raise ConfigError(f"{name}={value!r} (megatron-core {installed()}): the FP8 forward on the local "
                                       f"spec takes {name}={LINEAR_FORWARD_LATER[name]} only")
 
 
