@@ -257,3 +257,13 @@ def test_the_fp8_forward_refuses_a_linear_argument_it_would_ignore():
         with pytest.raises(ConfigError, match=message) as e:
             megatron_versions.check_linear_forward_arguments(later)
         assert "\n" not in str(e.value)
+
+
+def test_fp8_runs_mfu_against_the_bf16_peak(monkeypatch):
+    """An FP8 run's MFU compares with a bf16 run's: both against the bf16 dense peak (H100 SXM 989.4)."""
+    from toolkit.peak_flops import H100_SXM, matmul_tflops
+    from toolkit.train.metrics import peak_tflops
+
+    on_gpu(monkeypatch, H100, te=True)
+    assert peak_tflops(None, "fp8") == peak_tflops(None, "bf16") == (989.4, "NVIDIA H100 80GB HBM3, bf16 dense")
+    assert matmul_tflops(H100_SXM, "fp8", tf32=False) == 1978.9  # the datasheet's FP8 figure, dense
