@@ -23,6 +23,8 @@ the block spec that composes them from a family's `CustomLayer` choices (toolkit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -124,6 +126,108 @@ class LayerRopeSelfAttention(SelfAttention):
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
+class ValueNorm(torch.nn.Module):
+    """Gemma 4's v_norm: RMSNorm without a weight over each value head, in fp32 (Gemma4RMSNorm(with_scale=False))."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class KeyIsValueLinear(ColumnParallelLinear):
+    """linear_qkv of a Gemma 4 global layer with attention_k_eq_v: it holds [q heads; k] per query group
+    (Split.GLOBAL_QK) and returns [q heads; k; k], the layout SelfAttention splits into q, k, v, so the
+    values are the keys as projected (before k_norm and RoPE), as HF's. Each TP rank holds whole groups."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        self.key_size = config.kv_channels
+        tp = ps.get_tensor_model_parallel_world_size()
+        if config.num_query_groups % tp:
+            raise NotImplementedError(f"attention_k_eq_v with {config.num_query_groups} global key/value heads at TP {tp}")
+        self.local_groups = config.num_query_groups // tp
+        super().__init__(input_size, output_size - config.kv_channels * config.num_query_groups, config=config, **kwargs)
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        grouped = output.view(*output.shape[:-1], self.local_groups, -1)
+        return torch.cat([grouped, grouped[..., -self.key_size:]], dim=-1).flatten(-2), bias
+
+
+def proportional_inv_freq(head_dim: int, base: float, partial: float, device=None) -> torch.Tensor:
+    """Gemma 4's global-layer RoPE frequencies (transformers' "proportional" rope type): for the first
+    int(partial * head_dim / 2) pairs base ** (-2i / head_dim), the exponent over the whole head; 0 for
+    the rest, whose dimensions then pass through (cos 1, sin 0)."""
+    angles = int(partial * head_dim // 2)
+    rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device=device).float() / head_dim))
+    return torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device=device)])
+
+
+class Gemma4SelfAttention(SelfAttention):
+    """A Gemma 4 layer's attention. `layer_kinds`: ModelSpec.linear_layers ("2": a global layer), `global_attention`:
+    ModelSpec.global_attention, `sliding_theta`: the sliding layers' RoPE base. A global layer is built from a
+    copy of the config with its own head size and KV heads (kv_channels, num_query_groups), k as v where
+    k_eq_v; every layer has its own RoPE (the model's is asked for its length only) and a value norm."""
+
+    def __init__(self, config, submodules, layer_number: int, layer_kinds: str = "", global_attention=None,
+                 sliding_theta: float = 10000.0, **kwargs):
+        import copy
+        from dataclasses import replace
+
+        from toolkit.families.table import GLOBAL_LAYER
+
+        g = global_attention
+        is_global = layer_kinds[layer_number - 1] == GLOBAL_LAYER
+        if is_global:
+            config = copy.copy(config)
+            config.kv_channels, config.num_query_groups = g["head_dim"], g["kv_heads"]
+            if g["k_eq_v"]:
+                submodules = replace(submodules, linear_qkv=KeyIsValueLinear)
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self.value_norm = ValueNorm(config.layernorm_epsilon)
+        self.layer_rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                                          rotary_base=g["rope_theta"] if is_global else sliding_theta,
+                                          use_cpu_initialization=config.use_cpu_initialization)
+        if is_global:
+            inv = self.layer_rope.inv_freq
+            self.layer_rope.inv_freq = proportional_inv_freq(config.kv_channels, g["rope_theta"],
+                                                             g["partial_rotary_factor"], inv.device).to(inv.dtype)
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        if rotary_pos_emb is not None:
+            group = self.layer_rope.cp_group
+            rotary_pos_emb = self.layer_rope(rotary_pos_emb.shape[0] * (group.size() if group is not None else 1))
+        return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        out = super().get_query_key_value_tensors(*args, **kwargs)
+        return (out[0], out[1], self.value_norm(out[2]), *out[3:])
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_layer():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class ScaledTransformerLayer(TransformerLayer):
+        """A decoder layer whose output is multiplied by its `layer_scalar` (Gemma 4's stored buffer,
+        not trained: requires_grad False)."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            self.layer_scalar = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype, device=device),
+                                                   requires_grad=False)
+
+        def forward(self, *args, **kwargs):
+            output, context = super().forward(*args, **kwargs)
+            return output * self.layer_scalar, context
+
+    return ScaledTransformerLayer
+
+
 def _qk_norm(kind: str | None, heads: int):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -208,9 +312,11 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, l
     # The TE spec folds the pre-norms into the next linear; its names are the checkpoint's (as the local spec's map)
     keys_map = {"input_layernorm.": f"self_attention.{'in_proj' if linear else 'linear_qkv'}.layer_norm_",
                 "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if layer.pre_norms else {}
+    params = ({"layer_kinds": spec.linear_layers, "global_attention": spec.global_attention,
+               "sliding_theta": spec.window_rope_theta} if layer.gemma4 else {"rope_bases": rope_bases(spec)})
     attention = ModuleSpec(
-        module=LayerRopeSelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "rope_bases": rope_bases(spec)},
+        module=Gemma4SelfAttention if layer.gemma4 else LayerRopeSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, **params},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
             core_attention=DotProductAttention,
@@ -220,7 +326,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, l
         ),
     ) if not linear else gated_delta_net_spec()
     return ModuleSpec(
-        module=TransformerLayer,
+        module=_scaled_layer() if layer.gemma4 else TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=pre_norm,
             self_attention=attention,
@@ -268,7 +374,15 @@ def block_spec(config, spec: ModelSpec, layer: CustomLayer):
 
 
 def adapt_model(model, spec: ModelSpec, layer: CustomLayer) -> None:
-    """What the block spec cannot reach: the embedding's output scale (first stage only)."""
+    """What the block spec cannot reach: the embedding's output scale (first stage only), the final
+    logits' soft-capping (last stage only)."""
+    cap = spec.final_logit_softcapping
+    if cap and getattr(model, "output_layer", None) is not None:
+        def softcap(module, inputs, output):
+            logits, bias = output  # HF: logits / cap, tanh, * cap (Gemma4ForCausalLM.forward)
+            return torch.tanh(logits / cap) * cap, bias
+
+        model.output_layer.register_forward_hook(softcap)
     if layer.embedding_scale and getattr(model, "embedding", None) is not None:
         normalizer = spec.hidden_size**0.5
 

@@ -45,6 +45,8 @@ class Layout:
             **({"linear_k_heads": spec.linear_attention["k_heads"], "linear_v_heads": spec.linear_attention["v_heads"],
                 "linear_k_dim": spec.linear_attention["k_dim"], "linear_v_dim": spec.linear_attention["v_dim"]}
                if spec.linear_attention else {}),
+            **({"global_kv_heads": spec.global_attention["kv_heads"], "global_head_dim": spec.global_attention["head_dim"]}
+               if spec.global_attention else {}),
         )
 
     def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:

@@ -155,6 +155,19 @@ QWEN3_5 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hea
 QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "moe_intermediate_size": 24,
                "shared_expert_intermediate_size": 40, "num_experts": 6, "num_experts_per_tok": 2}
 
+# Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
+# test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
+# heads (2 of 32, GQA 4) whose keys are their values (attention_k_eq_v) and whose proportional RoPE turns a
+# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 3 (30 as published, a cap
+# the tiny model's logits reach); no per-layer input embeddings (0, as published). layer_scalar randomised.
+GEMMA4 = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=96, vocab_size=251,
+              sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=0, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
+
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -201,6 +214,7 @@ VARIANTS = {
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
+    "gemma4": ("Gemma4TextConfig", GEMMA4),
 }
 
 
@@ -283,6 +297,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
         for name, buffer in model.named_buffers():
             if name.endswith(HF_FLOAT32_BUFFERS):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
+                buffer.uniform_(*DEFAULT_NORM_WEIGHTS)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
     # bias of DeepSeek-V3 / GLM-4.5, their router from transformers 5.24) stay float32, so a bf16 model holds
