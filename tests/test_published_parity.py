@@ -6,7 +6,8 @@ the multimodal Gemma 3's language model, against the wrapper's own text-only for
 its guards (tests/test_family_glm4_moe.py); gpt-oss with its guards, its experts at expert TP 1
 (tests/test_family_gpt_oss.py); DeepSeek-V3 with its guards (tests/test_family_deepseek_v3.py); Qwen3-Next in
 both formats (its guards in tests/test_family_qwen3_next.py); Qwen3.5 dense and MoE in both formats and both
-wrappers' language models (its guards in tests/test_family_qwen3_5.py)."""
+wrappers' language models (its guards in tests/test_family_qwen3_5.py); Gemma 4 in both formats and its wrapper's
+language model (its guards in tests/test_family_gemma4.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 
 from tests import test_family_deepseek_v3 as deepseek
 from tests.test_convert_parity import assert_parity
+from tests import test_family_gemma4 as gemma4
 from tests import test_family_gpt_oss as gpt_oss
 from tests import test_family_qwen3_5 as qwen3_5
 from tests import test_family_qwen3_next as qwen3_next
 from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
+from tests.test_family_gemma4 import tiny_gemma4  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
 from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_5 import tiny_qwen3_5  # noqa: F401  (fixtures)
@@ -34,7 +37,7 @@ FORMATS = ("torch", "torch_dist")
 @pytest.mark.multiprocess
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
                                                     tiny_gpt_oss, tiny_deepseek, tiny_qwen3_next,  # noqa: F811
-                                                    tiny_qwen3_5, tmp_path):  # noqa: F811
+                                                    tiny_qwen3_5, tiny_gemma4, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -46,7 +49,8 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     ds, ds_matching = deepseek.parity_pairs(tiny_deepseek, tmp_path)
     q3n, _ = qwen3_next.parity_pairs(tiny_qwen3_next, tmp_path)  # all must match
     q35, _ = qwen3_5.parity_pairs(tiny_qwen3_5, tmp_path)  # all must match
-    pairs += q3n + q35
+    g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
+    pairs += q3n + q35 + g4
     reports = verify_many(pairs + glm + oss + ds, tp=2, pp=2, ep=2)
     glm_reports = reports[len(pairs):len(pairs) + len(glm)]
     oss_reports = reports[len(pairs) + len(glm):len(pairs) + len(glm) + len(oss)]

@@ -82,6 +82,12 @@ class Layout:
                 f"{groups} key/value heads and {tp}: neither divides the other, which "
                 "megatron-core cannot shard"
             )
+        g_groups = (spec.global_attention or {}).get("kv_heads", 0)  # Gemma 4's global layers
+        if g_groups and g_groups % self.tp and (self.tp % g_groups or spec.global_k_eq_v):
+            why = ("the keys that are also values (attention_k_eq_v) need whole key heads on each rank"
+                   if spec.global_k_eq_v and not self.tp % g_groups else "neither divides the other, which megatron-core "
+                   "cannot shard")
+            raise ConversionError(f"{g_groups} global key/value heads (num_global_key_value_heads) and {tp}: {why}")
         # megatron-core splits a gated delta net by whole key heads, each with the value heads it serves
         # (transformer_config.py:975-980; value heads are a multiple of key heads, qwen3_next.read)
         k_heads = (spec.linear_attention or {}).get("k_heads", 0)

@@ -158,11 +158,11 @@ QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"},
 # Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
 # test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
 # heads (2 of 32, GQA 4) whose keys are their values (attention_k_eq_v) and whose proportional RoPE turns a
-# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 3 (30 as published, a cap
+# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 1.5 (30 as published, a cap
 # the tiny model's logits reach); no per-layer input embeddings (0, as published). layer_scalar randomised.
 GEMMA4 = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
               num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=96, vocab_size=251,
-              sliding_window=8, final_logit_softcapping=3.0, hidden_size_per_layer_input=0, tie_word_embeddings=True,
+              sliding_window=8, final_logit_softcapping=1.5, hidden_size_per_layer_input=0, tie_word_embeddings=True,
               layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -330,6 +330,25 @@ def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", s
                           mm_tokens_per_image=4)
     torch.manual_seed(seed)
     return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)
+
+
+# Gemma 4's vision tower as small as the class allows: one layer of width 32, patches of 4 pixels
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                     head_dim=16, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+
+
+def make_tiny_gemma4_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Gemma 4 as its 31B / 26B-A4B are published (Gemma4ForConditionalGeneration: the tiny `gemma4` text model
+    under `model.language_model`, a vision tower under `model.vision_tower`, its projection under
+    `model.embed_vision`, no audio tower), from transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = make_config("gemma4", **text_overrides)
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**GEMMA4_VISION).to_dict(),
+                          audio_config=None)
+    torch.manual_seed(seed)
+    return _save_randomised(Gemma4ForConditionalGeneration(config), text.model_type, directory, dtype)
 
 
 # Qwen3.5's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings

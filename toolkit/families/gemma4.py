@@ -27,7 +27,8 @@ expresses it:
 Refused in one line, naming the field: per-layer input embeddings (hidden_size_per_layer_input),
 shared KV layers (num_kv_shared_layers), use_double_wide_mlp (only on shared-KV layers), the MoE block
 (enable_moe_block: a dense MLP and 128 experts side by side, each with norms of its own, megatron-core's
-MoE layer replaces the MLP), bidirectional attention, attention biases."""
+MoE layer replaces the MLP), use_bidirectional_attention='all', attention biases. use_bidirectional_attention
+='vision' (as published) converts: it makes image tokens attend both ways, text alone stays causal."""
 
 from dataclasses import replace
 
@@ -131,7 +132,10 @@ GEMMA4 = Family(
     architecture="Gemma4ForCausalLM",
     rows=COMMON_ROWS + SLIDING_ROWS + GLOBAL_ROWS,
     window_key="sliding_window",
-    refuse_flags=("attention_bias", "use_bidirectional_attention"),
+    refuse_flags=("attention_bias",),
+    # "vision": image tokens attend to each other both ways, text causally, so text alone is causal (Gemma4Model's
+    # masks); "all" (no causal mask anywhere) is refused
+    accepted={"use_bidirectional_attention": ("vision",)},
     rope_types=("default", "proportional"),
     rope_key="full_attention",
     activation=("hidden_activation", "gelu_pytorch_tanh"),
