@@ -27,7 +27,7 @@ from toolkit.megatron_settings import settings_for
 from toolkit.splits import Geometry, Split
 from toolkit.tinymodels import make_config, make_tiny_gemma4_multimodal, make_tiny_model
 
-TEXT = "gemma4"
+TEXT, MOE = "gemma4", "gemma4-moe"
 LM = "model.language_model."
 
 
@@ -37,15 +37,19 @@ def tiny_gemma4(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4")
     return {TEXT: make_tiny_model(TEXT, root / TEXT, seed=170),
             f"{TEXT}-bf16": make_tiny_model(TEXT, root / f"{TEXT}-bf16", dtype="bfloat16", seed=171),
+            MOE: make_tiny_model(MOE, root / MOE, seed=174),
+            f"{MOE}-bf16": make_tiny_model(MOE, root / f"{MOE}-bf16", dtype="bfloat16", seed=175),
             "vl": make_tiny_gemma4_multimodal(root / "vl", seed=172),
             "vl-bf16": make_tiny_gemma4_multimodal(root / "vl-bf16", "bfloat16", seed=173)}
 
 
 def parity_pairs(models, tmp_path) -> tuple[list, int]:
-    """(hf, megatron) pairs for the TP2 x PP2 x EP2 launch of tests/test_published_parity.py (EP ranks
-    data-parallel): the text model in both formats and the wrapper's language model; all must match."""
-    pairs = [(models[TEXT], hf_to_megatron(models[TEXT], tmp_path / f"gemma4-{fmt}", tp=2, pp=2, fmt=fmt, progress=False))
-             for fmt in ("torch", "torch_dist")]
+    """(hf, megatron) pairs for the TP2 x PP2 x EP2 launch of tests/test_published_parity.py (the dense ones with
+    the EP ranks data-parallel): the dense and the MoE text models in both formats and the wrapper's language model;
+    all must match."""
+    pairs = [(models[v], hf_to_megatron(models[v], tmp_path / f"{v}-{fmt}", tp=2, pp=2, ep=2 if v == MOE else 1,
+                                        fmt=fmt, progress=False))
+             for v in (TEXT, MOE) for fmt in ("torch", "torch_dist")]
     pairs.append((models["vl"], hf_to_megatron(models["vl"], tmp_path / "gemma4-vl", tp=2, pp=2, progress=False)))
     return pairs, len(pairs)
 
@@ -56,7 +60,11 @@ def test_settings_and_refusals():
         "gemma4", "110110", "002002", 16, 4)
     assert spec.global_attention == {"head_dim": 32, "kv_heads": 2, "k_eq_v": True, "rope_theta": 1e6,
                                      "partial_rotary_factor": 0.25}
-    assert (spec.softmax_scale, spec.final_logit_softcapping, spec.window_rope_theta) == (1.0, 1.5, 1e4)
+    assert (spec.softmax_scale, spec.final_logit_softcapping, spec.window_rope_theta) == (1.0, 0.75, 1e4)
+    assert not spec.is_moe
+    moe = spec_from_config(make_config(MOE).to_dict())[1]
+    assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_renormalise, moe.ffn_hidden_size,
+            moe.moe_layers) == (8, 2, 24, True, 96, None)
     t = settings_for(spec).transformer
     assert {k: t[k] for k in ("kv_channels", "num_query_groups", "softmax_scale", "qk_layernorm",
                               "hetereogenous_dist_checkpoint", "window_attn_skip_freq")} == {
@@ -67,8 +75,6 @@ def test_settings_and_refusals():
             ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8 cannot be mapped exactly"),
             ({"num_kv_shared_layers": 3}, "num_kv_shared_layers=3 cannot be mapped exactly"),
             ({"use_double_wide_mlp": True}, "use_double_wide_mlp=True cannot be mapped exactly"),
-            ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8},
-             "enable_moe_block=True cannot be mapped exactly"),
             ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all' cannot be mapped exactly"),
             ({"attention_bias": True}, "attention_bias=True cannot be mapped exactly"),
             ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
@@ -170,6 +176,39 @@ def _head_dim_scaling(model):
         attn.scaling = attn.head_dim ** -0.5
 
 
+def _router_input_normed(model):
+    """The router reading the experts' input (pre_feedforward_layernorm_2's output), not the residual stream."""
+    for layer in model.model.layers:
+        norm, router = layer.pre_feedforward_layernorm_2, layer.router
+        router.forward = (lambda r, n: lambda x: type(r).forward(r, n(x)))(router, norm)
+
+
+def _no_per_expert_scale(model):
+    for layer in model.model.layers:
+        layer.router.per_expert_scale.fill_(1.0)
+
+
+def _no_router_scale(model):
+    for layer in model.model.layers:
+        layer.router.scale.fill_(1.0)
+
+
+def _no_dense_branch(model):
+    for layer in model.model.layers:
+        layer.mlp.down_proj.weight.zero_()
+
+
+def test_moe_guards_each_piece_moves_hf_logits_past_the_tolerance(tiny_gemma4):
+    """The MoE block's pieces, each dropped in HF's own model: the router reading the residual stream (the experts'
+    normed input instead), its scale, the per-expert scale, the dense MLP beside the experts."""
+    src = tiny_gemma4[MOE]
+    base = hf_logits(src)
+    moved = {name: (hf_logits(src, edit) - base).abs().max().item() for name, edit in (
+        ("router input", _router_input_normed), ("router scale", _no_router_scale),
+        ("per_expert_scale", _no_per_expert_scale), ("dense branch", _no_dense_branch))}
+    assert all(d > 100 * FP32_TOLERANCE for d in moved.values()), " ".join(f"{k}: {v:.2e}" for k, v in moved.items())
+
+
 def test_guards_each_piece_moves_hf_logits_past_the_tolerance(tiny_gemma4):
     """HF's own model with one piece each dropped or done megatron-core's stock way: the value norm, the
     values as the projected keys (taken after k_norm instead), the proportional RoPE (megatron-core's partial
@@ -196,11 +235,14 @@ def test_guards_each_piece_moves_hf_logits_past_the_tolerance(tiny_gemma4):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_bf16_round_trips_bit_exactly(tiny_gemma4, tmp_path, fmt):
-    src = tiny_gemma4[f"{TEXT}-bf16"]
-    out = hf_to_megatron(src, tmp_path / "m", tp=2, pp=2, fmt=fmt, progress=False)
-    back = megatron_to_hf(out, tmp_path / "back", progress=False)
-    assert tensor_hashes(back) == tensor_hashes(src)
-    assert json.loads((back / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+    """The dense model, and the MoE one at EP 2 with its experts exported fused as HF stores them."""
+    for v in (TEXT, MOE):
+        src = tiny_gemma4[f"{v}-bf16"]
+        out = hf_to_megatron(src, tmp_path / v, tp=2, pp=2, ep=2 if v == MOE else 1, fmt=fmt, progress=False)
+        back = megatron_to_hf(out, tmp_path / f"{v}-back", progress=False)
+        assert tensor_hashes(back) == tensor_hashes(src), v
+        assert json.loads((back / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+    assert "model.layers.0.experts.gate_up_proj" in tensor_hashes(back)
 
 
 def test_wrapper_round_trip_keeps_every_byte_and_loads_as_the_multimodal_class(tiny_gemma4, tmp_path):

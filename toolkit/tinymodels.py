@@ -130,6 +130,10 @@ OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, inte
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5),
                 **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"), (-0.5, 0.5))}
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
+# Gemma 4 applies w, with a softmax scale of 1 after its q/k norms, so q.k grows with their weights squared: weights
+# in (0.25, 0.75) keep the tiny models' attention about as sharp as 1/sqrt(head_dim) would (with (0.5, 1.5) its
+# residual stream's rounding grows past 1e-4 over six layers at TP 2, the logits still within 6e-6)
+NORM_WEIGHTS.update(dict.fromkeys(("gemma4_text", "gemma4"), (0.25, 0.75)))
 
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
 # key head; conv kernel 4) alternating with output-gated attention layers (full_attention_interval 2, so
@@ -158,15 +162,19 @@ QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"},
 # Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
 # test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
 # heads (2 of 32, GQA 4) whose keys are their values (attention_k_eq_v) and whose proportional RoPE turns a
-# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 1.5 (30 as published, a cap
+# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 0.75 (30 as published, a cap
 # the tiny model's logits reach); no per-layer input embeddings (0, as published). layer_scalar randomised.
 GEMMA4 = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
               num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=96, vocab_size=251,
-              sliding_window=8, final_logit_softcapping=1.5, hidden_size_per_layer_input=0, tie_word_embeddings=True,
+              sliding_window=8, final_logit_softcapping=0.75, hidden_size_per_layer_input=0, tie_word_embeddings=True,
               layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                   "rope_theta": 1000000.0}})
+
+# Gemma 4's MoE block (the 26B-A4B's): beside each layer's dense MLP, 8 experts of width 24, top-2 (4 per EP 2
+# rank), with the router's scale and per-expert scale randomised
+GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
 
 # name -> (config class name, overrides)
 VARIANTS = {
@@ -215,6 +223,7 @@ VARIANTS = {
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
     "gemma4": ("Gemma4TextConfig", GEMMA4),
+    "gemma4-moe": ("Gemma4TextConfig", GEMMA4_MOE),
 }
 
 
@@ -290,6 +299,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
                 param.uniform_(low, high)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
                 param.normal_(0.0, ROUTER_STD)  # a MoE router, a shared expert's gate
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (ones at init)
+                param.uniform_(*DEFAULT_NORM_WEIGHTS)
             elif name.endswith("self_attn.sinks"):  # gpt-oss's attention sinks
                 param.normal_(0.0, SINK_STD)
             elif name.endswith("bias"):

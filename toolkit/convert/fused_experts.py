@@ -93,31 +93,41 @@ class FusedExpertsView:
     def _layer(self, layer: int, names: set[str]) -> _Fused:
         f = self.fused
         mxfp4 = {f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES} <= names
-        wanted = {f.gate_up_bias, f.down_bias} | ({f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES}
-                                                 if mxfp4 else {f.gate_up, f.down})
+        biases = {f.gate_up_bias, f.down_bias} - {None}
+        wanted = biases | ({f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES}
+                           if mxfp4 else {f.gate_up, f.down})
         if names != wanted:
             odd = sorted(names - wanted) or sorted(wanted - names)
             raise ConversionError(f"layer {layer}'s fused experts are incomplete or mixed: "
                                   f"{'unexpected' if names - wanted else 'missing'} {self._name(layer, odd[0])!r} (a "
                                   f"layer holds {f.gate_up}, {f.down} or their MXFP4 {BLOCKS}/{SCALES}, and both biases)")
-        return _Fused(*(self._name(layer, n + (BLOCKS if mxfp4 and n in (f.gate_up, f.down) else ""))
+        return _Fused(*(None if n is None else self._name(layer, n + (BLOCKS if mxfp4 and n in (f.gate_up, f.down) else ""))
                         for n in (f.gate_up, f.down, f.gate_up_bias, f.down_bias)), mxfp4=mxfp4)
 
     def _add_entries(self, layer: int, where: _Fused) -> None:
         """Per expert: gate / up [ffn, hidden], down [hidden, ffn] and their biases, in the fused dtype
         (bf16 where MXFP4)."""
         src = self.whole
-        bias = src.tensors[where.gate_up_bias]
-        experts, two_ffn = bias.shape if len(bias.shape) == 2 else (0, 0)
-        hidden = src.tensors[where.down_bias].shape[-1]
+        if where.gate_up_bias is None:  # sizes from the weights (Gemma 4: [experts, 2 x ffn, hidden] as linear)
+            shape = src.tensors[where.gate_up].shape
+            experts, two_ffn, hidden = (shape if self.fused.as_linear else (shape[0], shape[2], shape[1])) \
+                if len(shape) == 3 else (0, 0, 0)
+            bias_dtype = None
+        else:
+            bias = src.tensors[where.gate_up_bias]
+            experts, two_ffn = bias.shape if len(bias.shape) == 2 else (0, 0)
+            hidden = src.tensors[where.down_bias].shape[-1]
+            bias_dtype = bias.dtype
         dtype = "BF16" if where.mxfp4 else src.tensors[where.gate_up].dtype
         shapes = {GATE: (two_ffn // 2, hidden), UP: (two_ffn // 2, hidden), DOWN: (hidden, two_ffn // 2)}
+        kinds = ("weight",) if bias_dtype is None else ("weight", "bias")
         for e in range(experts):
             base = self.fused.per_expert.replace("*", str(layer)).replace("#", str(e))
             for part, shape in shapes.items():
                 self.tensors[f"{base}{part}.weight"] = TensorEntry(None, dtype, shape, 0)
-                self.tensors[f"{base}{part}.bias"] = TensorEntry(None, bias.dtype, shape[:1], 0)
-                self._virtual.update({f"{base}{part}.{kind}": (where, e, part, kind) for kind in ("weight", "bias")})
+                if bias_dtype is not None:
+                    self.tensors[f"{base}{part}.bias"] = TensorEntry(None, bias_dtype, shape[:1], 0)
+                self._virtual.update({f"{base}{part}.{kind}": (where, e, part, kind) for kind in kinds})
         self._check_shapes(layer, where, experts, two_ffn, hidden)
 
     def _check_shapes(self, layer: int, where: _Fused, experts: int, two_ffn: int, hidden: int) -> None:
@@ -127,9 +137,12 @@ class FusedExpertsView:
                         where.gate_up.replace(BLOCKS, SCALES): (experts, two_ffn, hidden // MXFP4_BLOCK),
                         where.down: (experts, hidden, ffn // MXFP4_BLOCK, MXFP4_BLOCK // 2),
                         where.down.replace(BLOCKS, SCALES): (experts, hidden, ffn // MXFP4_BLOCK)}
+        elif self.fused.as_linear:
+            expected = {where.gate_up: (experts, two_ffn, hidden), where.down: (experts, hidden, ffn)}
         else:
             expected = {where.gate_up: (experts, hidden, two_ffn), where.down: (experts, ffn, hidden)}
-        expected[where.down_bias] = (experts, hidden)
+        if where.down_bias is not None:
+            expected[where.down_bias] = (experts, hidden)
         for name, shape in expected.items():
             if self.whole.shape(name) != shape:
                 raise ConversionError(f"tensor {name!r} has shape {list(self.whole.shape(name))} but layer {layer}'s "
@@ -150,10 +163,14 @@ class FusedExpertsView:
         if kind == "bias":
             bias = self._one(where.down_bias if part == DOWN else where.gate_up_bias, e, None)
             return bias if part == DOWN else bias[0::2] if part == GATE else bias[1::2]
-        if part == DOWN:  # [hidden, ffn]: MXFP4 stores it so, the bf16 tensor transposed ([ffn, hidden] as x @ W)
-            return self._one(where.down, e, where.mxfp4) if where.mxfp4 else self._one(where.down, e, False).T
-        gate_up = self._one(where.gate_up, e, where.mxfp4)  # [2 ffn, hidden] (MXFP4) or [hidden, 2 ffn]
-        gate_up = gate_up if where.mxfp4 else gate_up.T
+        as_stored = where.mxfp4 or self.fused.as_linear  # [out, in] as stored (MXFP4, Gemma 4), else [in, out] (x @ W)
+        if part == DOWN:  # [hidden, ffn]
+            return self._one(where.down, e, where.mxfp4) if as_stored else self._one(where.down, e, False).T
+        gate_up = self._one(where.gate_up, e, where.mxfp4)  # [2 ffn, hidden] (MXFP4, Gemma 4) or [hidden, 2 ffn]
+        gate_up = gate_up if as_stored else gate_up.T
+        if not self.fused.interleaved:  # [gate; up] halves
+            half = gate_up.shape[0] // 2
+            return gate_up[:half] if part == GATE else gate_up[half:]
         return gate_up[0::2] if part == GATE else gate_up[1::2]
 
     def _one(self, name: str, expert: int, mxfp4: bool | None) -> torch.Tensor:
@@ -212,15 +229,22 @@ def fuse_experts(fused: FusedExperts, num_experts: int, tensors: Iterator[tuple[
         slot[(expert, part)] = tensor
         if len(slot) == num_experts * (1 if part == DOWN else 2):
             yield fused.prefix.replace("*", str(layer)) + target, _fused_tensor(pending.pop((layer, target)), num_experts,
-                                                                               kind == "bias")
+                                                                               kind == "bias", fused)
     if pending:
         raise ConversionError(f"the checkpoint holds only some experts of {sorted(pending)[0]}: not a complete model")
 
 
-def _fused_tensor(parts: dict[tuple[int, str], torch.Tensor], experts: int, bias: bool) -> torch.Tensor:
+def _fused_tensor(parts: dict[tuple[int, str], torch.Tensor], experts: int, bias: bool,
+                  fused: FusedExperts | None = None) -> torch.Tensor:
     """The fused HF tensor, filled expert by expert as each expert's tensors are let go."""
     down = (0, DOWN) in parts
     first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
+    if fused is not None and fused.as_linear and not fused.interleaved:  # Gemma 4: [out, in] stacked, [gate; up]
+        out = torch.empty((experts, *first.shape) if down else (experts, 2 * first.shape[0], first.shape[1]),
+                          dtype=first.dtype)
+        for e in range(experts):
+            out[e] = parts.pop((e, DOWN)) if down else torch.cat([parts.pop((e, GATE)), parts.pop((e, UP))])
+        return out
     if bias:
         shape = (experts, first.shape[0] * (1 if down else 2))
     else:

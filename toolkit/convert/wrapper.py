@@ -135,6 +135,7 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     if wrapper:
         view = LanguageModelView(src, wrapper)
         family = _family(view.config)
+        view = fused_view(view, family.fused_experts if family else None)  # Gemma 4's experts, under the renames
     else:
         family = _family(src.config)
         fused = family.fused_experts if family else None  # experts stored fused (gpt-oss): read one at a time
@@ -156,6 +157,9 @@ def _family(cfg: dict):
 
 def open_wrapper(directory) -> LanguageModelView:
     view = open_hf(directory)
+    if not isinstance(view, LanguageModelView) and isinstance(getattr(view, "whole", None), LanguageModelView):
+        view.whole.ignored = view.ignored
+        view = view.whole  # the wrapper's own files, its language model's fused experts as stored
     if not isinstance(view, LanguageModelView):
         raise ConversionError(f"{directory} is not a multimodal checkpoint with a language model this toolkit reads "
                               f"(model_type {view.config.get('model_type')!r}; known: "

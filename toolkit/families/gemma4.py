@@ -35,7 +35,10 @@ from dataclasses import replace
 from toolkit.errors import ConversionError
 from toolkit.families.gemma3 import GEMMA3, LAYER_TYPES, layer_types
 from toolkit.families.llama import L, M
-from toolkit.families.table import FULL_ATTENTION, GLOBAL_ATTENTION, GLOBAL_LAYER, CustomLayer, Family, row
+from toolkit.families.experts import LOCAL_EXPERT
+from toolkit.families.router import Router
+from toolkit.families.table import (FULL_ATTENTION, GLOBAL_ATTENTION, GLOBAL_LAYER, MOE_LAYER, CustomLayer, Family,
+                                    FusedExperts, row)
 from toolkit.splits import Split
 
 G = GEMMA3.rows
@@ -45,8 +48,39 @@ Q_NORM, K_NORM = M + "self_attention.q_layernorm.weight", M + "self_attention.k_
 ATTENTION = (QKV, PROJ, Q_NORM, K_NORM)
 A = L + "self_attn."
 
-COMMON_ROWS = tuple(r for r in G if r.megatron not in ATTENTION) + (
+FFN = (M + "mlp.linear_fc1.layer_norm_weight", M + "mlp.linear_fc1.weight", M + "mlp.linear_fc2.weight",
+       M + "mlp.linear_fc2.post_layernorm.weight")
+COMMON_ROWS = tuple(r for r in G if r.megatron not in ATTENTION + FFN) + (
     row(M + "layer_scalar", L + "layer_scalar", Split.REPLICATED, ("one",)),
+)
+DENSE_ROWS = tuple(replace(_BY_NAME[name], when="is_dense") for name in FFN)
+
+
+def _moe(megatron: str, hf, split, *shapes) -> object:
+    return row(M + "mlp." + megatron, hf, split, *shapes, kind=MOE_LAYER, when="is_moe")
+
+
+def _norm(megatron: str, hf: str) -> object:
+    return _moe(megatron + ".weight", L + hf + ".weight", Split.REPLICATED, ("hidden",))
+
+
+# enable_moe_block (the 26B-A4B): Gemma4MoELayer (toolkit/layers.py), its experts read from HF's fused tensors
+MOE_ROWS = (
+    _moe("router.weight", L + "router.proj.weight", Split.REPLICATED, ("experts", "hidden")),
+    _moe("router.scale", L + "router.scale", Split.REPLICATED, ("hidden",)),
+    _moe("router.per_expert_scale", L + "router.per_expert_scale", Split.REPLICATED, ("experts",)),
+    row(LOCAL_EXPERT + "linear_fc1.weight", (L + "experts.#.gate_proj.weight", L + "experts.#.up_proj.weight"),
+        Split.GATE_UP, ("moe_ffn", "hidden"), ("moe_ffn", "hidden"), kind=MOE_LAYER, when="is_moe"),
+    row(LOCAL_EXPERT + "linear_fc2.weight", L + "experts.#.down_proj.weight", Split.ROW, ("hidden", "moe_ffn"),
+        kind=MOE_LAYER, when="is_moe"),
+    _moe("dense.linear_fc1.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), Split.GATE_UP,
+         ("ffn", "hidden"), ("ffn", "hidden")),
+    _moe("dense.linear_fc2.weight", L + "mlp.down_proj.weight", Split.ROW, ("hidden", "ffn")),
+    _norm("dense_norm", "pre_feedforward_layernorm"),
+    _norm("dense_post_norm", "post_feedforward_layernorm_1"),
+    _norm("experts_norm", "pre_feedforward_layernorm_2"),
+    _norm("experts_post_norm", "post_feedforward_layernorm_2"),
+    _norm("post_norm", "post_feedforward_layernorm"),
 )
 SLIDING_ROWS = tuple(replace(_BY_NAME[name], attention=FULL_ATTENTION) for name in ATTENTION)
 GLOBAL_ROWS = (
@@ -65,7 +99,6 @@ UNMAPPED = {
     "hidden_size_per_layer_input": "per-layer input embeddings (embed_tokens_per_layer, per_layer_model_projection)",
     "num_kv_shared_layers": "layers reusing an earlier layer's keys and values",
     "use_double_wide_mlp": "double-width MLPs on the shared-KV layers",
-    "enable_moe_block": "a dense MLP and routed experts side by side in one layer, each with norms of its own",
 }
 
 
@@ -130,7 +163,7 @@ GEMMA4 = Family(
     name="gemma4",
     model_types=("gemma4_text",),
     architecture="Gemma4ForCausalLM",
-    rows=COMMON_ROWS + SLIDING_ROWS + GLOBAL_ROWS,
+    rows=COMMON_ROWS + SLIDING_ROWS + GLOBAL_ROWS + DENSE_ROWS + MOE_ROWS,
     window_key="sliding_window",
     refuse_flags=("attention_bias",),
     # "vision": image tokens attend to each other both ways, text causally, so text alone is causal (Gemma4Model's
@@ -143,4 +176,9 @@ GEMMA4 = Family(
     megatron={"hetereogenous_dist_checkpoint": True},
     read=read,
     layer=CustomLayer(pre_norms=True, post_norms=True, qk_norm="head", embedding_scale=True, gemma4=True),
+    # the experts only with enable_moe_block; Gemma4TextRouter always renormalises its top-k
+    router=Router(experts_keys=("num_experts",), ffn_key="moe_intermediate_size", topk_key="top_k_experts",
+                  when="enable_moe_block"),
+    fused_experts=FusedExperts(prefix=L + "experts.", per_expert=L + "experts.#.", gate_up="gate_up_proj",
+                               down="down_proj", gate_up_bias=None, down_bias=None, interleaved=False, as_linear=True),
 )

@@ -138,6 +138,10 @@ class ModelSpec:
                 "kv_up": heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), "v_size": heads * m["v_head_dim"]}
 
     @property
+    def is_dense(self) -> bool:
+        return not self.is_moe
+
+    @property
     def global_k_eq_v(self) -> bool:
         """Gemma 4's global layers take their values from the key projection (no v_proj)."""
         return bool(self.global_attention) and self.global_attention["k_eq_v"]
@@ -296,7 +300,8 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     hidden = _count(cfg, "hidden_size")
     heads = _count(cfg, "num_attention_heads")
     window = cfg.get(family.window_key) if family.window_key else None
-    moe = read_moe(cfg, family.name, family.router) if family.router else None
+    moe = (read_moe(cfg, family.name, family.router)
+           if family.router and (family.router.when is None or cfg.get(family.router.when)) else None)
     fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
     spec = ModelSpec(
         family=family.name,

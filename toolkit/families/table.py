@@ -163,8 +163,12 @@ class FusedExperts:
     per_expert: str
     gate_up: str
     down: str
-    gate_up_bias: str
-    down_bias: str
+    gate_up_bias: str | None  # None: experts without biases (Gemma 4)
+    down_bias: str | None
+    # Gemma 4's layout (Gemma4TextExperts): gate_up [experts, 2 x ffn, hidden] holding [gate; up] halves, down
+    # [experts, hidden, ffn], both applied as nn.functional.linear (x @ W.T), no biases
+    interleaved: bool = True  # gate and up interleaved on the fused dimension (gpt-oss); False: [gate; up] halves
+    as_linear: bool = False  # [out, in] per expert (x @ W.T); False: [in, out] (x @ W, gpt-oss)
 
 
 @dataclass(frozen=True)
