@@ -282,3 +282,49 @@ def test_tp2_pp2_dp2_fine_tune_matches_hf_and_exports_for_from_pretrained(tmp_pa
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")).__name__ == "Gemma4ForCausalLM"
     assert not torch.equal(exported["model.layers.3.self_attn.k_proj.weight"], original["model.layers.3.self_attn.k_proj.weight"])
     assert torch.equal(exported["model.layers.3.layer_scalar"], original["model.layers.3.layer_scalar"])
+
+
+def _route_in_fp64(model):
+    """Gemma4TextRouter with its logits, softmax, top-k and renormalisation in fp64, as megatron-core's router with
+    moe.router_dtype=fp64 (its input rms(x) * scale / sqrt(hidden) in fp32 on both sides), the per-expert scale
+    applied to the chosen weights."""
+    import types
+
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+    def forward(self, hidden_states):
+        x = self.norm(hidden_states) * self.scale * self.scalar_root_size
+        probs = torch.softmax(torch.nn.functional.linear(x.double(), self.proj.weight.double()), dim=-1)
+        top, index = torch.topk(probs, self.config.top_k_experts, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True) * self.per_expert_scale.double()[index]
+        return probs, top.to(hidden_states.dtype), index
+
+    for module in model.modules():
+        if isinstance(module, Gemma4TextRouter):
+            module.forward = types.MethodType(forward, module)
+
+
+@pytest.mark.multiprocess
+def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
+    """The recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (8 processes) on the tiny fp32 Gemma 4 MoE,
+    routers in fp64 on both sides (Gemma 4 has no load-balancing loss): HF + torch AdamW's losses and gradient
+    norms over 10 steps, every step's tokens per expert as HF's routers chose them, the export loading as
+    Gemma4ForCausalLM with its experts fused as HF stores them and the router's scales trained."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
+    from tests.moe_reference import family_finetune_parity, routed_per_document
+
+    run = family_finetune_parity(tmp_path, MOE, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: routed_per_document(), moe={"router_dtype": "fp64"},
+                                 prepare=_route_in_fp64, export_hf=True, layer_spec="local")
+    print(f"Gemma 4 MoE TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == run.step_loss.routing
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    assert type(exported).__name__ == "Gemma4ForCausalLM"
+    original = AutoModelForCausalLM.from_pretrained(run.hf, dtype=torch.float32).state_dict()
+    for name in ("model.layers.1.experts.gate_up_proj", "model.layers.1.router.scale",
+                 "model.layers.1.router.per_expert_scale"):
+        assert not torch.equal(exported.state_dict()[name], original[name]), f"{name} was not trained"

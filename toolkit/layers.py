@@ -246,6 +246,8 @@ def _gemma4_moe_classes():
             self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype, device=device))
             self.per_expert_scale = torch.nn.Parameter(torch.ones(config.num_moe_experts, dtype=config.params_dtype,
                                                                   device=device))
+            for param in (self.scale, self.per_expert_scale):  # summed over TP as the router's weight (router.py:82)
+                param.sequence_parallel = config.sequence_parallel
             self.unit_norm = ValueNorm(config.layernorm_epsilon)
             self.root = config.hidden_size ** -0.5
             self.routed_input = None
