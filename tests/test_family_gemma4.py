@@ -328,3 +328,36 @@ def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
     for name in ("model.layers.1.experts.gate_up_proj", "model.layers.1.router.scale",
                  "model.layers.1.router.per_expert_scale"):
         assert not torch.equal(exported.state_dict()[name], original[name]), f"{name} was not trained"
+
+
+# The published sizes: (corpus entry, the model card's total and active billions). Gemma 4 31B: "30.7B"; 26B-A4B:
+# "25.2B total, 3.8B active" (the language models alone, the vision towers of about 0.55B beside them).
+PUBLISHED_SIZES = {"gemma-4-31b-it": (30.7, None), "gemma-4-26b-a4b-it": (25.2, 3.8)}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_SIZES)
+def test_published_sizes_count_as_hf_builds_them(name):
+    """`toolkit memory`'s parameter counts (toolkit.memory.params) of the published language model equal HF's
+    Gemma4ForCausalLM built on the meta device from the full-size text_config (its layer_scalar buffers counted:
+    the toolkit holds them as untrained parameters); the experts count k / E of themselves as active."""
+    import transformers
+
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import active_params, total_params
+
+    published = corpus.config(name)
+    text = {**published["text_config"], **corpus.index()[name]["original_sizes"]["text_config"]}
+    cfg = corpus.language_config({**published, "text_config": text})
+    spec = spec_from_config(cfg)[1]
+    config = transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    scalars = sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))
+    share = config.top_k_experts / config.num_experts if spec.is_moe else 1
+    hf_total = sum(p.numel() for p in model.parameters()) + scalars
+    hf_active = sum(p.numel() * (share if ".experts." in n else 1) for n, p in model.named_parameters()) + scalars
+    assert (total_params(spec), active_params(spec)) == (hf_total, int(hf_active))
+    card_total, card_active = PUBLISHED_SIZES[name]
+    assert round(total_params(spec) / 1e9, 1) == card_total
+    if card_active:
+        assert round(active_params(spec) / 1e9, 1) == card_active
