@@ -361,3 +361,14 @@ def test_published_sizes_count_as_hf_builds_them(name):
     assert round(total_params(spec) / 1e9, 1) == card_total
     if card_active:
         assert round(active_params(spec) / 1e9, 1) == card_active
+
+
+def test_lora_is_refused_in_one_line():
+    """Not yet mapped (docs/frontier_families.md): refused rather than adapting the sliding layers alone."""
+    from toolkit.errors import AdapterError
+    from toolkit.families import family_named
+    from toolkit.lora.targets import resolve
+
+    spec = spec_from_config(make_config(TEXT).to_dict())[1]
+    with pytest.raises(AdapterError, match=r"^LoRA on gemma4 is not supported yet: [^\n]*$"):
+        resolve(family_named("gemma4"), spec, ["all-linear"])

@@ -90,6 +90,10 @@ def available(family: Family, spec: ModelSpec) -> list[str]:
 
 def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_none: bool = False) -> list[LinearTargets]:
     """The linears to wrap and their chosen parts; refuses a name the family does not have."""
+    if family.layer is not None and family.layer.gemma4:
+        raise AdapterError(f"LoRA on {family.name} is not supported yet: its global layers' q/k/v have head sizes of "
+                           "their own (keys as values) and its MoE layers a dense MLP beside the experts; fine-tune it "
+                           "in full (no peft section)")
     names = available(family, spec)
     wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
     router = sorted(wanted & router_names(family))
