@@ -253,7 +253,7 @@ def parity_setup(root: Path, models: dict):
     data = write_uneven_data(root / "data.jsonl", 300)
     built = {}
     gemma3_layers = {"layer_types": ["sliding_attention", "full_attention"] * 2}
-    four_layer_types = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers, "gemma4": gemma3_layers}
+    four_layer_types = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers}
     for name, variant in models.items():
         size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **four_layer_types.get(variant, {}))
         hf = make_tiny_gemma3_multimodal(root / f"hf-{name}", **size) if variant == GEMMA3_WRAPPER else \
