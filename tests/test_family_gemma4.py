@@ -349,12 +349,20 @@ def test_published_sizes_count_as_hf_builds_them(name):
         assert round(active_params(spec) / 1e9, 1) == card_active
 
 
-def test_lora_is_refused_in_one_line():
-    """Not yet mapped (docs/frontier_families.md): refused rather than adapting the sliding layers alone."""
+def test_lora_targets_and_the_moe_refusal():
+    """Dense: every linear a PEFT target, the global layers' q/k (no v_proj where k is v) and o_proj with their own
+    sizes. MoE: refused in one line (not yet mapped: docs/frontier_families.md)."""
     from toolkit.errors import AdapterError
     from toolkit.families import family_named
     from toolkit.lora.targets import resolve
 
+    family = family_named("gemma4")
     spec = spec_from_config(make_config(TEXT).to_dict())[1]
-    with pytest.raises(AdapterError, match=r"^LoRA on gemma4 is not supported yet: [^\n]*$"):
-        resolve(family_named("gemma4"), spec, ["all-linear"])
+    linears = {(lt.module, lt.parts, tuple(lt.layers(spec))) for lt in resolve(family, spec, ["all-linear"])}
+    by_layers = {}
+    for _, parts, layers in linears:
+        by_layers.setdefault(layers, {}).update((t.name, (t.in_features, t.out_features)) for t in parts)
+    assert by_layers[(2, 5)] == {"q_proj": (64, 256), "k_proj": (64, 64), "o_proj": (256, 64)}
+    assert by_layers[(0, 1, 3, 4)] == {"q_proj": (64, 128), "k_proj": (64, 64), "v_proj": (64, 64), "o_proj": (128, 64)}
+    with pytest.raises(AdapterError, match=r"^LoRA on gemma4 with enable_moe_block is not supported yet: [^\n]*$"):
+        resolve(family, spec_from_config(make_config(MOE).to_dict())[1], ["all-linear"])

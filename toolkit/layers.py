@@ -151,10 +151,19 @@ class KeyIsValueLinear(ColumnParallelLinear):
         self.local_groups = config.num_query_groups // tp
         super().__init__(input_size, output_size - config.kv_channels * config.num_query_groups, config=config, **kwargs)
 
-    def forward(self, input_, *args, **kwargs):
-        output, bias = super().forward(input_, *args, **kwargs)
+    keys_as_values = True  # what a LoRA wrapper (toolkit/lora/layers.py) adds its delta before repeat_keys for
+
+    def forward_qk(self, input_, *args, **kwargs):
+        """[q heads; k] per group, as stored."""
+        return super().forward(input_, *args, **kwargs)
+
+    def repeat_keys(self, output):
         grouped = output.view(*output.shape[:-1], self.local_groups, -1)
-        return torch.cat([grouped, grouped[..., -self.key_size:]], dim=-1).flatten(-2), bias
+        return torch.cat([grouped, grouped[..., -self.key_size:]], dim=-1).flatten(-2)
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = self.forward_qk(input_, *args, **kwargs)
+        return self.repeat_keys(output), bias
 
 
 def proportional_inv_freq(head_dim: int, base: float, partial: float, device=None) -> torch.Tensor:

@@ -21,7 +21,7 @@ COLUMN, ROW = "column", "row"
 # Qwen3-Next's re-laid ones (GATED_QKV, GDN_IN_PROJ) included: the adapter's rows are placed by the split itself
 # (toolkit.lora.shards), so B follows the base weight's re-layout both ways.
 _COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP, Split.GATED_QKV,
-                  Split.GDN_IN_PROJ)
+                  Split.GDN_IN_PROJ, Split.GLOBAL_QKV, Split.GLOBAL_QK)  # the last two: Gemma 4's global layers
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,9 @@ def available(family: Family, spec: ModelSpec) -> list[str]:
 
 def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_none: bool = False) -> list[LinearTargets]:
     """The linears to wrap and their chosen parts; refuses a name the family does not have."""
-    if family.layer is not None and family.layer.gemma4:
-        raise AdapterError(f"LoRA on {family.name} is not supported yet: its global layers' q/k/v have head sizes of "
-                           "their own (keys as values) and its MoE layers a dense MLP beside the experts; fine-tune it "
-                           "in full (no peft section)")
+    if family.layer is not None and family.layer.gemma4 and spec.is_moe:
+        raise AdapterError(f"LoRA on {family.name} with enable_moe_block is not supported yet: its experts are fused "
+                           "[gate; up] halves and a dense MLP sits beside them; fine-tune it in full (no peft section)")
     names = available(family, spec)
     wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
     router = sorted(wanted & router_names(family))
