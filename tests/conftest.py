@@ -44,7 +44,7 @@ def launch_env_restored():
 
 # Families and variants every conversion test covers (see toolkit/tinymodels.py).
 VARIANTS = ("llama", "llama-tied", "llama-odd-vocab", "llama3-scaled", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3",
-            "phi4-mini", "gemma3", "olmo2")
+            "phi4-mini", "gemma3", "olmo2", "olmo3", "smollm3")
 # Built too, for the tests that need them: a single KV head (fewer than TP = 2)
 FEWER_KV_HEADS_THAN_TP2 = ("qwen3-1kv", "phi3-1kv")
 

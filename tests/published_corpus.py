@@ -40,7 +40,8 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # published mm_tokens_per_image (256, pooled from the patches) is kept (Gemma 3's SigLIP); Qwen3.5's
 # names its layers `depth` and its heads `num_heads`, and projects to the text model's width (out_hidden_size)
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-          "image_size": 224, "patch_size": 14, "depth": 1, "num_heads": 2}
+          "image_size": 224, "patch_size": 14, "depth": 1, "num_heads": 2,
+          "head_dim": 16}  # Pixtral's (Mistral Small 4) names its head size: hidden_size / num_attention_heads
 # Gemma 4's tower names its KV heads and head sizes too, and keeps its 16-pixel patches; a smaller position table
 VISION_OF = {"gemma4_vision": {"num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "patch_size": 16,
                                "position_embedding_size": 64}}
@@ -76,6 +77,11 @@ def shrink(published: dict) -> tuple[dict, dict]:
         new["linear_num_value_heads"] = SIZES["linear_num_key_heads"] * (v_heads // k_heads)
     if isinstance(cfg.get("layer_types"), list):  # one per layer: the first ones (Qwen3-Next: 3 linear, 1 full)
         new["layer_types"] = cfg["layer_types"][:new["num_hidden_layers"]]
+    if isinstance(cfg.get("attn_type_list"), list):  # MiniMax-M2's, one per layer likewise
+        new["attn_type_list"] = cfg["attn_type_list"][:new["num_hidden_layers"]]
+    if isinstance(cfg.get("rotary_dim"), int) and isinstance(cfg.get("head_dim"), int):
+        # MiniMax-M2's legacy partial RoPE: the same share of the smaller head (64 of 128 -> 8 of 16)
+        new["rotary_dim"] = cfg["rotary_dim"] * SIZES["head_dim"] // cfg["head_dim"]
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)
@@ -89,6 +95,7 @@ def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
     text = dict(published[text_key])
     text.setdefault("vocab_size", None)  # recorded as None among the original sizes: the class default
     cfg[text_key], text_original = shrink(text)
+    _shrink_mla_head(cfg[text_key], text_original)
     original = {text_key: text_original}
     vision = published.get("vision_config")
     if isinstance(vision, dict):
@@ -98,6 +105,22 @@ def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
         cfg["vision_config"] = {**vision, **sizes}
         original["vision_config"] = {k: vision[k] for k in sizes}
     return cfg, original
+
+
+def _shrink_mla_head(cfg: dict, original: dict) -> None:
+    """Mistral 4's text config writes its multi-latent head size (head_dim = qk_head_dim = qk_nope + qk_rope) and
+    RoPE's share of it (partial_rotary_factor = qk_rope / head_dim), which its config class derives from them:
+    shrunk with the MLA sizes so they stay as derived."""
+    if cfg.get("model_type") != "mistral4":
+        return
+    head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    original.update({k: cfg.get(k) if k != "head_dim" else original.get("head_dim", cfg.get(k))
+                     for k in ("head_dim", "qk_head_dim") if k in cfg})
+    cfg.update({k: head for k in ("head_dim", "qk_head_dim") if k in cfg})
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        original["rope_parameters.partial_rotary_factor"] = rope["partial_rotary_factor"]
+        cfg["rope_parameters"] = {**rope, "partial_rotary_factor": cfg["qk_rope_head_dim"] / head}
 
 
 def _shrink_rope_factors(cfg: dict, original: dict) -> None:

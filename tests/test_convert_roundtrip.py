@@ -29,7 +29,7 @@ def load_all(directory):
 @pytest.mark.parametrize(
     "variant",
     ["llama", "llama-tied", "llama-odd-vocab", "qwen2", "mistral", "llama-fp32", "qwen3", "qwen3-tied", "qwen3-fp32", "phi3",
-     "phi4-mini", "phi4-mini-fp32", "gemma3", "gemma3-fp32", "olmo2", "olmo2-fp32"],
+     "phi4-mini", "phi4-mini-fp32", "gemma3", "gemma3-fp32", "olmo2", "olmo2-fp32", "olmo3", "smollm3"],
 )
 def test_round_trip_is_bit_exact_for_every_layout(tiny_hf, tmp_path, variant, fmt):
     src = tiny_hf[variant]

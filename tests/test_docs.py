@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from toolkit.convert.wrapper import WRAPPERS
 from toolkit.families import FAMILIES, REFUSED
 from toolkit.train import config_reference
@@ -63,8 +65,11 @@ def test_readme_links_point_at_files_that_exist():
     assert relative and not [link for link in relative if not (ROOT / link).exists()]
 
 
-def test_readme_model_table_names_every_family_and_refused_type():
-    section = README.read_text().split("## Supported models", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("page", [README, ROOT / "docs" / "guide" / "models.md"], ids=["README", "models-page"])
+def test_model_tables_name_every_family_and_refused_type(page):
+    """The README's short table and the supported-models page's full one (what each maps and refuses)."""
+    text = page.read_text()
+    section = text.split("## Supported models", 1)[1].split("\n## ", 1)[0] if page == README else text
     table = section.split("|---", 1)[1]  # the rows, below the header
     first_cells = set(re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M))
     assert first_cells == {t for f in FAMILIES for t in f.model_types} | {w.model_type for w in WRAPPERS}

@@ -24,6 +24,7 @@ from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
+from toolkit.families.gpt_oss import installed_transformers_reads_swiglu
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
 from toolkit.tinymodels import make_config, make_tiny_model, quantize_mxfp4
@@ -49,7 +50,7 @@ def test_settings_and_refusals(tmp_path):
                               "glu_linear_offset", "window_size", "window_attn_skip_freq", "moe_router_pre_softmax",
                               "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")} == {
         "softmax_type": "learnable", "add_bias_linear": True, "activation_func": quick_gelu,
-        "activation_func_clamp_value": 1.5, "glu_linear_offset": 1.0, "window_size": (7, 0),
+        "activation_func_clamp_value": make_config(VARIANT).swiglu_limit, "glu_linear_offset": 1.0, "window_size": (7, 0),
         "window_attn_skip_freq": [1, 0, 1, 0], "moe_router_pre_softmax": False, "num_moe_experts": 8,
         "moe_router_topk": 3, "moe_ffn_hidden_size": 24}
     assert settings.gpt["position_embedding_type"] == "yarn"
@@ -59,7 +60,8 @@ def test_settings_and_refusals(tmp_path):
         "yarn_correction_range_round_to_int": False}
     assert (spec.expert_tp(2), spec.expert_tp(1)) == (1, 1)
     Layout(2, 2, ep=2).check(spec)  # experts whole on each TP rank: TP 2 is fine
-    for changes, line in (({"swiglu_alpha": 1.5}, "its clamped GLU takes quick_gelu"),
+    alpha_refused = "its clamped GLU takes quick_gelu" if installed_transformers_reads_swiglu() else "before 5.19"
+    for changes, line in (({"swiglu_alpha": 1.5}, alpha_refused),
                           ({"attention_bias": False}, "add_bias_linear puts a bias on every linear layer"),
                           ({"rope_parameters": {**make_config(VARIANT).rope_parameters, "attention_factor": 1.2}},
                            "an explicit YaRN attention factor")):
@@ -212,6 +214,20 @@ def test_fused_experts_damaged_are_refused(tiny_gpt_oss, tmp_path):
                                          "'model.layers.1.mlp.experts.down_proj'")
 
 
+def test_swiglu_limit_converts_as_the_installed_transformers_computes_it(tiny_gpt_oss, tmp_path):
+    """transformers 5.19 reads swiglu_limit from the config; 5.17 and 5.18 compute with 7.0 whatever it says,
+    so a checkpoint with another limit is another model there: refused in one line naming the fix."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_gpt_oss[f"{VARIANT}-bf16"], src)
+    edit_config(src, swiglu_limit=2.5)
+    if installed_transformers_reads_swiglu():
+        assert spec_from_config(json.loads((src / "config.json").read_text()))[1].glu_clamp == 2.5
+    else:
+        convert_fails(src, tmp_path / "out", r"^config\.json has swiglu_limit=2\.5, which transformers \S+ ignores "
+                                             r"\(before 5\.19 its GptOssExperts computes with swiglu_limit=7\.0\)[^\n]*"
+                                             r"install transformers>=5\.19 to convert it$")
+
+
 # ---- parity (in the launch of tests/test_published_parity.py) ----
 
 def _interleave_dropped(tensors):
@@ -223,7 +239,8 @@ def _interleave_dropped(tensors):
 
 GUARDS = {
     "sinks": lambda src: edit_tensors(src, lambda t: [v.fill_(-1e9) for k, v in t.items() if k.endswith("sinks")]),
-    "clamp": lambda src: edit_config(src, swiglu_limit=1e9),
+    # transformers before 5.19 computes with 7.0 whatever the config says (test_swiglu_limit_...): no clamp to drop
+    **({"clamp": lambda src: edit_config(src, swiglu_limit=1e9)} if installed_transformers_reads_swiglu() else {}),
     "interleave": lambda src: edit_tensors(src, _interleave_dropped),
     "yarn": lambda src: edit_config(src, rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
     "windows": lambda src: edit_config(src, layer_types=["full_attention"] * 4),

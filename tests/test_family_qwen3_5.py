@@ -11,7 +11,14 @@ tolerance, so a conversion without it fails the parity check.
 The MRoPE finding: for text the three position streams are equal and Qwen3_5TextRotaryEmbedding's
 interleaving copies values already there, so it is plain (partial, rotate-half) RoPE bit for bit,
 whatever mrope_section says; with unequal streams it is not (the tiny model's sections give H and W a
-frequency each), so the parity launch proves the reduction, not an inert MRoPE."""
+frequency each), so the parity launch proves the reduction, not an inert MRoPE.
+
+Fused experts: transformers 5.24's Qwen3_5MoeExperts holds `mlp.experts.gate_up_proj` [E, 2 x ffn, hidden]
+([gate; up] halves, nn.functional.linear) and `down_proj` [E, hidden, ffn]; its conversion mapping loads
+per-expert files too and saves per expert. Checkpoints holding the fused tensors (text, or under
+`model.language_model.` in the wrappers) are written here from the per-expert ones by stacking, loaded by
+transformers to the same parameters and logits, converted (FusedExperts layout FUSED_HALVES), verified in the
+parity launch, and exported per expert as transformers saves them."""
 
 from __future__ import annotations
 
@@ -48,13 +55,45 @@ def tiny_qwen3_5(tmp_path_factory):
     for i, (name, moe) in enumerate((("vl", False), ("vl-moe", True))):
         models[name] = make_tiny_qwen3_5_multimodal(root / name, seed=140 + i, moe=moe)
         models[f"{name}-bf16"] = make_tiny_qwen3_5_multimodal(root / f"{name}-bf16", "bfloat16", seed=150 + i, moe=moe)
+    for name in (MOE, f"{MOE}-bf16", "vl-moe", "vl-moe-bf16"):  # the same models with their experts stored fused
+        models[f"{name}-fused"] = fuse_as_transformers_holds_them(models[name], root / f"{name}-fused")
     return models
+
+
+def fuse_as_transformers_holds_them(src, dst):
+    """`dst`: `src` (a per-expert Qwen3.5-MoE checkpoint, text or wrapper) with each layer's experts as
+    Qwen3_5MoeExperts' parameters: gate_up_proj [E, 2 x ffn, hidden] = each expert's [gate_proj; up_proj]
+    stacked (nn.functional.linear then .chunk(2, dim=-1) gives gate, up), down_proj [E, hidden, ffn] = each
+    expert's down_proj stacked."""
+    import re
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_all(dst)
+    per_expert = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    layers: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name in [n for n in tensors if per_expert.match(n)]:
+        prefix, expert, part = per_expert.match(name).groups()
+        layers.setdefault(prefix, {})[(int(expert), part)] = tensors.pop(name)
+    assert layers
+    for prefix, parts in layers.items():
+        experts = range(len(parts) // 3)
+        tensors[prefix + "gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]])
+                                                        for e in experts])
+        tensors[prefix + "down_proj"] = torch.stack([parts[(e, "down_proj")] for e in experts])
+    for f in list(dst.glob("*.safetensors")) + list(dst.glob("*.safetensors.index.json")):
+        f.unlink()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def parity_pairs(models, tmp_path) -> tuple[list, int]:
     """(hf, megatron) pairs for the TP2 x PP2 x EP2 launch of tests/test_published_parity.py (the dense
     ones at EP 1, the EP ranks then data-parallel): each text model in both formats, each wrapper's language
-    model (its reference the wrapper checkpoint as transformers reads it); all must match."""
+    model (its reference the wrapper checkpoint as transformers reads it), and the MoE text model and MoE
+    wrapper with their experts stored fused (one in each format, HF's reference loading the fused file); all
+    must match."""
     pairs = []
     for v in (DENSE, MOE):
         for fmt in ("torch", "torch_dist"):
@@ -63,6 +102,9 @@ def parity_pairs(models, tmp_path) -> tuple[list, int]:
     for name, ep in (("vl", 1), ("vl-moe", 2)):
         pairs.append((models[name], hf_to_megatron(models[name], tmp_path / f"qwen3.5-{name}", tp=2, pp=2, ep=ep,
                                                    progress=False)))
+    for name, fmt in ((f"{MOE}-fused", "torch"), ("vl-moe-fused", "torch_dist")):  # experts stored fused
+        pairs.append((models[name], hf_to_megatron(models[name], tmp_path / f"qwen3.5-{name}-{fmt}", tp=2, pp=2,
+                                                   ep=2, fmt=fmt, progress=False)))
     return pairs, len(pairs)
 
 
@@ -276,6 +318,196 @@ def test_mtp_layers_of_a_text_checkpoint_are_left_out(tiny_qwen3_5, tmp_path):
               metadata={"format": "pt"})
     back = megatron_to_hf(hf_to_megatron(src, tmp_path / "m", progress=False), tmp_path / "back", progress=False)
     assert set(load_all(back)) == set(tensors)
+
+
+# ---- experts stored fused (Qwen3_5MoeExperts' own tensors) ----
+
+def _experts_modules(model):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    return [m for m in model.modules() if isinstance(m, Qwen3_5MoeExperts)]
+
+
+def test_fused_files_load_in_transformers_as_the_per_expert_ones(tiny_qwen3_5):
+    """Qwen3_5MoeForCausalLM (the text file, and the wrapper's language model through transformers' prefix change)
+    and Qwen3_5MoeForConditionalGeneration load the fused files to the parameters they load from the per-expert
+    ones, bit for bit (the fused tensors written here are the class's own), so to the same logits."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for name, auto in ((MOE, AutoModelForCausalLM), ("vl-moe", AutoModelForCausalLM),
+                       ("vl-moe", AutoModelForImageTextToText)):
+        per, fused = (auto.from_pretrained(tiny_qwen3_5[n], dtype=torch.float32).state_dict()
+                      for n in (name, f"{name}-fused"))
+        assert per.keys() == fused.keys() and all(torch.equal(per[k], fused[k]) for k in per), (name, auto)
+    for name in (MOE, "vl-moe"):
+        assert torch.equal(hf_logits(tiny_qwen3_5[f"{name}-fused"]), hf_logits(tiny_qwen3_5[name])), name
+
+
+def _halves_read_as_interleaved(model):
+    """gate_up as a reader taking gate and up interleaved (gpt-oss's layout) would place it: [0::2; 1::2]."""
+    for experts in _experts_modules(model):
+        w = experts.gate_up_proj
+        w.copy_(torch.cat([w[:, 0::2], w[:, 1::2]], dim=1))
+
+
+def _read_as_x_at_w(model):
+    """The fused bytes taken as gpt-oss's x @ W layout ([E, hidden, 2 x ffn], [E, ffn, hidden]) and transposed:
+    what a reader that transposes every fused tensor would build."""
+    for experts in _experts_modules(model):
+        for w in (experts.gate_up_proj, experts.down_proj):
+            e, out, inp = w.shape
+            w.copy_(w.reshape(e, inp, out).transpose(1, 2).clone())
+
+
+def test_guards_fused_halves_read_interleaved_or_transposed_are_far_off(tiny_qwen3_5):
+    """HF's own model loaded from the fused file: its gate_up read as interleaved halves, or both fused tensors read
+    as x @ W and transposed, each moves the logits more than 100x the parity tolerance; the converter reading the
+    file in gpt-oss's layout (FusedExperts.layout interleaved) refuses it on its shapes, in one line."""
+    from dataclasses import replace
+
+    from toolkit.convert.fused_experts import FusedExpertsView
+    from toolkit.convert.hf_source import HFCheckpoint
+    from toolkit.families.qwen3_5 import QWEN3_5_MOE
+    from toolkit.families.table import FUSED_INTERLEAVED
+
+    far = 100 * FP32_TOLERANCE
+    src = tiny_qwen3_5[f"{MOE}-fused"]
+    base = hf_logits(src)
+    offs = {name: (hf_logits(src, edit=edit) - base).abs().max().item()
+            for name, edit in (("interleaved", _halves_read_as_interleaved), ("x @ W", _read_as_x_at_w))}
+    print({k: f"{v:.2e}" for k, v in offs.items()})
+    assert all(v > far for v in offs.values()), offs
+    with pytest.raises(ConversionError, match=r"^tensor 'model\.layers\.0\.mlp\.experts\.down_proj' has shape "
+                                              r"\[6, 64, 24\] but layer 0's gate_up_proj implies \[6, 32, 48\]"):
+        FusedExpertsView(HFCheckpoint(src), replace(QWEN3_5_MOE.fused_experts, layout=FUSED_INTERLEAVED))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_fused_experts_convert_bit_exactly_and_export_per_expert(tiny_qwen3_5, tmp_path, fmt, monkeypatch):
+    """The fused bf16 files at TP2 x PP2 x EP2: the text model's export holds the per-expert tensors transformers
+    saves, byte for byte the per-expert model's, and loads as Qwen3_5MoeForCausalLM; exported into the fused
+    wrapper, every tensor outside the language model keeps the wrapper's bytes, the config is untouched, the
+    language model's tensors are the per-expert wrapper's, and Qwen3_5MoeForConditionalGeneration loads it.
+    The fused tensors are read one expert at a time from the file, never a layer's whole."""
+    import transformers
+
+    from toolkit.convert.hf_source import HFCheckpoint
+
+    read, fused_reads = HFCheckpoint.read, []
+
+    def recorded(self, name, *args, **kwargs):
+        tensor = read(self, name, *args, **kwargs)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            fused_reads.append(tuple(tensor.shape))
+        return tensor
+
+    monkeypatch.setattr(HFCheckpoint, "read", recorded)
+    text = tiny_qwen3_5[f"{MOE}-bf16-fused"]
+    out = hf_to_megatron(text, tmp_path / "m", tp=2, pp=2, ep=2, fmt=fmt, progress=False)
+    monkeypatch.undo()
+    assert fused_reads and {shape[0] for shape in fused_reads} == {1}, fused_reads[:3]
+    back = megatron_to_hf(out, tmp_path / "back", progress=False)
+    assert tensor_hashes(back) == tensor_hashes(tiny_qwen3_5[f"{MOE}-bf16"])
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(back)).__name__ == "Qwen3_5MoeForCausalLM"
+
+    wrapper = tiny_qwen3_5["vl-moe-bf16-fused"]
+    out = hf_to_megatron(wrapper, tmp_path / "w", tp=2, pp=2, ep=2, fmt=fmt, progress=False)
+    back = megatron_to_hf(out, tmp_path / "wrapped", wrapper=wrapper, progress=False)
+    exported, fused = tensor_hashes(back), tensor_hashes(wrapper)
+    others = {n: h for n, h in fused.items() if not n.startswith((LM, "lm_head."))}
+    assert any(n.startswith("model.visual.") for n in others) and all(exported[n] == h for n, h in others.items())
+    assert exported == tensor_hashes(tiny_qwen3_5["vl-moe-bf16"])
+    assert (back / "config.json").read_bytes() == (wrapper / "config.json").read_bytes()
+    assert type(transformers.AutoModelForImageTextToText.from_pretrained(back)).__name__ == \
+        "Qwen3_5MoeForConditionalGeneration"
+
+
+def test_fused_writer_in_the_halves_layout_gives_transformers_parameters(tiny_qwen3_5):
+    """toolkit.convert.fused_experts.fuse_experts in Qwen3.5's layout (for an export with export_fused) writes
+    exactly the fused tensors stacked here from the per-expert ones."""
+    from toolkit.convert.fused_experts import fuse_experts
+    from toolkit.families.qwen3_5 import QWEN3_5_MOE
+
+    per, fused = load_all(tiny_qwen3_5[f"{MOE}-bf16"]), load_all(tiny_qwen3_5[f"{MOE}-bf16-fused"])
+    written = dict(fuse_experts(QWEN3_5_MOE.fused_experts, 6, iter(per.items())))
+    assert written.keys() == fused.keys() and all(torch.equal(written[k], fused[k]) for k in fused)
+
+
+def _one_line(pattern: str) -> str:
+    return "^" + pattern + "$"
+
+
+def test_damaged_fused_experts_are_refused_in_one_line(tiny_qwen3_5, tmp_path):
+    from tests.test_convert_bad_input import convert_fails, edit_tensors
+
+    experts = "model.layers.{}.mlp.experts."
+    cases = {
+        "missing": (lambda t: t.pop(experts.format(1) + "down_proj"),
+                    r"layer 1's fused experts are incomplete or mixed: missing 'model\.layers\.1\.mlp\.experts\."
+                    r"down_proj' \(a layer holds gate_up_proj, down_proj, without biases\)"),
+        "a bias": (lambda t: t.update({experts.format(0) + "gate_up_proj_bias": torch.zeros(6, 48)}),
+                   r"layer 0's fused experts are incomplete or mixed: unexpected 'model\.layers\.0\.mlp\.experts\."
+                   r"gate_up_proj_bias' .*"),
+        "transposed": (lambda t: t.update({experts.format(0) + "gate_up_proj":
+                                           t[experts.format(0) + "gate_up_proj"].transpose(1, 2).contiguous()}),
+                       r"tensor 'model\.layers\.0\.mlp\.experts\.down_proj' has shape \[6, 64, 24\] but layer 0's "
+                       r"gate_up_proj implies \[6, 48, 32\] \(experts = 6, 2 x ffn = 64, hidden = 48\)"),
+        "two-d": (lambda t: t.update({experts.format(0) + "gate_up_proj": t[experts.format(0) + "gate_up_proj"][0]}),
+                  r"tensor 'model\.layers\.0\.mlp\.experts\.gate_up_proj' has shape \[48, 64\]; layer 0's fused "
+                  r"gate and up projections are \[experts, 2 x ffn, hidden\], 2 x ffn even"),
+        "both": (lambda t: t.update({experts.format(0) + "0.gate_proj.weight": torch.zeros(24, 64)}),
+                 r"layer 0 holds its experts both fused \('model\.layers\.0\.mlp\.experts\.gate_up_proj'\) and per "
+                 r"expert \('model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight'\): not a checkpoint "
+                 r"transformers loads"),
+    }
+    for case, (damage, line) in cases.items():
+        src = tmp_path / case
+        shutil.copytree(tiny_qwen3_5[f"{MOE}-bf16-fused"], src)
+        edit_tensors(src, damage)
+        convert_fails(src, tmp_path / f"{case}-out", _one_line(line))
+    # in a wrapper the file's own name is named
+    src = tmp_path / "wrapper"
+    shutil.copytree(tiny_qwen3_5["vl-moe-bf16-fused"], src)
+    edit_tensors(src, lambda t: t.pop(LM + "layers.1.mlp.experts.gate_up_proj"))
+    convert_fails(src, tmp_path / "wrapper-out", _one_line(
+        r"layer 1's fused experts are incomplete or mixed: missing 'model\.language_model\.layers\.1\.mlp\.experts\."
+        r"gate_up_proj' \(a layer holds gate_up_proj, down_proj, without biases\)"))
+
+
+def test_lora_on_the_four_in_proj_linears_lands_on_megatron_cores_one_in_proj_rows():
+    """PEFT puts one LoRA on each of in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; the toolkit wraps megatron-core's
+    one GatedDeltaNet.in_proj (column-parallel) with four (A, B) pairs, A whole, each B's rows added where that
+    tensor's rows are. At TP 2, rank r's in_proj is [q_r; k_r; v_r; z_r; beta_r; alpha_r] (each part's r-th half,
+    gated_delta_net.py's in_proj split), written out here from the part sizes: in_proj_qkv's rows of q_r, k_r, v_r,
+    then z_r, b_r, a_r."""
+    from toolkit.families.qwen3_5 import QWEN3_5_MOE
+    from toolkit.layouts import Layout
+    from toolkit.lora import targets
+    from toolkit.lora.shards import placements
+
+    spec = spec_from_config(make_config(MOE).to_dict())[1]
+    names = [f"in_proj_{p}" for p in ("qkv", "z", "b", "a")]
+    [linear] = targets.resolve(QWEN3_5_MOE, spec, names)
+    assert (linear.module, linear.parallel, linear.chosen) == ("self_attention.in_proj", "column", tuple(names))
+    qk, v, heads = 2 * 8, 4 * 12, 4  # key heads x key dim; value heads x value dim; value heads
+    sizes = {"in_proj_qkv": 2 * qk + v, "in_proj_z": v, "in_proj_b": heads, "in_proj_a": heads}
+    assert [(t.name, t.out_features, t.in_features) for t in linear.parts] == [(n, sizes[n], 64) for n in names]
+    for rank in range(2):
+        # each part (q, k, v, z, b, a) halved: the rank's rows, in its local order
+        halves = [(name, start + rank * length // 2, length // 2) for name, start, length in (
+            ("in_proj_qkv", 0, qk), ("in_proj_qkv", qk, qk), ("in_proj_qkv", 2 * qk, v), ("in_proj_z", 0, v),
+            ("in_proj_b", 0, heads), ("in_proj_a", 0, heads))]
+        expected: dict[str, list[int]] = {}
+        for name, start, length in halves:
+            expected.setdefault(name, []).extend(range(start, start + length))
+        local = 0
+        placed = placements(linear.row.split, [(t.name, t.out_features) for t in linear.parts], 2, rank,
+                            Layout(2, 1).geometry(spec), 0)
+        for t, where in zip(linear.parts, placed):
+            rows = expected[t.name]
+            assert where.hf.tolist() == rows, (rank, t.name)
+            assert where.local.tolist() == list(range(local, local + len(rows))), (rank, t.name)
+            local += len(rows)
 
 
 # The published sizes: (corpus entry, the model card's total and active billions, truncated). Qwen3.5-0.8B:

@@ -51,18 +51,19 @@ def report(name: str, resumed: list[dict], straight: list[dict]) -> tuple[float,
 
 
 @pytest.fixture(scope="module")
-def pp2_straight(model_and_data, tmp_path_factory):
-    """10 steps at PP2 ZeRO-1 on 2 processes, saved at step 5: shared by the quick elastic tests."""
+def tp2_pp2_dp2_straight(model_and_data, tmp_path_factory):
+    """10 steps at TP2 x PP2 x DP2 ZeRO-1 on 8 processes, saved at step 5: the one straight run every
+    elastic resume here starts from."""
     hf, mc, data = model_and_data
-    return straight_run(tmp_path_factory.mktemp("pp2"), mc, data, 2, {"tp": 1, "pp": 2, "zero_stage": 1})
+    return straight_run(tmp_path_factory.mktemp("tp2pp2dp2"), mc, data, 8, {"tp": 2, "pp": 2, "zero_stage": 1})
 
 
 @pytest.mark.multiprocess
-def test_small_layouts_resume_each_other_and_moments_matter(model_and_data, pp2_straight, tmp_path):
-    """Quick: PP2 ZeRO-1 -> TP2 ZeRO-2, DP2 ZeRO-3, and TP4 (whose padded vocabulary is 512 rows,
+def test_small_layouts_resume_each_other_and_moments_matter(model_and_data, tp2_pp2_dp2_straight, tmp_path):
+    """TP2 x PP2 x DP2 ZeRO-1 -> TP2 ZeRO-2, DP2 ZeRO-3, and TP4 (whose padded vocabulary is 512 rows,
     not 256: megatron-core's embedding sharding allows the mismatch); without Adam's moments it breaks."""
     hf, mc, data = model_and_data
-    saved, straight = pp2_straight
+    saved, straight = tp2_pp2_dp2_straight
     layouts = {"tp2-zero2": (2, {"tp": 2, "pp": 1, "zero_stage": 2}), "dp2-zero3": (2, {"tp": 1, "pp": 1, "zero_stage": 3}),
                "tp4-zero1": (4, {"tp": 4, "pp": 1, "zero_stage": 1})}
     for name, (nprocs, parallel) in layouts.items():
@@ -76,9 +77,9 @@ def test_small_layouts_resume_each_other_and_moments_matter(model_and_data, pp2_
 
 
 @pytest.mark.multiprocess
-def test_resharded_checkpoint_resumes_at_its_new_layout_and_exports_the_same_weights(model_and_data, pp2_straight,
-                                                                                     tmp_path):
-    """`toolkit ckpt reshard` PP2 -> TP2: the output resumes with resume=auto (steps 6-10 as the
+def test_resharded_checkpoint_resumes_at_its_new_layout_and_exports_the_same_weights(model_and_data,
+                                                                                     tp2_pp2_dp2_straight, tmp_path):
+    """`toolkit ckpt reshard` TP2 x PP2 -> TP2 x PP1: the output resumes with resume=auto (steps 6-10 as the
     straight run), its model/ exports the same HF weights; bad requests are one line, nothing written."""
     from safetensors.torch import load_file
 
@@ -88,7 +89,7 @@ def test_resharded_checkpoint_resumes_at_its_new_layout_and_exports_the_same_wei
     from toolkit.train.reshard import reshard
 
     hf, mc, data = model_and_data
-    saved, straight = pp2_straight
+    saved, straight = tp2_pp2_dp2_straight
     out = reshard(saved, tmp_path / "resharded", tp=2, pp=1)
     assert lines(describe(out))[0].endswith("written at TP 2 x PP 1 x any DP and ZeRO stage (resharded)")
     for wrong, match in (({"tp": 3, "pp": 1}, "not divisible"), ({"tp": 2, "pp": 1}, "exists and is not empty")):
@@ -110,10 +111,11 @@ def test_resharded_checkpoint_resumes_at_its_new_layout_and_exports_the_same_wei
 
 
 @pytest.mark.multiprocess
-def test_tp2_pp2_dp2_resumes_at_tp1_pp2_dp4_tp2_dp4_zero2_and_dp8_zero3(model_and_data, tmp_path):
-    """The acceptance matrix: 8 processes each, one straight run, three resumes."""
+def test_tp2_pp2_dp2_resumes_at_tp1_pp2_dp4_tp2_dp4_zero2_and_dp8_zero3(model_and_data, tp2_pp2_dp2_straight,
+                                                                      tmp_path):
+    """The acceptance matrix: 8 processes each, the straight run and three resumes."""
     hf, mc, data = model_and_data
-    saved, straight = straight_run(tmp_path, mc, data, 8, {"tp": 2, "pp": 2, "zero_stage": 1})
+    saved, straight = tp2_pp2_dp2_straight
     layouts = {"tp1-pp2-dp4-zero1": {"tp": 1, "pp": 2, "zero_stage": 1},
                "tp2-pp1-dp4-zero2": {"tp": 2, "pp": 1, "zero_stage": 2},
                "dp8-zero3": {"tp": 1, "pp": 1, "zero_stage": 3}}

@@ -65,6 +65,10 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("phi4-mini", "Phi3ForCausalLM", "model.embed_tokens.weight"),
         # q/k norms over the whole projection, their sum of squares all-reduced over TP
         ("olmo2", "Olmo2ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
+        # OLMo 3: windows of 8 on layers 0-2, YaRN on the full layer 3 only (the windowed layers' own plain RoPE)
+        ("olmo3", "Olmo3ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
+        # SmolLM3: layer 2 without RoPE (megatron-core's no_rope_freq), tied embeddings split over the stages
+        ("smollm3", "SmolLM3ForCausalLM", "model.layers.2.self_attn.k_proj.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_dp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,

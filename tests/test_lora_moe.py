@@ -13,7 +13,8 @@ Qwen2-MoE's attention, shared expert and dense layers with the experts frozen; o
 trains GLM-4.5's and DeepSeek-V3's (multi-latent attention) attention, dense layer, shared and routed
 experts (the sigmoid router with its expert bias, which stays the base model's on both sides), and
 gpt-oss's attention and routed experts (stored transposed, gate and up interleaved), and Qwen3-Next's
-output projections (o_proj, the gated delta net's out_proj), dense MLP, shared and routed experts.
+and Qwen3.5-MoE's attention and gated delta net (Qwen3.5's four in_proj_* Linears), dense MLP, shared and
+routed experts.
 """
 
 from __future__ import annotations
@@ -281,28 +282,55 @@ def test_lora_on_gpt_oss_attention_and_interleaved_experts_at_ep2_matches_peft(t
     assert_guards_fail(trained, experts=8, untrained=("self_attn.v_proj",))
 
 
+# The gated-delta-net families: (target_modules, target_parameters, modules the saved adapter must hold, merged
+# tensors that must change, linears whose LoRA left untrained must fail the comparison)
+_QWEN35_IN_PROJ = [f"in_proj_{p}" for p in ("qkv", "z", "b", "a")]
+GATED_DELTA_LORA = {
+    # a dense first layer; PEFT rewrites gate/up/down_proj onto the experts here, so they are `.weight` parameters
+    "qwen3-next": (
+        ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
+        EXPERTS + ["gate_proj.weight", "up_proj.weight", "down_proj.weight"],
+        ("layers.1.self_attn.o_proj", "layers.0.linear_attn.out_proj", "layers.2.mlp.shared_expert.gate_proj",
+         "layers.0.mlp.down_proj", "layers.3.mlp.experts", "layers.1.self_attn.q_proj",
+         "layers.0.linear_attn.in_proj_qkvz", "layers.2.linear_attn.in_proj_ba"),
+        ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.linear_attn.out_proj.weight",
+         "model.layers.3.self_attn.o_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
+         "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+         "model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.2.linear_attn.in_proj_ba.weight"),
+        ("linear_attn.out_proj", "shared_expert.down_proj", "self_attn.q_proj", "linear_attn.in_proj_qkvz")),
+    # every layer MoE; PEFT rewrites nothing for qwen3_5_moe_text, so the shared expert's linears are target_modules
+    "qwen3.5-moe": (
+        ["q_proj", "k_proj", "v_proj", "o_proj", *_QWEN35_IN_PROJ, "out_proj", "gate_proj", "up_proj", "down_proj"],
+        EXPERTS,
+        ("layers.1.self_attn.o_proj", "layers.0.linear_attn.out_proj", "layers.2.mlp.shared_expert.gate_proj",
+         "layers.0.mlp.experts", "layers.3.mlp.experts", "layers.1.self_attn.q_proj",
+         *(f"layers.{layer}.linear_attn.{p}" for layer in (0, 2) for p in _QWEN35_IN_PROJ)),
+        ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
+         "model.layers.2.linear_attn.out_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+         "model.layers.1.mlp.shared_expert.up_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+         *(f"model.layers.0.linear_attn.{p}.weight" for p in _QWEN35_IN_PROJ)),
+        ("linear_attn.out_proj", "shared_expert.down_proj", "self_attn.q_proj",
+         *(f"linear_attn.{p}" for p in _QWEN35_IN_PROJ))),
+}
+
+
 @pytest.mark.multiprocess
-def test_lora_on_qwen3_next_attention_gated_delta_net_and_experts_at_ep2_matches_peft(tmp_path):
+@pytest.mark.parametrize("variant", GATED_DELTA_LORA)
+def test_lora_on_qwen3_next_attention_gated_delta_net_and_experts_at_ep2_matches_peft(tmp_path, variant):
     """Qwen3-Next (gated delta net layers alternating with output-gated attention, a dense first layer,
-    a gated shared expert): LoRA on every linear — the attention's q/k/v_proj (megatron-core holds q_proj's
+    a gated shared expert) and Qwen3.5-MoE (the same layers with the gated delta net's four in_proj_* Linears,
+    every layer MoE): LoRA on every linear — the attention's q/k/v_proj (megatron-core holds q_proj's
     query and output gate re-laid, Split.GATED_QKV) and o_proj, the gated delta net's in_proj_qkvz /
-    in_proj_ba (re-laid per key head, Split.GDN_IN_PROJ) and out_proj, the dense MLP, the shared expert and
-    every routed expert — trains as PEFT's, every step routed as HF routes it; the adapter loads in
-    PeftModel and --merge is merge_and_unload(). Guards: q_proj or in_proj_qkvz left untrained fails it."""
-    mlp = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]  # as PEFT keeps them (toolkit.lora.peft_rewrites)
-    attention = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
-    trained = train_against_peft(tmp_path, "qwen3-next", attention, EXPERTS + mlp, save_every=STEPS,
-                                 global_batch=SMALL_BATCH)
+    in_proj_ba (re-laid per key head, Split.GDN_IN_PROJ) or in_proj_qkv / _z / _b / _a (PEFT's four LoRAs as
+    four (A, B) pairs inside megatron-core's one in_proj, B's rows on each tensor's rows, Split.GDN_IN_PROJ_CAT)
+    and out_proj, the dense MLP, the shared expert and every routed expert — trains as PEFT's, every step routed
+    as HF routes it; the adapter loads in PeftModel and --merge is merge_and_unload(). Guards: each in_proj_*,
+    q_proj, out_proj or the shared expert's down_proj left untrained fails it."""
+    modules, parameters, saved, changed, untrained = GATED_DELTA_LORA[variant]
+    trained = train_against_peft(tmp_path, variant, modules, parameters, save_every=STEPS, global_batch=SMALL_BATCH)
     assert_matches_peft_training(trained)
     keys = tensors(trained["run"] / "adapter")
-    for module in ("layers.1.self_attn.o_proj", "layers.0.linear_attn.out_proj", "layers.2.mlp.shared_expert.gate_proj",
-                   "layers.0.mlp.down_proj", "layers.3.mlp.experts", "layers.1.self_attn.q_proj",
-                   "layers.0.linear_attn.in_proj_qkvz", "layers.2.linear_attn.in_proj_ba"):
+    for module in saved:
         assert any(f"{module}.lora_" in k for k in keys), module
-    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", (
-        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.linear_attn.out_proj.weight",
-        "model.layers.3.self_attn.o_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
-        "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight",
-        "model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.2.linear_attn.in_proj_ba.weight"))
-    assert_guards_fail(trained, experts=6, untrained=("linear_attn.out_proj", "shared_expert.down_proj",
-                                                      "self_attn.q_proj", "linear_attn.in_proj_qkvz"))
+    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", changed)
+    assert_guards_fail(trained, experts=6, untrained=untrained)

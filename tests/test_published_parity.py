@@ -6,8 +6,11 @@ the multimodal Gemma 3's language model, against the wrapper's own text-only for
 its guards (tests/test_family_glm4_moe.py); gpt-oss with its guards, its experts at expert TP 1
 (tests/test_family_gpt_oss.py); DeepSeek-V3 with its guards (tests/test_family_deepseek_v3.py); Qwen3-Next in
 both formats (its guards in tests/test_family_qwen3_next.py); Qwen3.5 dense and MoE in both formats and both
-wrappers' language models (its guards in tests/test_family_qwen3_5.py); Gemma 4 in both formats and its wrapper's
-language model (its guards in tests/test_family_gemma4.py)."""
+wrappers' language models, the MoE ones with their experts stored fused too (its guards in
+tests/test_family_qwen3_5.py); MiniMax-M2 in both formats, as published
+in FP8 (against HF's model of the dequantized weights) and with its guard (tests/test_family_minimax_m2.py); Mistral 4
+and Mistral Small 4's wrapper with its guards (tests/test_family_mistral4.py); Gemma 4 dense and MoE in both formats
+and its wrapper's language model (its guards in tests/test_family_gemma4.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +20,16 @@ from tests import test_family_deepseek_v3 as deepseek
 from tests.test_convert_parity import assert_parity
 from tests import test_family_gemma4 as gemma4
 from tests import test_family_gpt_oss as gpt_oss
+from tests import test_family_minimax_m2 as minimax
+from tests import test_family_mistral4 as mistral4
 from tests import test_family_qwen3_5 as qwen3_5
 from tests import test_family_qwen3_next as qwen3_next
 from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
 from tests.test_family_gemma4 import tiny_gemma4  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
 from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
+from tests.test_family_minimax_m2 import tiny_minimax  # noqa: F401  (fixtures)
+from tests.test_family_mistral4 import tiny_mistral4  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_5 import tiny_qwen3_5  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_next import tiny_qwen3_next  # noqa: F401  (fixtures)
 from tests.test_gemma3_wrapper import gemma3_wrapper  # noqa: F401
@@ -37,7 +44,7 @@ FORMATS = ("torch", "torch_dist")
 @pytest.mark.multiprocess
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
                                                     tiny_gpt_oss, tiny_deepseek, tiny_qwen3_next,  # noqa: F811
-                                                    tiny_qwen3_5, tiny_gemma4, tmp_path):  # noqa: F811
+                                                    tiny_qwen3_5, tiny_minimax, tiny_mistral4, tiny_gemma4, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -47,15 +54,22 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     glm, matching = parity_pairs(tiny_glm, tmp_path)
     oss, oss_matching = gpt_oss.parity_pairs(tiny_gpt_oss, tmp_path)
     ds, ds_matching = deepseek.parity_pairs(tiny_deepseek, tmp_path)
+    m4, m4_matching = mistral4.parity_pairs(tiny_mistral4, tmp_path)
     q3n, _ = qwen3_next.parity_pairs(tiny_qwen3_next, tmp_path)  # all must match
     q35, _ = qwen3_5.parity_pairs(tiny_qwen3_5, tmp_path)  # all must match
+    mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
-    pairs += q3n + q35 + g4
-    reports = verify_many(pairs + glm + oss + ds, tp=2, pp=2, ep=2)
+    pairs += q3n + q35 + g4 + mm[:mm_matching] + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)]
+    reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4, tp=2, pp=2, ep=2)
     glm_reports = reports[len(pairs):len(pairs) + len(glm)]
     oss_reports = reports[len(pairs) + len(glm):len(pairs) + len(glm) + len(oss)]
-    ds_reports = reports[len(pairs) + len(glm) + len(oss):]
-    assert_parity(reports[:len(pairs)] + glm_reports[:matching] + oss_reports[:oss_matching] + ds_reports[:ds_matching])
+    ds_reports = reports[len(pairs) + len(glm) + len(oss):len(pairs) + len(glm) + len(oss) + len(ds)]
+    mm_guards = reports[len(pairs) + len(glm) + len(oss) + len(ds):len(reports) - len(m4)]
+    m4_reports = reports[len(reports) - len(m4):]
+    assert_parity(reports[:len(pairs)] + glm_reports[:matching] + oss_reports[:oss_matching] + ds_reports[:ds_matching]
+                  + m4_reports[:m4_matching])
     assert_guards_fail(glm_reports[matching:])
     gpt_oss.assert_guards_fail(oss_reports[oss_matching:])
     deepseek.assert_guards_fail(ds_reports[ds_matching:])
+    minimax.assert_guards_fail(mm_guards)
+    mistral4.assert_guards_fail(m4_reports[m4_matching:])

@@ -14,7 +14,10 @@ the block spec that composes them from a family's `CustomLayer` choices (toolkit
   qk_layernorm normalises each head (attention.py:1281). Each TP rank holds some heads, so the sum
   of squares is all-reduced over TP.
 - LayerRopeSelfAttention: SelfAttention whose layer may use its own RoPE base (GPTModel has one
-  rotary embedding for every layer, gpt_model.py:160).
+  rotary embedding for every layer, gpt_model.py:160). Where the model's RoPE is YaRN (OLMo 3's
+  full-attention layers), a layer with a plain RoPE of its own takes no YaRN attention factor, which
+  megatron-core applies in every layer from the config (attention.py: 0.16.1 computes it in forward,
+  0.19 caches it at init as _yarn_concentration_factor).
 - Qwen3-Next's linear-attention layers: megatron-core's own GatedDeltaNet (ssm/gated_delta_net.py, its
   `fla` kernels stood in by toolkit/runtime/gated_delta_rule.py where missing), with the input norm as
   a layer of its own (the TE spec fuses it into in_proj, hence the checkpoint name) and its output norm
@@ -116,6 +119,10 @@ class LayerRopeSelfAttention(SelfAttention):
         if base is not None:
             self.layer_rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=base,
                                               use_cpu_initialization=config.use_cpu_initialization)
+            if hasattr(config, "yarn_rotary_scaling_factor"):  # the model's RoPE is YaRN: not this layer's
+                self.config = without_yarn(config)
+                if hasattr(self, "_yarn_concentration_factor"):
+                    self._yarn_concentration_factor = 1.0
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         if self.layer_rope is not None and rotary_pos_emb is not None:
@@ -315,6 +322,17 @@ def gemma4_moe_spec(config):
         return ModuleSpec(module=layer, submodules=replace(base.submodules, router=router), params=base.params)
     return functools.partial(layer, *base.args, **{**base.keywords, "submodules": replace(base.keywords["submodules"],
                                                                                           router=router)})
+
+
+def without_yarn(config):
+    """A copy of `config` without the yarn_* attributes GPTModel's YaRN reads (toolkit/megatron_settings.py
+    config_attributes), so that megatron-core's _yarn_get_concentration_factor_from_config gives 1."""
+    import copy
+
+    plain = copy.copy(config)
+    for name in [n for n in vars(plain) if n.startswith("yarn_")]:
+        delattr(plain, name)
+    return plain
 
 
 def _qk_norm(kind: str | None, heads: int):

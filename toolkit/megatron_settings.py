@@ -84,6 +84,8 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         window_size=(spec.window_size - 1, 0) if spec.window_size else None,
         # per layer, 1 where the window applies (megatron-core's is_layer_window_attention)
         window_attn_skip_freq=[int(c) for c in spec.window_layers] if spec.window_layers else None,
+        # per layer, 1 where RoPE is skipped (SmolLM3's NoPE layers; attention.py: rotary_pos_emb = None)
+        **({"no_rope_freq": [int(c) for c in spec.nope_layers]} if spec.nope_layers else {}),
         softmax_scale=spec.softmax_scale,
         **({"qk_layernorm": True} if spec.qk_norm else {}),
         **family_named(spec.family).megatron,

@@ -77,7 +77,8 @@ DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
 DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
-# 1.5 that the larger weights (initializer_range 0.1) cross often, windows of 8 (shorter than the test
+# 1.5 that the larger weights (initializer_range 0.1) cross often (transformers before 5.19 fixes it at
+# the published 7.0, toolkit/families/gpt_oss.py: there the model says so), windows of 8 (shorter than the test
 # sequences) on every other layer, YaRN interpolating all but the fastest frequency (16 original
 # positions, factor 32, truncate false as published) with its attention factor 1 + 0.1 ln 32; the
 # sinks, the router and its bias randomised far from HF's init (SINK_STD, ROUTER_STD).
@@ -123,6 +124,19 @@ GEMMA3 = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=1, head
                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
 # OLMo 2: GQA 6 (2 KV heads, fewer than TP 4: the whole-projection k norm spans replicated heads)
 OLMO2 = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=2, intermediate_size=96, vocab_size=251)
+# OLMo 3: OLMo 2's sizes, windows of 8 (shorter than the test sequences) on layers 0-2 and 4-5 (Olmo3Config's
+# default, every 4th layer full: each PP 2 / PP 3 stage holds windowed layers, one a full one), YaRN on the
+# full-attention layer only (16 original positions, factor 4, the attention factor written out as published:
+# 1 + 0.1 ln 4), the windowed layers' plain RoPE of another base; weights of std 0.1 sharpen attention so that
+# YaRN on every layer (transformers 5.2's regression) moves the logits far past the parity tolerance.
+OLMO3 = dict(OLMO2, sliding_window=8, initializer_range=0.1, max_position_embeddings=64,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "attention_factor": 1.138629436111989},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+# SmolLM3: GQA 2, NoPE every 3rd layer (no_rope_layer_interval 3, the list left to SmolLM3Config: layers 2 and 5,
+# one per PP 2 stage), tied embeddings as the published 3B
+SMOLLM3 = dict(no_rope_layer_interval=3, tie_word_embeddings=True, vocab_size=251, initializer_range=0.1)
 
 # Norm weights drawn from U(low, high), so a dropped or swapped norm cannot pass a logit comparison.
 # Gemma's and Qwen3-Next's norms apply 1 + w: w around zero gives the same spread of scales, 0.5 to 1.5
@@ -158,6 +172,19 @@ QWEN3_5 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hea
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "moe_intermediate_size": 24,
                "shared_expert_intermediate_size": 40, "num_experts": 6, "num_experts_per_tok": 2}
+# Mistral 4 with every feature on: DeepSeek-V3's multi-latent attention sizes above, YaRN as published (mscale and
+# mscale_all_dim 1: cos and sin unscaled, the softmax by get_mscale(4, 1) squared) over 64 original positions with
+# the Llama-4 query scale (beta 0.1, exactly 1 below those 64, past the test sequences); 8 experts top-3 (4 per EP 2
+# rank) renormalised, routed scaling 1.5 (1.0 as published, which would hide it), 2 shared experts, a dense first
+# layer, no groups (as published); weights of std 0.05 as DeepSeek-V3's.
+MISTRAL4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+                n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                num_hidden_layers=4, vocab_size=251, max_position_embeddings=256, initializer_range=0.05,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 
 # Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
 # test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
@@ -176,6 +203,16 @@ GEMMA4 = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head
 # rank), with the router's scale and per-expert scale randomised
 GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
 
+# MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
+# random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
+# projection of 6 heads / 2 KV heads of 16 (split over TP ranks); RoPE on 8 of each head's 16 dimensions
+# (rotary_dim, as the published 64 of 128) at base 10,000 so the short test sequences rotate; the remote-code
+# keys of the published config at their values; no load-balancing loss (HF adds one only with output_router_logits).
+MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                  num_local_experts=8, num_experts_per_tok=3, num_hidden_layers=4, vocab_size=251, rotary_dim=8,
+                  router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
+                  qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -218,12 +255,16 @@ VARIANTS = {
     "phi3-1kv": ("Phi3Config", {**PHI3, "num_key_value_heads": 1}),
     "gemma3": ("Gemma3TextConfig", GEMMA3),
     "olmo2": ("Olmo2Config", OLMO2),
+    "olmo3": ("Olmo3Config", OLMO3),
+    "smollm3": ("SmolLM3Config", SMOLLM3),
     "gpt-oss": ("GptOssConfig", GPT_OSS),
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
     "gemma4": ("Gemma4TextConfig", GEMMA4),
     "gemma4-moe": ("Gemma4TextConfig", GEMMA4_MOE),
+    "mistral4": ("Mistral4Config", MISTRAL4),
+    "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
 
 
@@ -250,11 +291,20 @@ def build_tokenizer(text: bool = False):
     )
 
 
+def _as_the_installed_model_computes(cls_name: str) -> dict:
+    """Values of a variant that the installed transformers' model fixes whatever its config says."""
+    if cls_name == "GptOssConfig":
+        from toolkit.families.gpt_oss import FIXED_BEFORE_TRANSFORMERS_5_19, installed_transformers_reads_swiglu
+
+        return {} if installed_transformers_reads_swiglu() else FIXED_BEFORE_TRANSFORMERS_5_19
+    return {}
+
+
 def make_config(variant: str, **overrides):
     import transformers
 
     cls_name, variant_overrides = VARIANTS[variant]
-    kwargs = {**BASE, **variant_overrides, **overrides}
+    kwargs = {**BASE, **variant_overrides, **_as_the_installed_model_computes(cls_name), **overrides}
     kwargs.setdefault("bos_token_id", 1)
     kwargs.setdefault("eos_token_id", 2)
     kwargs.setdefault("pad_token_id", 0)
@@ -277,12 +327,13 @@ def save_random_model(config, directory: str | Path, dtype: str = "float32", see
     import transformers
 
     from toolkit.convert.wrapper import wrapper_for
+    from toolkit.families.hf_values import auto_causal_lm
 
     # a multimodal wrapper as its own class (AutoModelForCausalLM builds Qwen3.5's language model alone from it)
     wrapper = wrapper_for({"model_type": config.model_type})
     torch.manual_seed(seed)
     model = (getattr(transformers, wrapper.architecture)(config) if wrapper
-             else transformers.AutoModelForCausalLM.from_config(config))
+             else auto_causal_lm().from_config(config))
     return _save_randomised(model, config.model_type, directory, dtype, fp32_modules)
 
 
@@ -306,7 +357,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.endswith(HF_FLOAT32_BUFFERS):  # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init)
+            # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init); MiniMax-M2's, `mlp.` in the model, `block_sparse_moe.` saved
+            if name.endswith(HF_FLOAT32_BUFFERS + ("mlp.e_score_correction_bias",)):
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
             elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
                 buffer.uniform_(*DEFAULT_NORM_WEIGHTS)
@@ -385,9 +437,29 @@ def make_tiny_qwen3_5_multimodal(directory: str | Path, dtype: str = "float32", 
                             directory, dtype)
 
 
+# Pixtral's vision tower as small as the class allows: one layer of width 16, 4 x 4 patches of 8 pixels
+PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=32, patch_size=8)
+
+
+def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Mistral Small 4 as published (Mistral3ForConditionalGeneration: the tiny `mistral4` text model under
+    `language_model.model`, its untied head as `language_model.lm_head`, a Pixtral tower and projector beside
+    them), from transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    text = make_config("mistral4", **text_overrides)
+    config = Mistral3Config(text_config=text.to_dict(), vision_config=PixtralVisionConfig(**PIXTRAL_VISION).to_dict(),
+                            tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return _save_randomised(Mistral3ForConditionalGeneration(config), config.model_type, directory, dtype)
+
+
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
-FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")
+FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",
+                 ".w1.weight", ".w2.weight", ".w3.weight")  # MiniMax-M2's experts, stored as Mixtral's
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 

@@ -104,28 +104,11 @@ def no_secret_in(*paths: Path) -> None:
                 assert SECRET.encode() not in path.read_bytes(), f"API key written to {path}"
 
 
-def test_two_node_tp2_pp2_job_matches_torchrun_on_one_machine(slurm_cluster, tiny, reference, tmp_path):
-    cfg = tp2pp2(tmp_path, tiny)
-    job_id = submit(cfg, tmp_path, "straight")
-    assert_completed(job_id, tmp_path, "straight")
-    assert job_field(job_id, "NodeList") == "n[1-2]" and job_field(job_id, "NumNodes") == "2"
-    log = log_of(tmp_path, "straight", job_id)
-    assert f"toolkit: job {job_id} start 0 on n[1-2] (2 x 2), rendezvous n1:" in log
-    assert "toolkit: training finished" in log
-    metrics = assert_same_losses(tmp_path / "run", reference)
-
-    run = assert_one_wandb_run(tmp_path / "run", f"slurm-{job_id}", metrics)
-    assert METRICS <= set(run.history[0]) and [r["_step"] for r in run.history if "eval_loss" in r] == [6, 12]
-    assert {"config", "layout", "deepspeed", "data"} <= set(run.config)
-    assert run.config["layout"]["world_size"] == 4 and run.config["layout"]["tp"] == 2
-    assert "wandb" not in run.config["deepspeed"] or not run.config["deepspeed"]["wandb"].get("enabled")
-
-    status = toolkit("slurm", "status", job_id).stdout
-    assert status.startswith(f"job {job_id}: COMPLETED, exit 0:0") and f"last step {STEPS} " in status
-
-
-def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes_into_one_wandb_run(slurm_cluster, tiny, reference,
-                                                                                       tmp_path):
+def test_two_node_job_matches_torchrun_and_usr1_checkpoints_requeues_and_resumes_into_one_wandb_run(
+        slurm_cluster, tiny, reference, tmp_path):
+    """A TP2 x PP2 job on two nodes gives the losses of torchrun on one machine (every step, the evals too),
+    with a USR1 to the batch shell on the way: it checkpoints, requeues and resumes into one W&B run.
+    (One job for both: an uninterrupted job would repeat the same losses, W&B config and status checks.)"""
     cfg = tp2pp2(tmp_path, tiny)
     run_dir = tmp_path / "run"
     job_id = submit(cfg, tmp_path, "preempt", "--max-restarts", "1", env={"WANDB_API_KEY": SECRET})
@@ -137,15 +120,24 @@ def test_usr1_to_the_batch_shell_checkpoints_requeues_and_resumes_into_one_wandb
     requeued_after = time.monotonic() - signalled
     assert_completed(job_id, tmp_path, "preempt")
 
+    assert job_field(job_id, "NodeList") == "n[1-2]" and job_field(job_id, "NumNodes") == "2"
     log = log_of(tmp_path, "preempt", job_id)
+    assert f"toolkit: job {job_id} start 0 on n[1-2] (2 x 2), rendezvous n1:" in log
     saved = int(re.search(r"SIGUSR1 received: saved step (\d+), exiting for requeue", log).group(1))
     assert 3 <= saved < STEPS
     assert "toolkit: stopped on SIGUSR1 after a checkpoint; requeueing (restart 1 of 1)" in log
     assert f"toolkit: job {job_id} start 1 on n[1-2]" in log and f"resuming at step {saved}" in log
+    assert "toolkit: training finished" in log
     metrics = assert_same_losses(run_dir, reference)
     assert find_latest(run_dir).name == f"step_{STEPS:07d}"
 
     run = assert_one_wandb_run(run_dir, f"slurm-{job_id}", metrics)
+    assert METRICS <= set(run.history[0]) and [r["_step"] for r in run.history if "eval_loss" in r] == [6, 12]
+    assert {"config", "layout", "deepspeed", "data"} <= set(run.config)
+    assert run.config["layout"]["world_size"] == 4 and run.config["layout"]["tp"] == 2
+    assert "wandb" not in run.config["deepspeed"] or not run.config["deepspeed"]["wandb"].get("enabled")
+    status = toolkit("slurm", "status", job_id).stdout
+    assert status.startswith(f"job {job_id}: COMPLETED, exit 0:0") and f"last step {STEPS} " in status
     assert [[r["_step"] for r in s.history] for s in run.segments] == \
         [list(range(1, saved + 1)), list(range(saved + 1, STEPS + 1))]
     assert [s.exit_code for s in run.segments] == [0, 0]

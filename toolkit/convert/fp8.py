@@ -33,6 +33,9 @@ FP8 = "F8_E4M3"
 # The dtype the weights are dequantized to (DeepSeek's fp8_cast_bf16.py: torch.set_default_dtype(bfloat16))
 DEQUANTIZED = "BF16"
 ACCEPTED = {"fmt": "e4m3", "activation_scheme": "dynamic"}
+# The same format under torch's name, as MiniMax-M2's config.json writes it (its weights F8_E4M3, the scales
+# float32 `weight_scale_inv` per 128 x 128 block, as DeepSeek-V3's)
+FMT_ALIASES = {"float8_e4m3fn": "e4m3"}
 
 
 def is_fp8(cfg: dict) -> bool:
@@ -45,7 +48,7 @@ def block_size(cfg: dict) -> tuple[int, int]:
     """The (rows, columns) of a scale block, refusing a quantization this module does not read."""
     q = cfg["quantization_config"]
     for key, value in ACCEPTED.items():
-        if q.get(key, value) != value:
+        if FMT_ALIASES.get(q.get(key), q.get(key, value)) != value:
             raise ConversionError(f"config.json quantization_config.{key}={q.get(key)!r} is not supported: only FP8 "
                                   f"weights with block scales (quant_method='fp8', {', '.join(f'{k}={v!r}' for k, v in ACCEPTED.items())}) are "
                                   "dequantized on conversion")

@@ -1,15 +1,19 @@
-"""Experts stored fused per layer (gpt-oss, Family.fused_experts), read and written one expert at a time.
+"""Experts stored fused per layer (Family.fused_experts: gpt-oss; Qwen3.5-MoE where a checkpoint holds them so),
+read and written one expert at a time, in either layout of FusedExperts.layout (toolkit/families/table.py:
+gpt-oss's interleaved x @ W, with biases; transformers 5's [gate; up] halves as nn.Linear, without).
 
 Import: `FusedExpertsView` shows an HF checkpoint (HFCheckpoint's interface) with each layer's fused
 expert tensors replaced by per-expert ones under the names the family's rows use
 (`...experts.<e>.gate_proj.weight` [ffn, hidden] and so on), each read from the fused tensor by
-slicing out one expert: memory holds one expert's weights, never a layer's. MXFP4 weights (the
+slicing out one expert: memory holds one expert's weights, never a layer's. Per-expert tensors in the
+checkpoint (as transformers saves Qwen3.5-MoE) are passed through as stored. MXFP4 weights (the
 published gpt-oss checkpoints, quantization_config.quant_method 'mxfp4') are dequantized to bf16 as
 they are read: `dequantize_mxfp4` below, exact (every FP4 value times a power of two fits bf16).
 Those per-expert tensors have no bytes in a file, so the converter builds them (never range-copies).
 
-Export: `fuse_experts` collects a layer's per-expert tensors from the megatron checkpoint and writes
-the fused HF tensors (bf16 or the checkpoint's dtype; never requantized).
+Export (where FusedExperts.export_fused): `fuse_experts` collects a layer's per-expert tensors from the
+megatron checkpoint and writes the fused HF tensors in the family's layout (bf16 or the checkpoint's dtype;
+never requantized).
 """
 
 from __future__ import annotations
@@ -50,12 +54,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfl
 
 @dataclass(frozen=True)
 class _Fused:
-    """Where one layer's experts are: the fused weight names, and whether they are MXFP4."""
+    """Where one layer's experts are: the fused weight names, their biases' (None: none), whether MXFP4."""
 
     gate_up: str
     down: str
-    gate_up_bias: str
-    down_bias: str
+    gate_up_bias: str | None
+    down_bias: str | None
     mxfp4: bool
 
 
@@ -64,11 +68,12 @@ class FusedExpertsView:
 
     def __init__(self, src, fused: FusedExperts):
         self.whole, self.fused, self.dir = src, fused, src.dir
-        self.config = {k: v for k, v in src.config.items() if k != "quantization_config"}
-        quant = src.config.get("quantization_config")
+        quant = src.config.get("quantization_config") if fused.mxfp4 else None  # others: read by the view below
         if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != QUANT_METHOD):
             raise ConversionError(f"{src.dir / 'config.json'} has quantization_config {quant!r}: only MXFP4 expert "
                                   f"weights (quant_method '{QUANT_METHOD}') are read, dequantized to bf16")
+        self.config = src.config if quant is None else {k: v for k, v in src.config.items()
+                                                         if k != "quantization_config"}
         # The export is bf16 and unquantized: its config.json says nothing of MXFP4
         self.config_bytes = src.config_bytes if quant is None else (json.dumps(self.config, indent=2) + "\n").encode()
         pattern = re.compile("^" + re.escape(fused.prefix).replace(r"\*", r"(\d+)") + r"([^.]+)$")
@@ -90,45 +95,70 @@ class FusedExpertsView:
     def _name(self, layer: int, suffix: str) -> str:
         return self.fused.prefix.replace("*", str(layer)) + suffix
 
+    def _stored(self, name: str) -> str:
+        """A tensor's name in the files (a wrapper's language model: model.language_model.*), for messages."""
+        stored = getattr(self.whole, "stored_name", None)
+        return name if stored is None else stored(name)
+
     def _layer(self, layer: int, names: set[str]) -> _Fused:
         f = self.fused
-        mxfp4 = {f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES} <= names
-        biases = {f.gate_up_bias, f.down_bias} - {None}
-        wanted = biases | ({f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES}
-                           if mxfp4 else {f.gate_up, f.down})
+        quantized = {f.gate_up + BLOCKS, f.gate_up + SCALES, f.down + BLOCKS, f.down + SCALES}
+        mxfp4 = f.mxfp4 and quantized <= names
+        biases = {f.gate_up_bias, f.down_bias} if f.biases else set()
+        wanted = biases | (quantized if mxfp4 else {f.gate_up, f.down})
         if names != wanted:
             odd = sorted(names - wanted) or sorted(wanted - names)
+            holds = (f"{f.gate_up}, {f.down}" + (f" or their MXFP4 {BLOCKS}/{SCALES}" if f.mxfp4 else "")
+                     + (", and both biases" if f.biases else ", without biases"))
+            odd_name = self._stored(self._name(layer, odd[0]))
             raise ConversionError(f"layer {layer}'s fused experts are incomplete or mixed: "
-                                  f"{'unexpected' if names - wanted else 'missing'} {self._name(layer, odd[0])!r} (a "
-                                  f"layer holds {f.gate_up}, {f.down} or their MXFP4 {BLOCKS}/{SCALES}, and both biases)")
-        return _Fused(*(None if n is None else self._name(layer, n + (BLOCKS if mxfp4 and n in (f.gate_up, f.down) else ""))
-                        for n in (f.gate_up, f.down, f.gate_up_bias, f.down_bias)), mxfp4=mxfp4)
+                                  f"{'unexpected' if names - wanted else 'missing'} {odd_name!r} "
+                                  f"(a layer holds {holds})")
+
+        def weight(n):
+            return self._name(layer, n + (BLOCKS if mxfp4 else ""))
+
+        def bias(n):
+            return None if n is None else self._name(layer, n)
+
+        return _Fused(weight(f.gate_up), weight(f.down), bias(f.gate_up_bias), bias(f.down_bias), mxfp4=mxfp4)
+
+    def _sizes(self, layer: int, where: _Fused) -> tuple[int, int, int]:
+        """(experts, 2 x ffn, hidden) as the layer's fused gate_up holds them (its layout, or MXFP4's)."""
+        shape = self.whole.shape(where.gate_up)
+        rank = 4 if where.mxfp4 else 3
+        if len(shape) == rank:
+            experts, a, b = shape[:3]
+            two_ffn, hidden = ((a, b * MXFP4_BLOCK) if where.mxfp4 else (b, a) if self.fused.interleaved else (a, b))
+            if two_ffn % 2 == 0:
+                return experts, two_ffn, hidden
+        laid = ("[experts, 2 x ffn, hidden / 32, 16] (MXFP4)" if where.mxfp4 else
+                "[experts, hidden, 2 x ffn]" if self.fused.interleaved else "[experts, 2 x ffn, hidden]")
+        raise ConversionError(f"tensor {self._stored(where.gate_up)!r} has shape {list(shape)}; layer {layer}'s fused "
+                              f"gate and up projections are {laid}, 2 x ffn even")
 
     def _add_entries(self, layer: int, where: _Fused) -> None:
         """Per expert: gate / up [ffn, hidden], down [hidden, ffn] and their biases, in the fused dtype
         (bf16 where MXFP4)."""
         src = self.whole
-        if where.gate_up_bias is None:  # sizes from the weights (Gemma 4: [experts, 2 x ffn, hidden] as linear)
-            shape = src.tensors[where.gate_up].shape
-            experts, two_ffn, hidden = (shape if self.fused.as_linear else (shape[0], shape[2], shape[1])) \
-                if len(shape) == 3 else (0, 0, 0)
-            bias_dtype = None
-        else:
-            bias = src.tensors[where.gate_up_bias]
-            experts, two_ffn = bias.shape if len(bias.shape) == 2 else (0, 0)
-            hidden = src.tensors[where.down_bias].shape[-1]
-            bias_dtype = bias.dtype
+        experts, two_ffn, hidden = self._sizes(layer, where)
+        self._check_shapes(layer, where, experts, two_ffn, hidden)
         dtype = "BF16" if where.mxfp4 else src.tensors[where.gate_up].dtype
+        bias_dtype = src.tensors[where.gate_up_bias].dtype if where.gate_up_bias else None
         shapes = {GATE: (two_ffn // 2, hidden), UP: (two_ffn // 2, hidden), DOWN: (hidden, two_ffn // 2)}
-        kinds = ("weight",) if bias_dtype is None else ("weight", "bias")
+        kinds = ("weight", "bias") if where.gate_up_bias else ("weight",)
         for e in range(experts):
             base = self.fused.per_expert.replace("*", str(layer)).replace("#", str(e))
             for part, shape in shapes.items():
-                self.tensors[f"{base}{part}.weight"] = TensorEntry(None, dtype, shape, 0)
-                if bias_dtype is not None:
+                weight = f"{base}{part}.weight"
+                if weight in self.tensors:
+                    raise ConversionError(f"layer {layer} holds its experts both fused ({self._stored(where.gate_up)!r})"
+                                          f" and per expert ({self._stored(weight)!r}): not a checkpoint transformers "
+                                          "loads")
+                self.tensors[weight] = TensorEntry(None, dtype, shape, 0)
+                if where.gate_up_bias:
                     self.tensors[f"{base}{part}.bias"] = TensorEntry(None, bias_dtype, shape[:1], 0)
                 self._virtual.update({f"{base}{part}.{kind}": (where, e, part, kind) for kind in kinds})
-        self._check_shapes(layer, where, experts, two_ffn, hidden)
 
     def _check_shapes(self, layer: int, where: _Fused, experts: int, two_ffn: int, hidden: int) -> None:
         ffn = two_ffn // 2
@@ -137,16 +167,18 @@ class FusedExpertsView:
                         where.gate_up.replace(BLOCKS, SCALES): (experts, two_ffn, hidden // MXFP4_BLOCK),
                         where.down: (experts, hidden, ffn // MXFP4_BLOCK, MXFP4_BLOCK // 2),
                         where.down.replace(BLOCKS, SCALES): (experts, hidden, ffn // MXFP4_BLOCK)}
-        elif self.fused.as_linear:
-            expected = {where.gate_up: (experts, two_ffn, hidden), where.down: (experts, hidden, ffn)}
-        else:
+        elif self.fused.interleaved:  # x @ W
             expected = {where.gate_up: (experts, hidden, two_ffn), where.down: (experts, ffn, hidden)}
-        if where.down_bias is not None:
+        else:  # nn.functional.linear: [out, in]
+            expected = {where.gate_up: (experts, two_ffn, hidden), where.down: (experts, hidden, ffn)}
+        if where.gate_up_bias:
+            expected[where.gate_up_bias] = (experts, two_ffn)
             expected[where.down_bias] = (experts, hidden)
         for name, shape in expected.items():
             if self.whole.shape(name) != shape:
-                raise ConversionError(f"tensor {name!r} has shape {list(self.whole.shape(name))} but layer {layer}'s "
-                                      f"biases imply {list(shape)} (experts, 2 x ffn = {two_ffn}, hidden = {hidden})")
+                raise ConversionError(f"tensor {self._stored(name)!r} has shape {list(self.whole.shape(name))} but "
+                                      f"layer {layer}'s {where.gate_up.rsplit('.', 1)[-1]} implies {list(shape)} "
+                                      f"(experts = {experts}, 2 x ffn = {two_ffn}, hidden = {hidden})")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
@@ -162,16 +194,22 @@ class FusedExpertsView:
         where, e, part, kind = self._virtual[name]
         if kind == "bias":
             bias = self._one(where.down_bias if part == DOWN else where.gate_up_bias, e, None)
-            return bias if part == DOWN else bias[0::2] if part == GATE else bias[1::2]
-        as_stored = where.mxfp4 or self.fused.as_linear  # [out, in] as stored (MXFP4, Gemma 4), else [in, out] (x @ W)
+            return bias if part == DOWN else self._gate_or_up(bias, part)
+        # Stored [out, in] as nn.Linear where MXFP4 or in the halves layout; transposed (x @ W) in gpt-oss's bf16
+        transposed = self.fused.interleaved and not where.mxfp4
         if part == DOWN:  # [hidden, ffn]
-            return self._one(where.down, e, where.mxfp4) if as_stored else self._one(where.down, e, False).T
-        gate_up = self._one(where.gate_up, e, where.mxfp4)  # [2 ffn, hidden] (MXFP4, Gemma 4) or [hidden, 2 ffn]
-        gate_up = gate_up if as_stored else gate_up.T
-        if not self.fused.interleaved:  # [gate; up] halves
-            half = gate_up.shape[0] // 2
-            return gate_up[:half] if part == GATE else gate_up[half:]
-        return gate_up[0::2] if part == GATE else gate_up[1::2]
+            down = self._one(where.down, e, where.mxfp4)
+            return down.T if transposed else down
+        gate_up = self._one(where.gate_up, e, where.mxfp4)  # [2 ffn, hidden] or transposed
+        return self._gate_or_up(gate_up.T if transposed else gate_up, part)
+
+    def _gate_or_up(self, rows: torch.Tensor, part: str) -> torch.Tensor:
+        """The gate's or the up projection's rows of a [2 ffn, ...] tensor: interleaved (gate at the even
+        places) or [gate; up] halves."""
+        if self.fused.interleaved:
+            return rows[0::2] if part == GATE else rows[1::2]
+        half = rows.shape[0] // 2
+        return rows[:half] if part == GATE else rows[half:]
 
     def _one(self, name: str, expert: int, mxfp4: bool | None) -> torch.Tensor:
         """Expert `expert` of fused tensor `name` (dequantized where MXFP4), the last one kept: the
@@ -224,37 +262,41 @@ def fuse_experts(fused: FusedExperts, num_experts: int, tensors: Iterator[tuple[
             yield name, tensor
             continue
         layer, expert, part, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
-        target = (fused.down if part == DOWN else fused.gate_up) + ("_bias" if kind == "bias" else "")
+        target = ((fused.down_bias if part == DOWN else fused.gate_up_bias) if kind == "bias" else
+                  fused.down if part == DOWN else fused.gate_up)
         slot = pending.setdefault((layer, target), {})
         slot[(expert, part)] = tensor
         if len(slot) == num_experts * (1 if part == DOWN else 2):
-            yield fused.prefix.replace("*", str(layer)) + target, _fused_tensor(pending.pop((layer, target)), num_experts,
-                                                                               kind == "bias", fused)
+            yield fused.prefix.replace("*", str(layer)) + target, _fused_tensor(fused, pending.pop((layer, target)),
+                                                                               num_experts, kind == "bias")
     if pending:
         raise ConversionError(f"the checkpoint holds only some experts of {sorted(pending)[0]}: not a complete model")
 
 
-def _fused_tensor(parts: dict[tuple[int, str], torch.Tensor], experts: int, bias: bool,
-                  fused: FusedExperts | None = None) -> torch.Tensor:
-    """The fused HF tensor, filled expert by expert as each expert's tensors are let go."""
+def _fused_tensor(fused: FusedExperts, parts: dict[tuple[int, str], torch.Tensor], experts: int,
+                  bias: bool) -> torch.Tensor:
+    """The fused HF tensor in `fused.layout`, filled expert by expert as each expert's tensors are let go."""
     down = (0, DOWN) in parts
     first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
-    if fused is not None and fused.as_linear and not fused.interleaved:  # Gemma 4: [out, in] stacked, [gate; up]
-        out = torch.empty((experts, *first.shape) if down else (experts, 2 * first.shape[0], first.shape[1]),
-                          dtype=first.dtype)
-        for e in range(experts):
-            out[e] = parts.pop((e, DOWN)) if down else torch.cat([parts.pop((e, GATE)), parts.pop((e, UP))])
-        return out
+    transposed = fused.interleaved and not bias  # gpt-oss: x @ W; the halves layout as nn.Linear, [out, in]
     if bias:
         shape = (experts, first.shape[0] * (1 if down else 2))
+    elif down:
+        shape = (experts, *(first.shape[::-1] if transposed else first.shape))
     else:
-        shape = (experts, *first.shape[::-1]) if down else (experts, first.shape[1], 2 * first.shape[0])
+        shape = (experts, first.shape[1], 2 * first.shape[0]) if transposed else (experts, 2 * first.shape[0],
+                                                                                  first.shape[1])
     out = torch.empty(shape, dtype=first.dtype)
     for e in range(experts):
-        if down:  # [experts, hidden] biases, or [experts, ffn, hidden]: each [hidden, ffn] transposed
+        if down:  # [experts, hidden] biases, or each [hidden, ffn] as it is or transposed
             t = parts.pop((e, DOWN))
-            out[e] = t if bias else t.T
+            out[e] = t.T if transposed else t
             continue
-        gate, up = parts.pop((e, GATE)), parts.pop((e, UP))  # interleaved: gate at the even places
-        out[e, ..., 0::2], out[e, ..., 1::2] = (gate, up) if bias else (gate.T, up.T)
+        gate, up = parts.pop((e, GATE)), parts.pop((e, UP))
+        if transposed:  # [hidden, 2 ffn], interleaved: gate at the even places
+            out[e, :, 0::2], out[e, :, 1::2] = gate.T, up.T
+        elif fused.interleaved:  # biases
+            out[e, 0::2], out[e, 1::2] = gate, up
+        else:  # [gate; up]
+            out[e] = torch.cat((gate, up))
     return out

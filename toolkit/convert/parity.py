@@ -72,8 +72,11 @@ def reference_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0) -
 
 def hf_reference(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype) -> dict:
     """Logits and per-layer outputs of the HF model (the independent implementation)."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from toolkit.families.hf_values import auto_causal_lm
+
+    AutoModelForCausalLM = auto_causal_lm()  # noqa: N806
 
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
@@ -194,6 +197,12 @@ def verify_many(
     from toolkit.runtime.launch import run_on_processes
 
     metas = [_checked_inputs(hf_dir, mdir) for hf_dir, mdir in pairs]
+    for meta in metas:
+        spec = meta.model_spec
+        if spec.exact_seq_len is not None and seq_len > spec.exact_seq_len:
+            raise VerificationError(f"--seq-len {seq_len} exceeds {spec.exact_seq_len}, the longest sequence {spec.family} "
+                                    "converts exactly for (its Llama-4 query scale, 1 up to rope_parameters."
+                                    "original_max_position_embeddings, has no megatron-core counterpart)")
     tp = tp or metas[0].tp
     pp = pp or metas[0].pp
     ep = ep or metas[0].ep

@@ -99,12 +99,13 @@ def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
 
 def _hf_layout(ckpt: MegatronCheckpoint, transform):
     """(HF name, tensor) as HF stores them: `transform`ed, and experts fused per layer where the family
-    stores them so (toolkit/convert/fused_experts.py), read one layer's experts at a time."""
+    exports them so (FusedExperts.export_fused: gpt-oss; toolkit/convert/fused_experts.py), read one layer's
+    experts at a time."""
     def read(wanted=None):
         return ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors(wanted))
 
     fused = ckpt.family.fused_experts
-    if fused is None:
+    if fused is None or not fused.export_fused:  # Qwen3.5-MoE: per expert, as transformers saves it
         return read()
     from toolkit.convert.fused_experts import fused_layers
 

@@ -1,14 +1,19 @@
 """Multimodal checkpoints whose language model is a family the toolkit converts (Gemma 3 4B / 12B /
 27B as published: Gemma3ForConditionalGeneration; Qwen3.5 / 3.6: Qwen3_5ForConditionalGeneration,
-Qwen3_5MoeForConditionalGeneration; Gemma 4: Gemma4ForConditionalGeneration, laid out as Qwen3.5's),
-read as that language model.
+Qwen3_5MoeForConditionalGeneration; Mistral Small 4: Mistral3ForConditionalGeneration around a mistral4
+text model; Gemma 4: Gemma4ForConditionalGeneration, laid out as Qwen3.5's), read as that language model.
 
 transformers 5.23 saves Gemma 3's text model under `language_model.` (`language_model.model.*`,
 `language_model.lm_head.weight` where untied: its _checkpoint_conversion_mapping reversed on save,
 as the published files are), the vision tower and the projector beside it, and the text model's
 config under `text_config`. Qwen3.5's keeps the text model's `model.*` under `model.language_model.*`
 and `lm_head.weight` as it is, beside `model.visual.*` and the multi-token-prediction `mtp.*` (as
-published, and as transformers' qwen3_5_text PrefixChange reads them into Qwen3_5ForCausalLM). The converter reads the language model through `LanguageModelView`:
+published, and as transformers' qwen3_5_text PrefixChange reads them into Qwen3_5ForCausalLM). Mistral3ForConditionalGeneration (transformers' llava conversion mapping) is saved as Gemma 3's, under
+`language_model.model.*` and `language_model.lm_head.weight` beside `vision_tower.*` and
+`multi_modal_projector.*`; its text model is whichever text_config.model_type names (its family's class),
+tied as the wrapper's own tie_word_embeddings says (Mistral3Config's default true), and experts stored fused
+(Mistral 4's) are read per expert through the wrapper's names.
+The converter reads the language model through `LanguageModelView`:
 the text config as the checkpoint's config.json, the prefixed tensors under their text-model names.
 The megatron checkpoint is the text model; `megatron_to_hf(..., wrapper=DIR)` writes it back into
 the wrapper, every other tensor of DIR copied as it is.
@@ -35,7 +40,7 @@ class Wrapper:
     text_config: str  # the key of the language model's config
     # (prefix in the wrapper, prefix in the language model alone) of the language model's tensors, in order
     renames: tuple[tuple[str, str], ...]
-    text_architecture: str  # the HF class of the language model alone
+    text_architecture: str | None  # the HF class of the language model alone; None: its family's (text_config.model_type's)
     architecture: str  # the wrapper's HF class
     # The wrapper ties its lm_head to the embeddings as its own config's tie_word_embeddings says (class default
     # where the file leaves it out), whatever its text_config says (Qwen3_5ForConditionalGeneration, whose save
@@ -63,6 +68,8 @@ WRAPPERS = (
             True),
     # Gemma 4 31B / 26B-A4B as published: model.language_model.* beside model.vision_tower.* and model.embed_vision.*
     Wrapper("gemma4", "text_config", _QWEN3_5, "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+    Wrapper("mistral3", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            None, "Mistral3ForConditionalGeneration", True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
@@ -81,7 +88,11 @@ def text_config(cfg: dict, wrapper: Wrapper, where: Path) -> dict:
     inherited = {k: cfg[k] for k in INHERITED if k in cfg and k not in text}
     if wrapper.ties_at_top_level:
         inherited["tie_word_embeddings"] = _wrapper_ties(cfg, wrapper)
-    return {**text, **inherited, "architectures": [wrapper.text_architecture]}
+    architecture = wrapper.text_architecture
+    if architecture is None:  # the text model's family's class; an unknown model_type is refused by its reader later
+        family = _family(text)
+        architecture = family.architecture if family else None
+    return {**text, **inherited, "architectures": [architecture]}
 
 
 def _wrapper_ties(cfg: dict, wrapper: Wrapper) -> bool:
@@ -98,6 +109,7 @@ class LanguageModelView:
 
     def __init__(self, src: HFCheckpoint, wrapper: Wrapper):
         self.wrapper, self.whole, self.dir = wrapper, src, src.dir
+        self.experts = None  # the language model's experts, where stored fused, read per expert (fuse_experts)
         self.config = text_config(src.config, wrapper, src.dir / "config.json")
         self.config_bytes = (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
         self.tensors = {wrapper.text_name(name): e for name, e in src.tensors.items() if wrapper.text_name(name)}
@@ -109,7 +121,23 @@ class LanguageModelView:
         return self.tensors[name].shape
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        entry = self.tensors.get(name)  # None: a fused tensor itself, read by self.experts
+        if self.experts is not None and entry is not None and entry.file is None:  # one expert of a fused tensor
+            return self.experts.read(name, rows, cols)
         return self.whole.read(self.wrapper.wrapper_name(name), rows, cols)
+
+    def stored_name(self, name: str) -> str:
+        """A language-model tensor's name in the wrapper's files."""
+        return self.wrapper.wrapper_name(name)
+
+    def fuse_experts(self, fused) -> None:
+        """Show the language model's fused experts (`model.language_model.layers.*.mlp.experts.gate_up_proj`
+        in the wrapper) per expert, as a text checkpoint's (toolkit/convert/fused_experts.py): the view
+        reads the fused tensors through this one; every tensor of the wrapper stays where it is."""
+        from toolkit.convert.fused_experts import FusedExpertsView
+
+        self.experts = FusedExpertsView(self, fused)
+        self.tensors = self.experts.tensors
 
     def tokenizer_files(self) -> list[Path]:
         return self.whole.tokenizer_files()
@@ -133,13 +161,22 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     ignored.drop(src, None)  # transformers' own rules, over every tensor of the file (a wrapper's others too)
     wrapper = wrapper_for(src.config)
     if wrapper:
+        quantization = src.config.get("quantization_config")
+        if quantization is not None:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ConversionError(f"{src.dir / 'config.json'}: a quantized {wrapper.model_type} checkpoint "
+                                  f"(quantization_config.quant_method={method!r}) is not read: only unquantized "
+                                  "multimodal checkpoints convert through their language model")
         view = LanguageModelView(src, wrapper)
         family = _family(view.config)
-        view = fused_view(view, family.fused_experts if family else None)  # Gemma 4's experts, under the renames
+        if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, where stored fused
+            view.fuse_experts(family.fused_experts)
     else:
         family = _family(src.config)
         fused = family.fused_experts if family else None  # experts stored fused (gpt-oss): read one at a time
-        view = fp8.Fp8View(src) if fused is None and fp8.is_fp8(src.config) else fused_view(src, fused)
+        # FP8 weights dequantized beneath a view of fused experts that has no MXFP4 of its own (Qwen3.5-MoE's)
+        fp8_first = fp8.is_fp8(src.config) and (fused is None or not fused.mxfp4)
+        view = fused_view(fp8.Fp8View(src) if fp8_first else src, fused)
     of_file = src.ignored
     ignored.drop(view, family)  # the family's rules (multi-token-prediction layers)
     view.ignored = {**of_file, **view.ignored}
@@ -157,9 +194,6 @@ def _family(cfg: dict):
 
 def open_wrapper(directory) -> LanguageModelView:
     view = open_hf(directory)
-    if not isinstance(view, LanguageModelView) and isinstance(getattr(view, "whole", None), LanguageModelView):
-        view.whole.ignored = view.ignored
-        view = view.whole  # the wrapper's own files, its language model's fused experts as stored
     if not isinstance(view, LanguageModelView):
         raise ConversionError(f"{directory} is not a multimodal checkpoint with a language model this toolkit reads "
                               f"(model_type {view.config.get('model_type')!r}; known: "

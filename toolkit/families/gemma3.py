@@ -26,18 +26,19 @@ def layer_types(cfg: dict, family: str = "gemma3") -> list:
     return types
 
 
-def _local_rope_theta(cfg: dict) -> float:
+def local_rope_theta(cfg: dict, family: str = "gemma3") -> float:
+    """The RoPE base of the sliding-window layers, which get a RoPE of their own (toolkit/layers.py layer_ropes)."""
     local = cfg["rope_parameters"]["sliding_attention"]
     if local.get("rope_type", "default") != "default":
         raise ConversionError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r}: only the "
-                              "default RoPE on gemma3's local layers maps exactly to megatron-core")
+                              f"default RoPE on {family}'s local layers maps exactly to megatron-core")
     return float(local["rope_theta"])
 
 
 def read(cfg: dict) -> dict:
     return {
         "window_layers": "".join(LAYER_TYPES[t] for t in layer_types(cfg)),
-        "window_rope_theta": _local_rope_theta(cfg),
+        "window_rope_theta": local_rope_theta(cfg),
         "softmax_scale": float(cfg["query_pre_attn_scalar"]) ** -0.5,
     }
 

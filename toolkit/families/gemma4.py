@@ -37,8 +37,8 @@ from toolkit.families.gemma3 import GEMMA3, LAYER_TYPES, layer_types
 from toolkit.families.llama import L, M
 from toolkit.families.experts import LOCAL_EXPERT
 from toolkit.families.router import Router
-from toolkit.families.table import (FULL_ATTENTION, GLOBAL_ATTENTION, GLOBAL_LAYER, MOE_LAYER, CustomLayer, Family,
-                                    FusedExperts, row)
+from toolkit.families.table import (FULL_ATTENTION, FUSED_HALVES, GLOBAL_ATTENTION, GLOBAL_LAYER, MOE_LAYER,
+                                    CustomLayer, Family, FusedExperts, row)
 from toolkit.splits import Split
 
 G = GEMMA3.rows
@@ -179,6 +179,8 @@ GEMMA4 = Family(
     # the experts only with enable_moe_block; Gemma4TextRouter always renormalises its top-k
     router=Router(experts_keys=("num_experts",), ffn_key="moe_intermediate_size", topk_key="top_k_experts",
                   when="enable_moe_block"),
+    # Gemma4TextExperts: gate_up [experts, 2 x ffn, hidden] as [gate; up] halves, down [experts, hidden, ffn], as
+    # linear, no biases; the export writes them fused, as the published checkpoints store them
     fused_experts=FusedExperts(prefix=L + "experts.", per_expert=L + "experts.#.", gate_up="gate_up_proj",
-                               down="down_proj", gate_up_bias=None, down_bias=None, interleaved=False, as_linear=True),
+                               down="down_proj", layout=FUSED_HALVES),
 )

@@ -34,13 +34,37 @@ from toolkit.families.gemma3 import LAYER_TYPES, layer_types
 from toolkit.families.llama import L, M
 from toolkit.families.qwen2 import QWEN2
 from toolkit.families.router import Router
-from toolkit.families.table import MOE_LAYER, Family, FusedExperts, row
+from toolkit.families.table import FUSED_INTERLEAVED, MOE_LAYER, Family, FusedExperts, row
 from toolkit.splits import Split
 
 # megatron-core's quick_gelu is x * sigmoid(1.702 * x) (fusions/fused_bias_geglu.py)
 QUICK_GELU_ALPHA = 1.702
 # HF's clamped SwiGLU multiplies by (up + 1) (GptOssExperts._apply_gate)
 GLU_OFFSET = 1.0
+# transformers 5.19 made swiglu_alpha and swiglu_limit GptOssConfig fields that GptOssExperts reads; 5.17
+# and 5.18 fix them at these values in GptOssExperts.__init__, whatever config.json says.
+FIXED_BEFORE_TRANSFORMERS_5_19 = {"swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": 7.0}
+
+
+def installed_transformers_reads_swiglu() -> bool:
+    """Whether the installed transformers' GptOss model computes with config.json's swiglu_* values."""
+    from transformers import GptOssConfig
+
+    return hasattr(GptOssConfig, "swiglu_limit")
+
+
+def _swiglu_as_the_installed_model_computes(cfg: dict) -> dict:
+    if installed_transformers_reads_swiglu():
+        return cfg
+    import transformers
+
+    for key, fixed in FIXED_BEFORE_TRANSFORMERS_5_19.items():
+        if cfg.get(key, fixed) != fixed:
+            raise ConversionError(
+                f"config.json has {key}={cfg[key]!r}, which transformers {transformers.__version__} ignores (before "
+                f"5.19 its GptOssExperts computes with {key}={fixed}), so this checkpoint is another model there: "
+                f"install transformers>=5.19 to convert it")
+    return {**cfg, **FIXED_BEFORE_TRANSFORMERS_5_19}
 
 X = L + "mlp.experts.#."  # the per-expert names toolkit/convert/fused_experts.py reads the fused tensors under
 QKV_BIAS = tuple(r for r in QWEN2.rows if r.megatron.endswith("linear_qkv.bias"))
@@ -59,6 +83,7 @@ ROWS = ATTENTION_ROWS + QKV_BIAS + (
 
 
 def read(cfg: dict) -> dict:
+    cfg = _swiglu_as_the_installed_model_computes(cfg)
     alpha = cfg.get("swiglu_alpha", QUICK_GELU_ALPHA)
     if alpha != QUICK_GELU_ALPHA:
         raise ConversionError(f"gpt_oss with swiglu_alpha={alpha!r} cannot be mapped exactly to megatron-core: its "
@@ -85,5 +110,5 @@ GPT_OSS = Family(
     router=Router(experts_keys=("num_local_experts",), ffn_key="intermediate_size"),
     fused_experts=FusedExperts(
         prefix=L + "mlp.experts.", per_expert=X, gate_up="gate_up_proj", down="down_proj",
-        gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias"),
+        gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias", layout=FUSED_INTERLEAVED, mxfp4=True),
 )

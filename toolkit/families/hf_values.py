@@ -97,3 +97,24 @@ def config_values(cfg: dict, source: str = "config.json", model_type: str | None
     finally:
         logging.set_verbosity(verbosity)
     return ConfigValues(resolved, cfg, config_class.__name__)
+
+
+# model_type -> the class AutoModelForCausalLM should build where transformers' own mapping leaves it out:
+# transformers 5.17-5.24 map mistral4 to Mistral4ForCausalLM for pre-training and image-text-to-text only, and
+# mistral3 (Mistral Small 4's wrapper) to Mistral3ForConditionalGeneration likewise (modeling_auto.py)
+CAUSAL_LM_GAPS = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
+                  "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration")}  # (config class, model class)
+
+
+def auto_causal_lm():
+    """transformers.AutoModelForCausalLM, mapping the model types of CAUSAL_LM_GAPS to their classes where the
+    installed release does not itself: added to the names its lazy mapping reads (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    the dict AutoModelForCausalLM's mapping holds), since AutoModelForCausalLM.register skips transformers' own
+    config classes before 5.24 (auto_factory.py: `if key.__module__.startswith("transformers."): return`)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for model_type, (_, model_name) in CAUSAL_LM_GAPS.items():
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and hasattr(transformers, model_name):
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] = model_name
+    return transformers.AutoModelForCausalLM

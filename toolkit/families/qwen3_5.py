@@ -19,6 +19,12 @@ so this table is Qwen3-Next's (toolkit/families/qwen3_next.py) with what differs
   mlp (qwen3_5_moe)                 every layer MoE: Qwen3-Next's router, experts and gated shared expert,
                                     the top-k always renormalised (Qwen3VLMoeTextTopKRouter: the config class
                                     deletes norm_topk_prob, mlp_only_layers, decoder_sparse_step)
+  mlp.experts.gate_up_proj          Qwen3_5MoeExperts' fused tensors, where a checkpoint holds them (its
+  [E, 2 x ffn, hidden], down_proj   conversion mapping loads per-expert files too): gate and up as halves
+  [E, hidden, ffn], no biases       (nn.functional.linear, `.chunk(2, dim=-1)`), read per expert into each
+                                    local expert's linear_fc1 [gate; up] and linear_fc2 (FusedExperts,
+                                    layout FUSED_HALVES; toolkit/convert/fused_experts.py). The export writes
+                                    per-expert tensors, as transformers' own save_pretrained does
 
 The rest is Qwen3-Next's: output-gated attention (GATED_QKV), per-head q/k norms, (1 + w) RMSNorms but
 the gated delta net's own norm (w), conv1d, dt_bias, A_log, out_proj, attention_bias refused, the
@@ -34,7 +40,7 @@ from toolkit.families.llama import BY_NAME, M
 from toolkit.families.qwen2_moe import S
 from toolkit.families.qwen3_next import QWEN3_NEXT, A, G
 from toolkit.families.router import Router
-from toolkit.families.table import LINEAR_ATTENTION, row
+from toolkit.families.table import FUSED_HALVES, LINEAR_ATTENTION, FusedExperts, row
 from toolkit.splits import Split
 
 IN_PROJ = row(G + "in_proj.weight", tuple(A + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
@@ -70,4 +76,7 @@ QWEN3_5_MOE = replace(
     ffn_key="moe_intermediate_size",
     router=Router(experts_keys=("num_experts",), ffn_key="moe_intermediate_size",
                   shared_ffn_key="shared_expert_intermediate_size", shared_expert_gate=True),
+    # Qwen3_5MoeExperts' own tensors, where a checkpoint stores them so (transformers saves per expert)
+    fused_experts=FusedExperts(prefix="model.layers.*.mlp.experts.", per_expert="model.layers.*.mlp.experts.#.",
+                               gate_up="gate_up_proj", down="down_proj", layout=FUSED_HALVES, export_fused=False),
 )

@@ -82,6 +82,9 @@ class ModelSpec:
     # layers); None: the window, if any, applies to every layer
     window_layers: str | None = None
     window_rope_theta: float | None = None  # RoPE base of the windowed layers where it differs (Gemma 3)
+    # Per layer, "1" for a layer without RoPE (SmolLM3's NoPE layers, megatron-core's no_rope_freq as a
+    # list), "0" for one with it; None: RoPE on every layer
+    nope_layers: str | None = None
     softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
     rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor), None when unscaled
     # LongRoPE (toolkit/longrope.py): short_factor, long_factor, original_max_position_embeddings,
@@ -109,6 +112,10 @@ class ModelSpec:
     global_attention: dict | None = field(default=None, hash=False)
     # tanh soft-capping of the final logits: cap * tanh(logits / cap) (Gemma 2 / 4); None without
     final_logit_softcapping: float | None = None
+    # The longest sequence the model converts and trains exactly as HF computes it (Mistral 4: its Llama-4
+    # query scale is 1 below rope_parameters.original_max_position_embeddings, toolkit/families/mistral4.py);
+    # None: no such bound
+    exact_seq_len: int | None = None
 
     @property
     def q_lora(self) -> bool:
@@ -333,6 +340,12 @@ def _rotary_percent(cfg: dict, family: Family) -> float:
     the HF config classes read it."""
     rope_params = cfg.get("rope_parameters") or {}
     partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if family.mla_rope_share:  # the MLA head's rotated share, which qk_pos_emb_head_dim already is
+        nope, rope = cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim")
+        if partial is not None and isinstance(nope, int) and isinstance(rope, int) and float(partial) != rope / (nope + rope):
+            raise ConversionError(f"partial_rotary_factor={partial!r} is not supported for {family.name}: its RoPE rotates "
+                                  f"the qk_rope_head_dim={rope} of each {nope + rope}-dimensional head (only {rope / (nope + rope)!r})")
+        return 1.0
     if partial is None or float(partial) == 1.0:
         return 1.0
     if not family.partial_rotary:

@@ -149,26 +149,54 @@ class CustomLayer:
     gemma4: bool = False
 
 
+# FusedExperts.layout: how a layer's fused gate_up and down tensors hold each expert's weights
+# gpt-oss (GptOssExperts, x @ W): gate_up [experts, hidden, 2 x ffn], gate and up interleaved on the last
+# dimension (gate = [..., 0::2], up = [..., 1::2]); down [experts, ffn, hidden]
+FUSED_INTERLEAVED = "interleaved"
+# transformers 5's MoE experts (Qwen3_5MoeExperts, nn.functional.linear): gate_up [experts, 2 x ffn, hidden],
+# gate and up as halves (`.chunk(2, dim=-1)` of the output: gate = rows [:ffn], up = rows [ffn:]);
+# down [experts, hidden, ffn]
+FUSED_HALVES = "halves"
+FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES)
+
+
 @dataclass(frozen=True)
 class FusedExperts:
-    """HF tensors holding every expert of a layer at once, as gpt-oss stores them: `gate_up`
-    [experts, hidden, 2 x ffn] with gate and up interleaved on the last dimension (gate = [..., 0::2]),
-    `down` [experts, ffn, hidden], both applied as x @ W; their biases [experts, 2 x ffn] (interleaved
-    alike) and [experts, hidden]. Or the weights in MXFP4: `<name>_blocks` [experts, out, in / 32, 16]
+    """HF tensors holding every expert of a layer at once: `gate_up` and `down` laid out as `layout` says
+    (FUSED_INTERLEAVED, as gpt-oss stores them; FUSED_HALVES, as transformers 5's Qwen3_5MoeExperts holds
+    them), with biases where the family has them ([experts, 2 x ffn], gate and up as the weight's, and
+    [experts, hidden]). With `mxfp4`, the weights may be MXFP4: `<name>_blocks` [experts, out, in / 32, 16]
     and `<name>_scales` [experts, out, in / 32] (toolkit/convert/fused_experts.py). The family's rows
     name each expert's tensors under `per_expert` (`*` the layer, `#` the expert) as gate_proj / up_proj /
-    down_proj `.weight` ([out, in], as nn.Linear) and `.bias`."""
+    down_proj `.weight` ([out, in], as nn.Linear) and `.bias`. Where a checkpoint holds per-expert tensors
+    instead, nothing is fused and they are read as stored."""
 
     prefix: str  # of the fused tensors, `*` for the layer
     per_expert: str
     gate_up: str
     down: str
-    gate_up_bias: str | None  # None: experts without biases (Gemma 4)
-    down_bias: str | None
-    # Gemma 4's layout (Gemma4TextExperts): gate_up [experts, 2 x ffn, hidden] holding [gate; up] halves, down
-    # [experts, hidden, ffn], both applied as nn.functional.linear (x @ W.T), no biases
-    interleaved: bool = True  # gate and up interleaved on the fused dimension (gpt-oss); False: [gate; up] halves
-    as_linear: bool = False  # [out, in] per expert (x @ W.T); False: [in, out] (x @ W, gpt-oss)
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+    layout: str = FUSED_INTERLEAVED
+    mxfp4: bool = False  # the weights may be stored in MXFP4 (gpt-oss as published)
+    # The export writes the experts fused (gpt-oss: transformers reads no other form), or per expert as
+    # transformers' own save_pretrained writes them (Qwen3.5-MoE: its conversion mapping reversed)
+    export_fused: bool = True
+
+    def __post_init__(self):
+        if self.layout not in FUSED_LAYOUTS:
+            raise ValueError(f"FusedExperts.layout={self.layout!r}: expected one of {FUSED_LAYOUTS}")
+        if (self.gate_up_bias is None) != (self.down_bias is None):
+            raise ValueError("FusedExperts: both biases or neither")
+
+    @property
+    def biases(self) -> bool:
+        return self.gate_up_bias is not None
+
+    @property
+    def interleaved(self) -> bool:
+        """Gate and up alternate in gate_up (gate at the even places); else [gate; up] halves."""
+        return self.layout == FUSED_INTERLEAVED
 
 
 @dataclass(frozen=True)
@@ -216,8 +244,13 @@ class Family:
     # model_type -> the one of transformers' config classes that reads it, where transformers has none of
     # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)
-    # Experts stored fused per layer (gpt-oss), read and written per expert by the converter
+    # Experts stored fused per layer (gpt-oss; Qwen3.5-MoE where a checkpoint holds them so), read per expert by
+    # the converter
     fused_experts: FusedExperts | None = None
+    # HF's partial_rotary_factor is the share of a multi-latent attention head that RoPE rotates,
+    # qk_rope_head_dim / (qk_nope_head_dim + qk_rope_head_dim) (Mistral 4), which megatron-core's
+    # qk_pos_emb_head_dim already is: read as that share (rotary_percent 1), any other value refused
+    mla_rope_share: bool = False
 
     @property
     def float32_names(self) -> tuple[tuple[str, str], ...]:

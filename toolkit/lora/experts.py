@@ -86,8 +86,9 @@ def resolve(family: Family, spec: ModelSpec, target_parameters, dropout: float) 
     chosen = [n for n in FUSED if n in names]
     ffn, hidden = spec.moe_ffn_hidden_size, spec.hidden_size
     shapes = {"gate_up_proj": (hidden, 2 * ffn), "down_proj": (ffn, hidden)}
-    # Family.fused_experts: HF's checkpoint and module both interleave gate and up (toolkit/families/table.py)
-    interleaved = family.fused_experts is not None
+    # Family.fused_experts interleaved (gpt-oss): HF's checkpoint and module both interleave gate and up
+    # (toolkit/families/table.py); the halves layout (Qwen3.5-MoE's) is transformers 5's module's everywhere
+    interleaved = family.fused_experts is not None and family.fused_experts.interleaved
     return [ExpertTarget(n, *FUSED[n], *shapes[n], len(chosen) - 1 - i, interleaved and n == "gate_up_proj")
             for i, n in enumerate(chosen)]
 

@@ -19,9 +19,12 @@ ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear but the output layer
 COLUMN, ROW = "column", "row"
 # Split kinds of linear weights; VOCAB (embedding, output layer) and REPLICATED (norms) are not targets.
 # Qwen3-Next's re-laid ones (GATED_QKV, GDN_IN_PROJ) included: the adapter's rows are placed by the split itself
-# (toolkit.lora.shards), so B follows the base weight's re-layout both ways.
+# (toolkit.lora.shards), so B follows the base weight's re-layout both ways. Qwen3.5's GDN_IN_PROJ_CAT: PEFT's one
+# LoRA per HF Linear (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) is one (A, B) pair each inside megatron-core's
+# one GatedDeltaNet.in_proj, A whole, B's rows on the rows of in_proj the split gives that tensor (per TP rank
+# its chunk of q, k, v, z, beta, alpha).
 _COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP, Split.GATED_QKV,
-                  Split.GDN_IN_PROJ, Split.GLOBAL_QKV, Split.GLOBAL_QK)  # the last two: Gemma 4's global layers
+                  Split.GDN_IN_PROJ, Split.GDN_IN_PROJ_CAT, Split.GLOBAL_QKV, Split.GLOBAL_QK)  # GLOBAL_*: Gemma 4's global layers
 
 
 @dataclass(frozen=True)

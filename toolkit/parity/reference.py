@@ -146,13 +146,15 @@ def peft_model(model, adapter_dir: Path):
 def load_without_dropout(hf_dir: Path):
     """The HF model in fp32 with every dropout rate of its config at 0, as megatron-core's model is
     built (toolkit/model.py): a rate left on would make the two runs draw different masks."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from toolkit.families.hf_values import auto_causal_lm
 
     config = AutoConfig.from_pretrained(hf_dir)
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
-    return AutoModelForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32)
+    return auto_causal_lm().from_pretrained(hf_dir, config=config, dtype=torch.float32)
 
 
 def settings(cfg) -> dict:

@@ -37,6 +37,10 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
             raise ConfigError(f"checkpoint {cfg.model.checkpoint} has {key}={getattr(spec, key)}, the recipe expects {value}")
     if cfg.data.seq_len > spec.max_position_embeddings:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings {spec.max_position_embeddings}")
+    if spec.exact_seq_len is not None and cfg.data.seq_len > spec.exact_seq_len:
+        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds {spec.exact_seq_len}, the longest sequence {spec.family} "
+                          "trains exactly as HF computes it (its Llama-4 query scale, 1 up to rope_parameters."
+                          "original_max_position_embeddings, has no megatron-core counterpart)")
     if cfg.data.pack and spec.window_size:
         raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
     if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] == "te":
