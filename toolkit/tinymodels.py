@@ -144,6 +144,10 @@ SMOLLM3 = dict(no_rope_layer_interval=3, tie_word_embeddings=True, vocab_size=25
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5),
                 **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"), (-0.5, 0.5))}
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
+# Gemma 4 applies w, with a softmax scale of 1 after its q/k norms, so q.k grows with their weights squared: weights
+# in (0.25, 0.75) keep the tiny models' attention about as sharp as 1/sqrt(head_dim) would (with (0.5, 1.5) its
+# residual stream's rounding grows past 1e-4 over six layers at TP 2, the logits still within 6e-6)
+NORM_WEIGHTS.update(dict.fromkeys(("gemma4_text", "gemma4"), (0.25, 0.75)))
 
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
 # key head; conv kernel 4) alternating with output-gated attention layers (full_attention_interval 2, so
@@ -181,6 +185,23 @@ MISTRAL4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, in
                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
+
+# Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
+# test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
+# heads (2 of 32, GQA 4) whose keys are their values (attention_k_eq_v) and whose proportional RoPE turns a
+# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 0.75 (30 as published, a cap
+# the tiny model's logits reach); no per-layer input embeddings (0, as published). layer_scalar randomised.
+GEMMA4 = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=96, vocab_size=251,
+              sliding_window=8, final_logit_softcapping=0.75, hidden_size_per_layer_input=0, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
+
+# Gemma 4's MoE block (the 26B-A4B's): beside each layer's dense MLP, 8 experts of width 24, top-2 (4 per EP 2
+# rank), with the router's scale and per-expert scale randomised
+GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
 
 # MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
 # random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
@@ -240,6 +261,8 @@ VARIANTS = {
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
+    "gemma4": ("Gemma4TextConfig", GEMMA4),
+    "gemma4-moe": ("Gemma4TextConfig", GEMMA4_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
 }
@@ -327,6 +350,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
                 param.uniform_(low, high)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
                 param.normal_(0.0, ROUTER_STD)  # a MoE router, a shared expert's gate
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (ones at init)
+                param.uniform_(*DEFAULT_NORM_WEIGHTS)
             elif name.endswith("self_attn.sinks"):  # gpt-oss's attention sinks
                 param.normal_(0.0, SINK_STD)
             elif name.endswith("bias"):
@@ -335,6 +360,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
             # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init); MiniMax-M2's, `mlp.` in the model, `block_sparse_moe.` saved
             if name.endswith(HF_FLOAT32_BUFFERS + ("mlp.e_score_correction_bias",)):
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
+                buffer.uniform_(*DEFAULT_NORM_WEIGHTS)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
     # bias of DeepSeek-V3 / GLM-4.5, their router from transformers 5.24) stay float32, so a bf16 model holds
@@ -366,6 +393,25 @@ def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", s
                           mm_tokens_per_image=4)
     torch.manual_seed(seed)
     return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)
+
+
+# Gemma 4's vision tower as small as the class allows: one layer of width 32, patches of 4 pixels
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                     head_dim=16, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+
+
+def make_tiny_gemma4_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Gemma 4 as its 31B / 26B-A4B are published (Gemma4ForConditionalGeneration: the tiny `gemma4` text model
+    under `model.language_model`, a vision tower under `model.vision_tower`, its projection under
+    `model.embed_vision`, no audio tower), from transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = make_config("gemma4", **text_overrides)
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**GEMMA4_VISION).to_dict(),
+                          audio_config=None)
+    torch.manual_seed(seed)
+    return _save_randomised(Gemma4ForConditionalGeneration(config), text.model_type, directory, dtype)
 
 
 # Qwen3.5's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings

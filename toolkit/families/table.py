@@ -114,13 +114,18 @@ def layer_kind(moe_layers: str | None, layer: int) -> str:
     return DENSE_LAYER if moe_layers is not None and moe_layers[layer] == "0" else MOE_LAYER
 
 
-LINEAR_ATTENTION, FULL_ATTENTION = "linear", "full"
+LINEAR_ATTENTION, FULL_ATTENTION, GLOBAL_ATTENTION = "linear", "full", "global"
+# ModelSpec.linear_layers' letter for an attention layer with head sizes of its own (Gemma 4's global layers)
+GLOBAL_LAYER = "2"
 
 
 def attention_kind(linear_layers: str | None, layer: int) -> str:
     """`linear_layers`: per layer "1" for a gated delta net (linear attention) layer, "0" for attention
-    (megatron-core's linear_attention_freq as a list); None: attention everywhere."""
-    return LINEAR_ATTENTION if linear_layers is not None and linear_layers[layer] == "1" else FULL_ATTENTION
+    (megatron-core's linear_attention_freq as a list), "2" for an attention layer with head sizes of its
+    own (Gemma 4's global layers beside its sliding "0" ones: toolkit/families/gemma4.py); None:
+    attention everywhere."""
+    kind = linear_layers[layer] if linear_layers is not None else "0"
+    return LINEAR_ATTENTION if kind == "1" else GLOBAL_ATTENTION if kind == GLOBAL_LAYER else FULL_ATTENTION
 
 
 OUTPUT_LAYER = "output_layer.weight"
@@ -138,6 +143,10 @@ class CustomLayer:
     # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together
     qk_norm: str | None = None
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
+    # Gemma 4: global layers (ModelSpec.linear_layers "2") with their own head size, KV heads and RoPE,
+    # keys as values there where attention_k_eq_v, a scale-free RMSNorm on the values, the layer's output
+    # times its stored layer_scalar (toolkit/layers.py Gemma4SelfAttention, ScaledTransformerLayer)
+    gemma4: bool = False
 
 
 # FusedExperts.layout: how a layer's fused gate_up and down tensors hold each expert's weights
