@@ -192,6 +192,16 @@ MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, 
                   router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
                   qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+# Llama 4 with every piece in play: MoE on layers 1 and 3 (interleave_moe_layer_step 2: each PP 2 stage holds a
+# dense and a MoE layer) of 4 experts top-1 (2 per EP 2 rank) with the shared expert; NoPE on layer 2, the L2 q/k
+# norm on the RoPE layers 0, 1, 3; chunks of 64 and the NoPE temperature (floor_scale 64) both beyond the test
+# sequences (exact up to 63 tokens); weights of std 0.1 so routing and the q/k norm matter past the tolerance.
+LLAMA4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+              intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=4,
+              interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], use_qk_norm=True, attention_chunk_size=64,
+              attn_temperature_tuning=True, floor_scale=64, attn_scale=0.1, vocab_size=251, initializer_range=0.1,
+              max_position_embeddings=256, router_aux_loss_coef=0.0,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -242,6 +252,7 @@ VARIANTS = {
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
+    "llama4": ("Llama4TextConfig", LLAMA4),
 }
 
 
@@ -325,7 +336,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(low, high)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight",
+                                "feed_forward.router.weight")):
                 param.normal_(0.0, ROUTER_STD)  # a MoE router, a shared expert's gate
             elif name.endswith("self_attn.sinks"):  # gpt-oss's attention sinks
                 param.normal_(0.0, SINK_STD)
