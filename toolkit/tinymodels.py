@@ -422,6 +422,25 @@ def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32",
     return _save_randomised(Mistral3ForConditionalGeneration(config), config.model_type, directory, dtype)
 
 
+# Llama 4's vision tower as small as the class allows: one layer of width 32, 2 x 2 patches of 14 pixels
+LLAMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                     patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
+def make_tiny_llama4_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Llama 4 Scout / Maverick as published (Llama4ForConditionalGeneration: the tiny `llama4` text model under
+    `language_model.model`, its head as `language_model.lm_head`, a vision model and projector beside them), from
+    transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = make_config("llama4", **text_overrides)
+    config = Llama4Config(text_config=text.to_dict(), vision_config=LLAMA4_VISION, boi_token_index=248,
+                          eoi_token_index=249, image_token_index=250, tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return _save_randomised(Llama4ForConditionalGeneration(config), text.model_type, directory, dtype)
+
+
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
 FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",
