@@ -20,13 +20,11 @@ def test_multimodal_gemma3_without_its_text_config_is_refused_in_one_line(hf_cop
 
 
 @pytest.mark.parametrize("model_type, reason", [
-    ("llama4_text", "Llama 4's chunked local attention (attention_chunk_size"),
-    ("llama4", "Llama 4's chunked local attention (attention_chunk_size"),
     ("ministral3", "Ministral 3 scales each query by 1 + llama_4_scaling_beta * ln(1 + floor(position / ")])
 def test_frontier_families_megatron_core_cannot_express_are_refused_with_the_reason(hf_copy, tmp_path, model_type,
                                                                                   reason):
-    """Issue 26: Llama 4 is refused in one line naming the missing piece (README repeats it). (Qwen3-Next,
-    once here, converts: tests/test_family_qwen3_next.py.)"""
+    """Issue 26: a family is refused in one line naming the missing piece (README repeats it). (Qwen3-Next and
+    Llama 4, once here, convert: tests/test_family_qwen3_next.py, tests/test_family_llama4.py.)"""
     src = hf_copy("llama")
     edit_config(src, model_type=model_type)
     convert_fails(src, tmp_path / "out", "^[^\n]*" + re.escape(f"model_type {model_type!r} is not supported: {reason}")

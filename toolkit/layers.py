@@ -18,6 +18,9 @@ the block spec that composes them from a family's `CustomLayer` choices (toolkit
   full-attention layers), a layer with a plain RoPE of its own takes no YaRN attention factor, which
   megatron-core applies in every layer from the config (attention.py: 0.16.1 computes it in forward,
   0.19 caches it at init as _yarn_concentration_factor).
+- Llama 4's q/k L2 norm (use_qk_norm): megatron-core's own weightless L2Norm (transformer/torch_norm.py, in
+  0.16.1 as in 0.19) per head, on the layers with RoPE only (HF builds Llama4TextL2Norm where use_rope): the
+  block spec gives a NoPE layer (megatron-core's no_rope_freq) IdentityOp there instead.
 - Qwen3-Next's linear-attention layers: megatron-core's own GatedDeltaNet (ssm/gated_delta_net.py, its
   `fla` kernels stood in by toolkit/runtime/gated_delta_rule.py where missing), with the input norm as
   a layer of its own (the TE spec fuses it into in_proj, hence the checkpoint name) and its output norm
@@ -339,6 +342,10 @@ def _qk_norm(kind: str | None, heads: int):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    if kind == "l2":
+        from megatron.core.transformer.torch_norm import L2Norm
+
+        return L2Norm
     if kind == "projection":
         return ModuleSpec(module=ProjectionRMSNorm, params={"heads": heads})
     return RMSNorm if kind == "head" else IdentityOp
@@ -392,6 +399,26 @@ def stage_linear_layers(config) -> list[bool]:
     return [bool(kind) for kind in config.linear_attention_freq[offset: offset + count]]
 
 
+def stage_nope_layers(config) -> list[bool]:
+    """Per layer this pipeline stage builds: whether RoPE is skipped there (megatron-core's no_rope_freq as a
+    list, toolkit/megatron_settings.py; SmolLM3's and Llama 4's NoPE layers)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    count = get_num_layers_to_build(config)
+    if not isinstance(getattr(config, "no_rope_freq", None), list):
+        return [False] * count
+    offset = get_transformer_layer_offset(config)
+    return [bool(kind) for kind in config.no_rope_freq[offset: offset + count]]
+
+
+def _layer_qk_norm(spec: ModelSpec, layer: CustomLayer, nope: bool) -> str | None:
+    """The q/k norm kind of one layer: Llama 4's L2 norm only where the layer has RoPE and the config says so."""
+    if layer.qk_norm == "l2_rope":
+        return "l2" if spec.qk_l2_norm and not nope else None
+    return layer.qk_norm
+
+
 def gated_delta_net_spec():
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -403,9 +430,11 @@ def gated_delta_net_spec():
         in_proj=ColumnParallelLinear, out_norm=GatedRMSNorm, out_proj=RowParallelLinear))
 
 
-def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, linear: bool = False):
+def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, linear: bool = False,
+               nope: bool = False):
     """One decoder layer of local (torch) megatron-core modules, with the family's choices; `linear`:
-    a gated delta net in place of self-attention."""
+    a gated delta net in place of self-attention; `nope`: a layer without RoPE (its q/k norm as
+    _layer_qk_norm says)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -431,8 +460,8 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, l
             linear_qkv=ColumnParallelLinear,
             core_attention=DotProductAttention,
             linear_proj=out_linear,
-            q_layernorm=_qk_norm(layer.qk_norm, spec.num_heads),
-            k_layernorm=_qk_norm(layer.qk_norm, spec.num_kv_heads),
+            q_layernorm=_qk_norm(_layer_qk_norm(spec, layer, nope), spec.num_heads),
+            k_layernorm=_qk_norm(_layer_qk_norm(spec, layer, nope), spec.num_kv_heads),
         ),
     ) if not linear else gated_delta_net_spec()
     return ModuleSpec(
@@ -478,7 +507,7 @@ def block_spec(config, spec: ModelSpec, layer: CustomLayer):
     """This pipeline stage's layers and the final norm (which must be our RMSNorm too)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layers = list(zip(stage_moe_layers(config), stage_linear_layers(config)))
+    layers = list(zip(stage_moe_layers(config), stage_linear_layers(config), stage_nope_layers(config)))
     kinds = {kind: layer_spec(config, spec, layer, *kind) for kind in set(layers)}
     return TransformerBlockSubmodules(layer_specs=[kinds[kind] for kind in layers], layer_norm=RMSNorm)
 

@@ -213,6 +213,16 @@ MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, 
                   router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
                   qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+# Llama 4 with every piece in play: MoE on layers 1 and 3 (interleave_moe_layer_step 2: each PP 2 stage holds a
+# dense and a MoE layer) of 4 experts top-1 (2 per EP 2 rank) with the shared expert; NoPE on layer 2, the L2 q/k
+# norm on the RoPE layers 0, 1, 3; chunks of 64 and the NoPE temperature (floor_scale 64) both beyond the test
+# sequences (exact up to 63 tokens); weights of std 0.1 so routing and the q/k norm matter past the tolerance.
+LLAMA4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+              intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=4,
+              interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], use_qk_norm=True, attention_chunk_size=64,
+              attn_temperature_tuning=True, floor_scale=64, attn_scale=0.1, vocab_size=251, initializer_range=0.1,
+              max_position_embeddings=256, router_aux_loss_coef=0.0,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -265,6 +275,7 @@ VARIANTS = {
     "gemma4-moe": ("Gemma4TextConfig", GEMMA4_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
+    "llama4": ("Llama4TextConfig", LLAMA4),
 }
 
 
@@ -348,7 +359,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(low, high)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight",
+                                "feed_forward.router.weight")):
                 param.normal_(0.0, ROUTER_STD)  # a MoE router, a shared expert's gate
             elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (ones at init)
                 param.uniform_(*DEFAULT_NORM_WEIGHTS)
@@ -454,6 +466,25 @@ def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32",
                             tie_word_embeddings=text.tie_word_embeddings)
     torch.manual_seed(seed)
     return _save_randomised(Mistral3ForConditionalGeneration(config), config.model_type, directory, dtype)
+
+
+# Llama 4's vision tower as small as the class allows: one layer of width 32, 2 x 2 patches of 14 pixels
+LLAMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                     patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
+def make_tiny_llama4_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Llama 4 Scout / Maverick as published (Llama4ForConditionalGeneration: the tiny `llama4` text model under
+    `language_model.model`, its head as `language_model.lm_head`, a vision model and projector beside them), from
+    transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = make_config("llama4", **text_overrides)
+    config = Llama4Config(text_config=text.to_dict(), vision_config=LLAMA4_VISION, boi_token_index=248,
+                          eoi_token_index=249, image_token_index=250, tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return _save_randomised(Llama4ForConditionalGeneration(config), text.model_type, directory, dtype)
 
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and

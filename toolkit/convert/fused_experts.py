@@ -1,6 +1,7 @@
 """Experts stored fused per layer (Family.fused_experts: gpt-oss; Qwen3.5-MoE where a checkpoint holds them so),
 read and written one expert at a time, in either layout of FusedExperts.layout (toolkit/families/table.py:
-gpt-oss's interleaved x @ W, with biases; transformers 5's [gate; up] halves as nn.Linear, without).
+gpt-oss's interleaved x @ W, with biases; transformers 5's [gate; up] halves as nn.Linear, without; Llama 4's
+[gate | up] halves as x @ W, without).
 
 Import: `FusedExpertsView` shows an HF checkpoint (HFCheckpoint's interface) with each layer's fused
 expert tensors replaced by per-expert ones under the names the family's rows use
@@ -129,11 +130,11 @@ class FusedExpertsView:
         rank = 4 if where.mxfp4 else 3
         if len(shape) == rank:
             experts, a, b = shape[:3]
-            two_ffn, hidden = ((a, b * MXFP4_BLOCK) if where.mxfp4 else (b, a) if self.fused.interleaved else (a, b))
+            two_ffn, hidden = ((a, b * MXFP4_BLOCK) if where.mxfp4 else (b, a) if self.fused.transposed else (a, b))
             if two_ffn % 2 == 0:
                 return experts, two_ffn, hidden
         laid = ("[experts, 2 x ffn, hidden / 32, 16] (MXFP4)" if where.mxfp4 else
-                "[experts, hidden, 2 x ffn]" if self.fused.interleaved else "[experts, 2 x ffn, hidden]")
+                "[experts, hidden, 2 x ffn]" if self.fused.transposed else "[experts, 2 x ffn, hidden]")
         raise ConversionError(f"tensor {self._stored(where.gate_up)!r} has shape {list(shape)}; layer {layer}'s fused "
                               f"gate and up projections are {laid}, 2 x ffn even")
 
@@ -167,7 +168,7 @@ class FusedExpertsView:
                         where.gate_up.replace(BLOCKS, SCALES): (experts, two_ffn, hidden // MXFP4_BLOCK),
                         where.down: (experts, hidden, ffn // MXFP4_BLOCK, MXFP4_BLOCK // 2),
                         where.down.replace(BLOCKS, SCALES): (experts, hidden, ffn // MXFP4_BLOCK)}
-        elif self.fused.interleaved:  # x @ W
+        elif self.fused.transposed:  # x @ W
             expected = {where.gate_up: (experts, hidden, two_ffn), where.down: (experts, ffn, hidden)}
         else:  # nn.functional.linear: [out, in]
             expected = {where.gate_up: (experts, two_ffn, hidden), where.down: (experts, hidden, ffn)}
@@ -196,7 +197,8 @@ class FusedExpertsView:
             bias = self._one(where.down_bias if part == DOWN else where.gate_up_bias, e, None)
             return bias if part == DOWN else self._gate_or_up(bias, part)
         # Stored [out, in] as nn.Linear where MXFP4 or in the halves layout; transposed (x @ W) in gpt-oss's bf16
-        transposed = self.fused.interleaved and not where.mxfp4
+        # and in Llama 4's
+        transposed = self.fused.transposed and not where.mxfp4
         if part == DOWN:  # [hidden, ffn]
             down = self._one(where.down, e, where.mxfp4)
             return down.T if transposed else down
@@ -278,7 +280,7 @@ def _fused_tensor(fused: FusedExperts, parts: dict[tuple[int, str], torch.Tensor
     """The fused HF tensor in `fused.layout`, filled expert by expert as each expert's tensors are let go."""
     down = (0, DOWN) in parts
     first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
-    transposed = fused.interleaved and not bias  # gpt-oss: x @ W; the halves layout as nn.Linear, [out, in]
+    transposed = fused.transposed and not bias  # gpt-oss, Llama 4: x @ W; the halves layout as nn.Linear, [out, in]
     if bias:
         shape = (experts, first.shape[0] * (1 if down else 2))
     elif down:
@@ -293,8 +295,10 @@ def _fused_tensor(fused: FusedExperts, parts: dict[tuple[int, str], torch.Tensor
             out[e] = t.T if transposed else t
             continue
         gate, up = parts.pop((e, GATE)), parts.pop((e, UP))
-        if transposed:  # [hidden, 2 ffn], interleaved: gate at the even places
+        if transposed and fused.interleaved:  # [hidden, 2 ffn], interleaved: gate at the even places
             out[e, :, 0::2], out[e, :, 1::2] = gate.T, up.T
+        elif transposed:  # [hidden, 2 ffn] as [gate | up] halves (Llama 4)
+            out[e] = torch.cat((gate, up)).T
         elif fused.interleaved:  # biases
             out[e, 0::2], out[e, 1::2] = gate, up
         else:  # [gate; up]

@@ -70,6 +70,10 @@ WRAPPERS = (
     Wrapper("gemma4", "text_config", _QWEN3_5, "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     Wrapper("mistral3", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             None, "Mistral3ForConditionalGeneration", True),
+    # Llama 4 Scout / Maverick: Llama4ForConditionalGeneration keeps Llama4ForCausalLM as `language_model`
+    # (no conversion mapping), beside `vision_model.*` and `multi_modal_projector.*`; tied as its own flag says
+    Wrapper("llama4", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            "Llama4ForCausalLM", "Llama4ForConditionalGeneration", True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)

@@ -116,6 +116,9 @@ class ModelSpec:
     # query scale is 1 below rope_parameters.original_max_position_embeddings, toolkit/families/mistral4.py);
     # None: no such bound
     exact_seq_len: int | None = None
+    # Llama 4's use_qk_norm: a weightless L2 (RMS) norm of each query and key head on the layers with RoPE
+    # (megatron-core's L2Norm, toolkit/layers.py; toolkit/families/llama4.py)
+    qk_l2_norm: bool = False
 
     @property
     def q_lora(self) -> bool:

@@ -140,7 +140,8 @@ class CustomLayer:
     pre_norms: bool = True  # a norm before attention and before the MLP (input_layernorm, pre_mlp_layernorm)
     post_norms: bool = False  # a norm on the attention output and on the MLP output, before the residual add
     # "head": one RMSNorm per head on q and k (megatron-core's qk_layernorm); "projection": one
-    # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together
+    # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together; "l2_rope":
+    # megatron-core's weightless L2Norm per head on the layers with RoPE, where ModelSpec.qk_l2_norm (Llama 4)
     qk_norm: str | None = None
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
     # Gemma 4: global layers (ModelSpec.linear_layers "2") with their own head size, KV heads and RoPE,
@@ -157,14 +158,17 @@ FUSED_INTERLEAVED = "interleaved"
 # gate and up as halves (`.chunk(2, dim=-1)` of the output: gate = rows [:ffn], up = rows [ffn:]);
 # down [experts, hidden, ffn]
 FUSED_HALVES = "halves"
-FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES)
+# Llama 4 (Llama4TextExperts, torch.bmm(x, W)): gate_up [experts, hidden, 2 x ffn], gate and up as halves of the
+# last dimension (`gate_up.chunk(2, dim=-1)`: gate = [..., :ffn], up = [..., ffn:]); down [experts, ffn, hidden]
+FUSED_HALVES_X_AT_W = "halves_x_at_w"
+FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES, FUSED_HALVES_X_AT_W)
 
 
 @dataclass(frozen=True)
 class FusedExperts:
     """HF tensors holding every expert of a layer at once: `gate_up` and `down` laid out as `layout` says
     (FUSED_INTERLEAVED, as gpt-oss stores them; FUSED_HALVES, as transformers 5's Qwen3_5MoeExperts holds
-    them), with biases where the family has them ([experts, 2 x ffn], gate and up as the weight's, and
+    them; FUSED_HALVES_X_AT_W, as Llama4TextExperts does), with biases where the family has them ([experts, 2 x ffn], gate and up as the weight's, and
     [experts, hidden]). With `mxfp4`, the weights may be MXFP4: `<name>_blocks` [experts, out, in / 32, 16]
     and `<name>_scales` [experts, out, in / 32] (toolkit/convert/fused_experts.py). The family's rows
     name each expert's tensors under `per_expert` (`*` the layer, `#` the expert) as gate_proj / up_proj /
@@ -197,6 +201,11 @@ class FusedExperts:
     def interleaved(self) -> bool:
         """Gate and up alternate in gate_up (gate at the even places); else [gate; up] halves."""
         return self.layout == FUSED_INTERLEAVED
+
+    @property
+    def transposed(self) -> bool:
+        """Weights stored [in, out] (applied as x @ W: gpt-oss, Llama 4); else [out, in] as nn.Linear."""
+        return self.layout in (FUSED_INTERLEAVED, FUSED_HALVES_X_AT_W)
 
 
 @dataclass(frozen=True)
