@@ -85,6 +85,17 @@ def tiny_moe(tmp_path_factory) -> dict[str, Path]:
     return fp32_and_bf16_models(tmp_path_factory.mktemp("moe"), MOE_VARIANTS, 100, 200)
 
 
+def text_and_wrapper_models(root: Path, text: str, make_wrapper, seed: int, wrapper_key: str = "vl") -> dict[str, Path]:
+    """The tiny text model `text` and its multimodal wrapper (`make_wrapper(directory, dtype, seed)`), fp32 (parity)
+    and `-bf16` (round trips), each seeded on its own: seed, seed + 1 (text), seed + 2, seed + 3 (wrapper)."""
+    from toolkit.tinymodels import make_tiny_model
+
+    return {text: make_tiny_model(text, root / text, seed=seed),
+            f"{text}-bf16": make_tiny_model(text, root / f"{text}-bf16", dtype="bfloat16", seed=seed + 1),
+            wrapper_key: make_wrapper(root / wrapper_key, "float32", seed + 2),
+            f"{wrapper_key}-bf16": make_wrapper(root / f"{wrapper_key}-bf16", "bfloat16", seed + 3)}
+
+
 def fp32_and_bf16_models(root: Path, variants, fp32_seed: int, bf16_seed: int) -> dict[str, Path]:
     """variant -> fp32 tiny model (logit parity), plus `<variant>-bf16` (round trips in the HF dtype);
     the i-th variant seeded fp32_seed + i and bf16_seed + i."""

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 
+from tests.conftest import text_and_wrapper_models
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_gemma3_wrapper import tensor_hashes
@@ -33,11 +34,7 @@ BOUND = 63  # min(attention_chunk_size 64, floor_scale 64 - 1)
 @pytest.fixture(scope="module")
 def tiny_llama4(tmp_path_factory):
     """The text model and the wrapper, fp32 (parity) and `-bf16` (round trips), each seeded on its own."""
-    root = tmp_path_factory.mktemp("llama4")
-    return {TEXT: make_tiny_model(TEXT, root / TEXT, seed=180),
-            f"{TEXT}-bf16": make_tiny_model(TEXT, root / f"{TEXT}-bf16", dtype="bfloat16", seed=181),
-            VL: make_tiny_llama4_multimodal(root / VL, seed=182),
-            f"{VL}-bf16": make_tiny_llama4_multimodal(root / f"{VL}-bf16", "bfloat16", seed=183)}
+    return text_and_wrapper_models(tmp_path_factory.mktemp("llama4"), TEXT, make_tiny_llama4_multimodal, 180, VL)
 
 
 def test_settings_map_each_piece_to_megatron_core():

@@ -19,6 +19,7 @@ from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
+from tests.test_family_glm4_moe import mcore_router
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
@@ -50,18 +51,6 @@ def hf_router(config, weight, bias, x):
         router.weight.copy_(weight)
         _, weights, indices = router(x, bias)
     return torch.zeros(x.shape[0], config.num_local_experts).scatter(1, indices, weights)
-
-
-def mcore_router(spec, weight, bias, x):
-    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-
-    settings = settings_for(spec).transformer
-    probs, _ = topk_routing_with_score_function(
-        x.float() @ weight.T, settings["moe_router_topk"], num_groups=settings["moe_router_num_groups"],
-        group_topk=settings["moe_router_group_topk"], scaling_factor=settings["moe_router_topk_scaling_factor"],
-        score_function=settings["moe_router_score_function"],
-        expert_bias=bias if settings["moe_router_enable_expert_bias"] else None)
-    return probs
 
 
 @pytest.mark.parametrize("changes", [{}, {"num_experts_per_tok": 2}, {"num_experts_per_tok": 8, "num_local_experts": 16}])

@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 
+from tests.conftest import text_and_wrapper_models
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
@@ -36,11 +37,7 @@ FINE_TUNE_LAYOUT = {"zero_stage": 1, "tp": 2, "pp": 2, "ep": 2, "sequence_parall
 @pytest.fixture(scope="module")
 def tiny_mistral4(tmp_path_factory):
     """The text model and the wrapper, fp32 (parity) and `-bf16` (round trips), each seeded on its own."""
-    root = tmp_path_factory.mktemp("mistral4")
-    return {TEXT: make_tiny_model(TEXT, root / TEXT, seed=170),
-            f"{TEXT}-bf16": make_tiny_model(TEXT, root / f"{TEXT}-bf16", dtype="bfloat16", seed=171),
-            VL: make_tiny_mistral3_multimodal(root / VL, seed=172),
-            f"{VL}-bf16": make_tiny_mistral3_multimodal(root / f"{VL}-bf16", "bfloat16", seed=173)}
+    return text_and_wrapper_models(tmp_path_factory.mktemp("mistral4"), TEXT, make_tiny_mistral3_multimodal, 170, VL)
 
 
 def test_settings_are_deepseek_v3s_mla_with_a_softmax_router():
