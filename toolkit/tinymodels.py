@@ -410,6 +410,47 @@ def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32",
     return _save_randomised(Mistral3ForConditionalGeneration(config), config.model_type, directory, dtype)
 
 
+# Qwen3-VL's language models: the tiny Qwen3 / Qwen3-MoE with an interleaved MRoPE whose sections [2, 2, 2] give the
+# H and W streams two of the 6 frequencies of head_dim 12 each (T keeps 0 and 3)
+QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 2, 2], "mrope_interleaved": True}
+QWEN3_VL = {**QWEN3, "rope_parameters": QWEN3_VL_ROPE}
+QWEN3_VL_MOE = {**{k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, "rope_parameters": QWEN3_VL_ROPE}
+# Qwen3-VL's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings,
+# its DeepStack mergers after that block
+QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                       num_position_embeddings=16, deepstack_visual_indexes=[0])
+
+
+def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, moe: bool = False,
+                                  as_saved: bool = False, **text_overrides) -> Path:
+    """Qwen3-VL as published (Qwen3VLForConditionalGeneration, or Qwen3VLMoeForConditionalGeneration with `moe`: the
+    tiny Qwen3 / Qwen3-MoE text model with MRoPE under `model.language_model`, `lm_head` beside it, a vision tower
+    under `model.visual`), from transformers' own config classes; returns its directory. The MoE experts are fused
+    as published (gate_up_proj [E, hidden, 2 x ffn], down_proj [E, ffn, hidden]: toolkit/families/qwen3_vl.py), or
+    with `as_saved` as transformers' save_pretrained writes them (the module's [E, 2 x ffn, hidden] / [E, hidden, ffn])."""
+    import torch
+    import transformers
+
+    name = "Qwen3VLMoe" if moe else "Qwen3VL"
+    text = {**BASE, **(QWEN3_VL_MOE if moe else QWEN3_VL), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            **text_overrides}
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config={**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"]},
+        tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    directory = _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
+                                 directory, dtype)
+    if moe and not as_saved:
+        from safetensors.torch import load_file, save_file
+
+        file = Path(directory) / "model.safetensors"
+        tensors = load_file(file)
+        for k in [k for k in tensors if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        save_file(tensors, file, metadata={"format": "pt"})
+    return directory
+
+
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
 FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",

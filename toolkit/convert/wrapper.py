@@ -68,6 +68,10 @@ WRAPPERS = (
             True),
     Wrapper("mistral3", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             None, "Mistral3ForConditionalGeneration", True),
+    # Qwen3-VL: saved as Qwen3.5's (model.language_model.*, lm_head beside model.visual.*), tied as the wrapper's own
+    # tie_word_embeddings says; the text model alone has no causal-LM class (its family's Qwen3VL(Moe)TextModel)
+    Wrapper("qwen3_vl", "text_config", _QWEN3_5, None, "Qwen3VLForConditionalGeneration", True),
+    Wrapper("qwen3_vl_moe", "text_config", _QWEN3_5, None, "Qwen3VLMoeForConditionalGeneration", True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)

@@ -148,7 +148,13 @@ FUSED_INTERLEAVED = "interleaved"
 # gate and up as halves (`.chunk(2, dim=-1)` of the output: gate = rows [:ffn], up = rows [ffn:]);
 # down [experts, hidden, ffn]
 FUSED_HALVES = "halves"
-FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES)
+# Qwen3-VL-MoE's published files: x @ W as gpt-oss, gate_up [experts, hidden, 2 x ffn] with gate and up as
+# halves of the last dimension (gate = [..., :ffn]), down [experts, ffn, hidden]; no biases. transformers'
+# qwen3_vl_moe conversion mapping (Transpose(1, 2, check_dims=True)) reads each tensor transposed unless its
+# shape already is the module's [experts, 2 x ffn, hidden] / [experts, hidden, ffn] (FUSED_HALVES), which its
+# save_pretrained writes: read so too, each tensor by the same rule; written in the published layout
+FUSED_HALVES_XW = "halves_xw"
+FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES, FUSED_HALVES_XW)
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,11 @@ class FusedExperts:
     def interleaved(self) -> bool:
         """Gate and up alternate in gate_up (gate at the even places); else [gate; up] halves."""
         return self.layout == FUSED_INTERLEAVED
+
+    @property
+    def transposed(self) -> bool:
+        """The weights stored for x @ W ([experts, in, out]: gpt-oss's bf16, Qwen3-VL-MoE's); else [out, in] as nn.Linear."""
+        return self.layout in (FUSED_INTERLEAVED, FUSED_HALVES_XW)
 
 
 @dataclass(frozen=True)
