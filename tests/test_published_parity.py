@@ -11,7 +11,8 @@ tests/test_family_qwen3_5.py); MiniMax-M2 in both formats, as published
 in FP8 (against HF's model of the dequantized weights) and with its guard (tests/test_family_minimax_m2.py); Mistral 4
 and Mistral Small 4's wrapper with its guards (tests/test_family_mistral4.py); Qwen3-VL's dense and MoE wrappers in
 both formats, the MoE's experts as published and as transformers saves them (its guards in
-tests/test_family_qwen3_vl.py)."""
+tests/test_family_qwen3_vl.py); GLM-4.5V's wrapper in both formats and GLM-4.6V's, its experts fused (its guards in
+tests/test_family_glm4v_moe.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from tests import test_family_deepseek_v3 as deepseek
 from tests.test_convert_parity import assert_parity
+from tests import test_family_glm4v_moe as glm4v
 from tests import test_family_gpt_oss as gpt_oss
 from tests import test_family_minimax_m2 as minimax
 from tests import test_family_mistral4 as mistral4
@@ -27,6 +29,7 @@ from tests import test_family_qwen3_next as qwen3_next
 from tests import test_family_qwen3_vl as qwen3_vl
 from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
+from tests.test_family_glm4v_moe import tiny_glm4v  # noqa: F401  (fixtures)
 from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
 from tests.test_family_minimax_m2 import tiny_minimax  # noqa: F401  (fixtures)
 from tests.test_family_mistral4 import tiny_mistral4  # noqa: F401  (fixtures)
@@ -46,7 +49,7 @@ FORMATS = ("torch", "torch_dist")
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
                                                     tiny_gpt_oss, tiny_deepseek, tiny_qwen3_next,  # noqa: F811
                                                     tiny_qwen3_5, tiny_minimax, tiny_mistral4, tiny_qwen3_vl,  # noqa: F811
-                                                    tmp_path):
+                                                    tiny_glm4v, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -60,8 +63,9 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     q3n, _ = qwen3_next.parity_pairs(tiny_qwen3_next, tmp_path)  # all must match
     q35, _ = qwen3_5.parity_pairs(tiny_qwen3_5, tmp_path)  # all must match
     q3vl, _ = qwen3_vl.parity_pairs(tiny_qwen3_vl, tmp_path)  # all must match
+    g4v, _ = glm4v.parity_pairs(tiny_glm4v, tmp_path)  # all must match
     mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
-    pairs += q3n + q35 + q3vl + mm[:mm_matching] + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)]
+    pairs += q3n + q35 + q3vl + g4v + mm[:mm_matching] + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)]
     reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4, tp=2, pp=2, ep=2)
     glm_reports = reports[len(pairs):len(pairs) + len(glm)]
     oss_reports = reports[len(pairs) + len(glm):len(pairs) + len(glm) + len(oss)]

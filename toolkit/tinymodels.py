@@ -451,6 +451,34 @@ def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32",
     return directory
 
 
+# GLM-4.5V's language model: the tiny GLM-4.5 without q/k norms (its class has none), MRoPE sections [2, 1, 1] over
+# the 4 frequencies of its 8 rotated dimensions (H and W a frequency each)
+GLM4V_MOE = {**{k: v for k, v in GLM4_MOE.items() if k != "use_qk_norm"},
+             "rope_parameters": {**GLM4_MOE["rope_parameters"], "mrope_section": [2, 1, 1]}}
+# GLM-4.5V's vision tower as small as the class allows: one block of width 32, 2 x 2 patches of 14 pixels
+GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, image_size=28)
+
+
+def make_tiny_glm4v_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, glm46v: bool = False,
+                               **text_overrides) -> Path:
+    """GLM-4.5V as published (Glm4vMoeForConditionalGeneration), or GLM-4.6V with `glm46v` (Glm46VForConditionalGeneration
+    around the same glm4v_moe_text model): the tiny text model under `model.language_model`, `lm_head` beside it, a
+    vision tower under `model.visual`, from transformers' own config classes; returns its directory."""
+    import torch
+    import transformers
+
+    text = {**BASE, **GLM4V_MOE, "model_type": "glm4v_moe_text", "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, **text_overrides}
+    vision = {**GLM4V_VISION, "out_hidden_size": text["hidden_size"], "model_type": "glm4v_vision" if glm46v
+              else "glm4v_moe_vision"}
+    name = "Glm46V" if glm46v else "Glm4vMoe"
+    config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision,
+                                                     tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    return _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
+                            directory, dtype)
+
+
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
 FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",

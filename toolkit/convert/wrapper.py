@@ -46,6 +46,10 @@ class Wrapper:
     # where the file leaves it out), whatever its text_config says (Qwen3_5ForConditionalGeneration, whose save
     # writes text_config.tie_word_embeddings false beside a top-level true for a tied model)
     ties_at_top_level: bool = False
+    # The export into this wrapper writes the language model's experts fused where the wrapper's files hold them
+    # fused (Glm46VForConditionalGeneration: transformers 5.24 reads no per-expert tensors into it), in the
+    # family's FusedExperts layout; else as the family exports them
+    experts_as_stored: bool = False
 
     def text_name(self, name: str) -> str | None:
         """A wrapper tensor's name in the language model alone; None outside the language model."""
@@ -72,6 +76,9 @@ WRAPPERS = (
     # tie_word_embeddings says; the text model alone has no causal-LM class (its family's Qwen3VL(Moe)TextModel)
     Wrapper("qwen3_vl", "text_config", _QWEN3_5, None, "Qwen3VLForConditionalGeneration", True),
     Wrapper("qwen3_vl_moe", "text_config", _QWEN3_5, None, "Qwen3VLMoeForConditionalGeneration", True),
+    # GLM-4.5V / GLM-4.6V: saved likewise (model.language_model.*, lm_head beside model.visual.*)
+    Wrapper("glm4v_moe", "text_config", _QWEN3_5, None, "Glm4vMoeForConditionalGeneration", True),
+    Wrapper("glm46v", "text_config", _QWEN3_5, None, "Glm46VForConditionalGeneration", True, experts_as_stored=True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
@@ -132,6 +139,11 @@ class LanguageModelView:
         """A language-model tensor's name in the wrapper's files."""
         return self.wrapper.wrapper_name(name)
 
+    @property
+    def holds_fused_experts(self) -> bool:
+        """Whether the wrapper's files hold the language model's experts fused (some layer's)."""
+        return self.experts is not None and bool(self.experts.layers)
+
     def fuse_experts(self, fused) -> None:
         """Show the language model's fused experts (`model.language_model.layers.*.mlp.experts.gate_up_proj`
         in the wrapper) per expert, as a text checkpoint's (toolkit/convert/fused_experts.py): the view
@@ -171,7 +183,7 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
                                   "multimodal checkpoints convert through their language model")
         view = LanguageModelView(src, wrapper)
         family = _family(view.config)
-        if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, where stored fused
+        if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, GLM-4.6V's, where stored fused
             view.fuse_experts(family.fused_experts)
     else:
         family = _family(src.config)

@@ -106,7 +106,10 @@ CAUSAL_LM_GAPS = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
                   "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
                   # Qwen3-VL's wrappers (their language models have no causal-LM class): the wrapper on text
                   "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-                  "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}  # (config class, model class)
+                  "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+                  # GLM-4.5V / GLM-4.6V's wrappers likewise
+                  "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
+                  "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration")}  # (config class, model class)
 
 
 def auto_causal_lm():
