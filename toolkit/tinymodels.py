@@ -479,6 +479,43 @@ def make_tiny_glm4v_multimodal(directory: str | Path, dtype: str = "float32", se
                             directory, dtype)
 
 
+# Kimi-K2.5's vision tower as small as the class allows: one layer of width 32, a 4 x 4 grid of position embeddings
+KIMI_K25_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                       pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+
+
+def make_tiny_kimi_k25_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Kimi-K2.5 as published (Kimi_K25ForConditionalGeneration: the tiny DeepSeek-V3 text model under
+    `language_model.model.layers.*`, `language_model.lm_head` beside it, a vision tower and projector), its text_config's
+    model_type `kimi_k2` as published (Kimi_K25Config reads it as deepseek_v3), from transformers' own config classes;
+    returns its directory."""
+    import json
+
+    import torch
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = {**BASE, **DEEPSEEK_V3, "model_type": "kimi_k2", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            **text_overrides}
+    config = Kimi_K25Config(text_config=dict(text), vision_config=KIMI_K25_VISION, projection_hidden_size=32,
+                            tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    directory = _save_randomised(Kimi_K25ForConditionalGeneration(config), config.model_type, directory, dtype)
+    file = Path(directory) / "config.json"
+    saved = json.loads(file.read_text())
+    saved["text_config"]["model_type"] = "kimi_k2"
+    file.write_text(json.dumps(saved, indent=2) + "\n")
+    # transformers 5.24 reverses its unanchored `blocks` -> `layers` rename (meant for the vision tower) on save, so
+    # it writes the language model's layers as `language_model.model.blocks.*`; the published files (and its load,
+    # which renames them back) have `language_model.model.layers.*`
+    from safetensors.torch import load_file, save_file
+
+    weights = Path(directory) / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()},
+              weights, metadata={"format": "pt"})
+    return directory
+
+
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and
 # keep the embeddings, norms, routers and head as they are
 FP8_QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight",

@@ -79,6 +79,10 @@ WRAPPERS = (
     # GLM-4.5V / GLM-4.6V: saved likewise (model.language_model.*, lm_head beside model.visual.*)
     Wrapper("glm4v_moe", "text_config", _QWEN3_5, None, "Glm4vMoeForConditionalGeneration", True),
     Wrapper("glm46v", "text_config", _QWEN3_5, None, "Glm46VForConditionalGeneration", True, experts_as_stored=True),
+    # Kimi-K2.5: DeepSeek-V3's language model (text_config model_type kimi_k2, read as deepseek_v3) saved as llava's
+    # (transformers' kimi_k25 conversion mapping reversed on save): language_model.model.*, language_model.lm_head
+    Wrapper("kimi_k25", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            None, "Kimi_K25ForConditionalGeneration", True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)
@@ -175,12 +179,12 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     ignored.drop(src, None)  # transformers' own rules, over every tensor of the file (a wrapper's others too)
     wrapper = wrapper_for(src.config)
     if wrapper:
-        quantization = src.config.get("quantization_config")
+        text = src.config.get(wrapper.text_config)
+        # at the top level, or in the text_config (Kimi-K2.5 as published)
+        quantization = src.config.get("quantization_config", (text if isinstance(text, dict) else {}).get(
+            "quantization_config"))
         if quantization is not None:
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-            raise ConversionError(f"{src.dir / 'config.json'}: a quantized {wrapper.model_type} checkpoint "
-                                  f"(quantization_config.quant_method={method!r}) is not read: only unquantized "
-                                  "multimodal checkpoints convert through their language model")
+            raise ConversionError(_quantized(src.dir / "config.json", wrapper, quantization))
         view = LanguageModelView(src, wrapper)
         family = _family(view.config)
         if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, GLM-4.6V's, where stored fused
@@ -195,6 +199,18 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     ignored.drop(view, family)  # the family's rules (multi-token-prediction layers)
     view.ignored = {**of_file, **view.ignored}
     return view
+
+
+def _quantized(where: Path, wrapper: Wrapper, quantization) -> str:
+    """The one line refusing a quantized wrapper, naming its format."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    fmt = quantization.get("format") if isinstance(quantization, dict) else None
+    why = "only unquantized multimodal checkpoints convert through their language model"
+    if method == "compressed-tensors" or fmt is not None:  # Kimi-K2.5's INT4 experts
+        why = (f"its {fmt or 'compressed'} weights are decompressed by the compressed-tensors library, which defines "
+               "that format (transformers' integration only calls it); " + why)
+    return (f"{where}: a quantized {wrapper.model_type} checkpoint (quantization_config.quant_method={method!r}"
+            + (f", format={fmt!r}" if fmt is not None else "") + f") is not read: {why}")
 
 
 def _family(cfg: dict):

@@ -109,7 +109,8 @@ CAUSAL_LM_GAPS = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
                   "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
                   # GLM-4.5V / GLM-4.6V's wrappers likewise
                   "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
-                  "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration")}  # (config class, model class)
+                  "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration"),
+                  "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration")}  # (config class, model class)
 
 
 def auto_causal_lm():
