@@ -12,7 +12,8 @@ in FP8 (against HF's model of the dequantized weights) and with its guard (tests
 and Mistral Small 4's wrapper with its guards (tests/test_family_mistral4.py); Qwen3-VL's dense and MoE wrappers in
 both formats, the MoE's experts as published and as transformers saves them (its guards in
 tests/test_family_qwen3_vl.py); GLM-4.5V's wrapper in both formats and GLM-4.6V's, its experts fused (its guards in
-tests/test_family_glm4v_moe.py); Kimi-K2.5's wrapper in both formats (tests/test_family_kimi_k25.py)."""
+tests/test_family_glm4v_moe.py); Kimi-K2.5's wrapper in both formats (tests/test_family_kimi_k25.py); Ministral 3 in both formats and inside the
+mistral3 wrapper (tests/test_family_ministral3.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests import test_family_glm4v_moe as glm4v
 from tests import test_family_gpt_oss as gpt_oss
 from tests import test_family_kimi_k25 as kimi_k25
 from tests import test_family_minimax_m2 as minimax
+from tests import test_family_ministral3 as ministral3
 from tests import test_family_mistral4 as mistral4
 from tests import test_family_qwen3_5 as qwen3_5
 from tests import test_family_qwen3_next as qwen3_next
@@ -34,6 +36,7 @@ from tests.test_family_glm4v_moe import tiny_glm4v  # noqa: F401  (fixtures)
 from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
 from tests.test_family_kimi_k25 import tiny_kimi_k25  # noqa: F401  (fixtures)
 from tests.test_family_minimax_m2 import tiny_minimax  # noqa: F401  (fixtures)
+from tests.test_family_ministral3 import tiny_ministral3  # noqa: F401  (fixtures)
 from tests.test_family_mistral4 import tiny_mistral4  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_5 import tiny_qwen3_5  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_next import tiny_qwen3_next  # noqa: F401  (fixtures)
@@ -51,7 +54,7 @@ FORMATS = ("torch", "torch_dist")
 def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe, gemma3_wrapper, tiny_glm,  # noqa: F811
                                                     tiny_gpt_oss, tiny_deepseek, tiny_qwen3_next,  # noqa: F811
                                                     tiny_qwen3_5, tiny_minimax, tiny_mistral4, tiny_qwen3_vl,  # noqa: F811
-                                                    tiny_glm4v, tiny_kimi_k25, tmp_path):  # noqa: F811
+                                                    tiny_glm4v, tiny_kimi_k25, tiny_ministral3, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -67,8 +70,9 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     q3vl, _ = qwen3_vl.parity_pairs(tiny_qwen3_vl, tmp_path)  # all must match
     g4v, _ = glm4v.parity_pairs(tiny_glm4v, tmp_path)  # all must match
     k25, _ = kimi_k25.parity_pairs(tiny_kimi_k25, tmp_path)  # all must match
+    mi3, _ = ministral3.parity_pairs(tiny_ministral3, tmp_path)  # all must match
     mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
-    pairs += q3n + q35 + q3vl + g4v + k25 + mm[:mm_matching] + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)]
+    pairs += q3n + q35 + q3vl + g4v + k25 + mi3 + mm[:mm_matching] + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)]
     reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4, tp=2, pp=2, ep=2)
     glm_reports = reports[len(pairs):len(pairs) + len(glm)]
     oss_reports = reports[len(pairs) + len(glm):len(pairs) + len(glm) + len(oss)]

@@ -182,6 +182,15 @@ MISTRAL4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, in
                                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 
+# Ministral 3 as published in kind: GQA 2 of 4 heads of an explicit head_dim 24 (not hidden / heads = 16), YaRN
+# (factor 4 over 64 original positions, mscale = mscale_all_dim = 1 as published) with the Llama-4 query scale (beta
+# 0.1, exactly 1 below those 64, past the test sequences); weights of std 0.1 sharpen attention so that the YaRN
+# frequencies matter on them.
+MINISTRAL3 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=251, max_position_embeddings=256,
+                  initializer_range=0.1,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 # MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
 # random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
 # projection of 6 heads / 2 KV heads of 16 (split over TP ranks); RoPE on 8 of each head's 16 dimensions
@@ -242,6 +251,7 @@ VARIANTS = {
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
+    "ministral3": ("Ministral3Config", MINISTRAL3),
 }
 
 
@@ -396,14 +406,16 @@ PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       image_size=32, patch_size=8)
 
 
-def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0,
+                                  text_variant: str = "mistral4", **text_overrides) -> Path:
     """Mistral Small 4 as published (Mistral3ForConditionalGeneration: the tiny `mistral4` text model under
     `language_model.model`, its untied head as `language_model.lm_head`, a Pixtral tower and projector beside
-    them), from transformers' own config classes; returns its directory."""
+    them), or Ministral 3 with `text_variant` "ministral3", from transformers' own config classes; returns its
+    directory."""
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 
-    text = make_config("mistral4", **text_overrides)
+    text = make_config(text_variant, **text_overrides)
     config = Mistral3Config(text_config=text.to_dict(), vision_config=PixtralVisionConfig(**PIXTRAL_VISION).to_dict(),
                             tie_word_embeddings=text.tie_word_embeddings)
     torch.manual_seed(seed)
