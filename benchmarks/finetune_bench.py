@@ -221,14 +221,15 @@ def compare(root: Path, hf: Path, mc: Path, data: Path, steps: int, global_batch
     FLOPs (the recipe's 6N + attention estimate of the real tokens, toolkit/train/metrics.py) against
     the same peak, so their ratio is the inverse ratio of step times."""
     dp = processes or data_parallel_processes()
-    ours = recipe_metrics(root, mc, data, dp, steps, 1, global_batch, SAME_BUCKET, shape=shape)[warmup:]
+    logged = recipe_metrics(root, mc, data, dp, steps, 1, global_batch, SAME_BUCKET, shape=shape)
+    ours = logged[warmup:]
     ours_s = statistics.median(global_batch * shape.seq / r["padded_tokens_per_s"] for r in ours)
     ours_mfu = statistics.median(r["mfu"] for r in ours) if ours[0].get("mfu") is not None else None
     base = baseline_run(hf, data, dp, steps, global_batch, shape=shape)
     base_s = statistics.median(base["times"][warmup - 3:])  # the worker drops its first 3 itself
     return {"shape": {**asdict(shape), "global_batch": global_batch, "processes": dp, "steps_timed": len(ours)},
             "ours": {"step_s": ours_s, "mfu": ours_mfu, "tflops_per_device": statistics.median(r["tflops_per_device"] for r in ours),
-                     "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ours)},
+                     "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ours), "losses": [r["loss"] for r in logged]},
             "hf_deepspeed": {"step_s": base_s, "mfu": None if ours_mfu is None else ours_mfu * ours_s / base_s,
                              "peak_memory_bytes": base["peak_memory_bytes"]},
             "step_time_ratio": ours_s / base_s}

@@ -15,6 +15,9 @@ a failed assertion in one is recorded and the next still runs:
     resume       the fp32 run again, SIGKILLed in its second save, resumed: steps 6..10 bit-exact
     bench        ours against HF + DeepSpeed, bf16, ~1B parameters at sequence 2048: step time,
                  MFU and peak memory of both (benchmarks/finetune_bench.py)
+    fp8          the bench's model, batches and steps again in FP8 (tensorwise): step time, MFU and
+                 peak memory against the bench's bf16 run, and the area under the loss curve within
+                 1% of bf16's (Megatron-LM's FP8 criterion)
 
 OUTDIR receives exactly two files: summary.json (rewritten after every stage, so a run cut short
 still tells what passed) and suite.log (every stage's output). `--dry` runs every stage that can
@@ -63,6 +66,7 @@ def stage_table(work: Path, dry: bool, wheelhouse: Path | None) -> list[Stage]:
         Stage("parity_bf16", [*me, "parity_bf16"], 240),
         Stage("resume", [*me, "resume"], 300, EXACT_ENV),
         Stage("bench", [*me, "bench"], 420),
+        Stage("fp8", [*me, "fp8"], 300),
     ]
     return stages
 
@@ -352,12 +356,47 @@ def stage_bench(work: Path, dry: bool) -> dict:
     root = fresh(work / "bench")
     hf, mc, data = prepare(root, model=SIZES[size], seq=shape.seq, dtype="float32" if dry else "bfloat16")
     result = compare(root, hf, mc, data, steps, global_batch, shape, processes=processes)
+    (root / BENCH_RESULT).write_text(json.dumps(result))  # the fp8 stage compares with its bf16 run
     return {"ok": True, "size": size, "device": device_name(), **result}
+
+
+BENCH_RESULT = "bench.json"
+FP8_AUC_TOLERANCE = 0.01  # Megatron-LM's FP8 CI: area under the loss curve within 1% of the reference's
+
+
+def stage_fp8(work: Path, dry: bool) -> dict:
+    """The bench's ours side again with precision=fp8 (tensorwise: TE's current scaling where TE runs,
+    torchao's on the local spec): the same model, conversion, batches and steps as its bf16 run."""
+    import math
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from finetune_bench import SAME_BUCKET, Shape, recipe_metrics
+
+    root = work / "bench"
+    if not (root / BENCH_RESULT).is_file():
+        return {"ok": False, "why": "the bench stage's bf16 run is missing (it failed or was skipped)"}
+    bf16 = json.loads((root / BENCH_RESULT).read_text())
+    shape = bf16["shape"]
+    steps, warmup = len(bf16["ours"]["losses"]), len(bf16["ours"]["losses"]) - shape["steps_timed"]
+    logged = recipe_metrics(root, root / "mc", root / "data.jsonl", shape["processes"], steps, 1,
+                            shape["global_batch"], (*SAME_BUCKET, "fp8.recipe=tensorwise"),
+                            shape=Shape(shape["seq"], shape["micro"], "fp8"))
+    timed = logged[warmup:]
+    losses = [r["loss"] for r in logged]
+    gap = abs(sum(losses) - sum(bf16["ours"]["losses"])) / sum(bf16["ours"]["losses"])
+    fp8 = {"step_s": statistics.median(shape["global_batch"] * shape["seq"] / r["padded_tokens_per_s"] for r in timed),
+           "mfu": statistics.median(r["mfu"] for r in timed) if timed[0].get("mfu") is not None else None,
+           "peak_memory_bytes": max(r["peak_memory_bytes"] for r in timed), "losses": losses}
+    return {"ok": all(math.isfinite(x) for x in losses) and gap < FP8_AUC_TOLERANCE, "device": device_name(),
+            "recipe": "tensorwise", "fp8": fp8, "bf16": {k: bf16["ours"][k] for k in fp8}, "loss_area_gap": gap,
+            "loss_area_tolerance": FP8_AUC_TOLERANCE, "step_time_ratio": fp8["step_s"] / bf16["ours"]["step_s"],
+            "memory_ratio": fp8["peak_memory_bytes"] / bf16["ours"]["peak_memory_bytes"]}
 
 
 STAGE_FUNCTIONS = {"install": stage_install, "env": stage_env, "smoke": stage_smoke, "gpu_tests": stage_gpu_tests,
                    "parity_fp32": stage_parity_fp32, "parity_bf16": stage_parity_bf16, "resume": stage_resume,
-                   "bench": stage_bench}
+                   "bench": stage_bench, "fp8": stage_fp8}
 
 
 def main() -> None:

@@ -182,6 +182,8 @@ def finetune(run: Run) -> int:
     model, layout = build.build_model(meta, cfg)
     if info.rank == 0:
         print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled, spec)), flush=True)
+        if cfg.precision == "fp8":
+            print(build.fp8_line(cfg, spec), flush=True)
     # 3b. LoRA (peft.enabled): the base frozen and the targeted linears wrapped, here and only
     #     here, before DeepSpeed sees the parameters, so that it optimizes the adapter alone.
     adapter = build.apply_lora(model, run.lora, meta, layout, info, cfg.seed) if run.lora else None

@@ -127,11 +127,13 @@ def routed_per_document():
     counts: list = []
 
     def step_loss(model, global_rows, cfg, device):
-        routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
-        routed = torch.zeros(len(routers), routers[0].num_experts, dtype=torch.long)
+        # (Gemma 4's Gemma4TextRouter too, its expert count in its config)
+        routers = [m for m in model.modules() if type(m).__name__.lower().endswith(("topkrouter", "gemma4textrouter"))]
+        experts = getattr(routers[0], "num_experts", None) or routers[0].config.num_experts
+        routed = torch.zeros(len(routers), experts, dtype=torch.long)
 
         def count(n, router, _inputs, out):  # returns None: the router's output stays as it is
-            routed[n] += torch.bincount(out[2].flatten(), minlength=router.num_experts)
+            routed[n] += torch.bincount(out[2].flatten(), minlength=experts)
 
         hooks = [router.register_forward_hook(functools.partial(count, n)) for n, router in enumerate(routers)]
         total, tokens = 0.0, 0

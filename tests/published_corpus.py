@@ -29,8 +29,10 @@ SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32
          # multi-latent attention (DeepSeek-V3, Kimi-K2): every size distinct, as the tiny test models
          "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
          # the gated delta net (Qwen3-Next): 2 key heads each serving 2 value heads, as the published 16 / 32
-         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12}
-LAYERS = {"gemma3_text": 6}
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
+         # Gemma 4's global layers: a head of their own, twice the sliding layers' as published (512 / 256)
+         "global_head_dim": 32}
+LAYERS = {"gemma3_text": 6, "gemma4_text": 6}
 HEADS = 4
 EXPERTS = 16
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -40,6 +42,9 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 224, "patch_size": 14, "depth": 1, "num_heads": 2,
           "head_dim": 16}  # Pixtral's (Mistral Small 4) names its head size: hidden_size / num_attention_heads
+# Gemma 4's tower names its KV heads and head sizes too, and keeps its 16-pixel patches; a smaller position table
+VISION_OF = {"gemma4_vision": {"num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "patch_size": 16,
+                               "position_embedding_size": 64}}
 
 
 def shrink(published: dict) -> tuple[dict, dict]:
@@ -60,6 +65,9 @@ def shrink(published: dict) -> tuple[dict, dict]:
         new["num_attention_heads"] = HEADS
     if kv is not None:
         new["num_key_value_heads"] = HEADS if kv == heads else 1 if kv == 1 else 2
+    global_kv = cfg.get("num_global_key_value_heads")  # Gemma 4's global layers: fewer KV heads than the sliding ones
+    if global_kv is not None:
+        new["num_global_key_value_heads"] = HEADS if global_kv == heads else 1 if global_kv == 1 else 2
     for key in EXPERT_KEYS:
         if key in cfg:
             new[key] = min(cfg[key], EXPERTS)
@@ -94,7 +102,7 @@ def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
     original = {text_key: text_original}
     vision = published.get("vision_config")
     if isinstance(vision, dict):
-        sizes = {k: v for k, v in VISION.items() if k in vision}
+        sizes = {k: v for k, v in {**VISION, **VISION_OF.get(vision.get("model_type"), {})}.items() if k in vision}
         if "out_hidden_size" in vision:
             sizes["out_hidden_size"] = cfg[text_key]["hidden_size"]
         cfg["vision_config"] = {**vision, **sizes}

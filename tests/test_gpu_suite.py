@@ -27,7 +27,7 @@ def test_dry_run_passes_every_stage_that_runs_on_cpu(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["suite.log", "summary.json"]  # the device returns <= 8 files
     assert {n: s["status"] for n, s in stages.items()} == {
         "env": "passed", "smoke": "passed", "gpu_tests": "skipped", "parity_fp32": "passed", "parity_bf16": "passed",
-        "resume": "passed", "bench": "passed"}
+        "resume": "passed", "bench": "passed", "fp8": "passed"}
     assert stages["env"]["layer_spec"] == "local" and stages["env"]["deepspeed_ops"]["version"]
     assert stages["smoke"]["checkpoint_saved"] and stages["smoke"]["hf_exported"]
     assert stages["gpu_tests"]["tests"] >= 1 and stages["gpu_tests"]["skipped"] == stages["gpu_tests"]["tests"]
@@ -39,6 +39,10 @@ def test_dry_run_passes_every_stage_that_runs_on_cpu(tmp_path):
     bench = stages["bench"]
     for side in ("ours", "hf_deepspeed"):
         assert bench[side]["step_s"] > 0 and bench[side]["mfu"] > 0 and bench[side]["peak_memory_bytes"] > 0, bench
+    fp8 = stages["fp8"]  # the bench's bf16 run again in FP8 (torchao's tensorwise on CPU)
+    assert fp8["bf16"]["losses"] == bench["ours"]["losses"] and len(fp8["fp8"]["losses"]) == len(fp8["bf16"]["losses"])
+    assert fp8["fp8"]["losses"] != fp8["bf16"]["losses"] and fp8["loss_area_gap"] < fp8["loss_area_tolerance"], fp8
+    assert fp8["fp8"]["step_s"] > 0 and fp8["fp8"]["peak_memory_bytes"] > 0 and fp8["step_time_ratio"] > 0
 
 
 def test_a_failed_or_hung_stage_is_recorded_and_the_suite_goes_on(tmp_path):

@@ -17,7 +17,7 @@ LOGIT_TOLERANCE = 1e-4  # fp32
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["gemma3", "olmo2"])
+@pytest.mark.parametrize("variant", ["gemma3", "olmo2", "gemma4"])  # gemma4: its global layers' [q; k] too
 def test_post_norm_families_with_an_adapter_give_peft_logits_at_tp2(tmp_path, variant):
     from toolkit.runtime.launch import run_on_processes
     from toolkit.tinymodels import make_tiny_model

@@ -35,7 +35,8 @@ SEQ_LEN = 520
 GEMMA3_WINDOW = "tests/test_published_configs.py (gemma-3-1b-it)"
 WINDOWS_PROVEN_ELSEWHERE = {"phi-3-mini-4k-instruct": "tests/test_family_phi3.py", "gemma-3-4b-it": GEMMA3_WINDOW,
                             "gemma-3-12b-it": GEMMA3_WINDOW, "gemma-3-27b-it": GEMMA3_WINDOW,
-                            "olmo-3-7b": "tests/test_family_olmo3.py", "olmo-3.1-32b-think": "tests/test_family_olmo3.py"}
+                            "olmo-3-7b": "tests/test_family_olmo3.py", "olmo-3.1-32b-think": "tests/test_family_olmo3.py",
+                            "gemma-4-31b-it": "tests/test_family_gemma4.py", "gemma-4-26b-a4b-it": "tests/test_family_gemma4.py"}
 NOT_KEYS = ("model_type", "architectures", "transformers_version")
 # A wrapper's sub-configs are not optional keys: each key inside text_config is left out in turn instead
 # (without a text_config, transformers would build its class's default language model, which is no model published)

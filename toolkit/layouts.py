@@ -45,6 +45,8 @@ class Layout:
             **({"linear_k_heads": spec.linear_attention["k_heads"], "linear_v_heads": spec.linear_attention["v_heads"],
                 "linear_k_dim": spec.linear_attention["k_dim"], "linear_v_dim": spec.linear_attention["v_dim"]}
                if spec.linear_attention else {}),
+            **({"global_kv_heads": spec.global_attention["kv_heads"], "global_head_dim": spec.global_attention["head_dim"]}
+               if spec.global_attention else {}),
         )
 
     def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:
@@ -80,6 +82,12 @@ class Layout:
                 f"{groups} key/value heads and {tp}: neither divides the other, which "
                 "megatron-core cannot shard"
             )
+        g_groups = (spec.global_attention or {}).get("kv_heads", 0)  # Gemma 4's global layers
+        if g_groups and g_groups % self.tp and (self.tp % g_groups or spec.global_k_eq_v):
+            why = ("the keys that are also values (attention_k_eq_v) need whole key heads on each rank"
+                   if spec.global_k_eq_v and not self.tp % g_groups else "neither divides the other, which megatron-core "
+                   "cannot shard")
+            raise ConversionError(f"{g_groups} global key/value heads (num_global_key_value_heads) and {tp}: {why}")
         # megatron-core splits a gated delta net by whole key heads, each with the value heads it serves
         # (transformer_config.py:975-980; value heads are a multiple of key heads, qwen3_next.read)
         k_heads = (spec.linear_attention or {}).get("k_heads", 0)

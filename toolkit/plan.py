@@ -21,7 +21,7 @@ from toolkit.dsconfig import OptimizerSettings, Setup, build
 from toolkit.errors import ConfigError
 from toolkit.families.spec import ModelSpec
 from toolkit.memory import GIB, GPU, Estimate, estimate
-from toolkit.memory.estimate import check_fsdp
+from toolkit.memory.estimate import check_fp8, check_fsdp
 from toolkit.memory.lora import LoraShape
 from toolkit.throughput import Hardware, StepTime, step_time
 
@@ -113,6 +113,7 @@ def plan(spec: ModelSpec, cluster: Cluster, seq_len: int = 4096, global_batch: i
     global_batch = global_batch or default_global_batch(cluster.gpus)
     if dp_engine == "fsdp":
         check_fsdp(spec, Setup(gpus=cluster.gpus, precision=precision), dp_engine, lora, 1)
+    check_fp8(Setup(gpus=cluster.gpus, precision=precision), lora, dp_engine)
 
     def search(offload: bool, modes: tuple[str, ...], cp: int) -> list[Candidate]:
         return list(_candidates(spec, cluster, seq_len, global_batch, precision, schedule, offload, lora, vpp,

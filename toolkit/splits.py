@@ -51,6 +51,9 @@ class Geometry:
     linear_v_heads: int = 0
     linear_k_dim: int = 0
     linear_v_dim: int = 0
+    # Gemma 4's global layers: their KV heads and head size; 0 without
+    global_kv_heads: int = 0
+    global_head_dim: int = 0
 
     @property
     def heads_per_group(self) -> int:
@@ -350,6 +353,83 @@ def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) 
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
+class FusedQK(FusedQKV):
+    """Keys that are also the values (Gemma 4's attention_k_eq_v): q and k fused per query group,
+    [q heads of group g; k_g] for each g, then split dim 0 as a contiguous chunk. The layer reuses
+    each group's k as its v (toolkit/layers.py KeyIsValueLinear)."""
+
+    name = "QK"
+
+    def _sources(self, names, geo):
+        return [(n, 0) for n in names]
+
+    def _to_hf(self, q, k):
+        return [q, k]
+
+    def build(self, src, names, tp, rank, geo):
+        import torch
+
+        (q, q0), (k, k0) = self._sources(names, geo)
+        d, hpg, groups = geo.head_dim, geo.heads_per_group, geo.num_kv_heads
+        rows = chunk_range(groups * (hpg + 1) * d, tp, rank)
+        qs, ks = src.read(q, rows=slice(q0, q0 + groups * hpg * d)), src.read(k, rows=slice(k0, k0 + groups * d))
+        rest = qs.shape[1:]
+        fused = torch.cat([qs.reshape(groups, -1, *rest), ks.reshape(groups, -1, *rest)], dim=1).reshape(-1, *rest)
+        return fused[rows]
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        (q, q0), (k, k0) = self._sources(names, geo)
+        d, hpg = geo.head_dim, geo.heads_per_group
+        rows = chunk_range(geo.num_kv_heads * (hpg + 1) * d, tp, rank)
+        fused = [piece for g in range(geo.num_kv_heads)
+                 for piece in (RowPiece(q, q0 + g * hpg * d, q0 + (g + 1) * hpg * d), RowPiece(k, k0 + g * d, k0 + (g + 1) * d))]
+        return _rows_of(fused, rows)
+
+    def merge(self, shards, geo):
+        import torch
+
+        fused = torch.cat(shards, dim=0)
+        d, hpg, groups = geo.head_dim, geo.heads_per_group, geo.num_kv_heads
+        rest = fused.shape[1:]
+        q, k = fused.reshape(groups, (hpg + 1) * d, *rest).split([hpg * d, d], dim=1)
+        return self._to_hf(*(t.reshape(-1, *rest).contiguous() for t in (q, k)))
+
+
+class GlobalLayer(SplitKind):
+    """`inner` on a Gemma 4 global layer: its head size and KV heads (Geometry.global_*) in place of the model's."""
+
+    def __init__(self, inner: SplitKind):
+        self.inner, self.name, self.dim = inner, f"GLOBAL_{inner.name}", inner.dim
+        self.over_tp = getattr(inner, "over_tp", True)
+
+    @staticmethod
+    def _geo(geo: Geometry) -> Geometry:
+        from dataclasses import replace
+
+        return replace(geo, num_kv_heads=geo.global_kv_heads, head_dim=geo.global_head_dim)
+
+    def build(self, src, names, tp, rank, geo):
+        return self.inner.build(src, names, tp, rank, self._geo(geo))
+
+    def row_pieces(self, src, names, tp, rank, geo):
+        return self.inner.row_pieces(src, names, tp, rank, self._geo(geo))
+
+    def merge(self, shards, geo):
+        return self.inner.merge(shards, self._geo(geo))
+
+    def shape(self, hf_shapes, geo, tp):
+        return self.inner.shape(hf_shapes, self._geo(geo), tp)
+
+    def segments(self, size, tp, rank, geo=None):
+        return self.inner.segments(size, tp, rank, None if geo is None else self._geo(geo))
+
+    def whole_size(self, shard_size, tp):
+        return self.inner.whole_size(shard_size, tp)
+
+    def resized(self, size, geo):
+        return self.inner.resized(size, self._geo(geo))
+
+
 class Unsplit(SplitKind):
     """`inner`'s tensor whole on every TP rank: the experts of a model whose MoE layers have biases,
     which megatron-core runs only at expert tensor parallelism 1 (transformer_config.py:1588)."""
@@ -394,6 +474,9 @@ class Split:
     HF_GATE_UP = HFFusedGateUp()
     UNSPLIT_GATE_UP = Unsplit(GATE_UP)
     UNSPLIT_ROW = Unsplit(ROW)
+    # Gemma 4's global layers: q, k, v with their own head size and KV heads; q, k alone where k is v
+    GLOBAL_QKV = GlobalLayer(QKV)
+    GLOBAL_QK = GlobalLayer(FusedQK())
     # Qwen3-Next (toolkit/gated_delta_splits.py), set below: the output-gated attention's q/gate/k/v,
     # the gated delta net's input projection and its causal conv
     GATED_QKV: SplitKind

@@ -79,7 +79,10 @@ def step_time(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str, gpus_
     flops = tokens * setup.pp * _slowest_stage_flops_per_token(spec, setup, seq_len, recompute, lora)
     micro_tokens = setup.micro_batch * local
     efficiency = BASE_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
-    compute = flops / (setup.gpus * matmul_tflops(hw.gpu, setup.precision, tf32=False) * 1e12 * efficiency)
+    # precision=fp8 is timed as bf16: its speed-up (the decoder GEMMs only, less the casts) is what a GPU
+    # run shows (benchmarks/gpu_suite.py's fp8 stage), not a datasheet ratio the planner could assume
+    precision = "bf16" if setup.precision == "fp8" else setup.precision
+    compute = flops / (setup.gpus * matmul_tflops(hw.gpu, precision, tf32=False) * 1e12 * efficiency)
     m = setup.micro_batches
     bubble = (setup.pp - 1) / (setup.vpp * m + setup.pp - 1)  # interleaving divides the bubble by VPP
     n = total_params(spec)

@@ -144,6 +144,10 @@ SMOLLM3 = dict(no_rope_layer_interval=3, tie_word_embeddings=True, vocab_size=25
 NORM_WEIGHTS = {"gemma3_text": (-0.5, 0.5), "gemma3": (-0.5, 0.5), "qwen3_next": (-0.5, 0.5),
                 **dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"), (-0.5, 0.5))}
 DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
+# Gemma 4 applies w, with a softmax scale of 1 after its q/k norms, so q.k grows with their weights squared: weights
+# in (0.25, 0.75) keep the tiny models' attention about as sharp as 1/sqrt(head_dim) would (with (0.5, 1.5) its
+# residual stream's rounding grows past 1e-4 over six layers at TP 2, the logits still within 6e-6)
+NORM_WEIGHTS.update(dict.fromkeys(("gemma4_text", "gemma4"), (0.25, 0.75)))
 
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
 # key head; conv kernel 4) alternating with output-gated attention layers (full_attention_interval 2, so
@@ -191,6 +195,23 @@ MINISTRAL3 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, voc
                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                    "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                    "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
+# Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
+# test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
+# heads (2 of 32, GQA 4) whose keys are their values (attention_k_eq_v) and whose proportional RoPE turns a
+# quarter of each head (4 of 16 frequencies, base 1e6); final logits soft-capped at 0.75 (30 as published, a cap
+# the tiny model's logits reach); no per-layer input embeddings (0, as published). layer_scalar randomised.
+GEMMA4 = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=96, vocab_size=251,
+              sliding_window=8, final_logit_softcapping=0.75, hidden_size_per_layer_input=0, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
+
+# Gemma 4's MoE block (the 26B-A4B's): beside each layer's dense MLP, 8 experts of width 24, top-2 (4 per EP 2
+# rank), with the router's scale and per-expert scale randomised
+GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=24)
+
 # MiniMax-M2 with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, sigmoid scores with a
 # random expert bias (EXPERT_BIAS_STD) choosing among them, always renormalised; q/k norms over the whole
 # projection of 6 heads / 2 KV heads of 16 (split over TP ranks); RoPE on 8 of each head's 16 dimensions
@@ -201,6 +222,16 @@ MINIMAX_M2 = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, 
                   router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
                   qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1, 1, 1],
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+# Llama 4 with every piece in play: MoE on layers 1 and 3 (interleave_moe_layer_step 2: each PP 2 stage holds a
+# dense and a MoE layer) of 4 experts top-1 (2 per EP 2 rank) with the shared expert; NoPE on layer 2, the L2 q/k
+# norm on the RoPE layers 0, 1, 3; chunks of 64 and the NoPE temperature (floor_scale 64) both beyond the test
+# sequences (exact up to 63 tokens); weights of std 0.1 so routing and the q/k norm matter past the tolerance.
+LLAMA4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+              intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=4,
+              interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], use_qk_norm=True, attention_chunk_size=64,
+              attn_temperature_tuning=True, floor_scale=64, attn_scale=0.1, vocab_size=251, initializer_range=0.1,
+              max_position_embeddings=256, router_aux_loss_coef=0.0,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -249,9 +280,12 @@ VARIANTS = {
     "qwen3-next": ("Qwen3NextConfig", QWEN3_NEXT),
     "qwen3.5": ("Qwen3_5TextConfig", QWEN3_5),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", QWEN3_5_MOE),
+    "gemma4": ("Gemma4TextConfig", GEMMA4),
+    "gemma4-moe": ("Gemma4TextConfig", GEMMA4_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
     "ministral3": ("Ministral3Config", MINISTRAL3),
+    "llama4": ("Llama4TextConfig", LLAMA4),
 }
 
 
@@ -335,8 +369,11 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(low, high)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight",
+                                "feed_forward.router.weight")):
                 param.normal_(0.0, ROUTER_STD)  # a MoE router, a shared expert's gate
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router scales (ones at init)
+                param.uniform_(*DEFAULT_NORM_WEIGHTS)
             elif name.endswith("self_attn.sinks"):  # gpt-oss's attention sinks
                 param.normal_(0.0, SINK_STD)
             elif name.endswith("bias"):
@@ -345,6 +382,8 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
             # DeepSeek-V3 / GLM-4.5's expert bias (zeros at init); MiniMax-M2's, `mlp.` in the model, `block_sparse_moe.` saved
             if name.endswith(HF_FLOAT32_BUFFERS + ("mlp.e_score_correction_bias",)):
                 buffer.normal_(0.0, EXPERT_BIAS_STD)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
+                buffer.uniform_(*DEFAULT_NORM_WEIGHTS)
     model = model.to(getattr(torch, dtype))
     # As transformers loads and saves them: the modules it keeps in float32 whatever the dtype (the expert
     # bias of DeepSeek-V3 / GLM-4.5, their router from transformers 5.24) stay float32, so a bf16 model holds
@@ -376,6 +415,25 @@ def make_tiny_gemma3_multimodal(directory: str | Path, dtype: str = "float32", s
                           mm_tokens_per_image=4)
     torch.manual_seed(seed)
     return _save_randomised(Gemma3ForConditionalGeneration(config), text.model_type, directory, dtype)
+
+
+# Gemma 4's vision tower as small as the class allows: one layer of width 32, patches of 4 pixels
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                     head_dim=16, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+
+
+def make_tiny_gemma4_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Gemma 4 as its 31B / 26B-A4B are published (Gemma4ForConditionalGeneration: the tiny `gemma4` text model
+    under `model.language_model`, a vision tower under `model.vision_tower`, its projection under
+    `model.embed_vision`, no audio tower), from transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = make_config("gemma4", **text_overrides)
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**GEMMA4_VISION).to_dict(),
+                          audio_config=None)
+    torch.manual_seed(seed)
+    return _save_randomised(Gemma4ForConditionalGeneration(config), text.model_type, directory, dtype)
 
 
 # Qwen3.5's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings
@@ -526,6 +584,23 @@ def make_tiny_kimi_k25_multimodal(directory: str | Path, dtype: str = "float32",
     save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()},
               weights, metadata={"format": "pt"})
     return directory
+# Llama 4's vision tower as small as the class allows: one layer of width 32, 2 x 2 patches of 14 pixels
+LLAMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                     patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
+def make_tiny_llama4_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Llama 4 Scout / Maverick as published (Llama4ForConditionalGeneration: the tiny `llama4` text model under
+    `language_model.model`, its head as `language_model.lm_head`, a vision model and projector beside them), from
+    transformers' own config classes; returns its directory."""
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = make_config("llama4", **text_overrides)
+    config = Llama4Config(text_config=text.to_dict(), vision_config=LLAMA4_VISION, boi_token_index=248,
+                          eoi_token_index=249, image_token_index=250, tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(seed)
+    return _save_randomised(Llama4ForConditionalGeneration(config), text.model_type, directory, dtype)
 
 
 # DeepSeek-V3's FP8 checkpoints quantize every projection (attention and MLP, routed and shared experts) and

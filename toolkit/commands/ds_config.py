@@ -99,7 +99,7 @@ def add_training_args(p) -> None:
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none")
     p.add_argument("--nvme-path", help="directory on a local NVMe drive, for nvme offload")
     prec = p.add_argument_group("precision (one of)")
-    for flag in ("bf16", "fp16", "fp32"):
+    for flag in ("bf16", "fp16", "fp32", "fp8"):  # fp8: bf16 weights, FP8 GEMMs (DeepSpeed's bf16 block)
         prec.add_argument(f"--{flag}", dest="precisions", action="append_const", const=flag, default=[])
     p.add_argument("--micro-batch", type=int, default=1, help="samples per GPU per forward/backward (default 1)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all GPUs (default micro x DP)")

@@ -42,7 +42,8 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help="sequence length (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 4 x GPUs, at least 64)")
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16",
+                   help="fp8: bf16 weights, FP8 GEMMs; memory priced as Transformer Engine keeps it, step time as bf16's")
     p.add_argument("--schedule", choices=("megatron", "deepspeed"), default="megatron",
                    help="schedule mode of the written config (default megatron, the toolkit's recipe)")
     p.add_argument("--vpp", type=int, default=1,

@@ -1,6 +1,7 @@
 """Experts stored fused per layer (Family.fused_experts: gpt-oss; Qwen3.5-MoE where a checkpoint holds them so),
 read and written one expert at a time, in either layout of FusedExperts.layout (toolkit/families/table.py:
-gpt-oss's interleaved x @ W, with biases; transformers 5's [gate; up] halves as nn.Linear, without).
+gpt-oss's interleaved x @ W, with biases; transformers 5's [gate; up] halves as nn.Linear, without; Llama 4's
+[gate | up] halves as x @ W, without).
 
 Import: `FusedExpertsView` shows an HF checkpoint (HFCheckpoint's interface) with each layer's fused
 expert tensors replaced by per-expert ones under the names the family's rows use
@@ -28,7 +29,7 @@ import torch
 
 from toolkit.convert.hf_source import TensorEntry
 from toolkit.errors import ConversionError
-from toolkit.families.table import FUSED_HALVES_XW, FusedExperts
+from toolkit.families.table import FusedExperts
 
 # MXFP4 (OCP Microscaling, E2M1 elements): the 16 values of a 4-bit code, sign bit highest
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -61,7 +62,7 @@ class _Fused:
     gate_up_bias: str | None
     down_bias: str | None
     mxfp4: bool
-    # Stored for x @ W ([experts, in, out]); else [out, in] as nn.Linear (FUSED_HALVES_XW: per tensor, by shape)
+    # Stored for x @ W ([experts, in, out]); else [out, in] as nn.Linear (FusedExperts.either_orientation: per tensor, by shape)
     gate_up_t: bool = False
     down_t: bool = False
 
@@ -126,13 +127,13 @@ class FusedExpertsView:
 
         gate_up, down = weight(f.gate_up), weight(f.down)
         gate_up_t = down_t = f.transposed and not mxfp4
-        if f.layout == FUSED_HALVES_XW:  # as transformers' Transpose(check_dims): as stored iff the module's shape
+        if f.either_orientation and not mxfp4:  # as transformers' Transpose(check_dims): as stored iff the module's shape
             gate_up_t, down_t = self._transposed(gate_up, "gate_up"), self._transposed(down, "down")
         return _Fused(gate_up, down, bias(f.gate_up_bias), bias(f.down_bias), mxfp4=mxfp4, gate_up_t=gate_up_t,
                       down_t=down_t)
 
     def _transposed(self, name: str, which: str) -> bool:
-        """Whether a FUSED_HALVES_XW tensor is stored for x @ W: not where its shape is the module's
+        """Whether a tensor of FusedExperts.either_orientation is stored for x @ W: not where its shape is the module's
         ([experts, 2 x ffn, hidden] / [experts, hidden, ffn], the config's hidden_size and moe_intermediate_size)."""
         shape = self.whole.shape(name)
         hidden, ffn = self.config.get("hidden_size"), self.config.get("moe_intermediate_size")
@@ -211,7 +212,7 @@ class FusedExpertsView:
             bias = self._one(where.down_bias if part == DOWN else where.gate_up_bias, e, None)
             return bias if part == DOWN else self._gate_or_up(bias, part)
         # Stored [out, in] as nn.Linear where MXFP4 or in the halves layout; transposed (x @ W) in gpt-oss's bf16
-        # and Qwen3-VL-MoE's halves_xw
+        # and Llama 4's, Qwen3-VL-MoE's (per tensor: FusedExperts.either_orientation)
         if part == DOWN:  # [hidden, ffn]
             down = self._one(where.down, e, where.mxfp4)
             return down.T if where.down_t else down
@@ -293,7 +294,7 @@ def _fused_tensor(fused: FusedExperts, parts: dict[tuple[int, str], torch.Tensor
     """The fused HF tensor in `fused.layout`, filled expert by expert as each expert's tensors are let go."""
     down = (0, DOWN) in parts
     first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
-    transposed = fused.transposed and not bias  # gpt-oss, Qwen3-VL-MoE: x @ W; the halves layout as nn.Linear, [out, in]
+    transposed = fused.transposed and not bias  # gpt-oss, Llama 4, Qwen3-VL-MoE: x @ W; the halves layout as nn.Linear, [out, in]
     if bias:
         shape = (experts, first.shape[0] * (1 if down else 2))
     elif down:

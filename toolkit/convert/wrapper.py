@@ -1,7 +1,7 @@
 """Multimodal checkpoints whose language model is a family the toolkit converts (Gemma 3 4B / 12B /
 27B as published: Gemma3ForConditionalGeneration; Qwen3.5 / 3.6: Qwen3_5ForConditionalGeneration,
 Qwen3_5MoeForConditionalGeneration; Mistral Small 4: Mistral3ForConditionalGeneration around a mistral4
-text model), read as that language model.
+text model; Gemma 4: Gemma4ForConditionalGeneration, laid out as Qwen3.5's), read as that language model.
 
 transformers 5.23 saves Gemma 3's text model under `language_model.` (`language_model.model.*`,
 `language_model.lm_head.weight` where untied: its _checkpoint_conversion_mapping reversed on save,
@@ -70,6 +70,8 @@ WRAPPERS = (
     Wrapper("qwen3_5", "text_config", _QWEN3_5, "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", True),
     Wrapper("qwen3_5_moe", "text_config", _QWEN3_5, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
             True),
+    # Gemma 4 31B / 26B-A4B as published: model.language_model.* beside model.vision_tower.* and model.embed_vision.*
+    Wrapper("gemma4", "text_config", _QWEN3_5, "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     Wrapper("mistral3", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             None, "Mistral3ForConditionalGeneration", True),
     # Qwen3-VL: saved as Qwen3.5's (model.language_model.*, lm_head beside model.visual.*), tied as the wrapper's own
@@ -83,6 +85,10 @@ WRAPPERS = (
     # (transformers' kimi_k25 conversion mapping reversed on save): language_model.model.*, language_model.lm_head
     Wrapper("kimi_k25", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             None, "Kimi_K25ForConditionalGeneration", True),
+    # Llama 4 Scout / Maverick: Llama4ForConditionalGeneration keeps Llama4ForCausalLM as `language_model`
+    # (no conversion mapping), beside `vision_model.*` and `multi_modal_projector.*`; tied as its own flag says
+    Wrapper("llama4", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            "Llama4ForCausalLM", "Llama4ForConditionalGeneration", True),
 )
 # Keys of the wrapper's config.json that describe the language model where its text_config leaves
 # them out (transformers 5 writes them at the top level of the wrapper)

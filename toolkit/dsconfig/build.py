@@ -144,7 +144,7 @@ def _batch(setup: Setup) -> dict:
 
 
 def _precision(precision: str) -> dict:
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):  # fp8: the GEMMs' (toolkit.fp8), on bf16 weights DeepSpeed masters in fp32
         # check_grad_overflow pinned: its default changed to true in DeepSpeed PR #8035.
         return {"bf16": {"enabled": True, "check_grad_overflow": True}}
     if precision == "fp16":

@@ -94,6 +94,9 @@ def precision(enabled: list[str]) -> str | None:
         return f"unknown precision {unknown[0]!r}; choose one of {', '.join(PRECISIONS)}"
     if "bf16" in enabled and "fp16" in enabled:
         return "fp16 and bf16 cannot both be enabled (DeepSpeed asserts); choose one"
+    if "fp8" in enabled and "fp16" in enabled:
+        return ("FP8 with fp16 is not supported: FP8 trains on bf16 weights with fp32 masters (DeepSpeed's bf16 "
+                "block); choose fp8")
     return None
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from toolkit.bounds import bounded
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+# fp8: FP8 GEMMs inside the model (toolkit.fp8) on bf16 weights; DeepSpeed's side is bf16's
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 # Who runs the micro-batches of one optimizer step.

@@ -31,12 +31,9 @@ BUFFERS, HF_FLOAT32_BUFFERS = float32_buffer_suffixes(FAMILIES)
 
 # model_types that name a known model this package cannot convert, with the reason. (The multimodal
 # Gemma 3, once here, converts as its language model: toolkit/convert/wrapper.py.)
-_LLAMA4 = ("Llama 4's chunked local attention (attention_chunk_size, on every RoPE layer) has no megatron-core 0.16.1 "
-           "counterpart, and converting without it would change the logits past the first chunk")
 REFUSED: dict[str, str] = {
-    "llama4_text": _LLAMA4,
-    "llama4": _LLAMA4,
-    # (Ministral 3, once here, converts exactly up to original_max_position_embeddings: toolkit/families/ministral3.py)
+    # (Ministral 3, once here, converts exactly up to original_max_position_embeddings: toolkit/families/ministral3.py;
+    # Llama 4 likewise up to its bound: toolkit/families/llama4.py)
 }
 
 

@@ -24,7 +24,7 @@ modeling_qwen3_vl_moe.py, the text model is Qwen3's (toolkit/families/qwen3.py) 
   down_proj (qwen3_vl_moe)          qwen3_vl_moe conversion mapping transposes them on load and back on save):
                                     gate_up [E, hidden, 2 x ffn] for x @ W, gate = [..., :ffn], up the rest;
                                     down [E, ffn, hidden]. Read per expert (FusedExperts layout
-                                    FUSED_HALVES_XW, toolkit/convert/fused_experts.py) and written back fused
+                                    FUSED_HALVES_X_AT_W with either_orientation, toolkit/convert/fused_experts.py) and written back fused
                                     in that layout, so the wrapper round-trips byte for byte
   q_norm / k_norm, norms, head      Qwen3's: per-head RMSNorms before RoPE, tied head where the wrapper's
                                     tie_word_embeddings says (Qwen3VLConfig, top level; its save writes the
@@ -37,7 +37,7 @@ from dataclasses import replace
 from toolkit.families.qwen3 import QWEN3
 from toolkit.families.qwen3_moe import QWEN3_MOE
 from toolkit.families.router import Router, qwen_moe_layers
-from toolkit.families.table import FUSED_HALVES_XW, FusedExperts
+from toolkit.families.table import FUSED_HALVES_X_AT_W, FusedExperts
 
 QWEN3_VL = replace(QWEN3, name="qwen3_vl", model_types=("qwen3_vl_text",), architecture="Qwen3VLTextModel")
 
@@ -49,5 +49,6 @@ QWEN3_VL_MOE = replace(
     router=Router(experts_keys=("num_experts", "num_local_experts"), ffn_key="moe_intermediate_size",
                   layers=qwen_moe_layers),  # renormalise_key None: always renormalised
     fused_experts=FusedExperts(prefix="model.layers.*.mlp.experts.", per_expert="model.layers.*.mlp.experts.#.",
-                               gate_up="gate_up_proj", down="down_proj", layout=FUSED_HALVES_XW),
+                               gate_up="gate_up_proj", down="down_proj", layout=FUSED_HALVES_X_AT_W,
+                               either_orientation=True),
 )

@@ -63,6 +63,8 @@ class Router:
     # More MoeFields read from config.json (cfg -> dict of MoeFields fields), refusing what is not
     # exact: the sigmoid router of DeepSeek-V3 / GLM-4.5 (toolkit/families/sigmoid_router.py)
     read: Callable[[dict], dict] | None = field(default=None, hash=False)
+    # config.json flag that turns the experts on (Gemma 4's enable_moe_block); None: a MoE family always has them
+    when: str | None = None
 
 
 @dataclass(frozen=True)

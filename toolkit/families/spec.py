@@ -107,10 +107,18 @@ class ModelSpec:
     # for an attention layer (megatron-core's linear_attention_freq as a list)
     linear_attention: dict | None = field(default=None, hash=False)
     linear_layers: str | None = None
+    # Gemma 4 (toolkit/families/gemma4.py): its global layers' head_dim, kv_heads, k_eq_v (values are the
+    # keys), rope_theta and partial_rotary_factor (proportional RoPE), the sliding layers' rope_theta; None without
+    global_attention: dict | None = field(default=None, hash=False)
+    # tanh soft-capping of the final logits: cap * tanh(logits / cap) (Gemma 2 / 4); None without
+    final_logit_softcapping: float | None = None
     # The longest sequence the model converts and trains exactly as HF computes it (Mistral 4: its Llama-4
     # query scale is 1 below rope_parameters.original_max_position_embeddings, toolkit/families/mistral4.py);
     # None: no such bound
     exact_seq_len: int | None = None
+    # Llama 4's use_qk_norm: a weightless L2 (RMS) norm of each query and key head on the layers with RoPE
+    # (megatron-core's L2Norm, toolkit/layers.py; toolkit/families/llama4.py)
+    qk_l2_norm: bool = False
 
     @property
     def q_lora(self) -> bool:
@@ -139,6 +147,27 @@ class ModelSpec:
                 "q_heads": heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]),
                 "kv_up": heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), "v_size": heads * m["v_head_dim"]}
 
+    @property
+    def is_dense(self) -> bool:
+        return not self.is_moe
+
+    @property
+    def global_k_eq_v(self) -> bool:
+        """Gemma 4's global layers take their values from the key projection (no v_proj)."""
+        return bool(self.global_attention) and self.global_attention["k_eq_v"]
+
+    @property
+    def global_own_v(self) -> bool:
+        """Gemma 4's global layers with a v_proj of their own."""
+        return bool(self.global_attention) and not self.global_attention["k_eq_v"]
+
+    def _global_sizes(self) -> dict:
+        if not self.global_attention:
+            return {}
+        g = self.global_attention
+        return {"g_head_dim": g["head_dim"], "g_q_size": self.num_heads * g["head_dim"],
+                "g_kv_size": g["kv_heads"] * g["head_dim"]}
+
     def _linear_sizes(self) -> dict:
         if not self.linear_attention:
             return {}
@@ -166,6 +195,7 @@ class ModelSpec:
             "one": 1,
             **self._mla_sizes(),
             **self._linear_sizes(),
+            **self._global_sizes(),
         }[symbol]
 
     def expert_tp(self, tp: int) -> int:
@@ -219,6 +249,8 @@ def _rope(cfg: dict, family: Family) -> dict:
             f"(supported: {', '.join(family.rope_types)}); refusing to convert approximately{why}"
         )
     if rope_type == "default":
+        return {"rope_theta": float(theta)}
+    if rope_type == "proportional":  # Gemma 4's global layers: the family reads the rest (toolkit/families/gemma4.py)
         return {"rope_theta": float(theta)}
     if rope_type == "linear":
         return {"rope_theta": float(theta), "rope_linear_factor": _linear_factor(params, source)}
@@ -278,7 +310,8 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     hidden = _count(cfg, "hidden_size")
     heads = _count(cfg, "num_attention_heads")
     window = cfg.get(family.window_key) if family.window_key else None
-    moe = read_moe(cfg, family.name, family.router) if family.router else None
+    moe = (read_moe(cfg, family.name, family.router)
+           if family.router and (family.router.when is None or cfg.get(family.router.when)) else None)
     fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
     spec = ModelSpec(
         family=family.name,

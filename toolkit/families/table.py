@@ -114,13 +114,18 @@ def layer_kind(moe_layers: str | None, layer: int) -> str:
     return DENSE_LAYER if moe_layers is not None and moe_layers[layer] == "0" else MOE_LAYER
 
 
-LINEAR_ATTENTION, FULL_ATTENTION = "linear", "full"
+LINEAR_ATTENTION, FULL_ATTENTION, GLOBAL_ATTENTION = "linear", "full", "global"
+# ModelSpec.linear_layers' letter for an attention layer with head sizes of its own (Gemma 4's global layers)
+GLOBAL_LAYER = "2"
 
 
 def attention_kind(linear_layers: str | None, layer: int) -> str:
     """`linear_layers`: per layer "1" for a gated delta net (linear attention) layer, "0" for attention
-    (megatron-core's linear_attention_freq as a list); None: attention everywhere."""
-    return LINEAR_ATTENTION if linear_layers is not None and linear_layers[layer] == "1" else FULL_ATTENTION
+    (megatron-core's linear_attention_freq as a list), "2" for an attention layer with head sizes of its
+    own (Gemma 4's global layers beside its sliding "0" ones: toolkit/families/gemma4.py); None:
+    attention everywhere."""
+    kind = linear_layers[layer] if linear_layers is not None else "0"
+    return LINEAR_ATTENTION if kind == "1" else GLOBAL_ATTENTION if kind == GLOBAL_LAYER else FULL_ATTENTION
 
 
 OUTPUT_LAYER = "output_layer.weight"
@@ -135,9 +140,14 @@ class CustomLayer:
     pre_norms: bool = True  # a norm before attention and before the MLP (input_layernorm, pre_mlp_layernorm)
     post_norms: bool = False  # a norm on the attention output and on the MLP output, before the residual add
     # "head": one RMSNorm per head on q and k (megatron-core's qk_layernorm); "projection": one
-    # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together
+    # RMSNorm over the whole q and the whole k projection, all heads (across TP ranks) together; "l2_rope":
+    # megatron-core's weightless L2Norm per head on the layers with RoPE, where ModelSpec.qk_l2_norm (Llama 4)
     qk_norm: str | None = None
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
+    # Gemma 4: global layers (ModelSpec.linear_layers "2") with their own head size, KV heads and RoPE,
+    # keys as values there where attention_k_eq_v, a scale-free RMSNorm on the values, the layer's output
+    # times its stored layer_scalar (toolkit/layers.py Gemma4SelfAttention, ScaledTransformerLayer)
+    gemma4: bool = False
 
 
 # FusedExperts.layout: how a layer's fused gate_up and down tensors hold each expert's weights
@@ -148,20 +158,17 @@ FUSED_INTERLEAVED = "interleaved"
 # gate and up as halves (`.chunk(2, dim=-1)` of the output: gate = rows [:ffn], up = rows [ffn:]);
 # down [experts, hidden, ffn]
 FUSED_HALVES = "halves"
-# Qwen3-VL-MoE's published files: x @ W as gpt-oss, gate_up [experts, hidden, 2 x ffn] with gate and up as
-# halves of the last dimension (gate = [..., :ffn]), down [experts, ffn, hidden]; no biases. transformers'
-# qwen3_vl_moe conversion mapping (Transpose(1, 2, check_dims=True)) reads each tensor transposed unless its
-# shape already is the module's [experts, 2 x ffn, hidden] / [experts, hidden, ffn] (FUSED_HALVES), which its
-# save_pretrained writes: read so too, each tensor by the same rule; written in the published layout
-FUSED_HALVES_XW = "halves_xw"
-FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES, FUSED_HALVES_XW)
+# Llama 4 (Llama4TextExperts, torch.bmm(x, W)): gate_up [experts, hidden, 2 x ffn], gate and up as halves of the
+# last dimension (`gate_up.chunk(2, dim=-1)`: gate = [..., :ffn], up = [..., ffn:]); down [experts, ffn, hidden]
+FUSED_HALVES_X_AT_W = "halves_x_at_w"
+FUSED_LAYOUTS = (FUSED_INTERLEAVED, FUSED_HALVES, FUSED_HALVES_X_AT_W)
 
 
 @dataclass(frozen=True)
 class FusedExperts:
     """HF tensors holding every expert of a layer at once: `gate_up` and `down` laid out as `layout` says
     (FUSED_INTERLEAVED, as gpt-oss stores them; FUSED_HALVES, as transformers 5's Qwen3_5MoeExperts holds
-    them), with biases where the family has them ([experts, 2 x ffn], gate and up as the weight's, and
+    them; FUSED_HALVES_X_AT_W, as Llama4TextExperts does), with biases where the family has them ([experts, 2 x ffn], gate and up as the weight's, and
     [experts, hidden]). With `mxfp4`, the weights may be MXFP4: `<name>_blocks` [experts, out, in / 32, 16]
     and `<name>_scales` [experts, out, in / 32] (toolkit/convert/fused_experts.py). The family's rows
     name each expert's tensors under `per_expert` (`*` the layer, `#` the expert) as gate_proj / up_proj /
@@ -179,6 +186,10 @@ class FusedExperts:
     # The export writes the experts fused (gpt-oss: transformers reads no other form), or per expert as
     # transformers' own save_pretrained writes them (Qwen3.5-MoE: its conversion mapping reversed)
     export_fused: bool = True
+    # Each fused tensor read transposed unless its shape already is the module's ([experts, 2 x ffn, hidden] /
+    # [experts, hidden, ffn], the config's hidden_size and moe_intermediate_size), as transformers'
+    # Transpose(check_dims=True) reads them (Qwen3-VL-MoE: published x @ W, its own save nn.Linear's)
+    either_orientation: bool = False
 
     def __post_init__(self):
         if self.layout not in FUSED_LAYOUTS:
@@ -197,8 +208,8 @@ class FusedExperts:
 
     @property
     def transposed(self) -> bool:
-        """The weights stored for x @ W ([experts, in, out]: gpt-oss's bf16, Qwen3-VL-MoE's); else [out, in] as nn.Linear."""
-        return self.layout in (FUSED_INTERLEAVED, FUSED_HALVES_XW)
+        """Weights stored [in, out] (applied as x @ W: gpt-oss, Llama 4); else [out, in] as nn.Linear."""
+        return self.layout in (FUSED_INTERLEAVED, FUSED_HALVES_X_AT_W)
 
 
 @dataclass(frozen=True)

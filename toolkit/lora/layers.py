@@ -59,6 +59,9 @@ class LoraLinear(torch.nn.Module):
         post_norm = getattr(self.base, "post_layernorm", None)
         if post_norm is not None:  # Gemma 3 / OLMo 2 (toolkit/layers.py): the delta enters before the norm
             return post_norm(self.add_delta(self.base.forward_before_norm(x), self.dropout(x))), None
+        if getattr(self.base, "keys_as_values", False):  # Gemma 4's global linear_qkv: the delta on [q; k], then v = k
+            out, bias = self.base.forward_qk(x, *args, **kwargs)
+            return self.base.repeat_keys(self.add_delta(out, self.dropout(x))), bias
         out, bias = self.base(x, *args, **kwargs)
         return self.add_delta(out, self.dropout(x)), bias
 

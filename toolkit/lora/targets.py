@@ -24,7 +24,7 @@ COLUMN, ROW = "column", "row"
 # one GatedDeltaNet.in_proj, A whole, B's rows on the rows of in_proj the split gives that tensor (per TP rank
 # its chunk of q, k, v, z, beta, alpha).
 _COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP, Split.GATED_QKV,
-                  Split.GDN_IN_PROJ, Split.GDN_IN_PROJ_CAT)
+                  Split.GDN_IN_PROJ, Split.GDN_IN_PROJ_CAT, Split.GLOBAL_QKV, Split.GLOBAL_QK)  # GLOBAL_*: Gemma 4's global layers
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,9 @@ def available(family: Family, spec: ModelSpec) -> list[str]:
 
 def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_none: bool = False) -> list[LinearTargets]:
     """The linears to wrap and their chosen parts; refuses a name the family does not have."""
+    if family.layer is not None and family.layer.gemma4 and spec.is_moe:
+        raise AdapterError(f"LoRA on {family.name} with enable_moe_block is not supported yet: its experts are fused "
+                           "[gate; up] halves and a dense MLP sits beside them; fine-tune it in full (no peft section)")
     names = available(family, spec)
     wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
     router = sorted(wanted & router_names(family))

@@ -71,6 +71,9 @@ class Shape:
     act_bytes: int
     sequence_parallel: bool = False
     cp: int = 1  # context parallelism: this rank holds seq / CP of each sequence
+    # bytes per element of the inputs the linears keep for backward, where not act_bytes: 1 under
+    # precision=fp8 on Transformer Engine, which keeps them quantized (toolkit.memory.estimate.FP8_BYTES)
+    linear_input_bytes: int | None = None
 
     @property
     def local_seq(self) -> int:
@@ -164,7 +167,7 @@ def _linear_inputs(spec: ModelSpec, shape: Shape) -> int:
     """Inputs kept by linear_qkv and linear_fc1 (the norm outputs), linear_proj and linear_fc2."""
     q, f = spec.num_heads * spec.head_dim, 0 if spec.is_moe else spec.ffn_hidden_size  # MoE: in _moe
     sharded = shape.tokens * (q + f) // shape.tp
-    return shape.act_bytes * (2 * shape.hidden_tokens(spec) + sharded)
+    return (shape.linear_input_bytes or shape.act_bytes) * (2 * shape.hidden_tokens(spec) + sharded)
 
 
 def _attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:

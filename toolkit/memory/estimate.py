@@ -24,7 +24,14 @@ from toolkit.memory.states import ModelStates, ZeroSettings, combined, frozen_st
 from toolkit.units import size
 
 GIB = 1 << 30
-WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # fp8: bf16 weights (FP8 copies: fp8_extra_bytes)
+# precision=fp8, as each spec keeps it. Transformer Engine (the GPU profile) keeps the inputs of its FP8
+# linears for the weight-gradient GEMM in FP8, and caches each FP8 weight's quantized data across the
+# micro-batches of a step in both layouts its GEMMs read, row-wise and column-wise (Float8Tensor /
+# MXFP8Tensor usages; block scales, 1/32 or 1/128 of that, left out). The local spec (torchao,
+# toolkit/fp8/local.py) keeps bf16 inputs and quantizes each weight at its GEMM, one at a time: bf16's figures.
+FP8_BYTES = 1
+FP8_WEIGHT_LAYOUTS = 2
 # CUDA context, cuBLAS workspaces and NCCL communicator buffers on each GPU. An assumption for
 # planning (typically 1-3 GiB on H100/A100 with NCCL), not measured here; 0 on CPU.
 RUNTIME_RESERVE_BYTES = 2 * GIB
@@ -121,6 +128,7 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
                           f"divisible by 2 x CP")
     check_ep(spec, setup, ep, lora)
     check_fsdp(spec, setup, dp_engine, lora, ep)
+    check_fp8(setup, lora, dp_engine)
     if recompute not in act.RECOMPUTE:
         raise ValueError(f"recompute must be one of {act.RECOMPUTE}")
     if sequence_parallel and setup.tp == 1:
@@ -131,7 +139,7 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
     reserve = (RUNTIME_RESERVE_BYTES if kernels is GPU else 0) if reserve is None else reserve
     kernels = act.local_kernels_for(spec, kernels)  # multi-latent attention: the local spec on a GPU too
     shape = Shape(seq_len, setup.micro_batch * (2 if dpo else 1), setup.tp, WEIGHT_BYTES[setup.precision], sequence_parallel,
-                  cp)
+                  cp, FP8_BYTES if te_fp8(setup, kernels) else None)
     stages = tuple(_stage(spec, setup, zero, shape, kernels, recompute, s, reserve, lora, ep, dp_engine)
                    for s in range(setup.pp))
     if dpo:
@@ -142,6 +150,12 @@ def estimate(spec: ModelSpec, setup: Setup, seq_len: int, recompute: str = "none
 
 
 DP_ENGINES = ("deepspeed", "fsdp")
+
+
+def check_fp8(setup: Setup, lora: LoraShape | None, dp_engine: str) -> None:
+    """What the recipe refuses with precision=fp8 (toolkit.train.config._validate_fp8)."""
+    if setup.precision == "fp8" and (lora is not None or dp_engine == "fsdp"):
+        raise ConfigError(f"precision=fp8 with {'LoRA' if lora is not None else 'FSDP'} is not supported yet; use bf16")
 
 
 def check_fsdp(spec: ModelSpec, setup: Setup, dp_engine: str, lora: LoraShape | None, ep: int) -> None:
@@ -245,7 +259,8 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
         final -= shape.act_bytes * shape.hidden_tokens(spec)  # the frozen output layer keeps no input
     activations = _stage_activations(setup, stage, layers, layer, act.first_stage_bytes(shape), final)
     temporaries = (working_set + act.attention_buffer(spec, shape, kernels) + act.dispatcher_buffers(spec, shape)
-                   + last * act.logits_temporary(shape, padded_vocab) + stage_buffer_bytes(spec, setup.pp, stage))
+                   + last * act.logits_temporary(shape, padded_vocab) + stage_buffer_bytes(spec, setup.pp, stage)
+                   + fp8_weight_copies(spec, setup, kernels, stage, ep))
     if dp_engine == "fsdp":
         layer_numel, root_numel = fsdp_layer_numels(spec, setup.tp)
         states = fsdp_states(stage_param_numels(spec, setup.tp, 1, 0), (layer_numel,), root_numel,
@@ -253,6 +268,18 @@ def _stage(spec, setup, zero, shape, kernels, recompute, stage, reserve, lora, e
     else:
         states = _states(spec, setup, zero, stage, lora, ep)
     return StageMemory(stage, states, activations, temporaries, reserve)
+
+
+def te_fp8(setup: Setup, kernels) -> bool:
+    """precision=fp8 on Transformer Engine's kernels (the GPU profile); the local spec's FP8 is priced as bf16."""
+    return setup.precision == "fp8" and kernels.flash_attention
+
+
+def fp8_weight_copies(spec, setup: Setup, kernels, stage: int, ep: int) -> int:
+    """Transformer Engine's FP8 copies of this rank's decoder linear weights (FP8_WEIGHT_LAYOUTS)."""
+    if not te_fp8(setup, kernels):
+        return 0
+    return FP8_WEIGHT_LAYOUTS * FP8_BYTES * sum(stage_param_numels(spec, setup.tp, setup.pp, stage, ep, "fp8_linears"))
 
 
 def _states(spec, setup, zero, stage, lora, ep: int = 1) -> ModelStates:

@@ -13,7 +13,9 @@ from toolkit.layouts import Layout
 
 EMBEDDING_PREFIX = "embedding."
 LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
-PARTS = ("all", "dense", "experts")
+# fp8_linears: the decoder layers' linear weights, the routed experts' included, that Transformer Engine
+# runs in FP8 (the router, norms, embedding and output layer stay bf16: toolkit/fp8/local.py says why)
+PARTS = ("all", "dense", "experts", "fp8_linears")
 FP32_BYTES = 4
 # megatron-core keeps local_tokens_per_expert beside each expert_bias, of its size and dtype
 ROUTER_BUFFERS_PER_BIAS = 2
@@ -25,7 +27,7 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
     """Element count of every parameter tensor on one TP (and EP) rank of pipeline stage `stage`;
     an expert row gives one tensor per local expert (num_experts / ep of them). `part`: "all",
     "experts" (the routed experts, which ZeRO partitions over the expert-data-parallel group) or
-    "dense" (everything else, the router included, partitioned over all of DP)."""
+    "dense" (everything else, the router included, partitioned over all of DP) or "fp8_linears"."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}")
     family = family_named(spec.family)
@@ -33,7 +35,7 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
     first, last = stage == 0, stage == pp - 1
     numels: list[int] = []
     for row in family.rows_for(spec):
-        if row.is_buffer or part != "all" and row.per_expert != (part == "experts"):
+        if row.is_buffer or not _in_part(row, part):
             continue
         numel = sum(math.prod(padded_vocab if s == "vocab" else spec.size_of(s) for s in shape) for shape in row.shapes)
         if row.split.over_tp:
@@ -48,6 +50,12 @@ def stage_param_numels(spec: ModelSpec, tp: int, pp: int, stage: int, ep: int = 
         elif row.megatron.startswith(LAST_STAGE_PREFIXES):
             numels += [numel] * last
     return tuple(numels)
+
+
+def _in_part(row, part: str) -> bool:
+    if part == "fp8_linears":
+        return row.per_layer and ".linear_" in row.megatron and row.megatron.rsplit(".", 1)[-1] == "weight"
+    return part == "all" or row.per_expert == (part == "experts")
 
 
 def stage_active_numel(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:

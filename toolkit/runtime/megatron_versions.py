@@ -48,6 +48,10 @@ CHANGES = (
      "GPTModel kept for the transformer families while it is supported (RELEASE_NOTICES; docs/megatron_versions.md)"),
     ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",
      "not called: the toolkit builds TorchDistSaveShardedStrategy itself"),
+    ("0.19.2", "ColumnParallelLinear / RowParallelLinear pass gtp_remat_size to _forward_impl (1 unless a "
+     "gtp_remat process group shards the weight further; read in 0.19.2, absent in 0.16.1)",
+     "check_linear_forward_arguments(): toolkit/fp8/local.py's FP8 forward takes it at 1 and refuses "
+     "another value, or an argument no supported release passes"),
 )
 
 # Transformer Engine releases each megatron-core series was built and tested with: 0.16.1's `dev`
@@ -130,6 +134,24 @@ def mla_qk_norm_resolver():
     from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
 
     return QKNormConfigResolver
+
+
+# Keyword arguments megatron-core's linears pass to _forward_impl beyond 0.16.1's, with the value under
+# which the toolkit's FP8 forward (toolkit/fp8/local.py) computes what megatron-core's would.
+LINEAR_FORWARD_LATER = {"gtp_remat_size": 1}  # 0.19.2
+
+
+def check_linear_forward_arguments(later: dict) -> None:
+    """Refuse a linear's _forward_impl argument that the FP8 forward would silently ignore."""
+    from toolkit.errors import ConfigError
+
+    for name, value in later.items():
+        if name not in LINEAR_FORWARD_LATER:
+            raise ConfigError(f"megatron-core {installed()} passes {name}={value!r} to a linear's _forward_impl, "
+                                      "which toolkit/fp8/local.py does not know: it would compute another GEMM")
+        if value != LINEAR_FORWARD_LATER[name]:
+            raise ConfigError(f"{name}={value!r} (megatron-core {installed()}): the FP8 forward on the local "
+                                      f"spec takes {name}={LINEAR_FORWARD_LATER[name]} only")
 
 
 def te_version() -> Version | None:

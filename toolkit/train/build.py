@@ -18,7 +18,8 @@ from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
 from toolkit.train.data import BatchSource, Row
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# precision=fp8 builds the model in bf16: FP8 is the decoder GEMMs' (toolkit.fp8), not the weights'.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 # torch's AdamW (foreach kernels on a GPU) rather than DeepSpeed's FusedAdam, which deepspeed.initialize
 # JIT-builds and which needs nvcc and CUDA_HOME on the node (MissingCUDAException otherwise).
 # benchmarks/finetune_bench.py's HF + DeepSpeed baseline uses the same.
@@ -46,7 +47,35 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
     if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] == "te":
         raise ConfigError("packing is not supported on the Transformer Engine path: it needs per-document cu_seqlens, "
                           "which this trainer does not build, and TE would silently ignore the document mask; set data.pack=false")
+    check_fp8(cfg, spec)
     return meta
+
+
+def fp8_line(cfg: TrainConfig, spec) -> str:
+    """What precision=fp8 runs, in one line for the log."""
+    layer_spec = model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0]
+    ends = ", the first and last decoder layers in bf16" if cfg.fp8.first_last_bf16 else ""
+    if layer_spec == "te":
+        return f"fp8: recipe {cfg.fp8.recipe}, Transformer Engine's (megatron-core's fp8_recipe){ends}"
+    return (f"fp8: recipe {cfg.fp8.recipe}, torchao's FP8 GEMMs in the decoder layers' linears{ends}; the embedding, "
+            "output layer, router and experts in bf16 (toolkit/fp8/local.py)")
+
+
+def check_fp8(cfg: TrainConfig, spec) -> None:
+    """precision=fp8's recipe against this machine and the layer spec it runs (toolkit.fp8.recipes)."""
+    if cfg.precision != "fp8":
+        return
+    from toolkit.fp8 import recipes
+
+    layer_spec, why = model_builder.layer_spec_choice(cfg.peft.enabled, spec)
+    problem = recipes.refusal(cfg.fp8, recipes.this_device(layer_spec, why))
+    if problem:
+        raise ConfigError(problem)
+    if spec.is_moe and layer_spec == "te" and cfg.moe.dispatcher == "allgather":
+        # transformer_config.py: moe_router_padding_for_quantization refuses the allgather dispatcher
+        raise ConfigError("precision=fp8 with moe.dispatcher=allgather on the Transformer Engine spec is not supported: "
+                          "megatron-core pads each expert's tokens to FP8's GEMM multiple with the alltoall dispatcher "
+                          "only; use moe.dispatcher=alltoall")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -207,6 +236,12 @@ def model_config(spec, cfg: TrainConfig, layout: Layout, layer_spec: str):
         settings.update(moe_token_dispatcher_type=cfg.moe.dispatcher)
         if cfg.moe.router_dtype:  # otherwise the family's: fp32 where HF routes in fp32 (the sigmoid routers)
             settings.update(moe_router_dtype=cfg.moe.router_dtype)
+    if cfg.precision == "fp8" and layer_spec == "te":  # TE's FP8 through megatron-core's own fields
+        from toolkit.fp8.recipes import te_fields
+
+        settings.update(te_fields(cfg.fp8))
+        if spec.is_moe:  # each expert's tokens padded to FP8's GEMM multiple (megatron-core's moe_utils / dispatcher)
+            settings.update(moe_router_padding_for_quantization=True)
     config = transformer_config(spec, layout, dtype, aux_loss, layer_spec, sequence_parallel=cfg.parallel.sequence_parallel,
                                 **settings)
     return config, aux_loss
@@ -226,6 +261,11 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
         model = virtual.VirtualStages(build_gpt_model(spec, layout, dtype, config=config, layer_spec=layer_spec, vp_stage=v)
                                       for v in range(cfg.parallel.vpp))
     load_converted(virtual.chunks(model), cfg.model.checkpoint, meta=meta)  # read and checked in `prepare`
+    if cfg.precision == "fp8" and layer_spec == "local":  # torchao's FP8 GEMMs in megatron-core's linears
+        from toolkit.fp8.local import apply_fp8
+
+        apply_fp8(virtual.chunks(model), cfg.fp8.recipe, cfg.fp8.first_last_bf16, spec.num_layers,
+                  pad_inner_dim=torch.cuda.is_available())
     return model, layout
 
 

@@ -182,6 +182,24 @@ class LossScaleConfig:
 
 
 @dataclass
+class Fp8Config:
+    """precision=fp8 (toolkit.fp8; docs/guide/precision.md): the decoder layers' GEMMs in FP8, the
+    weights in bf16 and DeepSpeed's fp32 masters and optimizer as with bf16."""
+
+    # Transformer Engine's (GPUs with TE; megatron-core's fp8_recipe): tensorwise (current scaling),
+    # delayed, blockwise (Hopper and later), mxfp8 (Blackwell). torchao's on the local spec (CPU, GPUs
+    # without TE): tensorwise and rowwise.
+    recipe: Literal["tensorwise", "rowwise", "delayed", "blockwise", "mxfp8"] = "tensorwise"
+    first_last_bf16: bool = False  # the first and last decoder layers in bf16, as Megatron-Bridge's current-scaling recipe
+    amax_history_len: PositiveInt = 1024  # recipe=delayed: amaxes kept per tensor (Megatron-Bridge's delayed recipe)
+    amax_compute_algo: Literal["max", "most_recent"] = "max"  # recipe=delayed: the scale from the history's max or its last
+    margin: Count = 0  # recipe=delayed: scales lowered by 2**margin
+    # the weights kept in FP8 (megatron-core's fp8_param, TE spec), so that their all-gathers move FP8;
+    # off, as in megatron-core, and refused for now: DeepSpeed's ZeRO keeps bf16 weights
+    param_gather: bool = False
+
+
+@dataclass
 class DpoConfig:
     """Preference fine-tuning (method: dpo; toolkit.train.preference): TRL's DPOTrainer losses."""
 
@@ -205,7 +223,9 @@ class TrainConfig:
     # against a frozen reference (the starting weights, or the base with the LoRA adapter disabled)
     method: Literal["sft", "dpo"] = "sft"
     dpo: DpoConfig = field(default_factory=DpoConfig)
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"  # training precision (fp32 master weights with bf16/fp16)
+    # training precision (fp32 master weights with bf16/fp16/fp8); fp8: bf16 weights, FP8 GEMMs (fp8.*)
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 only
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # fp16 only
     micro_batch: PositiveInt = 1  # sequences (method=dpo: pairs, two sequences each) per forward on one DP rank
     global_batch: PositiveInt = 8  # sequences (method=dpo: pairs) per optimizer step, over every micro-batch and DP rank
@@ -224,9 +244,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+FP8_WITH_FP16 = ("FP8 with fp16 is not supported: FP8 trains on bf16 weights with fp32 masters (TE's and torchao's "
+                 "recipes are bf16 ones; fp16's loss scaling is not wired with FP8); use precision=fp8")
 # Values refused on purpose get the reason, not only the list of choices.
 REFUSED_CHOICES = {
     "bf16,fp16": "fp16 and bf16 cannot both be enabled (DeepSpeed asserts); choose one precision",
+    "fp16,fp8": FP8_WITH_FP16,
 }
 
 
@@ -406,6 +429,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_virtual_pipeline(cfg)
     _validate_fsdp(cfg)
     _validate_overlap(cfg)
+    _validate_fp8(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above optim.lr {cfg.optim.lr:g}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_dir():
@@ -529,6 +553,29 @@ def _validate_fsdp(cfg: TrainConfig) -> None:
     if cfg.peft.enabled:
         raise ConfigError("parallel.dp_engine=fsdp with peft.enabled is not supported: the LoRA adapter is "
                           "trained under DeepSpeed only")
+
+
+def _validate_fp8(cfg: TrainConfig) -> None:
+    """The FP8 rules that need no device (those that do: toolkit.fp8.recipes.refusal)."""
+    if cfg.precision != "fp8":
+        if cfg.fp8 != Fp8Config():
+            changed = [f"fp8.{f.name}" for f in dataclasses.fields(Fp8Config)
+                       if getattr(cfg.fp8, f.name) != getattr(Fp8Config(), f.name)]
+            raise ConfigError(FP8_WITH_FP16 if cfg.precision == "fp16" else
+                              f"{', '.join(changed)} given with precision={cfg.precision}: set precision=fp8 to train in FP8")
+        return
+    if cfg.fp8.first_last_bf16 and cfg.fp8.recipe == "delayed":
+        raise ConfigError("fp8.first_last_bf16 with fp8.recipe=delayed is not supported (megatron-core refuses it: "
+                          "delayed scaling keeps one amax history for every layer); use fp8.recipe=tensorwise")
+    if cfg.fp8.param_gather:
+        raise ConfigError("fp8.param_gather=true is not supported yet: megatron-core's fp8_param makes the weights "
+                          "Transformer Engine FP8 tensors, made for megatron-core's distributed optimizer; DeepSpeed's "
+                          "ZeRO flattens or partitions bf16 weights and copies its fp32 masters into them; leave it false")
+    for given, what in ((cfg.peft.enabled, "peft.enabled (LoRA's adapters are not FP8 linears)"),
+                        (cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp (FSDP's fp32 masters and its "
+                                                           "casts are not wired with FP8)")):
+        if given:
+            raise ConfigError(f"precision=fp8 with {what} is not supported yet; use precision=bf16")
 
 
 def _validate_overlap(cfg: TrainConfig) -> None:

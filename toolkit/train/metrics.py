@@ -27,6 +27,9 @@ def peak_tflops(override: float | None, precision: str = "bf16") -> tuple[float,
 
     if override:
         return override, "given"
+    # precision=fp8: MFU against the bf16 peak (as torchtitan reports it), so that an FP8 run and a bf16
+    # run of the same model compare; only the decoder GEMMs run in FP8
+    precision = "bf16" if precision == "fp8" else precision
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         peak = gpu_peak(name)
