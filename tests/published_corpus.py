@@ -82,6 +82,9 @@ def shrink(published: dict) -> tuple[dict, dict]:
     if isinstance(cfg.get("rotary_dim"), int) and isinstance(cfg.get("head_dim"), int):
         # MiniMax-M2's legacy partial RoPE: the same share of the smaller head (64 of 128 -> 8 of 16)
         new["rotary_dim"] = cfg["rotary_dim"] * SIZES["head_dim"] // cfg["head_dim"]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("mrope_section") and not rope.get("mrope_interleaved"):
+        new.pop("head_dim", None)  # GLM-4.5V's consecutive MRoPE sections count the head's frequencies: kept whole
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
     _shrink_rope_factors(cfg, original)

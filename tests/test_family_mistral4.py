@@ -85,21 +85,6 @@ def test_what_megatron_core_computes_otherwise_is_refused_in_one_line(tmp_path):
                   "is not read")
 
 
-def test_a_mistral3_wrapper_around_ministral3_is_refused_as_ministral3_in_one_line(tmp_path):
-    """The wrapper route reads any mistral3 checkpoint's text_config: Ministral 3's (as its published checkpoints are)
-    is refused with Ministral 3's reason (tests/test_families_refused.py), nothing written."""
-    import transformers
-
-    text = transformers.Ministral3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=16, vocab_size=101)
-    config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=transformers.PixtralVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=32,
-        patch_size=8).to_dict(), tie_word_embeddings=False)
-    src = tmp_path / "ministral3"
-    transformers.Mistral3ForConditionalGeneration(config).save_pretrained(src)
-    convert_fails(src, tmp_path / "out", "^[^\n]*model_type 'ministral3' is not supported: Ministral 3 scales each query")
-
-
 def test_training_past_the_exact_length_is_refused_in_one_line(tiny_mistral4, tmp_path):
     """The recipe refuses data.seq_len past original_max_position_embeddings (64 here, 8192 as published), where
     HF's Llama-4 query scale leaves 1, and `verify` a --seq-len past it, each in one line; at the bound it starts."""

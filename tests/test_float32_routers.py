@@ -96,6 +96,18 @@ def test_the_rows_flagged_float32_cover_what_the_installed_class_keeps_in_float3
         assert len(published) == len(PUBLISHED_FLOAT32.get(family.name, ())), family.name
         if _installed_release() == "5.24":
             assert kept_rows == flagged - published, family.name
+    # Language models that exist only inside their wrappers (no causal-LM class): what the wrapper keeps in float32
+    # (GLM-4.5V's router weight and expert bias; nothing in Qwen3-VL's) is what the family flags
+    for name, wrapper in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                          ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
+                          ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+        family = next(f for f in FAMILIES if f.name == name)
+        patterns = getattr(transformers, wrapper)._keep_in_fp32_modules_strict or ()
+        flagged = [r.hf[0] for r in family.rows if r.kept_in_float32]
+        assert all(any(f.endswith(p) for f in flagged) for p in patterns), (wrapper, patterns)
+        if _installed_release() == "5.24":
+            assert all(any(f.endswith(p) for p in patterns) for f in flagged), (name, flagged)
+        checked.add(name)
     assert checked == {f.name for f in FAMILIES}
 
 

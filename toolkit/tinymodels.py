@@ -186,6 +186,15 @@ MISTRAL4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, in
                                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 
+# Ministral 3 as published in kind: GQA 2 of 4 heads of an explicit head_dim 24 (not hidden / heads = 16), YaRN
+# (factor 4 over 64 original positions, mscale = mscale_all_dim = 1 as published) with the Llama-4 query scale (beta
+# 0.1, exactly 1 below those 64, past the test sequences); weights of std 0.1 sharpen attention so that the YaRN
+# frequencies matter on them.
+MINISTRAL3 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=251, max_position_embeddings=256,
+                  initializer_range=0.1,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
 # Gemma 4 with every feature the published 31B / 26B-A4B use on: sliding layers (window 8, shorter than the
 # test sequences; 4 KV heads of 16, GQA 2, RoPE base 1e4) between global ones with their own head size and KV
 # heads (2 of 32, GQA 4) whose keys are their values (attention_k_eq_v) and whose proportional RoPE turns a
@@ -275,6 +284,7 @@ VARIANTS = {
     "gemma4-moe": ("Gemma4TextConfig", GEMMA4_MOE),
     "mistral4": ("Mistral4Config", MISTRAL4),
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
+    "ministral3": ("Ministral3Config", MINISTRAL3),
     "llama4": ("Llama4TextConfig", LLAMA4),
 }
 
@@ -454,20 +464,126 @@ PIXTRAL_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       image_size=32, patch_size=8)
 
 
-def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+def make_tiny_mistral3_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0,
+                                  text_variant: str = "mistral4", **text_overrides) -> Path:
     """Mistral Small 4 as published (Mistral3ForConditionalGeneration: the tiny `mistral4` text model under
     `language_model.model`, its untied head as `language_model.lm_head`, a Pixtral tower and projector beside
-    them), from transformers' own config classes; returns its directory."""
+    them), or Ministral 3 with `text_variant` "ministral3", from transformers' own config classes; returns its
+    directory."""
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 
-    text = make_config("mistral4", **text_overrides)
+    text = make_config(text_variant, **text_overrides)
     config = Mistral3Config(text_config=text.to_dict(), vision_config=PixtralVisionConfig(**PIXTRAL_VISION).to_dict(),
                             tie_word_embeddings=text.tie_word_embeddings)
     torch.manual_seed(seed)
     return _save_randomised(Mistral3ForConditionalGeneration(config), config.model_type, directory, dtype)
 
 
+# Qwen3-VL's language models: the tiny Qwen3 / Qwen3-MoE with an interleaved MRoPE whose sections [2, 2, 2] give the
+# H and W streams two of the 6 frequencies of head_dim 12 each (T keeps 0 and 3)
+QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 2, 2], "mrope_interleaved": True}
+QWEN3_VL = {**QWEN3, "rope_parameters": QWEN3_VL_ROPE}
+QWEN3_VL_MOE = {**{k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, "rope_parameters": QWEN3_VL_ROPE}
+# Qwen3-VL's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings,
+# its DeepStack mergers after that block
+QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                       num_position_embeddings=16, deepstack_visual_indexes=[0])
+
+
+def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, moe: bool = False,
+                                  as_saved: bool = False, **text_overrides) -> Path:
+    """Qwen3-VL as published (Qwen3VLForConditionalGeneration, or Qwen3VLMoeForConditionalGeneration with `moe`: the
+    tiny Qwen3 / Qwen3-MoE text model with MRoPE under `model.language_model`, `lm_head` beside it, a vision tower
+    under `model.visual`), from transformers' own config classes; returns its directory. The MoE experts are fused
+    as published (gate_up_proj [E, hidden, 2 x ffn], down_proj [E, ffn, hidden]: toolkit/families/qwen3_vl.py), or
+    with `as_saved` as transformers' save_pretrained writes them (the module's [E, 2 x ffn, hidden] / [E, hidden, ffn])."""
+    import torch
+    import transformers
+
+    name = "Qwen3VLMoe" if moe else "Qwen3VL"
+    text = {**BASE, **(QWEN3_VL_MOE if moe else QWEN3_VL), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            **text_overrides}
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config={**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"]},
+        tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    directory = _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
+                                 directory, dtype)
+    if moe and not as_saved:
+        from safetensors.torch import load_file, save_file
+
+        file = Path(directory) / "model.safetensors"
+        tensors = load_file(file)
+        for k in [k for k in tensors if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        save_file(tensors, file, metadata={"format": "pt"})
+    return directory
+
+
+# GLM-4.5V's language model: the tiny GLM-4.5 without q/k norms (its class has none), MRoPE sections [2, 1, 1] over
+# the 4 frequencies of its 8 rotated dimensions (H and W a frequency each)
+GLM4V_MOE = {**{k: v for k, v in GLM4_MOE.items() if k != "use_qk_norm"},
+             "rope_parameters": {**GLM4_MOE["rope_parameters"], "mrope_section": [2, 1, 1]}}
+# GLM-4.5V's vision tower as small as the class allows: one block of width 32, 2 x 2 patches of 14 pixels
+GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, image_size=28)
+
+
+def make_tiny_glm4v_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, glm46v: bool = False,
+                               **text_overrides) -> Path:
+    """GLM-4.5V as published (Glm4vMoeForConditionalGeneration), or GLM-4.6V with `glm46v` (Glm46VForConditionalGeneration
+    around the same glm4v_moe_text model): the tiny text model under `model.language_model`, `lm_head` beside it, a
+    vision tower under `model.visual`, from transformers' own config classes; returns its directory."""
+    import torch
+    import transformers
+
+    text = {**BASE, **GLM4V_MOE, "model_type": "glm4v_moe_text", "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, **text_overrides}
+    vision = {**GLM4V_VISION, "out_hidden_size": text["hidden_size"], "model_type": "glm4v_vision" if glm46v
+              else "glm4v_moe_vision"}
+    name = "Glm46V" if glm46v else "Glm4vMoe"
+    config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision,
+                                                     tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    return _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
+                            directory, dtype)
+
+
+# Kimi-K2.5's vision tower as small as the class allows: one layer of width 32, a 4 x 4 grid of position embeddings
+KIMI_K25_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                       pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+
+
+def make_tiny_kimi_k25_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, **text_overrides) -> Path:
+    """Kimi-K2.5 as published (Kimi_K25ForConditionalGeneration: the tiny DeepSeek-V3 text model under
+    `language_model.model.layers.*`, `language_model.lm_head` beside it, a vision tower and projector), its text_config's
+    model_type `kimi_k2` as published (Kimi_K25Config reads it as deepseek_v3), from transformers' own config classes;
+    returns its directory."""
+    import json
+
+    import torch
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = {**BASE, **DEEPSEEK_V3, "model_type": "kimi_k2", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            **text_overrides}
+    config = Kimi_K25Config(text_config=dict(text), vision_config=KIMI_K25_VISION, projection_hidden_size=32,
+                            tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    directory = _save_randomised(Kimi_K25ForConditionalGeneration(config), config.model_type, directory, dtype)
+    file = Path(directory) / "config.json"
+    saved = json.loads(file.read_text())
+    saved["text_config"]["model_type"] = "kimi_k2"
+    file.write_text(json.dumps(saved, indent=2) + "\n")
+    # transformers 5.24 reverses its unanchored `blocks` -> `layers` rename (meant for the vision tower) on save, so
+    # it writes the language model's layers as `language_model.model.blocks.*`; the published files (and its load,
+    # which renames them back) have `language_model.model.layers.*`
+    from safetensors.torch import load_file, save_file
+
+    weights = Path(directory) / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()},
+              weights, metadata={"format": "pt"})
+    return directory
 # Llama 4's vision tower as small as the class allows: one layer of width 32, 2 x 2 patches of 14 pixels
 LLAMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                      patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)

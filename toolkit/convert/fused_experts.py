@@ -62,6 +62,9 @@ class _Fused:
     gate_up_bias: str | None
     down_bias: str | None
     mxfp4: bool
+    # Stored for x @ W ([experts, in, out]); else [out, in] as nn.Linear (FusedExperts.either_orientation: per tensor, by shape)
+    gate_up_t: bool = False
+    down_t: bool = False
 
 
 class FusedExpertsView:
@@ -122,7 +125,20 @@ class FusedExpertsView:
         def bias(n):
             return None if n is None else self._name(layer, n)
 
-        return _Fused(weight(f.gate_up), weight(f.down), bias(f.gate_up_bias), bias(f.down_bias), mxfp4=mxfp4)
+        gate_up, down = weight(f.gate_up), weight(f.down)
+        gate_up_t = down_t = f.transposed and not mxfp4
+        if f.either_orientation and not mxfp4:  # as transformers' Transpose(check_dims): as stored iff the module's shape
+            gate_up_t, down_t = self._transposed(gate_up, "gate_up"), self._transposed(down, "down")
+        return _Fused(gate_up, down, bias(f.gate_up_bias), bias(f.down_bias), mxfp4=mxfp4, gate_up_t=gate_up_t,
+                      down_t=down_t)
+
+    def _transposed(self, name: str, which: str) -> bool:
+        """Whether a tensor of FusedExperts.either_orientation is stored for x @ W: not where its shape is the module's
+        ([experts, 2 x ffn, hidden] / [experts, hidden, ffn], the config's hidden_size and moe_intermediate_size)."""
+        shape = self.whole.shape(name)
+        hidden, ffn = self.config.get("hidden_size"), self.config.get("moe_intermediate_size")
+        module = (2 * ffn, hidden) if which == "gate_up" else (hidden, ffn)
+        return not (len(shape) == 3 and tuple(shape[1:]) == module)
 
     def _sizes(self, layer: int, where: _Fused) -> tuple[int, int, int]:
         """(experts, 2 x ffn, hidden) as the layer's fused gate_up holds them (its layout, or MXFP4's)."""
@@ -130,11 +146,11 @@ class FusedExpertsView:
         rank = 4 if where.mxfp4 else 3
         if len(shape) == rank:
             experts, a, b = shape[:3]
-            two_ffn, hidden = ((a, b * MXFP4_BLOCK) if where.mxfp4 else (b, a) if self.fused.transposed else (a, b))
+            two_ffn, hidden = ((a, b * MXFP4_BLOCK) if where.mxfp4 else (b, a) if where.gate_up_t else (a, b))
             if two_ffn % 2 == 0:
                 return experts, two_ffn, hidden
         laid = ("[experts, 2 x ffn, hidden / 32, 16] (MXFP4)" if where.mxfp4 else
-                "[experts, hidden, 2 x ffn]" if self.fused.transposed else "[experts, 2 x ffn, hidden]")
+                "[experts, hidden, 2 x ffn]" if where.gate_up_t else "[experts, 2 x ffn, hidden]")
         raise ConversionError(f"tensor {self._stored(where.gate_up)!r} has shape {list(shape)}; layer {layer}'s fused "
                               f"gate and up projections are {laid}, 2 x ffn even")
 
@@ -168,10 +184,9 @@ class FusedExpertsView:
                         where.gate_up.replace(BLOCKS, SCALES): (experts, two_ffn, hidden // MXFP4_BLOCK),
                         where.down: (experts, hidden, ffn // MXFP4_BLOCK, MXFP4_BLOCK // 2),
                         where.down.replace(BLOCKS, SCALES): (experts, hidden, ffn // MXFP4_BLOCK)}
-        elif self.fused.transposed:  # x @ W
-            expected = {where.gate_up: (experts, hidden, two_ffn), where.down: (experts, ffn, hidden)}
-        else:  # nn.functional.linear: [out, in]
-            expected = {where.gate_up: (experts, two_ffn, hidden), where.down: (experts, hidden, ffn)}
+        else:  # x @ W, or nn.functional.linear: [out, in]
+            expected = {where.gate_up: (experts, hidden, two_ffn) if where.gate_up_t else (experts, two_ffn, hidden),
+                        where.down: (experts, ffn, hidden) if where.down_t else (experts, hidden, ffn)}
         if where.gate_up_bias:
             expected[where.gate_up_bias] = (experts, two_ffn)
             expected[where.down_bias] = (experts, hidden)
@@ -197,13 +212,12 @@ class FusedExpertsView:
             bias = self._one(where.down_bias if part == DOWN else where.gate_up_bias, e, None)
             return bias if part == DOWN else self._gate_or_up(bias, part)
         # Stored [out, in] as nn.Linear where MXFP4 or in the halves layout; transposed (x @ W) in gpt-oss's bf16
-        # and in Llama 4's
-        transposed = self.fused.transposed and not where.mxfp4
+        # and Llama 4's, Qwen3-VL-MoE's (per tensor: FusedExperts.either_orientation)
         if part == DOWN:  # [hidden, ffn]
             down = self._one(where.down, e, where.mxfp4)
-            return down.T if transposed else down
+            return down.T if where.down_t else down
         gate_up = self._one(where.gate_up, e, where.mxfp4)  # [2 ffn, hidden] or transposed
-        return self._gate_or_up(gate_up.T if transposed else gate_up, part)
+        return self._gate_or_up(gate_up.T if where.gate_up_t else gate_up, part)
 
     def _gate_or_up(self, rows: torch.Tensor, part: str) -> torch.Tensor:
         """The gate's or the up projection's rows of a [2 ffn, ...] tensor: interleaved (gate at the even
@@ -280,7 +294,7 @@ def _fused_tensor(fused: FusedExperts, parts: dict[tuple[int, str], torch.Tensor
     """The fused HF tensor in `fused.layout`, filled expert by expert as each expert's tensors are let go."""
     down = (0, DOWN) in parts
     first = parts[(0, DOWN if down else GATE)]  # [hidden] / [ffn] biases, [hidden, ffn] / [ffn, hidden] weights
-    transposed = fused.transposed and not bias  # gpt-oss, Llama 4: x @ W; the halves layout as nn.Linear, [out, in]
+    transposed = fused.transposed and not bias  # gpt-oss, Llama 4, Qwen3-VL-MoE: x @ W; the halves layout as nn.Linear, [out, in]
     if bias:
         shape = (experts, first.shape[0] * (1 if down else 2))
     elif down:
@@ -297,7 +311,7 @@ def _fused_tensor(fused: FusedExperts, parts: dict[tuple[int, str], torch.Tensor
         gate, up = parts.pop((e, GATE)), parts.pop((e, UP))
         if transposed and fused.interleaved:  # [hidden, 2 ffn], interleaved: gate at the even places
             out[e, :, 0::2], out[e, :, 1::2] = gate.T, up.T
-        elif transposed:  # [hidden, 2 ffn] as [gate | up] halves (Llama 4)
+        elif transposed:  # [hidden, 2 ffn]: [gate | up] halves of the last dimension
             out[e] = torch.cat((gate, up)).T
         elif fused.interleaved:  # biases
             out[e, 0::2], out[e, 1::2] = gate, up

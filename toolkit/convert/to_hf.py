@@ -97,15 +97,15 @@ def _wrapper_files(wrapped, skip: set[str] = frozenset()) -> list[Path]:
                   and not f.name.endswith((".safetensors", ".safetensors.index.json")))
 
 
-def _hf_layout(ckpt: MegatronCheckpoint, transform):
+def _hf_layout(ckpt: MegatronCheckpoint, transform, fuse: bool = False):
     """(HF name, tensor) as HF stores them: `transform`ed, and experts fused per layer where the family
-    exports them so (FusedExperts.export_fused: gpt-oss; toolkit/convert/fused_experts.py), read one layer's
-    experts at a time."""
+    exports them so (FusedExperts.export_fused: gpt-oss; toolkit/convert/fused_experts.py) or `fuse` says (a
+    wrapper whose files hold them fused: Wrapper.experts_as_stored), read one layer's experts at a time."""
     def read(wanted=None):
         return ((n, t if transform is None else transform(n, t)) for n, t in ckpt.hf_tensors(wanted))
 
     fused = ckpt.family.fused_experts
-    if fused is None or not fused.export_fused:  # Qwen3.5-MoE: per expert, as transformers saves it
+    if fused is None or not (fused.export_fused or fuse):  # Qwen3.5-MoE: per expert, as transformers saves it
         return read()
     from toolkit.convert.fused_experts import fused_layers
 
@@ -146,7 +146,8 @@ def megatron_to_hf(
     with atomic_directory(out_dir, overwrite, needed_bytes=export_bytes(ckpt, dtype, wrapped)) as tmp:
         writer = SafetensorsShardWriter(tmp, max_shard_bytes)
         with progress_bar(None, "merging shards", progress) as bar:
-            for name, tensor in _hf_layout(ckpt, transform):
+            fuse = wrapped is not None and wrapped.wrapper.experts_as_stored and wrapped.holds_fused_experts
+            for name, tensor in _hf_layout(ckpt, transform, fuse):
                 writer.add(outer(name), cast(name, tensor))
                 bar.update(1)
             for name in [] if wrapped is None else wrapped.other_tensors():

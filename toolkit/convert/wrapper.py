@@ -46,6 +46,10 @@ class Wrapper:
     # where the file leaves it out), whatever its text_config says (Qwen3_5ForConditionalGeneration, whose save
     # writes text_config.tie_word_embeddings false beside a top-level true for a tied model)
     ties_at_top_level: bool = False
+    # The export into this wrapper writes the language model's experts fused where the wrapper's files hold them
+    # fused (Glm46VForConditionalGeneration: transformers 5.24 reads no per-expert tensors into it), in the
+    # family's FusedExperts layout; else as the family exports them
+    experts_as_stored: bool = False
 
     def text_name(self, name: str) -> str | None:
         """A wrapper tensor's name in the language model alone; None outside the language model."""
@@ -70,6 +74,17 @@ WRAPPERS = (
     Wrapper("gemma4", "text_config", _QWEN3_5, "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     Wrapper("mistral3", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             None, "Mistral3ForConditionalGeneration", True),
+    # Qwen3-VL: saved as Qwen3.5's (model.language_model.*, lm_head beside model.visual.*), tied as the wrapper's own
+    # tie_word_embeddings says; the text model alone has no causal-LM class (its family's Qwen3VL(Moe)TextModel)
+    Wrapper("qwen3_vl", "text_config", _QWEN3_5, None, "Qwen3VLForConditionalGeneration", True),
+    Wrapper("qwen3_vl_moe", "text_config", _QWEN3_5, None, "Qwen3VLMoeForConditionalGeneration", True),
+    # GLM-4.5V / GLM-4.6V: saved likewise (model.language_model.*, lm_head beside model.visual.*)
+    Wrapper("glm4v_moe", "text_config", _QWEN3_5, None, "Glm4vMoeForConditionalGeneration", True),
+    Wrapper("glm46v", "text_config", _QWEN3_5, None, "Glm46VForConditionalGeneration", True, experts_as_stored=True),
+    # Kimi-K2.5: DeepSeek-V3's language model (text_config model_type kimi_k2, read as deepseek_v3) saved as llava's
+    # (transformers' kimi_k25 conversion mapping reversed on save): language_model.model.*, language_model.lm_head
+    Wrapper("kimi_k25", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+            None, "Kimi_K25ForConditionalGeneration", True),
     # Llama 4 Scout / Maverick: Llama4ForConditionalGeneration keeps Llama4ForCausalLM as `language_model`
     # (no conversion mapping), beside `vision_model.*` and `multi_modal_projector.*`; tied as its own flag says
     Wrapper("llama4", "text_config", (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
@@ -134,6 +149,11 @@ class LanguageModelView:
         """A language-model tensor's name in the wrapper's files."""
         return self.wrapper.wrapper_name(name)
 
+    @property
+    def holds_fused_experts(self) -> bool:
+        """Whether the wrapper's files hold the language model's experts fused (some layer's)."""
+        return self.experts is not None and bool(self.experts.layers)
+
     def fuse_experts(self, fused) -> None:
         """Show the language model's fused experts (`model.language_model.layers.*.mlp.experts.gate_up_proj`
         in the wrapper) per expert, as a text checkpoint's (toolkit/convert/fused_experts.py): the view
@@ -165,15 +185,15 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     ignored.drop(src, None)  # transformers' own rules, over every tensor of the file (a wrapper's others too)
     wrapper = wrapper_for(src.config)
     if wrapper:
-        quantization = src.config.get("quantization_config")
+        text = src.config.get(wrapper.text_config)
+        # at the top level, or in the text_config (Kimi-K2.5 as published)
+        quantization = src.config.get("quantization_config", (text if isinstance(text, dict) else {}).get(
+            "quantization_config"))
         if quantization is not None:
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-            raise ConversionError(f"{src.dir / 'config.json'}: a quantized {wrapper.model_type} checkpoint "
-                                  f"(quantization_config.quant_method={method!r}) is not read: only unquantized "
-                                  "multimodal checkpoints convert through their language model")
+            raise ConversionError(_quantized(src.dir / "config.json", wrapper, quantization))
         view = LanguageModelView(src, wrapper)
         family = _family(view.config)
-        if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, where stored fused
+        if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, GLM-4.6V's, where stored fused
             view.fuse_experts(family.fused_experts)
     else:
         family = _family(src.config)
@@ -185,6 +205,18 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     ignored.drop(view, family)  # the family's rules (multi-token-prediction layers)
     view.ignored = {**of_file, **view.ignored}
     return view
+
+
+def _quantized(where: Path, wrapper: Wrapper, quantization) -> str:
+    """The one line refusing a quantized wrapper, naming its format."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    fmt = quantization.get("format") if isinstance(quantization, dict) else None
+    why = "only unquantized multimodal checkpoints convert through their language model"
+    if method == "compressed-tensors" or fmt is not None:  # Kimi-K2.5's INT4 experts
+        why = (f"its {fmt or 'compressed'} weights are decompressed by the compressed-tensors library, which defines "
+               "that format (transformers' integration only calls it); " + why)
+    return (f"{where}: a quantized {wrapper.model_type} checkpoint (quantization_config.quant_method={method!r}"
+            + (f", format={fmt!r}" if fmt is not None else "") + f") is not read: {why}")
 
 
 def _family(cfg: dict):

@@ -31,16 +31,9 @@ BUFFERS, HF_FLOAT32_BUFFERS = float32_buffer_suffixes(FAMILIES)
 
 # model_types that name a known model this package cannot convert, with the reason. (The multimodal
 # Gemma 3, once here, converts as its language model: toolkit/convert/wrapper.py.)
-# transformers 5.24 modeling_ministral3.py: after RoPE (YaRN, which megatron-core has), the query is multiplied by
-# get_llama_4_attn_scale, 1 + beta ln(1 + floor(position / original_max_position_embeddings)): 1 exactly below
-# that position (16384 in the published 3B / 8B / 14B), above it a per-position temperature megatron-core lacks
-_MINISTRAL3 = ("Ministral 3 scales each query by 1 + llama_4_scaling_beta * ln(1 + floor(position / "
-               "original_max_position_embeddings)) (modeling_ministral3.py get_llama_4_attn_scale), a per-position "
-               "attention temperature megatron-core (0.16.1 to 0.19) has no counterpart of")
 REFUSED: dict[str, str] = {
-    # (also inside the wrapper mistral3, Mistral3ForConditionalGeneration, as published: its wrapper route,
-    # toolkit/convert/wrapper.py, reads the ministral3 text_config and refuses it so)
-    "ministral3": _MINISTRAL3,
+    # (Ministral 3, once here, converts exactly up to original_max_position_embeddings: toolkit/families/ministral3.py;
+    # Llama 4 likewise up to its bound: toolkit/families/llama4.py)
 }
 
 

@@ -103,7 +103,14 @@ def config_values(cfg: dict, source: str = "config.json", model_type: str | None
 # transformers 5.17-5.24 map mistral4 to Mistral4ForCausalLM for pre-training and image-text-to-text only, and
 # mistral3 (Mistral Small 4's wrapper) to Mistral3ForConditionalGeneration likewise (modeling_auto.py)
 CAUSAL_LM_GAPS = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
-                  "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration")}  # (config class, model class)
+                  "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
+                  # Qwen3-VL's wrappers (their language models have no causal-LM class): the wrapper on text
+                  "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+                  "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+                  # GLM-4.5V / GLM-4.6V's wrappers likewise
+                  "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
+                  "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration"),
+                  "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration")}  # (config class, model class)
 
 
 def auto_causal_lm():

@@ -62,19 +62,25 @@ def read_softmax_routing(cfg: dict) -> dict:
             "renormalise": bool(cfg.get("norm_topk_prob", False))}
 
 
-def read(cfg: dict) -> dict:
-    """DeepSeek-V3's multi-latent attention, with the rotary share and the Llama-4 query scale checked."""
-    mla = read_mla(cfg)
+def llama4_query_scale_bound(cfg: dict, model: str = "Mistral 4") -> int | None:
+    """The longest sequence get_llama_4_attn_scale leaves exactly 1 (rope_parameters.original_max_position_embeddings;
+    None without the scale, beta 0): ModelSpec.exact_seq_len of Mistral 4 and Ministral 3 (toolkit/families/ministral3.py)."""
     params = cfg.get("rope_parameters") or {}
     beta = params.get("llama_4_scaling_beta")
     if beta is None or isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise ConversionError(f"rope_parameters.llama_4_scaling_beta={beta!r}: Mistral 4 scales its queries by it "
+        raise ConversionError(f"rope_parameters.llama_4_scaling_beta={beta!r}: {model} scales its queries by it "
                               "(a number; 0 for no scaling)")
     original = params.get("original_max_position_embeddings")
     if beta and not (type(original) is int and original >= 1):
-        raise ConversionError(f"rope_parameters.original_max_position_embeddings={original!r}: Mistral 4's query scale "
+        raise ConversionError(f"rope_parameters.original_max_position_embeddings={original!r}: {model}'s query scale "
                               "needs a positive integer")
-    return {"mla": mla, "exact_seq_len": int(original) if beta else None}
+    return int(original) if beta else None
+
+
+def read(cfg: dict) -> dict:
+    """DeepSeek-V3's multi-latent attention, with the rotary share and the Llama-4 query scale checked."""
+    mla = read_mla(cfg)
+    return {"mla": mla, "exact_seq_len": llama4_query_scale_bound(cfg)}
 
 
 MISTRAL4 = replace(

@@ -186,6 +186,10 @@ class FusedExperts:
     # The export writes the experts fused (gpt-oss: transformers reads no other form), or per expert as
     # transformers' own save_pretrained writes them (Qwen3.5-MoE: its conversion mapping reversed)
     export_fused: bool = True
+    # Each fused tensor read transposed unless its shape already is the module's ([experts, 2 x ffn, hidden] /
+    # [experts, hidden, ffn], the config's hidden_size and moe_intermediate_size), as transformers'
+    # Transpose(check_dims=True) reads them (Qwen3-VL-MoE: published x @ W, its own save nn.Linear's)
+    either_orientation: bool = False
 
     def __post_init__(self):
         if self.layout not in FUSED_LAYOUTS:
