@@ -40,12 +40,16 @@ def canonical(name: str) -> str:
 
 
 def read_site(path: Path) -> dict[str, str | None]:
-    """name -> version (None where the file names the package without a version) from `pip freeze`
-    lines; comments, editable and URL lines are skipped."""
+    """name -> version (None where the file names the package without a version: `name @ URL`, a
+    package installed from a file or URL, is there too) from `pip freeze` lines; comments and
+    editable lines are skipped."""
     site: dict[str, str | None] = {}
     for line in path.read_text().splitlines():
+        if " @ " in line:
+            site[canonical(line.split(" @ ", 1)[0].strip())] = None
+            continue
         line = line.split("#")[0].strip()
-        if not line or line.startswith("-") or " @ " in line:
+        if not line or line.startswith("-"):
             continue
         name, _, version = line.partition("==")
         site[canonical(name)] = version.split("+")[0] or None
