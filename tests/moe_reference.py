@@ -223,3 +223,18 @@ def gated_delta_moe_parity(tmp_path: Path, variant: str, name: str) -> FamilyRun
         (run.loss, run.norm)
     assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == run.step_loss.routing
     return run
+
+
+def routers_without_renormalising(model, router_class) -> None:
+    """Every `router_class` in HF's `model` (Qwen3.5-MoE's, Qwen3-VL-MoE's top-k router) gives the top-k
+    softmax probabilities as they are, not renormalised over the k: a parity guard."""
+    import torch
+
+    def forward(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, index = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        return logits, top.to(logits.dtype), index
+
+    for module in model.modules():
+        if isinstance(module, router_class):
+            module.forward = forward.__get__(module)

@@ -28,6 +28,7 @@ import shutil
 import pytest
 import torch
 
+from tests.moe_reference import routers_without_renormalising
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
 from tests.test_gemma3_wrapper import tensor_hashes
@@ -212,14 +213,7 @@ def _as_qwen3_next_grouping(model):
 def _router_not_renormalised(model):
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
 
-    def forward(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, index = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
-        return logits, top.to(logits.dtype), index
-
-    for module in model.modules():
-        if isinstance(module, m.Qwen3_5MoeTopKRouter):
-            module.forward = forward.__get__(module)
+    routers_without_renormalising(model, m.Qwen3_5MoeTopKRouter)
 
 
 def test_guards_each_piece_moves_hf_logits_past_the_tolerance(tiny_qwen3_5):

@@ -21,6 +21,7 @@ import json
 import pytest
 import torch
 
+from tests.moe_reference import routers_without_renormalising
 from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_gemma3_wrapper import tensor_hashes
 from toolkit.convert import hf_to_megatron, megatron_to_hf
@@ -123,14 +124,7 @@ def hf_logits(src, edit=None, inputs=None):
 def _router_not_renormalised(model):
     from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as m
 
-    def forward(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, index = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
-        return logits, top.to(logits.dtype), index
-
-    for module in model.modules():
-        if isinstance(module, m.Qwen3VLMoeTextTopKRouter):
-            module.forward = forward.__get__(module)
+    routers_without_renormalising(model, m.Qwen3VLMoeTextTopKRouter)
 
 
 def _halves_read_interleaved(model):
