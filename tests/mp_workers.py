@@ -257,7 +257,7 @@ def sequence_parallel_grad_errors(checkpoint: str, seq_len: int) -> dict:
 def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
     """For each case (`hf`: an fp32 HF MoE model, `checkpoint`: it converted at EP 1, `coeff`), one
     forward of the same batch through HF with output_router_logits and through our megatron-core
-    model in each aux-loss mode (toolkit/moe_aux.py); the loss values (without the coefficient) and
+    model in each aux-loss mode (toolkit/blocks/router_losses.py); the loss values (without the coefficient) and
     the gradients of coeff * loss wrt every router weight. Only the aux loss reaches the routers:
     the main loss is multiplied by 0 on both sides. Modes: hf, megatron, hf with full activation
     recomputation, and hf on a batch whose first row ends in padding (HF's attention_mask,
@@ -268,7 +268,7 @@ def moe_aux_loss_checks(cases: list[dict]) -> list[dict]:
     from toolkit.convert.load import load_converted
     from toolkit.convert.metadata import CheckpointMeta
     from toolkit.model import build_gpt_model, transformer_config
-    from toolkit.moe_aux import AuxLoss, last_aux_loss
+    from toolkit.blocks.router_losses import AuxLoss, last_aux_loss
     from toolkit.runtime.distributed import init_parallel
 
     init_parallel(1, 1)
@@ -318,7 +318,7 @@ def _hf_aux_loss(hf_dir: str, tokens, coeff: float, attention_mask):
 
 
 def _megatron_switch_loss(router_logits, config) -> float:
-    """sum over layers of E / (k T^2) * sum_i c[l, i] p[l, i] (toolkit/moe_aux.py), from HF's logits."""
+    """sum over layers of E / (k T^2) * sum_i c[l, i] p[l, i] (toolkit/blocks/router_losses.py), from HF's logits."""
     import torch
 
     k, total = config.num_experts_per_tok, 0.0

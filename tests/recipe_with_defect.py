@@ -14,7 +14,7 @@
 * `cp-loss-mean`: the loss averaged over the CP ranks instead of summed (each micro-batch's loss
   divided by CP): every gradient CP times too small (tests/test_context_parallel.py).
 * `cp-window-dropped`: under context parallelism the windowed layers attend to the whole causal
-  past (the window left out of the mask over global positions, toolkit.context_parallel).
+  past (the window left out of the mask over global positions, toolkit.blocks.context_parallel).
 
 Patched here, in the worker, so the product has no test switch."""
 
@@ -67,7 +67,7 @@ def loss_mean_over_cp(_: str) -> None:
 
 
 def window_dropped(_: str) -> None:
-    from toolkit import context_parallel
+    from toolkit.blocks import context_parallel
 
     built = context_parallel.ContextParallelAttention.__init__
 

@@ -21,7 +21,7 @@ from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, RE
                                     compare_with_reference, differences, hf_eval_loss_after_training, launch,
                                     parity_setup, read_metrics, recipe, recipe_config, run_against_reference,
                                     write_uneven_data)
-from toolkit import context_parallel as cpl
+from toolkit.blocks import context_parallel as cpl
 from toolkit.errors import ConfigError
 
 MODELS = {"untied": "llama-odd-vocab", "qwen3": "qwen3", "gemma3": "gemma3"}
@@ -356,7 +356,7 @@ def test_plan_refuses_an_empty_recompute_list_or_a_cp_limit_below_one():
         planner.plan(spec, planner.Cluster(8, 80 * GIB), 4096, max_cp=0)
 
 
-# The local spec's CP attention is SDPA over the gathered K/V (toolkit/sdpa_attention.py): with no s^2
+# The local spec's CP attention is SDPA over the gathered K/V (toolkit/blocks/attention_sdpa.py): with no s^2
 # scores, a model blind to CP misses a tiny model's layer by 8% only, so the bar is 5% (measured: exact).
 CP_MEMORY_TOLERANCE = 0.05
 

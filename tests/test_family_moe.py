@@ -1,6 +1,6 @@
 """Mixture-of-Experts families (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert, OLMoE with
 its whole-projection q/k norms) converted with expert parallelism, and the routers' load-balancing
-loss in HF's form (toolkit/moe_aux.py).
+loss in HF's form (toolkit/blocks/router_losses.py).
 
 The HF model is the independent reference: megatron-core, loading our checkpoints on EP 2, TP 2 x
 EP 2 and PP 2 x EP 2 gloo processes, gives its logits within 1e-4 in fp32; the router mapping is
@@ -345,8 +345,8 @@ def test_hf_aux_loss_matches_hf_output_router_logits(tiny_moe, tmp_path):
     coeff * loss wrt every router weight) is HF's with output_router_logits=True on the same batch, within
     1e-6, for every MoE family, with and without activation recomputation, and with padding left out
     (HF's attention_mask, megatron-core's padding_mask); "megatron" is megatron-core's per-layer sum (its formula in README and
-    toolkit/moe_aux.py, evaluated on HF's router logits), far from HF's. One process, one launch."""
-    from toolkit.moe_aux import AuxLoss
+    toolkit/blocks/router_losses.py, evaluated on HF's router logits), far from HF's. One process, one launch."""
+    from toolkit.blocks.router_losses import AuxLoss
 
     cases = [{"hf": str(tiny_moe[v]), "coeff": 0.02,
               "checkpoint": str(hf_to_megatron(tiny_moe[v], tmp_path / v, fmt="torch_dist", progress=False))}
@@ -370,7 +370,7 @@ def test_hf_aux_loss_matches_hf_output_router_logits(tiny_moe, tmp_path):
 ], ids=["hf-at-pp2", "unknown-mode", "negative-coeff"])
 def test_bad_aux_loss_setting_is_refused_in_one_line(aux, pp, line):
     from toolkit.errors import ConfigError
-    from toolkit.moe_aux import AuxLoss
+    from toolkit.blocks.router_losses import AuxLoss
 
     with pytest.raises(ConfigError, match=r"^" + re.escape(line) + r"[^\n]*$"):
         AuxLoss(*aux).check(pp)

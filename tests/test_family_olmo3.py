@@ -77,7 +77,7 @@ def test_yarn_is_the_full_layers_rope_and_the_windowed_layers_keep_their_own():
     settings = settings_for(spec)
     assert settings.gpt["position_embedding_type"] == "yarn"
     assert settings.transformer["window_attn_skip_freq"] == [1, 1, 1, 0, 1, 1, 1, 0]
-    from toolkit.layers import rope_bases
+    from toolkit.blocks.decoder_spec import rope_bases
 
     assert rope_bases(spec) == (500000.0, 500000.0, 500000.0, None) * 2
 
@@ -88,7 +88,7 @@ def test_a_windowed_layer_with_its_own_rope_takes_no_yarn_attention_factor():
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
         _yarn_get_concentration_factor_from_config)
 
-    from toolkit.layers import without_yarn
+    from toolkit.blocks.decoder_spec import without_yarn
     from toolkit.layouts import Layout
     from toolkit.model import transformer_config
 

@@ -1,4 +1,4 @@
-"""The torch gated delta rule (toolkit/runtime/gated_delta_rule.py) that stands in for `fla`'s kernels in
+"""The torch gated delta rule (toolkit/blocks/kernels/gated_delta_rule.py) that stands in for `fla`'s kernels in
 megatron-core's GatedDeltaNet where `fla` is missing: equal to transformers' own torch paths for
 Qwen3-Next (the chunked one its model runs on CPU, and the token-by-token one), with the inputs chosen
 so that each gate matters (a guard drops it and the comparison fails)."""
@@ -10,7 +10,7 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from toolkit.runtime import cpu_compat
-from toolkit.runtime.gated_delta_rule import chunk_gated_delta_rule, l2norm
+from toolkit.blocks.kernels.gated_delta_rule import chunk_gated_delta_rule, l2norm
 
 TOLERANCE = 1e-5  # fp32, sums reordered (HF's chunks of 64 against one token at a time)
 
@@ -86,7 +86,8 @@ def test_megatron_gated_delta_net_runs_the_stand_in_without_fla():
     torch ones (0.19 imports them into gdn.py too). (Where `fla` is installed, nothing changes.)"""
     import importlib
 
-    from toolkit.runtime import gated_delta_rule, megatron_versions
+    from toolkit.blocks.kernels import gated_delta_rule
+    from toolkit.runtime import megatron_versions
 
     cpu_compat.apply()
     homes = [importlib.import_module(name) for name in megatron_versions.gated_delta_net_modules()]
@@ -104,7 +105,7 @@ def test_causal_conv_equals_a_causal_depthwise_conv1d(width):
     """The conv megatron-core 0.18+ calls from `fla` (x [batch, time, channels], weight [channels, width])
     against torch's own depthwise nn.Conv1d, left-padded and cut to the sequence as transformers' Qwen3-Next
     runs it (modeling_qwen3_next.py: self.conv1d(...)[..., :seq_len], then SiLU)."""
-    from toolkit.runtime.gated_delta_rule import causal_conv1d
+    from toolkit.blocks.kernels.gated_delta_rule import causal_conv1d
 
     torch.manual_seed(0)
     x = torch.randn(2, 9, 6, dtype=torch.float64)

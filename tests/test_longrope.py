@@ -19,7 +19,7 @@ from tests.test_convert_roundtrip import load_all
 from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.metadata import CheckpointMeta
 from toolkit.families import spec_from_config
-from toolkit.longrope import LongRopeEmbedding, inverse_frequencies
+from toolkit.blocks.rope_longrope import LongRopeEmbedding, inverse_frequencies
 from toolkit.tinymodels import make_config, make_tiny_model
 
 LONGROPE_VARIANTS = ("phi3-longrope", "phi4-mini-longrope")

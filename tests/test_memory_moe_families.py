@@ -179,7 +179,7 @@ def test_multi_latent_attention_is_priced_on_the_local_spec_it_runs_on_a_gpu_too
 
 def test_qwen3_next_keeps_no_s_squared_terms_on_the_local_spec():
     """Qwen3-Next-80B at 16,384 tokens on megatron-core's local spec: its 12 attention layers run the
-    fused SDPA (toolkit/sdpa_attention.py) and its 36 gated delta net layers the chunked rule (a
+    fused SDPA (toolkit/blocks/attention_sdpa.py) and its 36 gated delta net layers the chunked rule (a
     [d_k, d_v] state per head and chunk of 64 tokens), so no layer keeps s^2 bytes: twice the tokens,
     twice the activations, per layer and in all. Guard: with attention sinks (which megatron-core's
     unfused DotProductAttention computes, with its fp32 scores) the 12 attention layers grow as s^2

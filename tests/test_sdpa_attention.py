@@ -1,4 +1,4 @@
-"""toolkit.sdpa_attention: the local spec's attention through torch's fused SDPA, against an
+"""toolkit.blocks.attention_sdpa: the local spec's attention through torch's fused SDPA, against an
 independent float64 attention written out here (scores, mask, softmax, values) and against
 megatron-core's own DotProductAttention, outputs and the gradients of q, k and v.
 
@@ -53,7 +53,7 @@ def compare_attention() -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from toolkit.runtime.distributed import init_parallel
-    from toolkit.sdpa_attention import SdpaAttention
+    from toolkit.blocks.attention_sdpa import SdpaAttention
 
     info = init_parallel(1, 1)
     device = info.device

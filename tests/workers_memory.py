@@ -354,10 +354,10 @@ def forward_saved_bytes(spec, tp: int, dtype, recompute: str, micro: int, sequen
 
 def context_parallel_saved_bytes(cases: list[dict]) -> list[dict]:
     """Bytes saved for backward by one forward at CP (the launch's world size) of each case, this
-    rank's chunks of a SEQ-token micro-batch (toolkit.context_parallel), for 2 and 4 layers."""
+    rank's chunks of a SEQ-token micro-batch (toolkit.blocks.context_parallel), for 2 and 4 layers."""
     from megatron.core import parallel_state as ps
 
-    from toolkit.context_parallel import chunk_positions
+    from toolkit.blocks.context_parallel import chunk_positions
 
     cp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 2
     switch_layout(1, 1, cp=cp)

@@ -88,7 +88,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         **({"no_rope_freq": [int(c) for c in spec.nope_layers]} if spec.nope_layers else {}),
         softmax_scale=spec.softmax_scale,
         **({"qk_layernorm": True} if spec.qk_norm else {}),
-        # Llama 4's weightless L2 q/k norm (its block spec puts L2Norm on the RoPE layers only, toolkit/layers.py)
+        # Llama 4's weightless L2 q/k norm (its block spec puts L2Norm on the RoPE layers only, toolkit/blocks/decoder_spec.py)
         **({"qk_l2_norm": True} if spec.qk_l2_norm else {}),
         **family_named(spec.family).megatron,
         **moe_settings(spec),

@@ -8,7 +8,7 @@ The Transformer Engine layer spec is used where CUDA is present and megatron-cor
 imports (a TE wheel built for another torch is found by importlib but fails to import); otherwise
 the local spec (always on CPU), and always under LoRA (`layer_spec_choice`). A family whose layer
 the stock GPT spec cannot express (`Family.layer`) gets the toolkit's own block spec of local
-modules on every device (toolkit/layers.py).
+modules on every device (toolkit/blocks/decoder_spec.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import settings_for
-from toolkit.moe_aux import AuxLoss
+from toolkit.blocks.router_losses import AuxLoss
 from toolkit.runtime import megatron_versions
 
 
@@ -89,7 +89,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=spec.expert_tp(layout.tp),
-        # a family's own block spec (toolkit/layers.py) builds local modules, SequentialMLP experts included
+        # a family's own block spec (toolkit/blocks/decoder_spec.py) builds local modules, SequentialMLP experts included
         moe_grouped_gemm=spec.is_moe and layer_spec == "te" and not family_named(spec.family).layer,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -116,13 +116,13 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
 def layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     """megatron-core's layer spec for `config` (its q/k norm and normalization included), or the
     family's own block spec. megatron-core's local DotProductAttention runs through torch's fused
-    attention (toolkit.sdpa_attention). Under context parallelism the local spec's attention is the
-    toolkit's (toolkit.context_parallel); Transformer Engine's does CP itself."""
-    from toolkit.sdpa_attention import with_sdpa_core_attention
+    attention (toolkit.blocks.attention_sdpa). Under context parallelism the local spec's attention is the
+    toolkit's (toolkit.blocks.context_parallel); Transformer Engine's does CP itself."""
+    from toolkit.blocks.attention_sdpa import with_sdpa_core_attention
 
     built = with_sdpa_core_attention(_layer_spec_module(layer_spec, config, spec))
     if config.context_parallel_size > 1 and layer_spec == "local":
-        from toolkit.context_parallel import with_context_parallel_attention
+        from toolkit.blocks.context_parallel import with_context_parallel_attention
 
         return with_context_parallel_attention(built)
     return built
@@ -133,7 +133,7 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
 
     family = family_named(spec.family) if spec else None
     if family and family.layer:
-        from toolkit.layers import block_spec
+        from toolkit.blocks.decoder_spec import block_spec
 
         return block_spec(config, spec, family.layer)
 
@@ -151,11 +151,11 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
                                                          qk_layernorm=config.qk_layernorm,
                                                          multi_latent_attention=config.multi_latent_attention, **experts)
     if config.multi_latent_attention and layer_spec == "local":
-        from toolkit.mla_attention import with_mla_core_attention
+        from toolkit.blocks.attention_mla import with_mla_core_attention
 
         local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None)
     if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
-        from toolkit.layers import sequence_parallel_block_spec
+        from toolkit.blocks.decoder_spec import sequence_parallel_block_spec
 
         return sequence_parallel_block_spec(config, local)
     return local
@@ -164,13 +164,13 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
 def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None,
                     aux_loss: AuxLoss | None = None, vp_stage: int | None = None):
     """GPTModel for this process's pipeline stage (parallel_state must be initialised); `aux_loss`
-    as in transformer_config (toolkit/moe_aux.py), checked against the layout. `vp_stage`: which
+    as in transformer_config (toolkit/blocks/router_losses.py), checked against the layout. `vp_stage`: which
     of this rank's virtual stages (interleaved pipeline, toolkit.train.virtual), or None.
     `layer_spec`: "te", "local" or a megatron-core spec; by default running_layer_spec()."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from toolkit.mla_attention import buildable_mla
+    from toolkit.blocks.attention_mla import buildable_mla
 
     if aux_loss:
         aux_loss.check(layout.pp)
@@ -190,11 +190,11 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         )
     layer = family_named(spec.family).layer
     if layer:
-        from toolkit.layers import adapt_model
+        from toolkit.blocks.decoder_spec import adapt_model
 
         adapt_model(model, spec, layer)
     if spec.longrope:
-        from toolkit.longrope import install_longrope
+        from toolkit.blocks.rope_longrope import install_longrope
 
         install_longrope(model, spec, config.use_cpu_initialization)
     if aux_loss and spec.is_moe:

@@ -3,7 +3,7 @@ norms, every norm computing (1 + w) in fp32, embeddings scaled by sqrt(hidden), 
 local (sliding-window) layers with their own RoPE base between global ones, and a softmax scale of
 query_pre_attn_scalar ** -0.5. megatron-core 0.16.1 has the window pattern (window_attn_skip_freq),
 the softmax scale and the (1 + w) flag (layernorm_zero_centered_gamma); the rest is the toolkit's
-block spec (toolkit/layers.py). The checkpoint keeps HF's w, never 1 + w, so bf16 round trips are
+block spec (toolkit/blocks/decoder_spec.py). The checkpoint keeps HF's w, never 1 + w, so bf16 round trips are
 bit-exact. Names of the post-norms are Megatron-Bridge's."""
 
 from toolkit.errors import ConversionError
@@ -27,7 +27,7 @@ def layer_types(cfg: dict, family: str = "gemma3") -> list:
 
 
 def local_rope_theta(cfg: dict, family: str = "gemma3") -> float:
-    """The RoPE base of the sliding-window layers, which get a RoPE of their own (toolkit/layers.py layer_ropes)."""
+    """The RoPE base of the sliding-window layers, which get a RoPE of their own (toolkit/blocks/decoder_spec.py layer_ropes)."""
     local = cfg["rope_parameters"]["sliding_attention"]
     if local.get("rope_type", "default") != "default":
         raise ConversionError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r}: only the "

@@ -11,7 +11,7 @@ toolkit/convert/wrapper.py). Piece by piece against transformers 5.24's modeling
   qk_norm (use_qk_norm, RoPE layers) Llama4TextL2Norm(rms_norm_eps): x / sqrt(mean(x^2) + eps) per head, no weight,
                                     after RoPE; megatron-core's L2Norm (eps layernorm_epsilon) per head before
                                     RoPE: the same, RoPE being a rotation of each pair (it keeps the head's norm);
-                                    on the RoPE layers only (CustomLayer qk_norm "l2_rope", toolkit/layers.py)
+                                    on the RoPE layers only (CustomLayer qk_norm "l2_rope", toolkit/blocks/decoder_spec.py)
   attn_temperature_tuning           NoPE layers' queries times log1p(floor((position + 1) / floor_scale)) *
                                     attn_scale + 1: exactly 1 below position floor_scale - 1, so exact up to
                                     floor_scale - 1 tokens (8191 as published; ModelSpec.exact_seq_len)

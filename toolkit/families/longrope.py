@@ -1,5 +1,5 @@
 """LongRoPE's parameters read from a config.json (Phi-3.5-mini, Phi-4-mini, the Phi-3 128k
-models), as transformers 5.23 reads them; the rotary module that uses them is toolkit/longrope.py."""
+models), as transformers 5.23 reads them; the rotary module that uses them is toolkit/blocks/rope_longrope.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 per TP rank (the HF_QKV and HF_GATE_UP splits); an optional sliding window on every layer, as
 Mistral's; RoPE on only the first partial_rotary_factor of each head (Phi-4-mini: 0.75), which is
 megatron-core's rotary_percent; LongRoPE (the 128k variants, Phi-3.5-mini, Phi-4-mini) as the
-toolkit's own rotary module (toolkit/longrope.py)."""
+toolkit's own rotary module (toolkit/blocks/rope_longrope.py)."""
 
 from toolkit.families.table import Family, row
 from toolkit.splits import Split

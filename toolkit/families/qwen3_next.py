@@ -4,7 +4,7 @@ a sigmoid-gated shared expert (Qwen2-MoE's), RMSNorms applied as (1 + w), partia
 as megatron-core 0.16.1 expresses it:
 
   layer_types                       linear_attention_freq as a list (1: gated delta net), the toolkit's
-                                    block spec building GatedDeltaNet there (toolkit/layers.py); stored
+                                    block spec building GatedDeltaNet there (toolkit/blocks/decoder_spec.py); stored
                                     per layer in torch_dist (transformer_block.py:836-840)
   linear_attn.in_proj_qkvz, _ba     GatedDeltaNet.in_proj [q; k; v; z; beta; alpha] (gated_delta_net.py:
                                     140-156, :289-298), re-laid out from HF's per-key-head groups
@@ -14,15 +14,15 @@ as megatron-core 0.16.1 expresses it:
   linear_attn.dt_bias, A_log        GatedDeltaNet.dt_bias, A_log: g = -exp(A_log) softplus(a + dt_bias),
                                     beta = sigmoid(b) (:364-366), as HF
   the gated delta rule              `fla`'s chunk_gated_delta_rule and l2norm on q, k (:349-350, :382),
-                                    toolkit/runtime/gated_delta_rule.py where `fla` is missing
+                                    toolkit/blocks/kernels/gated_delta_rule.py where `fla` is missing
   linear_attn.norm (gated)          GatedDeltaNet.out_norm times silu(z) (:412-421): w, not (1 + w), as
-                                    HF's Qwen3NextRMSNormGated (toolkit/layers.py GatedRMSNorm)
+                                    HF's Qwen3NextRMSNormGated (toolkit/blocks/decoder_spec.py GatedRMSNorm)
   linear_attn.out_proj              GatedDeltaNet.out_proj
   self_attn.q_proj (2 x heads)      attention_output_gate: linear_qkv holds per query group [q; gate; k; v]
                                     (attention.py:1390-1430), output times sigmoid(gate) (:1218-1224)
                                     (Split.GATED_QKV re-lays HF's per-head [q_h; gate_h] out)
   q_norm, k_norm                    qk_layernorm, per head
-  every other RMSNorm (1 + w)       layernorm_zero_centered_gamma (toolkit/layers.py RMSNorm), HF's w stored
+  every other RMSNorm (1 + w)       layernorm_zero_centered_gamma (toolkit/blocks/decoder_spec.py RMSNorm), HF's w stored
   partial_rotary_factor             rotary_percent
   mlp (router, experts, shared      Qwen2-MoE's rows: softmax top-k renormalised iff norm_topk_prob,
   expert and its gate)              SharedExpertMLP with moe_shared_expert_gate; mlp_only_layers /

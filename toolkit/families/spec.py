@@ -23,7 +23,7 @@ from toolkit.families.table import Family
 # other llama3 parameters are its hard-coded defaults (rotary_pos_embedding.py:92-99).
 MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 # Why a rope type no family accepts cannot be expressed in megatron-core 0.16.1, where the reason
-# is known (read from its source); added to the refusal. (LongRoPE, once here, is toolkit/longrope.py.)
+# is known (read from its source); added to the refusal. (LongRoPE, once here, is toolkit/blocks/rope_longrope.py.)
 MCORE_ROPE_GAPS: dict[str, str] = {}
 
 
@@ -87,7 +87,7 @@ class ModelSpec:
     nope_layers: str | None = None
     softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
     rope_linear_factor: float | None = None  # linear RoPE scaling (positions / factor), None when unscaled
-    # LongRoPE (toolkit/longrope.py): short_factor, long_factor, original_max_position_embeddings,
+    # LongRoPE (toolkit/blocks/rope_longrope.py): short_factor, long_factor, original_max_position_embeddings,
     # attention_factor; None without
     longrope: dict | None = field(default=None, hash=False)
     # gpt-oss (toolkit/families/gpt_oss.py): a learnable sink logit per head in every softmax
@@ -117,7 +117,7 @@ class ModelSpec:
     # None: no such bound
     exact_seq_len: int | None = None
     # Llama 4's use_qk_norm: a weightless L2 (RMS) norm of each query and key head on the layers with RoPE
-    # (megatron-core's L2Norm, toolkit/layers.py; toolkit/families/llama4.py)
+    # (megatron-core's L2Norm, toolkit/blocks/decoder_spec.py; toolkit/families/llama4.py)
     qk_l2_norm: bool = False
 
     @property

@@ -134,7 +134,7 @@ OUTPUT_LAYER = "output_layer.weight"
 @dataclass(frozen=True)
 class CustomLayer:
     """A decoder layer megatron-core's stock GPT spec cannot express, as choices the toolkit's own
-    block spec (toolkit/layers.py) composes from megatron-core modules. Megatron-Bridge builds
+    block spec (toolkit/blocks/decoder_spec.py) composes from megatron-core modules. Megatron-Bridge builds
     Gemma 3 the same way: a custom layer spec, the rest of GPTModel unchanged."""
 
     pre_norms: bool = True  # a norm before attention and before the MLP (input_layernorm, pre_mlp_layernorm)
@@ -146,7 +146,7 @@ class CustomLayer:
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
     # Gemma 4: global layers (ModelSpec.linear_layers "2") with their own head size, KV heads and RoPE,
     # keys as values there where attention_k_eq_v, a scale-free RMSNorm on the values, the layer's output
-    # times its stored layer_scalar (toolkit/layers.py Gemma4SelfAttention, ScaledTransformerLayer)
+    # times its stored layer_scalar (toolkit/blocks/decoder_spec.py Gemma4SelfAttention, ScaledTransformerLayer)
     gemma4: bool = False
 
 

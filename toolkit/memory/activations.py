@@ -25,7 +25,7 @@ input full recompute keeps. Attention and MLP internals are split by TP already;
 the causal mask and the logits (the output layer gathers the sequence) stay whole. Measured at
 TP 2 in tests/test_memory_measured.py too.
 
-Context parallelism (parallel.cp, toolkit/context_parallel.py) gives each rank seq / CP tokens:
+Context parallelism (parallel.cp, toolkit/blocks/context_parallel.py) gives each rank seq / CP tokens:
 every per-token term is divided by CP. Attention is not: each rank's queries see the whole
 sequence's keys. The local spec's CP attention all-gathers K and V, so its SDPA keeps k and v
 (repeated per query head) over the whole sequence and the [s/CP, s] mask; TE's ring
@@ -112,7 +112,7 @@ def gated_delta_net_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels,
     (q, k, v channels); the l2-normed q, k; g and beta in fp32; one [d_k, d_v] state per value head and
     chunk of 64 tokens and the chunk's WY weights (fp32); the gated norm's input, gate and output; out_proj's
     input. Heads split over TP; the MLP as any layer's. Not measured (the CPU path runs the token-at-a-time
-    torch rule, toolkit/runtime/gated_delta_rule.py, which keeps a state per token instead)."""
+    torch rule, toolkit/blocks/kernels/gated_delta_rule.py, which keeps a state per token instead)."""
     if recompute == "full":
         return shape.act_bytes * shape.hidden_tokens(spec)
     la, t, b = spec.linear_attention, shape.tokens, shape.act_bytes
@@ -201,7 +201,7 @@ def _selective_attention(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int
 
 
 def runs_sdpa(spec: ModelSpec) -> bool:
-    """Whether the local spec's attention runs torch's fused SDPA (toolkit/sdpa_attention.py) for this
+    """Whether the local spec's attention runs torch's fused SDPA (toolkit/blocks/attention_sdpa.py) for this
     model: every model but those with attention sinks (gpt-oss), which megatron-core's
     DotProductAttention computes unfused. Multi-latent attention has its own (mla_layer_bytes)."""
     return not spec.attention_sinks

@@ -58,7 +58,7 @@ UPSTREAM_SPOTS = {
     "into gdn.py:18-27; megatron_versions.gated_delta_net_modules) imports l2norm and chunk_gated_delta_rule "
     "(from 0.18 also causal_conv1d, the depthwise conv) from `fla` "
     "(flash-linear-attention's Triton kernels), :103-106 refuses to build GatedDeltaNet without them and "
-    ":349-350/:382 call them (Qwen3-Next's linear-attention layers). Stood in by toolkit/runtime/gated_delta_rule.py "
+    ":349-350/:382 call them (Qwen3-Next's linear-attention layers). Stood in by toolkit/blocks/kernels/gated_delta_rule.py "
     "wherever `fla` is missing, on GPUs too (apply_upstream_fixes). The causal conv needs no stand-in: without "
     "`causal_conv1d` upstream runs its own nn.Conv1d and activation (:49-53, :326-327)",
 }
@@ -74,14 +74,14 @@ EXPERT_BIAS_MASK_SPOT = ("transformer/moe/router.py:541-542: TopKRouter._apply_e
 # Stood in only while a model is built, by the module named (not patched here); listed so that every
 # upstream spot the toolkit works around is found in one place.
 MODEL_BUILD_SPOTS = {
-    "toolkit/yarn.py CpuYarnRotaryEmbedding (without CUDA)": "models/common/embeddings/yarn_rotary_pos_embedding.py:"
+    "toolkit/blocks/rope_yarn.py CpuYarnRotaryEmbedding (without CUDA)": "models/common/embeddings/yarn_rotary_pos_embedding.py:"
     "120-126: YarnRotaryEmbedding.get_emb moves its frequencies to torch.cuda.current_device(), and its "
     "constructor calls it: MLA with YaRN cannot be built without CUDA",
-    "toolkit/mla_attention.py buildable_mla (without TE)": "transformer/multi_latent_attention.py:54-62/184-185: "
+    "toolkit/blocks/attention_mla.py buildable_mla (without TE)": "transformer/multi_latent_attention.py:54-62/184-185: "
     "TE's MagicMock TELinear reads as HAVE_TE, then isinstance(self.linear_proj, TELinear) raises TypeError",
-    "toolkit/mla_attention.py MLACoreAttention (local spec)": "transformer/multi_latent_attention.py:154-164 pass "
+    "toolkit/blocks/attention_mla.py MLACoreAttention (local spec)": "transformer/multi_latent_attention.py:154-164 pass "
     "k_channels / v_channels, which the local DotProductAttention (dot_product_attention.py:42-52) does not take",
-    "toolkit/mla_attention.py sum_latent_grads_over_tp (every device, TP > 1, local spec)": "transformer/"
+    "toolkit/blocks/attention_mla.py sum_latent_grads_over_tp (every device, TP > 1, local spec)": "transformer/"
     "multi_latent_attention.py:594/607 gather the latent whose backward keeps a partial gradient (mappings.py:487)",
 }
 
@@ -324,7 +324,8 @@ def stand_in_gated_delta_rule() -> None:
     installed, nothing changes. Idempotent."""
     import importlib
 
-    from toolkit.runtime import gated_delta_rule, megatron_versions
+    from toolkit.blocks.kernels import gated_delta_rule
+    from toolkit.runtime import megatron_versions
 
     homes = [importlib.import_module(name) for name in megatron_versions.gated_delta_net_modules()]
     if homes[0].HAVE_FLA:

@@ -135,7 +135,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, vpp: 
     Expert parallelism (EP) is carved out of CP x DP, with expert TP `etp`, by default TP (megatron-core's
     default; ModelSpec.expert_tp says which a model needs).
     `vpp` > 1: that many virtual stages (model chunks) per pipeline rank. `cp` > 1: megatron-core's
-    context-parallel groups (the sequence split over CP ranks, toolkit.context_parallel)."""
+    context-parallel groups (the sequence split over CP ranks, toolkit.blocks.context_parallel)."""
     device = init_process_group()
     world = dist.get_world_size()
     if world % (tp * pp * cp) or (world // (tp * pp)) % ep:  # EP is carved out of CP x DP

@@ -40,10 +40,10 @@ CHANGES = (
     ("0.19.0", "the MoE aux-loss tracker became moe_logging.MoEMetricsTracker, sized by the first model's layers, "
      "whose clear() only zeroes", "reset_moe_metrics(): between models of different depths in one process"),
     ("0.19.0", "MLA refuses a q_layernorm in the spec where q_lora_rank is None (mla_qk_norm_config.py:259)",
-     "none is put there on any release: toolkit/mla_attention.with_mla_core_attention(full_rank_query)"),
+     "none is put there on any release: toolkit/blocks/attention_mla.with_mla_core_attention(full_rank_query)"),
     ("0.19.0", "MLA with qk_layernorm and a full-rank query takes only the backend's fused norm + linear for "
      "linear_q_proj (mla_qk_norm_config.py:147-150), which the local spec lacks",
-     "mla_qk_norm_resolver(): toolkit/mla_attention.buildable_mla resolves it to the spec's plain linear"),
+     "mla_qk_norm_resolver(): toolkit/blocks/attention_mla.buildable_mla resolves it to the spec's plain linear"),
     ("0.19.0", "GPTModel deprecated in favour of HybridModel (a warning at every construction)",
      "GPTModel kept for the transformer families while it is supported (RELEASE_NOTICES; docs/megatron_versions.md)"),
     ("0.19.0", "get_default_save_sharded_strategy() lost its version argument",

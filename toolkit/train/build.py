@@ -11,7 +11,7 @@ import torch
 from toolkit.convert.metadata import HF_DIR, CheckpointMeta
 from toolkit.layouts import RECIPE_NAMES, Layout
 from toolkit import model as model_builder
-from toolkit.context_parallel import TE_CP_COMM_TYPE, padded_length
+from toolkit.blocks.context_parallel import TE_CP_COMM_TYPE, padded_length
 from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
@@ -122,7 +122,7 @@ def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int
 
 
 def check_context_parallel_family(cfg: TrainConfig, spec) -> None:
-    """The attention the CP path covers (toolkit.context_parallel): causal attention with
+    """The attention the CP path covers (toolkit.blocks.context_parallel): causal attention with
     megatron-core's RoPE, sliding windows included on the local spec; Mixture-of-Experts layers
     (their expert groups span DP x CP). LongRoPE's own rotary module is refused, before any
     process group; so are, on the Transformer Engine spec, packing (its CP attention takes only the
@@ -184,8 +184,8 @@ def check_expert_layout(cfg: TrainConfig, dp: int, family: str, expert_tp: int |
 
 def recipe_aux_loss(cfg: TrainConfig, spec):
     """The router's load-balancing loss the recipe trains with: moe.aux_loss's formula, with the HF
-    config's router_aux_loss_coef (toolkit/moe_aux.py)."""
-    from toolkit.moe_aux import AuxLoss
+    config's router_aux_loss_coef (toolkit/blocks/router_losses.py)."""
+    from toolkit.blocks.router_losses import AuxLoss
 
     return AuxLoss(cfg.moe.aux_loss, spec.moe_aux_loss_coeff)
 

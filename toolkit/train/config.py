@@ -48,7 +48,7 @@ class ParallelConfig:
     # megatron-core sequence parallelism (TP > 1): norms and residuals hold seq_len / TP tokens per rank
     sequence_parallel: bool = False
     # context parallelism: the sequence split zig-zag over CP ranks (2·CP chunks), attention across
-    # them (toolkit/context_parallel.py); gradients reduced over DP x CP. World = TP x PP x CP x DP
+    # them (toolkit/blocks/context_parallel.py); gradients reduced over DP x CP. World = TP x PP x CP x DP
     cp: PositiveInt = 1
     # expert parallelism (Mixture-of-Experts): each EP rank holds experts / EP experts, carved out of CP x DP
     ep: PositiveInt = 1
@@ -73,7 +73,7 @@ class MoeConfig:
     # megatron-core's moe_token_dispatcher_type: all-to-all over EP (the GPU default), or every
     # rank all-gathers the TP x EP group's tokens and keeps those routed to its experts
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    # the router's load-balancing loss (toolkit/moe_aux.py), with the HF config's router_aux_loss_coef:
+    # the router's load-balancing loss (toolkit/blocks/router_losses.py), with the HF config's router_aux_loss_coef:
     # megatron-core's (per layer, summed) or HF's load_balancing_loss_func (layers pooled; PP 1 only)
     aux_loss: Literal["megatron", "hf"] = "megatron"
     # megatron-core's moe_router_dtype: the router's logits, softmax and top-k in fp32 or fp64 (None:

@@ -327,7 +327,7 @@ class BatchSource:
     def __init__(self, rows: list[Row], global_batch: int, micro_batch: int, dp: int, dp_rank: int,
                  seed: int, shuffle: bool, packed: bool, cp: int = 1, cp_rank: int = 0, length: int | None = None):
         """`cp` > 1: each micro-batch padded to `length` tokens and cut to this CP rank's chunks
-        (toolkit.context_parallel); every CP rank of a DP rank reads the same rows."""
+        (toolkit.blocks.context_parallel); every CP rank of a DP rank reads the same rows."""
         if global_batch % (micro_batch * dp):
             raise DataError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} x DP {dp}")
         self.rows, self.global_batch, self.micro_batch = rows, global_batch, micro_batch
@@ -371,7 +371,7 @@ class BatchSource:
         batches = [self._collate(mine[i : i + self.micro_batch]) for i in range(0, per_rank, self.micro_batch)]
         if self.cp == 1:
             return batches
-        from toolkit.context_parallel import pad_batch, split_batch
+        from toolkit.blocks.context_parallel import pad_batch, split_batch
 
         return [split_batch(pad_batch(b, self.length), self.cp, self.cp_rank) for b in batches]
 

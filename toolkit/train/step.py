@@ -54,7 +54,7 @@ def _forward_step_func(model_call, ctx: StepContext, device):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device)
-        # global positions of this CP rank's chunks (toolkit.context_parallel), else 0..s-1; megatron-core's
+        # global positions of this CP rank's chunks (toolkit.blocks.context_parallel), else 0..s-1; megatron-core's
         # RoPE takes the same chunks' positions itself, these reach only absolute position embeddings
         positions = batch["positions"].to(device) if "positions" in batch else \
             torch.arange(tokens.shape[1], device=device)[None].expand(tokens.shape[0], -1)

@@ -98,13 +98,13 @@ def pad_batch(batch: dict, length: int, pad_id: int = 0) -> dict:
 
 
 def _local_attention_class():
-    from toolkit.sdpa_attention import SdpaAttention  # the local spec's (toolkit.model.layer_spec_module)
+    from toolkit.blocks.attention_sdpa import SdpaAttention  # the local spec's (toolkit.model.layer_spec_module)
 
     return SdpaAttention
 
 
 class ContextParallelAttention(torch.nn.Module):
-    """The local spec's attention (toolkit.sdpa_attention) over K/V gathered from the CP group, with the
+    """The local spec's attention (toolkit.blocks.attention_sdpa) over K/V gathered from the CP group, with the
     causal mask (and the layer's sliding window, where it has one) over global positions. Built by
     SelfAttention in place of DotProductAttention (same arguments)."""
 
@@ -152,7 +152,7 @@ def with_context_parallel_attention(spec):
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from toolkit.sdpa_attention import with_sdpa_core_attention
+    from toolkit.blocks.attention_sdpa import with_sdpa_core_attention
 
     if isinstance(spec, TransformerBlockSubmodules):
         return replace(spec, layer_specs=[with_context_parallel_attention(one) for one in spec.layer_specs])

@@ -13,7 +13,7 @@ accepting the two arguments and checking the value width.
    import in multi_latent_attention.py:54-62 takes for TE (HAVE_TE = True), and
    `isinstance(self.linear_proj, TELinear)` (:184-185) raises TypeError. While the model is built,
    that module is told what the extension found (HAVE_TE False).
-3. Without CUDA, YaRN cannot be built (toolkit/yarn.py): CpuYarnRotaryEmbedding while the model is built.
+3. Without CUDA, YaRN cannot be built (toolkit/blocks/rope_yarn.py): CpuYarnRotaryEmbedding while the model is built.
 4. At TP > 1 the local spec's down projections are column-parallel: MLASelfAttention gathers their latent
    (multi_latent_attention.py:594, 607), whose backward keeps this rank's columns of this rank's gradient
    (mappings.py:487). That gradient is partial where every rank uses the whole latent with its own heads:
@@ -69,7 +69,7 @@ def buildable_mla(config):
     from megatron.core.extensions import transformer_engine as te_extension
     from megatron.core.transformer import multi_latent_attention as mla
 
-    from toolkit.yarn import CpuYarnRotaryEmbedding
+    from toolkit.blocks.rope_yarn import CpuYarnRotaryEmbedding
 
     sum_latent_grads_over_tp()
     patches = {"HAVE_TE": mla.HAVE_TE and te_extension.HAVE_TE}

@@ -3,7 +3,7 @@
 YarnRotaryEmbedding.get_emb moves its inverse frequencies to `torch.cuda.current_device()` whatever
 the device (models/common/embeddings/yarn_rotary_pos_embedding.py:120-126), and its constructor calls
 it (through _set_cos_sin_cache), so MLASelfAttention with rope_type "yarn" cannot even be built where
-torch has no CUDA. There MLASelfAttention is given CpuYarnRotaryEmbedding (toolkit/mla_attention.py
+torch has no CUDA. There MLASelfAttention is given CpuYarnRotaryEmbedding (toolkit/blocks/attention_mla.py
 buildable_mla): megatron-core's class and its helper functions, with get_emb keeping the frequencies
 where they are. With CUDA, megatron-core's class is used unchanged.
 """

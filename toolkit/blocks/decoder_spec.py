@@ -22,7 +22,7 @@ the block spec that composes them from a family's `CustomLayer` choices (toolkit
   0.16.1 as in 0.19) per head, on the layers with RoPE only (HF builds Llama4TextL2Norm where use_rope): the
   block spec gives a NoPE layer (megatron-core's no_rope_freq) IdentityOp there instead.
 - Qwen3-Next's linear-attention layers: megatron-core's own GatedDeltaNet (ssm/gated_delta_net.py, its
-  `fla` kernels stood in by toolkit/runtime/gated_delta_rule.py where missing), with the input norm as
+  `fla` kernels stood in by toolkit/blocks/kernels/gated_delta_rule.py where missing), with the input norm as
   a layer of its own (the TE spec fuses it into in_proj, hence the checkpoint name) and its output norm
   a plain w, never (1 + w): HF's Qwen3NextRMSNormGated, unlike the model's other norms (GatedRMSNorm).
 """
