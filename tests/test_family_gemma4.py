@@ -22,7 +22,7 @@ from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.convert.metadata import CheckpointMeta
 from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
-from toolkit.blocks.decoder_spec import proportional_inv_freq
+from toolkit.blocks.rope_proportional import proportional_inv_freq
 from toolkit.megatron_settings import settings_for
 from toolkit.splits import Geometry, Split
 from toolkit.tinymodels import make_config, make_tiny_gemma4_multimodal, make_tiny_model
@@ -114,7 +114,7 @@ def test_keys_as_values_split_and_merge_back_exactly():
 
 
 def test_proportional_rope_frequencies_are_hfs_bit_for_bit():
-    """The global layers' inv_freq (toolkit/blocks/decoder_spec.py) against transformers' own proportional RoPE, for the tiny
+    """The global layers' inv_freq (toolkit/blocks/rope_proportional.py) against transformers' own proportional RoPE, for the tiny
     model's head (32, a quarter rotated) and the published one (512): equal bit for bit; megatron-core's
     partial rotary (rotary_percent: the exponent over the rotated dimensions only) is not."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding

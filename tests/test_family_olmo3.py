@@ -88,7 +88,7 @@ def test_a_windowed_layer_with_its_own_rope_takes_no_yarn_attention_factor():
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
         _yarn_get_concentration_factor_from_config)
 
-    from toolkit.blocks.decoder_spec import without_yarn
+    from toolkit.blocks.rope_yarn import without_yarn
     from toolkit.layouts import Layout
     from toolkit.model import transformer_config
 

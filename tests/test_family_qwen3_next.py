@@ -168,7 +168,7 @@ def test_gated_delta_net_in_proj_layout_is_megatron_cores():
 def test_gated_delta_nets_output_norm_is_plain_w_where_the_models_norms_are_one_plus_w():
     from types import SimpleNamespace
 
-    from toolkit.blocks.decoder_spec import GatedRMSNorm, RMSNorm
+    from toolkit.blocks.norms import GatedRMSNorm, RMSNorm
 
     config = SimpleNamespace(layernorm_zero_centered_gamma=True, use_cpu_initialization=True, params_dtype=torch.float32,
                              sequence_parallel=False)

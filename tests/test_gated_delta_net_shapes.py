@@ -103,7 +103,7 @@ def _megatron_output(config, shards: list[dict], x: torch.Tensor) -> torch.Tenso
     from megatron.core.transformer.spec_utils import build_module
 
     from toolkit.families import spec_from_config
-    from toolkit.blocks.decoder_spec import gated_delta_net_spec
+    from toolkit.blocks.mixer_gated_delta_net import gated_delta_net_spec
     from toolkit.layouts import Layout
     from toolkit.model import transformer_config
 

@@ -1,4 +1,4 @@
-"""LoRA on the families whose layers the toolkit builds itself (toolkit/blocks/decoder_spec.py): Gemma 3 and
+"""LoRA on the families whose layers the toolkit builds itself (toolkit/blocks/): Gemma 3 and
 OLMo 2 put a norm after o_proj and down_proj, and PEFT adds the adapter's delta to the linear's
 output before that norm. Megatron-core with the imported adapter at TP2 must give PeftModel's
 logits (tests/test_lora.py covers training; this covers where the delta enters)."""

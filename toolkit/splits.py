@@ -356,7 +356,7 @@ def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) 
 class FusedQK(FusedQKV):
     """Keys that are also the values (Gemma 4's attention_k_eq_v): q and k fused per query group,
     [q heads of group g; k_g] for each g, then split dim 0 as a contiguous chunk. The layer reuses
-    each group's k as its v (toolkit/blocks/decoder_spec.py KeyIsValueLinear)."""
+    each group's k as its v (toolkit/blocks/linears.py KeyIsValueLinear)."""
 
     name = "QK"
 

@@ -6,6 +6,9 @@ it (through _set_cos_sin_cache), so MLASelfAttention with rope_type "yarn" canno
 torch has no CUDA. There MLASelfAttention is given CpuYarnRotaryEmbedding (toolkit/blocks/attention_mla.py
 buildable_mla): megatron-core's class and its helper functions, with get_emb keeping the frequencies
 where they are. With CUDA, megatron-core's class is used unchanged.
+
+`without_yarn`: the config a layer with a plain RoPE of its own reads in a YaRN model (OLMo 3's
+sliding-window layers, toolkit/blocks/attention_self.py), so that it takes no YaRN attention factor.
 """
 
 from __future__ import annotations
@@ -28,3 +31,14 @@ class CpuYarnRotaryEmbedding(yarn.YarnRotaryEmbedding):
         positions = torch.arange(max_seq_len, device=device, dtype=self.inv_freq_extra.dtype) + offset
         emb = torch.cat((torch.outer(positions, inv_freq),) * 2, dim=-1)[:, None, None, :]
         return emb, yarn._yarn_get_concentration_factor(self.scaling_factor, self.mscale, self.mscale_all_dim)
+
+
+def without_yarn(config):
+    """A copy of `config` without the yarn_* attributes GPTModel's YaRN reads (toolkit/megatron_settings.py
+    config_attributes), so that megatron-core's _yarn_get_concentration_factor_from_config gives 1."""
+    import copy
+
+    plain = copy.copy(config)
+    for name in [n for n in vars(plain) if n.startswith("yarn_")]:
+        delattr(plain, name)
+    return plain

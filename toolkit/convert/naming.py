@@ -107,7 +107,7 @@ def attention_linears(names) -> tuple[str, ...]:
     return tuple(dict.fromkeys(m.group(1) for m in found if m))
 
 
-# and Gemma 4's dense MLP beside the experts in a MoE layer (toolkit/blocks/decoder_spec.py Gemma4MoELayer), keyed with them
+# and Gemma 4's dense MLP beside the experts in a MoE layer (toolkit/blocks/moe_layers.py Gemma4MoELayer), keyed with them
 _ATTENTION_LINEAR = re.compile(r"^(self_attention\.linear_\w+|mlp\.dense\.linear_fc\d)\.(weight|bias|layer_norm_weight)$")
 
 

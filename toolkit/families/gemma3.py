@@ -27,7 +27,7 @@ def layer_types(cfg: dict, family: str = "gemma3") -> list:
 
 
 def local_rope_theta(cfg: dict, family: str = "gemma3") -> float:
-    """The RoPE base of the sliding-window layers, which get a RoPE of their own (toolkit/blocks/decoder_spec.py layer_ropes)."""
+    """The RoPE base of the sliding-window layers, which get a RoPE of their own (toolkit/blocks/attention_self.py LayerRopeSelfAttention)."""
     local = cfg["rope_parameters"]["sliding_attention"]
     if local.get("rope_type", "default") != "default":
         raise ConversionError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r}: only the "

@@ -7,7 +7,7 @@ expresses it:
                                     layer on its own in torch_dist (hetereogenous_dist_checkpoint)
   global head_dim, KV heads         per_layer_config (from global_head_dim, num_global_key_value_heads):
                                     the global layers' SelfAttention built from a copy of the config with
-                                    kv_channels / num_query_groups of their own (toolkit/blocks/decoder_spec.py
+                                    kv_channels / num_query_groups of their own (toolkit/blocks/attention_self.py
                                     Gemma4SelfAttention); q/k/v fused per group as any layer (Split.GLOBAL_QKV)
   attention_k_eq_v                  global layers without v_proj: value = k_proj's output before k_norm and
                                     RoPE; linear_qkv holds [q; k] per group (Split.GLOBAL_QK) and repeats
@@ -64,7 +64,7 @@ def _norm(megatron: str, hf: str) -> object:
     return _moe(megatron + ".weight", L + hf + ".weight", Split.REPLICATED, ("hidden",))
 
 
-# enable_moe_block (the 26B-A4B): Gemma4MoELayer (toolkit/blocks/decoder_spec.py), its experts read from HF's fused tensors
+# enable_moe_block (the 26B-A4B): Gemma4MoELayer (toolkit/blocks/moe_layers.py), its experts read from HF's fused tensors
 MOE_ROWS = (
     _moe("router.weight", L + "router.proj.weight", Split.REPLICATED, ("experts", "hidden")),
     _moe("router.scale", L + "router.scale", Split.REPLICATED, ("hidden",)),

@@ -1,6 +1,6 @@
 """MiniMax-M2 / M2.1 / M2.5 / M2.7 (MiniMaxM2ForCausalLM, transformers 5.24 modeling_minimax_m2.py):
 OLMoE's attention (GQA, q/k RMSNorms over the whole q and the whole k projection, all heads at once:
-`q_norm` of width heads x head_dim, `k_norm` of kv_heads x head_dim, before RoPE; toolkit/blocks/decoder_spec.py
+`q_norm` of width heads x head_dim, `k_norm` of kv_heads x head_dim, before RoPE; toolkit/blocks/norms.py
 ProjectionRMSNorm) with RoPE on the first `rotary_dim` of each head (transformers reads the legacy
 `rotary_dim` as partial_rotary_factor = rotary_dim / head_dim: megatron-core's rotary_percent), and
 every layer a Mixture-of-Experts layer stored as Mixtral's (`block_sparse_moe.gate`, `experts.#.w1/w3/w2`)

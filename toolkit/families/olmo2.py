@@ -2,7 +2,7 @@
 ones on their outputs, before the residual add), and with q/k RMSNorms over the whole q and k
 projection (all heads at once, spanning TP ranks) instead of per head. Its norms are plain w, its
 MLP SwiGLU, its embeddings unscaled, one RoPE base and no window. The toolkit's block spec builds
-the layer (toolkit/blocks/decoder_spec.py: PostNormRowParallelLinear, ProjectionRMSNorm)."""
+the layer (toolkit/blocks: linears.py PostNormRowParallelLinear, norms.py ProjectionRMSNorm)."""
 
 from toolkit.families.gemma3 import GEMMA3
 from toolkit.families.llama import M, L

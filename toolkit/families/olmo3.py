@@ -6,7 +6,7 @@ layers only: Olmo3Config puts a file's rope_scaling into rope_parameters.full_at
 (convert_rope_params_to_dict), and the sliding layers keep the default RoPE of the same base.
 
   HF (transformers 5.24)                  megatron-core / the toolkit
-  q_norm / k_norm over q_proj / k_proj    ProjectionRMSNorm (toolkit/blocks/decoder_spec.py), as OLMo 2
+  q_norm / k_norm over q_proj / k_proj    ProjectionRMSNorm (toolkit/blocks/norms.py), as OLMo 2
   post_attention / post_feedforward norm  PostNormRowParallelLinear, as OLMo 2
   layer_types, sliding_window             window_size=(sliding_window - 1, 0), window_attn_skip_freq as a list
   rope_parameters.full_attention          GPTModel's RoPE: plain, or YaRN (position_embedding_type='yarn',

@@ -1,5 +1,5 @@
 """OLMoE: Llama's tensors with OLMo 2's q/k RMSNorms over the whole q and k projection (all heads,
-spanning TP ranks; toolkit/blocks/decoder_spec.py ProjectionRMSNorm) and routed experts of width
+spanning TP ranks; toolkit/blocks/norms.py ProjectionRMSNorm) and routed experts of width
 `intermediate_size` in place of the MLP; the norms before attention and the MLP are the usual
 pre-norms. Softmax over every expert, top-k, renormalised iff `norm_topk_prob` (HF
 OlmoeTopKRouter), as Qwen3-MoE. HF's clip_qkv clamps q, k and v, which megatron-core cannot."""

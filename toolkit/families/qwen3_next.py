@@ -16,13 +16,13 @@ as megatron-core 0.16.1 expresses it:
   the gated delta rule              `fla`'s chunk_gated_delta_rule and l2norm on q, k (:349-350, :382),
                                     toolkit/blocks/kernels/gated_delta_rule.py where `fla` is missing
   linear_attn.norm (gated)          GatedDeltaNet.out_norm times silu(z) (:412-421): w, not (1 + w), as
-                                    HF's Qwen3NextRMSNormGated (toolkit/blocks/decoder_spec.py GatedRMSNorm)
+                                    HF's Qwen3NextRMSNormGated (toolkit/blocks/norms.py GatedRMSNorm)
   linear_attn.out_proj              GatedDeltaNet.out_proj
   self_attn.q_proj (2 x heads)      attention_output_gate: linear_qkv holds per query group [q; gate; k; v]
                                     (attention.py:1390-1430), output times sigmoid(gate) (:1218-1224)
                                     (Split.GATED_QKV re-lays HF's per-head [q_h; gate_h] out)
   q_norm, k_norm                    qk_layernorm, per head
-  every other RMSNorm (1 + w)       layernorm_zero_centered_gamma (toolkit/blocks/decoder_spec.py RMSNorm), HF's w stored
+  every other RMSNorm (1 + w)       layernorm_zero_centered_gamma (toolkit/blocks/norms.py RMSNorm), HF's w stored
   partial_rotary_factor             rotary_percent
   mlp (router, experts, shared      Qwen2-MoE's rows: softmax top-k renormalised iff norm_topk_prob,
   expert and its gate)              SharedExpertMLP with moe_shared_expert_gate; mlp_only_layers /

@@ -146,7 +146,8 @@ class CustomLayer:
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden), cast to the weight dtype as HF does
     # Gemma 4: global layers (ModelSpec.linear_layers "2") with their own head size, KV heads and RoPE,
     # keys as values there where attention_k_eq_v, a scale-free RMSNorm on the values, the layer's output
-    # times its stored layer_scalar (toolkit/blocks/decoder_spec.py Gemma4SelfAttention, ScaledTransformerLayer)
+    # times its stored layer_scalar (toolkit/blocks/attention_self.py Gemma4SelfAttention,
+    # toolkit/blocks/decoder_spec.py ScaledTransformerLayer)
     gemma4: bool = False
 
 

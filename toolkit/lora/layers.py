@@ -57,7 +57,7 @@ class LoraLinear(torch.nn.Module):
         if self.reference_mode and self.starting is None:  # the adapter disabled: the base model
             return self.base(x, *args, **kwargs)
         post_norm = getattr(self.base, "post_layernorm", None)
-        if post_norm is not None:  # Gemma 3 / OLMo 2 (toolkit/blocks/decoder_spec.py): the delta enters before the norm
+        if post_norm is not None:  # Gemma 3 / OLMo 2 (toolkit/blocks/linears.py): the delta enters before the norm
             return post_norm(self.add_delta(self.base.forward_before_norm(x), self.dropout(x))), None
         if getattr(self.base, "keys_as_values", False):  # Gemma 4's global linear_qkv: the delta on [q; k], then v = k
             out, bias = self.base.forward_qk(x, *args, **kwargs)
