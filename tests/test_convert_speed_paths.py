@@ -26,7 +26,7 @@ from toolkit.convert.stages import stage_tensors
 from toolkit.families import spec_from_config
 from toolkit.layouts import Layout
 from toolkit.megatron_settings import megatron_args
-from toolkit.splits import build_shard
+from toolkit.splits.kinds import build_shard
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
 from toolkit.blocks.rope_proportional import proportional_inv_freq
 from toolkit.megatron_settings import settings_for
-from toolkit.splits import Geometry, Split
+from toolkit.splits import Split
+from toolkit.splits.kinds import Geometry
 from toolkit.tinymodels import make_config, make_tiny_gemma4_multimodal, make_tiny_model
 
 TEXT, MOE = "gemma4", "gemma4-moe"

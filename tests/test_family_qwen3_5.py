@@ -37,7 +37,8 @@ from toolkit.convert.metadata import CheckpointMeta
 from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
-from toolkit.splits import Geometry, Split
+from toolkit.splits import Split
+from toolkit.splits.kinds import Geometry
 from toolkit.tinymodels import make_config, make_tiny_model, make_tiny_qwen3_5_multimodal
 
 DENSE, MOE = "qwen3.5", "qwen3.5-moe"

@@ -28,7 +28,8 @@ from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.errors import ConversionError
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
-from toolkit.splits import Geometry, Split
+from toolkit.splits import Split
+from toolkit.splits.kinds import Geometry
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANT = "qwen3-next"

@@ -143,7 +143,7 @@ def test_export_at_tp2_pp2_equals_the_trained_model_and_matches_megatron_logits(
 
     from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
     from toolkit.convert.parity import verify_many
-    from toolkit.splits import merge_shards
+    from toolkit.splits.kinds import merge_shards
 
     hf, mc, data = model_and_data
     launch(4, recipe(tmp_path, mc, data, parallel={"tp": 2, "pp": 2, "zero_stage": 1}, steps=4, export_hf=True))

@@ -62,7 +62,7 @@ def _shards(config, layer, tp: int, guard: str | None) -> list[dict[str, torch.T
     from toolkit.convert.stages import TensorSource, stage_rows
     from toolkit.families import spec_from_config
     from toolkit.layouts import Layout
-    from toolkit.splits import build_shard
+    from toolkit.splits.kinds import build_shard
 
     family, spec = spec_from_config(config.to_dict())
     layout = Layout(tp)

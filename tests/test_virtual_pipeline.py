@@ -41,7 +41,7 @@ def test_pp2_vpp2_matches_reference_resumes_exactly_and_exports_the_trained_chun
     read chunk by chunk here."""
     from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
     from toolkit.convert.naming import to_canonical
-    from toolkit.splits import merge_shards
+    from toolkit.splits.kinds import merge_shards
 
     metrics = compare_with_reference(setup, tmp_path, 2, "tied", parallel=PP2_VPP2, save_every=5, export_hf=True)
     run = tmp_path / "run"

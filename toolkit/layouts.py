@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import ConversionError
 from toolkit.families.spec import ModelSpec
-from toolkit.splits import Geometry
+from toolkit.splits.kinds import Geometry
 
 # Megatron-LM's default: pad the vocab to a multiple of 128 * TP (arguments.py).
 DEFAULT_VOCAB_DIVISOR = 128

@@ -21,5 +21,5 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     kernels/                  CPU kernels           plain torch for the GPU kernels megatron-core imports (see there)
 
 No module here imports toolkit/model.py or the trainer; they import these. How tensors are laid out over TP
-ranks for conversion is not a block: toolkit/splits.py.
+ranks for conversion is not a block: toolkit/splits/.
 """

@@ -14,7 +14,7 @@ from toolkit.convert.stages import row_instances, stage_megatron_shapes
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
-from toolkit.splits import megatron_shape
+from toolkit.splits.kinds import megatron_shape
 
 EDITED_HINT = "the checkpoint was edited or mixed with another one; convert again from the HF model"
 

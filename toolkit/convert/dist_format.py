@@ -128,7 +128,7 @@ def row_key(row, layer: int | None, stacked: bool) -> str:
 def dist_parts(split, shape: tuple[int, ...], geo) -> list[tuple[str, int, int]]:
     """(key suffix, first row, rows) of each tensor megatron-core's torch_dist stores a TP=1 tensor of
     `shape` as: itself (suffix ""), or its parts each under `<key>.<part>` where the split kind names them
-    (`dist_names`: Qwen3-Next's gated delta net in_proj and conv1d, toolkit/gated_delta_splits.py)."""
+    (`dist_names`: Qwen3-Next's gated delta net in_proj and conv1d, toolkit/splits/gated_delta.py)."""
     suffixes = dist_suffixes(split)
     if suffixes == [""]:
         return [("", 0, shape[0])]

@@ -32,7 +32,7 @@ from toolkit.convert.metadata import (
 from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import Layout
-from toolkit.splits import merge_shards
+from toolkit.splits.kinds import merge_shards
 
 OPTIMIZER_PREFIX = "optimizer."  # megatron-core's DistributedOptimizer / optimizer keys in torch_dist
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")

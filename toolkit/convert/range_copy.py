@@ -1,6 +1,6 @@
 """Copy a shard's bytes file to file, without building the tensor in memory.
 
-Where a split kind describes a shard as row pieces of HF tensors (toolkit.splits.RowPiece), the
+Where a split kind describes a shard as row pieces of HF tensors (toolkit.splits.kinds.RowPiece), the
 shard is a list of byte ranges of the safetensors files. No dtype cast happens on conversion, so
 the bytes are the tensor's bytes. Each range is copied one of two ways:
 
@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from toolkit.splits import Geometry, RowPiece, SplitKind, build_shard
+from toolkit.splits.kinds import Geometry, RowPiece, SplitKind, build_shard
 
 # Below MIN_KERNEL_COPY_BYTES, a range is one of many (a row-parallel split copies each row's column
 # slice), and a system call per range costs more than it saves (16 us per 8 KiB copy_file_range

@@ -3,7 +3,7 @@ shard copied piece by piece from the stored shards (memory-mapped) into one new 
 holds the shard being built and nothing else, never a merged global tensor (`ckpt reshard`'s bound).
 
 Which ranges of the TP=1 tensor each shard holds, for the old TP size and the new, is the split
-kind's rule (toolkit.splits `segments`); the stored stage and EP rank of a layer and an expert,
+kind's rule (toolkit.splits.kinds `segments`); the stored stage and EP rank of a layer and an expert,
 and the rank-local numbers they have there, follow from the old layout.
 """
 
@@ -19,7 +19,7 @@ from toolkit.convert.megatron_checkpoint import MegatronCheckpoint
 from toolkit.convert.stages import on_stage, stage_megatron_shapes, stage_rows
 from toolkit.families.table import Row
 from toolkit.layouts import Layout
-from toolkit.splits import Geometry, SplitKind
+from toolkit.splits.kinds import Geometry, SplitKind
 
 
 def reslice(split: SplitKind, shards: list[torch.Tensor], tp: int, rank: int, geo: Geometry) -> torch.Tensor:

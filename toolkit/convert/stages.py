@@ -12,7 +12,7 @@ import torch
 from toolkit.families import Family, ModelSpec
 from toolkit.families.table import Row
 from toolkit.layouts import Layout
-from toolkit.splits import build_shard, megatron_shape
+from toolkit.splits.kinds import build_shard, megatron_shape
 
 
 def on_stage(row: Row, stage: int, pp: int) -> bool:
@@ -94,7 +94,7 @@ def stage_tensors(src, family: Family, spec: ModelSpec, layout: Layout, tp_rank:
 
 
 class TensorSource:
-    """A Source (see toolkit.splits) over tensors already in memory."""
+    """A Source (see toolkit.splits.kinds) over tensors already in memory."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors

@@ -39,7 +39,7 @@ from toolkit.errors import ConversionError
 from toolkit.families import Family, ModelSpec
 from toolkit.layouts import DEFAULT_VOCAB_DIVISOR, Layout
 from toolkit.megatron_settings import megatron_args
-from toolkit.splits import build_shard, megatron_shape
+from toolkit.splits.kinds import build_shard, megatron_shape
 
 # Rank files written at once, each with its own hashing thread (HFCheckpoint reads are thread-safe:
 # each opens its file); two, as the machine has 2 cores.

@@ -8,7 +8,7 @@ as megatron-core 0.16.1 expresses it:
                                     per layer in torch_dist (transformer_block.py:836-840)
   linear_attn.in_proj_qkvz, _ba     GatedDeltaNet.in_proj [q; k; v; z; beta; alpha] (gated_delta_net.py:
                                     140-156, :289-298), re-laid out from HF's per-key-head groups
-                                    (Split.GDN_IN_PROJ, toolkit/gated_delta_splits.py)
+                                    (Split.GDN_IN_PROJ, toolkit/splits/gated_delta.py)
   linear_attn.conv1d                GatedDeltaNet.conv1d, silu after (:161-174, :326-327); per TP rank its
                                     q, k and v channels (Split.GDN_CONV)
   linear_attn.dt_bias, A_log        GatedDeltaNet.dt_bias, A_log: g = -exp(A_log) softplus(a + dt_bias),

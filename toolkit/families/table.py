@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from toolkit.families.router import Router
-from toolkit.splits import SplitKind
+from toolkit.splits.kinds import SplitKind
 
 EXPERT = "#"
 

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from toolkit.splits import Geometry, SplitKind
+from toolkit.splits.kinds import Geometry, SplitKind
 
 
 class _IndexSource:

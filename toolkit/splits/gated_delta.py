@@ -1,4 +1,4 @@
-"""Qwen3-Next's tensors whose HF layout differs from megatron-core's (toolkit/splits.py names the kinds).
+"""Qwen3-Next's tensors whose HF layout differs from megatron-core's (toolkit/splits/__init__.py names the kinds).
 
 Each is a re-layout of the HF tensors into the TP=1 megatron tensor (`to_megatron`, and back:
 `to_hf`), then a list of parts that tensor-parallel ranks split each on its own (`parts`): rank r
@@ -22,7 +22,7 @@ holds the r-th chunk of every part, in part order.
 
 from __future__ import annotations
 
-from toolkit.splits import ColumnSplit, Geometry, chunk_range
+from toolkit.splits.kinds import ColumnSplit, Geometry, chunk_range
 
 
 class _Relaid(ColumnSplit):

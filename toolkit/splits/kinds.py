@@ -1,21 +1,5 @@
-"""How one megatron-core tensor is built from HF tensors and split across tensor-parallel ranks.
-
-This is the one place that knows the layouts; both conversion directions and the tests use it.
-Each split kind is one class holding its three rules (build a rank's shard, merge the shards
-back, the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_up) is one class:
-
-    COLUMN      split dim 0 (ColumnParallelLinear output rows)
-    ROW         split dim 1 (RowParallelLinear input columns)
-    REPLICATED  every rank holds the whole tensor (norms)
-    VOCAB       rows padded with zeros to the padded vocab, then split dim 0
-    QKV         q, k, v fused per query group: [q heads of group g; k_g; v_g] for each g,
-                then split dim 0 as a contiguous chunk. When TP > groups, a rank holds part of one
-                group; megatron-core all-gathers and re-slices (attention.py, num_query_groups < TP).
-    GATE_UP     [gate; up] fused, but per TP rank: rank r holds [gate_r; up_r], which is not a
-                contiguous chunk of the TP=1 tensor.
-    HF_QKV      QKV from one HF tensor [q; k; v] (Phi-3's qkv_proj)
-    HF_GATE_UP  GATE_UP from one HF tensor [gate; up] (Phi-3's gate_up_proj)
-    UNSPLIT_*   that kind's whole tensor on every TP rank (experts at expert TP 1)
+"""The split kinds: how one megatron-core tensor is built from HF tensors and split across
+tensor-parallel ranks, each kind one class holding its rules (toolkit/splits/__init__.py lists them).
 
 A source is anything with `shape(name)` and `read(name, rows=slice|None, cols=slice|None)`, so a
 rank's shard is read straight from the HF file without loading the whole tensor.
@@ -461,30 +445,6 @@ class Unsplit(SplitKind):
         return self.inner.resized(size, geo)
 
 
-class Split:
-    """The split kinds the family tables name (one instance of each class)."""
-
-    COLUMN = ColumnSplit()
-    ROW = RowSplit()
-    REPLICATED = Replicated()
-    VOCAB = VocabSplit()
-    QKV = FusedQKV()
-    GATE_UP = FusedGateUp()
-    HF_QKV = HFFusedQKV()
-    HF_GATE_UP = HFFusedGateUp()
-    UNSPLIT_GATE_UP = Unsplit(GATE_UP)
-    UNSPLIT_ROW = Unsplit(ROW)
-    # Gemma 4's global layers: q, k, v with their own head size and KV heads; q, k alone where k is v
-    GLOBAL_QKV = GlobalLayer(QKV)
-    GLOBAL_QK = GlobalLayer(FusedQK())
-    # Qwen3-Next (toolkit/gated_delta_splits.py), set below: the output-gated attention's q/gate/k/v,
-    # the gated delta net's input projection and its causal conv
-    GATED_QKV: SplitKind
-    GDN_IN_PROJ: SplitKind
-    GDN_IN_PROJ_CAT: SplitKind  # Qwen3.5's four in_proj_* tensors, in megatron-core's order already
-    GDN_CONV: SplitKind
-
-
 def build_shard(split: SplitKind, src: Source, names: Sequence[str], tp: int, rank: int, geo: Geometry) -> torch.Tensor:
     """The megatron tensor held by TP rank `rank` of `tp`, as a tensor owning exactly its bytes."""
     return _compact(split.build(src, names, tp, rank, geo))
@@ -506,13 +466,3 @@ def merge_shards(split: SplitKind, shards: Sequence[torch.Tensor], geo: Geometry
 
 def megatron_shape(split: SplitKind, hf_shapes: Sequence[tuple[int, ...]], geo: Geometry, tp: int = 1) -> tuple[int, ...]:
     return split.shape(hf_shapes, geo, tp)
-
-
-def _register_gated_delta_splits() -> None:
-    from toolkit import gated_delta_splits as g
-
-    Split.GATED_QKV, Split.GDN_IN_PROJ, Split.GDN_CONV = g.GatedQKV(), g.GDNInProj(), g.GDNConv()
-    Split.GDN_IN_PROJ_CAT = g.GDNInProjCat()
-
-
-_register_gated_delta_splits()
