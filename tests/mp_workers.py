@@ -172,6 +172,11 @@ def lora_logits(checkpoint: str, tokens, cases: list[dict]) -> list[tuple]:
     return out
 
 
+def lora_logits_of_each(jobs: list[tuple]) -> list[list[tuple]]:
+    """lora_logits for each (checkpoint, tokens, cases) of `jobs`, in one launch."""
+    return [lora_logits(checkpoint, tokens, cases) for checkpoint, tokens, cases in jobs]
+
+
 def _lora_case(checkpoint: str, tokens, adapter_dir: str, export_dir: str | None, swap_query_groups: bool,
                fresh: bool):
     import torch

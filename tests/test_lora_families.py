@@ -1,7 +1,9 @@
-"""LoRA on the families whose layers the toolkit builds itself (toolkit/blocks/): Gemma 3 and
-OLMo 2 put a norm after o_proj and down_proj, and PEFT adds the adapter's delta to the linear's
-output before that norm. Megatron-core with the imported adapter at TP2 must give PeftModel's
-logits (tests/test_lora.py covers training; this covers where the delta enters)."""
+"""LoRA on each family against HF PEFT where the delta enters: megatron-core with an imported adapter
+at TP2 must give PeftModel's logits, and export the adapter back as PEFT saved it. Gemma 3 and OLMo 2
+put a norm after o_proj and down_proj, and PEFT adds the adapter's delta to the linear's output
+before that norm; the 2026 families bring their own layers (Gemma 4's shared [q; k], Qwen3.5's gated
+delta net in_proj, Mistral 4's multi-latent attention). tests/test_lora.py covers training;
+tests/test_lora_moe.py the experts at EP."""
 
 from __future__ import annotations
 
@@ -10,27 +12,62 @@ import pytest
 import torch
 
 from tests.finetune_harness import write_peft_adapter
-from tests.test_lora import held_out_tokens, peft_logits
+from tests.test_lora import adapter_tensors, held_out_tokens, peft_logits
 from toolkit.convert import hf_to_megatron
 
 LOGIT_TOLERANCE = 1e-4  # fp32
 
 
+# variant -> the adapter's target_modules: every Linear of the dense families; the attention (and the gated
+# delta net's in_proj) of the Mixture-of-Experts ones, whose experts take LoRA at EP only (tests/test_lora_moe.py)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+FAMILIES = {
+    "gemma3": "all-linear", "olmo2": "all-linear",  # a norm after o_proj and down_proj: the delta enters before it
+    "gemma4": "all-linear",  # and its global layers' [q; k]
+    "olmo3": "all-linear", "smollm3": "all-linear", "ministral3": "all-linear",
+    "qwen3.5": "all-linear",  # the four in_proj_* Linears onto megatron-core's one in_proj
+    "mistral4": MLA, "minimax-m2": ATTENTION,
+    "llama4": [*ATTENTION, "gate_proj", "up_proj", "down_proj"],  # its dense layers' MLPs and the shared experts
+}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["gemma3", "olmo2", "gemma4"])  # gemma4: its global layers' [q; k] too
-def test_post_norm_families_with_an_adapter_give_peft_logits_at_tp2(tmp_path, variant):
+def test_families_with_an_adapter_give_peft_logits_at_tp2_and_export_it_back_as_peft_saved_it(tmp_path):
+    """One launch for every family: its tiny model converted, an adapter PEFT saved (B non-zero) imported
+    at TP2, the logits against PeftModel.from_pretrained's, and the adapter exported back untouched
+    (import -> 0 steps -> export) with PEFT's tensors, loading in PeftModel.from_pretrained."""
     from toolkit.runtime.launch import run_on_processes
     from toolkit.tinymodels import make_tiny_model
 
-    hf = make_tiny_model(variant, tmp_path / "hf", dtype="float32", vocab_size=250)
-    megatron = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False)
-    adapter = write_peft_adapter(hf, tmp_path / "adapter", "all-linear", r=4, alpha=8.0)
-    tokens = held_out_tokens()
-    [(ours, _)], _ = run_on_processes("tests.mp_workers:lora_logits", 2, str(megatron), tokens,
-                                      [{"adapter": str(adapter), "tp": 2}])
-    worst = float((torch.tensor(ours) - peft_logits(hf, adapter, tokens)).abs().max())
-    print(f"{variant}: max |logit difference| vs PeftModel.from_pretrained: {worst:.2e}")
-    assert worst < LOGIT_TOLERANCE, worst
+    tokens, jobs, dirs = held_out_tokens(), [], {}
+    for variant, targets in FAMILIES.items():
+        hf = make_tiny_model(variant, tmp_path / variant / "hf", dtype="float32", vocab_size=250)
+        megatron = hf_to_megatron(hf, tmp_path / variant / "mc", fmt="torch_dist", progress=False)
+        adapter = write_peft_adapter(hf, tmp_path / variant / "adapter", targets, r=4, alpha=8.0)
+        exported = tmp_path / variant / "exported"
+        jobs.append((str(megatron), tokens, [{"adapter": str(adapter), "tp": 2, "export": str(exported)}]))
+        dirs[variant] = hf, adapter, exported
+    results, _ = run_on_processes("tests.mp_workers:lora_logits_of_each", 2, jobs)
+    worst, moved = {}, {}
+    for (variant, (hf, adapter, exported)), [(ours, _)] in zip(dirs.items(), results):
+        theirs = peft_logits(hf, adapter, tokens)
+        worst[variant] = float((torch.tensor(ours) - theirs).abs().max())
+        moved[variant] = float((base_logits(hf, tokens) - theirs).abs().max())  # the guard: what a dropped adapter misses
+        theirs, back = adapter_tensors(adapter), adapter_tensors(exported)
+        assert back.keys() == theirs.keys() and all(torch.equal(back[k], theirs[k]) for k in theirs), variant
+        assert torch.equal(peft_logits(hf, exported, tokens), peft_logits(hf, adapter, tokens)), variant
+    print("max |logit difference| vs PeftModel.from_pretrained at TP2 (the adapter's own effect): "
+          + ", ".join(f"{v} {w:.1e} ({moved[v]:.1e})" for v, w in worst.items()))
+    assert max(worst.values()) < LOGIT_TOLERANCE, worst
+    assert min(moved.values()) > 100 * LOGIT_TOLERANCE, moved
+
+
+def base_logits(hf_dir, tokens):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(input_ids=torch.tensor(tokens)).logits
 
 
 REFUSED = {
