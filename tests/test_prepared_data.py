@@ -231,6 +231,35 @@ def test_the_process_pool_gives_the_one_process_result(files, tmp_path, kind):
         list(tokenize(records(Source(str(bad)), opts.columns, tmp_path), tok, opts, "sft", 2, 2))
 
 
+ABANDONING = """
+import faulthandler, json, sys
+from pathlib import Path
+from toolkit.tinymodels import build_tokenizer
+from toolkit.train.data import ReadOptions
+from toolkit.train.data_sources import Source, records
+from toolkit.train.tokenize_pool import tokenize
+
+path, tok, opts = Path(sys.argv[1]), build_tokenizer(), ReadOptions(17)
+path.write_text("".join(json.dumps({"text": "0123456789" * 3}) + "\\n" for _ in range(5000)))
+for i in range(100):
+    faulthandler.dump_traceback_later(30, exit=True)  # a close that hangs: the stacks, exit code 1
+    chunks = tokenize(records(Source(str(path)), opts.columns, path.parent), tok, opts, "sft", 2, 64)
+    for _ in range(1 + i % 5):
+        next(chunks)
+    chunks.close()
+    faulthandler.cancel_dump_traceback_later()
+"""
+
+
+def test_a_pool_abandoned_mid_stream_shuts_down_every_time(tmp_path):
+    """A full disk or a refusal stops the reader while chunks are in flight: the pool must shut down.
+    multiprocessing.Pool.terminate() hung there within 24-27 abandoned pools (its task handler
+    waiting for the task queue's lock; seen hanging the full-disk test below for 13 minutes)."""
+    done = subprocess.run([sys.executable, "-c", ABANDONING, str(tmp_path / "d.jsonl")], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_cache(tmp_path, small_fs):
     """Short rows first, so that the projection from the first chunk fits and the disk fills later."""
     fs = small_fs("256k")

@@ -5,6 +5,11 @@ The records are read in order by this process and dealt out in chunks; the chunk
 order, so samples, counts and the first refusal are those of a read in one process. The workers
 are forked, inheriting the tokenizer (a fast tokenizer's Rust threads are turned off in them: the
 processes are the parallelism). A source of one chunk is tokenized here, without a pool.
+
+The workers are a concurrent.futures process pool, shut down without killing them when the reader
+stops early (a full disk, a refusal): multiprocessing.Pool.terminate() deadlocked there, its task
+handler waiting for the task queue's lock while the main thread joined it (Python 3.12; seen as
+tests/test_prepared_data.py's full-disk test hanging, and reproduced by abandoning pools in a loop).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import itertools
 import multiprocessing
 import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,24 +95,23 @@ def tokenize(named: Iterable, tokenizer, opts: ReadOptions, method: str, num_pro
         return
     global _work
     _work = (tokenizer, opts, method)
-    pool = multiprocessing.get_context("fork").Pool(num_proc, initializer=_worker_start)
+    pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start)
     try:
-        yield from _raising(_bounded_imap(pool, itertools.chain(first, chunks), IN_FLIGHT_PER_PROCESS * num_proc))
+        yield from _raising(_bounded_map(pool, itertools.chain(first, chunks), IN_FLIGHT_PER_PROCESS * num_proc))
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)  # the chunks already running take milliseconds
         _work = None
 
 
-def _bounded_imap(pool, chunks: Iterator[list], window: int) -> Iterator[Chunk]:
-    """pool.imap with at most `window` chunks read ahead (imap itself reads its whole input at once)."""
+def _bounded_map(pool: ProcessPoolExecutor, chunks: Iterator[list], window: int) -> Iterator[Chunk]:
+    """pool.map in order with at most `window` chunks read ahead (map itself reads its whole input at once)."""
     pending = collections.deque()
     for chunk in chunks:
-        pending.append(pool.apply_async(_worker_chunk, (chunk,)))
+        pending.append(pool.submit(_worker_chunk, chunk))
         if len(pending) >= window:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
     while pending:
-        yield pending.popleft().get()
+        yield pending.popleft().result()
 
 
 def _raising(results: Iterable[Chunk]) -> Iterator[Chunk]:
