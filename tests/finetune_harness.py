@@ -102,6 +102,51 @@ def launcher_command(nprocs: int, launcher: str) -> list[str]:
     return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port())]
 
 
+class ForkServer:
+    """tests/forkrun.py --serve, started at the first launch of this test process: each later launch
+    forks its ranks from libraries imported once (about 4 s of CPU a launch less), not again per launch."""
+
+    def __init__(self):
+        self.proc = self.path = None
+
+    def run(self, nprocs: int, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import socket
+        import tempfile
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        with tempfile.TemporaryDirectory() as out:
+            stdout, stderr = Path(out) / "stdout", Path(out) / "stderr"
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.path)
+                conn.settimeout(timeout)
+                stream = conn.makefile("rw")
+                stream.write(json.dumps({"nprocs": nprocs, "script": argv[0], "args": argv[1:], "env": env,
+                                         "cwd": os.getcwd(), "stdout": str(stdout), "stderr": str(stderr)}) + "\n")
+                stream.flush()
+                pid = json.loads(stream.readline())["pid"]
+                try:
+                    code = json.loads(stream.readline())["code"]
+                except (TimeoutError, socket.timeout):
+                    os.killpg(pid, signal.SIGKILL)
+                    raise subprocess.TimeoutExpired(argv, timeout) from None
+            return subprocess.CompletedProcess(argv, code, stdout.read_text(errors="replace"),
+                                               stderr.read_text(errors="replace"))
+
+    def _start(self) -> None:
+        import atexit
+        import tempfile
+
+        self.path = str(Path(tempfile.mkdtemp(prefix="forkrun-")) / "socket")
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkrun.py"), "--serve", self.path],
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready", "tests/forkrun.py --serve did not start"
+        atexit.register(self.proc.kill)
+
+
+FORK_SERVER = ForkServer()
+
+
 def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = None, wait: bool = True,
            launcher: str | None = None, expect_failure: bool = False, script: Path = RECIPE):
     """`script`: the recipe, or a test's wrapper that patches something and then runs it."""
@@ -113,7 +158,10 @@ def launch(nprocs: int, recipe_path: Path, *overrides: str, env: dict | None = N
     if not wait:
         return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-    result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900)
+    if launcher == "fork" and "PYTHONPATH" not in (env or {}):  # another PYTHONPATH: other libraries to import
+        result = FORK_SERVER.run(nprocs, [str(script), "--config", str(recipe_path), *overrides], full_env, timeout=900)
+    else:
+        result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900)
     if expect_failure:
         assert result.returncode != 0, result.stdout[-4000:]
     else:

@@ -12,14 +12,25 @@ before the fork; with CUDA present the tests use torchrun instead (tests/finetun
 
 The tests about launching itself (torchrun, DeepSpeed's launcher, signals, SIGKILL and requeue)
 use the real launchers; this one only removes repeated start-up cost from the others.
+
+    python tests/forkrun.py --serve SOCKET
+
+serves launches instead: it imports once for every launch of a test process (tests/finetune_harness.py
+starts one per pytest worker), and per request forks a launcher that takes the request's working
+directory, environment and output files, then forks the ranks as above. The parent never runs a
+rank's code, so each launch starts from the same freshly imported state. One request at a time
+(JSON lines over a Unix socket): {"nprocs", "script", "args", "env", "cwd", "stdout", "stderr"},
+answered with {"pid"} (the launcher's, which leads its own process group), then {"code"}.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -74,9 +85,8 @@ def stop(pids: dict[int, int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def main() -> int:
-    nprocs, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    preload()
+def launch_ranks(nprocs: int, script: str, args: list[str]) -> int:
+    """Fork the ranks of `script` (libraries already imported) and wait for them, as torchrun does."""
     from toolkit.runtime.launch import free_port
 
     port = int(os.environ.get(PORT_ENV) or free_port())  # a test may ask for a port a killed run held
@@ -98,5 +108,65 @@ def main() -> int:
     return 0
 
 
+def main() -> int:
+    nprocs, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    preload()
+    return launch_ranks(nprocs, script, args)
+
+
+def serve(path: str) -> None:
+    preload()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        with conn, conn.makefile("rw") as stream:
+            request = json.loads(stream.readline())
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                os._exit(_launcher(request))
+            stream.write(json.dumps({"pid": pid}) + "\n")
+            stream.flush()
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            stream.write(json.dumps({"code": code if code >= 0 else 128 - code}) + "\n")
+
+
+def _state_the_last_launch_removed() -> None:
+    """What an import made once and a launch's ranks remove at their exit, made again: W&B's media
+    directory (without it a later launch's table failed: No such file ... wandb-media/....table.json)."""
+    media = sys.modules.get("wandb.sdk.data_types._private")
+    if media is not None:
+        os.makedirs(media.MEDIA_TMP.name, exist_ok=True)
+
+
+def _launcher(request: dict) -> int:
+    """In the forked launcher: the request's directory, environment and output, then the ranks."""
+    try:
+        os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            out = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        _state_the_last_launch_removed()
+        code = launch_ranks(request["nprocs"], request["script"], request["args"])
+    except Exception:  # noqa: BLE001 - the launch's failure, told as a launcher would (a rank's SystemExit
+        # passes: it leaves through the interpreter, as the ranks of main() do)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    else:
+        raise SystemExit(main())
