@@ -76,7 +76,7 @@ def test_gpu_recipe_is_planned_priced_and_rendered(name, tmp_path):
 
 def test_a_gpu_job_keeping_the_tiny_cpu_examples_values_is_refused_in_one_line(tmp_path):
     """Old code rendered recipes/tiny-cpu.yaml for 2 x 8 GPUs with its quick-start data, run_dir and lr 3e-3."""
-    from toolkit.slurm import SlurmError
+    from toolkit.errors import SlurmError
     from toolkit.slurm.render import Resources, SlurmJob, render
 
     example = str(ROOT / "recipes" / "tiny-cpu.yaml")

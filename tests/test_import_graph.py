@@ -51,8 +51,6 @@ KNOWN_CYCLES = {
     frozenset({"toolkit.train.build", "toolkit.train.prepare_data"}),
     # quickstart runs quickstart_lora's LoRA step, which reuses quickstart's launch_recipe (inside functions)
     frozenset({"toolkit.quickstart", "toolkit.quickstart_lora"}),
-    # at module level: toolkit/slurm/__init__.py defines SlurmError before it imports render, which imports it
-    frozenset({"toolkit.slurm", "toolkit.slurm.render"}),
 }
 
 

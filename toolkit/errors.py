@@ -31,5 +31,9 @@ class AdapterError(ToolkitError):
     """A LoRA adapter cannot be built, loaded or exported as asked."""
 
 
+class SlurmError(ToolkitError):
+    """A Slurm job cannot be rendered, submitted or inspected as asked."""
+
+
 class ParityError(ToolkitError):
     """`toolkit parity` cannot run as asked: input it does not read, a model that does not fit, a run that failed."""

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from tests.slurm.conftest import REPO, toolkit
-from toolkit.slurm import Launch, Preemption, Resources, SlurmError, SlurmJob, WandbSettings, render
+from toolkit.errors import SlurmError
+from toolkit.slurm import Launch, Preemption, Resources, SlurmJob, WandbSettings, render
 from toolkit.slurm.render import parse_time, write
 
 EXAMPLES = sorted((REPO / "slurm").glob("*.sbatch"))

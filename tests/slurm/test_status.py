@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.slurm import SlurmError
+from toolkit.errors import SlurmError
 from toolkit.slurm.status import parse_sacct, parse_scontrol, status
 
 # Recorded from Slurm 22.05.8 (`scontrol show job -o`), with a work directory holding spaces.

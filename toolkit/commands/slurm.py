@@ -93,7 +93,7 @@ def job_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def job_from_args(args):
-    from toolkit.slurm import SlurmError
+    from toolkit.errors import SlurmError
     from toolkit.slurm.render import DEFAULT_SCRIPT, Launch, Preemption, Resources, SlurmJob, WandbSettings
 
     if args.cpu == (args.gpus_per_node is not None):

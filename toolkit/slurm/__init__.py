@@ -9,16 +9,9 @@ Importing this package is cheap (no torch); rendering reads the recipe YAML to c
 
 from __future__ import annotations
 
-from toolkit.errors import ToolkitError
+from toolkit.slurm.render import Launch, Preemption, Resources, SlurmJob, WandbSettings, render
+from toolkit.slurm.status import JobStatus, status
+from toolkit.slurm.submit import Submission, submit
 
-
-class SlurmError(ToolkitError):
-    """A job cannot be rendered, submitted or inspected as asked."""
-
-
-from toolkit.slurm.render import Launch, Preemption, Resources, SlurmJob, WandbSettings, render  # noqa: E402
-from toolkit.slurm.status import JobStatus, status  # noqa: E402
-from toolkit.slurm.submit import Submission, submit  # noqa: E402
-
-__all__ = ["JobStatus", "Launch", "Preemption", "Resources", "SlurmError", "SlurmJob", "Submission",
+__all__ = ["JobStatus", "Launch", "Preemption", "Resources", "SlurmJob", "Submission",
            "WandbSettings", "render", "status", "submit"]

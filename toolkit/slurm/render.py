@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from toolkit.slurm import SlurmError
+from toolkit.errors import SlurmError
 
 DEFAULT_SCRIPT = str(Path(__file__).resolve().parents[2] / "recipes" / "finetune.py")
 SLURM_SIGNAL_MAX_S = 65535  # sbatch --signal accepts at most 0xffff seconds

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.slurm import SlurmError
+from toolkit.errors import SlurmError
 
 _STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)? loss (\S+)")  # the trainer's line on rank 0 (toolkit.train.progress)
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")

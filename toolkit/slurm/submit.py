@@ -6,7 +6,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.slurm import SlurmError
+from toolkit.errors import SlurmError
 from toolkit.slurm.render import SlurmJob, anchored, write
 
 
