@@ -129,9 +129,9 @@ def test_ds_accelerator_other_than_cuda_on_a_gpu_node_is_refused_in_one_line(mon
 
 @pytest.mark.parametrize("devices, expected", [(0, "cpu"), (1, "cpu"), (3, "cpu"), (4, "cuda"), (8, "cuda")])
 def test_quickstart_runs_its_four_ranks_on_cpu_unless_there_is_a_gpu_each(devices, expected):
-    from toolkit.quickstart import quickstart_device
+    from toolkit.runtime.recipe_launch import recipe_device
 
-    assert quickstart_device(4, cuda_available=devices > 0, device_count=devices) == expected
+    assert recipe_device(4, cuda_available=devices > 0, device_count=devices) == expected
 
 
 def test_recipe_uses_an_optimizer_that_needs_no_build_on_gpus(monkeypatch, tmp_path):

@@ -49,8 +49,6 @@ KNOWN_CYCLES = {
     # `toolkit data prepare` (prepare_data.prepare_for_recipe) reads the recipe's data as build.py does, and
     # build.py reads prepared data through prepare_data (both imports inside functions)
     frozenset({"toolkit.train.build", "toolkit.train.prepare_data"}),
-    # quickstart runs quickstart_lora's LoRA step, which reuses quickstart's launch_recipe (inside functions)
-    frozenset({"toolkit.quickstart", "toolkit.quickstart_lora"}),
 }
 
 

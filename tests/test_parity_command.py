@@ -3,7 +3,7 @@ fails at step 1's loss, pointing at the conversion; bad input is one line and wr
 
 The two launches use tests/forkrun.py to start the ranks (the import cost of torchrun's fresh
 interpreters is most of a tiny run here); `toolkit parity` itself launches with torchrun, as the
-quick start does (toolkit/quickstart.py: launch_recipe), which is the only difference."""
+quick start does (toolkit/runtime/recipe_launch.py: launch_recipe), which is the only difference."""
 
 from __future__ import annotations
 

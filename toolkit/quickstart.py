@@ -9,29 +9,20 @@
 
 With `lora=True` a LoRA adapter on the result then learns a second task (toolkit.quickstart_lora, steps 6-8).
 
-Its 4 processes run on CPU unless the machine has a GPU for each (`quickstart_device`): on a 1-GPU
-box the tiny example still runs, and every step of it is checked the same way.
+Its 4 processes run on CPU unless the machine has a GPU for each (toolkit.runtime.recipe_launch): on a
+1-GPU box the tiny example still runs, and every step of it is checked the same way.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
-from toolkit.errors import ToolkitError, VerificationError
+from toolkit.errors import VerificationError
+from toolkit.examples import REQUIRED_ACCURACY
+from toolkit.runtime.recipe_launch import RECIPE_DIR, launch_recipe, on_cpu
 
-RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=16, max_position_embeddings=64)
-REQUIRED_ACCURACY = 0.9
-
-
-def quickstart_device(nprocs: int, cuda_available: bool, device_count: int) -> str:
-    """"cuda" where every process gets a GPU of its own, else "cpu" (gloo; the GPUs hidden)."""
-    return "cuda" if cuda_available and device_count >= nprocs else "cpu"
 
 
 def run(workdir: str | Path, tp: int = 2, pp: int = 2, steps: int | None = None, log=print, lora: bool = False) -> float:
@@ -92,32 +83,3 @@ def _show_plan(checkpoint: Path, processes: int, log) -> None:
         log("      " + candidate.explain(result.cluster).rsplit(" -> ", 1)[0])
     log(f"      ({len(result.ranked)} layouts fit. The example runs TP2 x PP2, so DP is 1 on 4 processes: it shows "
         "tensor and pipeline parallelism; data parallelism is shown by the tests, e.g. TP2 x PP2 x DP2 on 8)")
-
-
-def on_cpu(nprocs: int) -> bool:
-    import torch
-
-    return quickstart_device(nprocs, torch.cuda.is_available(), torch.cuda.device_count()) == "cpu"
-
-
-def launch_recipe(nprocs: int, recipe: Path, overrides: list[str], run_dir: Path, launcher: list[str] | None = None,
-                  capture: bool = False, env: dict | None = None) -> str:
-    """torchrun of the recipe on `nprocs` local processes, with the GPUs hidden where there are too few.
-    `launcher`: another command that starts the ranks (as torchrun's arguments before the script);
-    `capture`: the ranks' output returned (and its error line raised) instead of printed; `env`: more variables."""
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
-    launcher = launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs)]
-    cmd = [*launcher, str(RECIPE_DIR / "finetune.py"), "--config", str(recipe), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    if on_cpu(nprocs):
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks see no GPU: gloo on CPU
-    result = subprocess.run(cmd, env=env, capture_output=capture, text=True)
-    if result.returncode != 0:
-        output = [line for line in ((result.stdout or "") + "\n" + (result.stderr or "")).splitlines() if line.strip()]
-        said = [line for line in output if line.startswith("error")] or output[-1:]  # the recipe's line, or the last
-        reason = re.sub(r"^error( \(rank \d+\))?: ", "", said[0]) if said else " ".join(cmd)
-        raise ToolkitError(f"fine-tuning failed: {reason}")
-    return (result.stdout or "") + (result.stderr or "")

@@ -18,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.errors import VerificationError
+from toolkit.examples import REQUIRED_ACCURACY
+from toolkit.runtime.recipe_launch import RECIPE_DIR, launch_recipe
 
 SECOND_TASK = "reverse-plus-one"
 LORA_OVERRIDES = ("peft.enabled=true", "peft.r=8", "peft.alpha=8", "peft.target_modules=all-linear", "steps=200")
@@ -27,7 +29,6 @@ def run(workdir: str | Path, base_hf: str | Path, tp: int = 2, pp: int = 2, log=
     """Train and check the adapter on `base_hf` (a model that answers `reverse`); the held-out exact match."""
     from toolkit.convert import hf_to_megatron
     from toolkit.examples import exact_match, write_reversal_task
-    from toolkit.quickstart import RECIPE_DIR, REQUIRED_ACCURACY, launch_recipe
 
     workdir, base_hf = Path(workdir).absolute(), Path(base_hf).absolute()
     base_mcore, run_dir = workdir / f"lora-base-tp{tp}-pp{pp}", workdir / "lora-run"

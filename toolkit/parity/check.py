@@ -183,7 +183,7 @@ def run_parity(request: ParityRequest, log=print) -> "Verdict":  # noqa: F821 - 
     """Both runs and their verdict (also logged, with the side-by-side table)."""
     from toolkit.parity.reference import hf_reference
     from toolkit.parity.verdict import judge
-    from toolkit.quickstart import launch_recipe
+    from toolkit.runtime.recipe_launch import launch_recipe
 
     checked = plan(request)
     for line in checked.header():

@@ -1,2 +1,3 @@
 """Process-level runtime: torch.distributed + megatron-core parallel state, the CPU
-compatibility layer for megatron-core, and a launcher that runs a function on N processes."""
+compatibility layer for megatron-core, and the launchers: one runs a function on N processes
+(launch.py), one runs recipes/finetune.py under torchrun (recipe_launch.py)."""
