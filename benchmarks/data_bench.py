@@ -114,13 +114,13 @@ def recipe_overrides(work: Path, data: Path, cache: Path, num_proc: int, prepare
 
 def ours(work: Path, data: Path, cache: Path, num_proc: int) -> tuple[float, int]:
     """Seconds to prepare `data` (nothing cached) and the tokens read."""
-    from toolkit.train import build
+    from toolkit.train import recipe_data
     from toolkit.train.config import load_config
 
     shutil.rmtree(cache, ignore_errors=True)
     cfg = load_config(None, recipe_overrides(work, data, cache, num_proc))
     began = time.perf_counter()
-    rows = build.read_data(cfg, build.load_tokenizer(cfg))
+    rows = recipe_data.read_data(cfg, recipe_data.load_tokenizer(cfg))
     return time.perf_counter() - began, rows.stats.tokens
 
 
@@ -166,14 +166,14 @@ def rank_worker(args) -> None:
     """One rank's start: read the data as the recipe does, deal out BATCHES_READ global batches."""
     began = time.perf_counter()
     from toolkit.runtime.distributed import ParallelInfo  # noqa: F401  (the recipe's imports, before the baseline)
-    from toolkit.train import build
+    from toolkit.train import recipe_data
     from toolkit.train.config import load_config
     from toolkit.train.data import BatchSource
 
     imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cfg = load_config(None, json.loads(args.rank_worker))
     start = time.perf_counter()
-    rows = build.read_data(cfg, build.load_tokenizer(cfg))
+    rows = recipe_data.read_data(cfg, recipe_data.load_tokenizer(cfg))
     source = BatchSource(rows.train, GLOBAL_BATCH, MICRO, 8, 3, cfg.seed, True, True)
     source.next_global_batch()
     first = time.perf_counter() - start
@@ -195,11 +195,11 @@ def run_rank(overrides: list[str]) -> dict:
 
 def check_same_output(work: Path, data: Path, cache: Path, mapped, num_proc: int) -> None:
     """The baseline tokenizes as we do: the same tokens and masks, sample for sample (on the first 200)."""
-    from toolkit.train import build
+    from toolkit.train import recipe_data
     from toolkit.train.config import load_config
 
     cfg = load_config(None, recipe_overrides(work, data, cache, num_proc) + ["data.pack=false"])
-    rows = build.read_data(cfg, build.load_tokenizer(cfg)).train
+    rows = recipe_data.read_data(cfg, recipe_data.load_tokenizer(cfg)).train
     store = rows.items
     for i in range(min(200, len(store))):
         sample = store[i]

@@ -97,14 +97,14 @@ class Run:
     lora: object  # toolkit.train.build.LoraPlan, or None for a full fine-tune
     same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
     optimizer_start: object  # toolkit.train.megatron_optimizer.MegatronOptimizerState (model.optimizer_state)
-    data: object  # toolkit.train.build.DataRows: read and checked before the model is built
+    data: object  # toolkit.train.recipe_data.DataRows: read and checked before the model is built
 
 
 def prepare(config_path, overrides) -> Run:
     """1. Config, checkpoint, tokenizer, layout, run directory, resume point and data (read, tokenized
     and checked): every check that needs no processes, so a mistake is one line before any rank
     starts working and before the model is built."""
-    from toolkit.train import build, checkpoint, megatron_optimizer
+    from toolkit.train import build, checkpoint, megatron_optimizer, recipe_data
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
@@ -113,7 +113,7 @@ def prepare(config_path, overrides) -> Run:
     check_node_gpus()  # one GPU per local rank
     cfg = load_config(config_path, overrides)
     meta = build.read_checkpoint_meta(cfg)
-    tokenizer = build.load_tokenizer(cfg)
+    tokenizer = recipe_data.load_tokenizer(cfg)
     dp = build.check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), meta)
     fsdp = cfg.parallel.dp_engine == "fsdp"
     layout_key = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp,
@@ -138,7 +138,7 @@ def prepare(config_path, overrides) -> Run:
     if cfg.model.optimizer_state is not None and resume_from is None:
         optimizer_start = megatron_optimizer.check(cfg.model.optimizer_state, meta, cfg.parallel.tp,
                                                    keep_step=cfg.model.optimizer_step == "keep")
-    data = build.read_data(cfg, tokenizer)
+    data = recipe_data.read_data(cfg, tokenizer)
     return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start, data)
 
 

@@ -12,7 +12,7 @@ import pytest
 from tests.finetune_harness import recipe, recipe_prepare
 from toolkit.errors import ToolkitError
 from toolkit.tinymodels import build_tokenizer
-from toolkit.train import build
+from toolkit.train import recipe_data
 from toolkit.train.config import load_config
 from toolkit.train.data import DataStats, read_jsonl
 
@@ -66,15 +66,15 @@ def formats(tmp_path_factory):
 
 def test_every_format_gives_the_jsonl_rows_and_caches_under_the_run_dir(formats, tmp_path):
     tok = _tokenizer()
-    expected = _tokens(build.read_data(_config(tmp_path, f"data.train_file={formats['jsonl']}"), tok).train)
+    expected = _tokens(recipe_data.read_data(_config(tmp_path, f"data.train_file={formats['jsonl']}"), tok).train)
     for name in ("json", "parquet", "csv", "arrow", "saved"):
         cfg = _config(tmp_path / name, f"data.train_file={formats[name]}")
-        assert _tokens(build.read_data(cfg, tok).train) == expected, name
+        assert _tokens(recipe_data.read_data(cfg, tok).train) == expected, name
     assert any((tmp_path / "parquet" / "run" / "data_cache").rglob("*.arrow")), "datasets' cache is under run_dir"
-    test = build.read_data(_config(tmp_path, f"data.train_file={formats['saved']}", "data.valid_split=test"), tok)
+    test = recipe_data.read_data(_config(tmp_path, f"data.train_file={formats['saved']}", "data.valid_split=test"), tok)
     assert _tokens(test.valid) == expected[:3]
     with pytest.raises(ToolkitError, match="has no split 'dev' \\(it has train, test\\)"):
-        build.read_data(_config(tmp_path, f"data.train_file={formats['saved']}", "data.split=dev"), tok)
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={formats['saved']}", "data.split=dev"), tok)
 
 
 def test_columns_are_mapped_and_a_missing_column_is_named(tmp_path):
@@ -83,30 +83,30 @@ def test_columns_are_mapped_and_a_missing_column_is_named(tmp_path):
     renamed = [{"question": r["prompt"], "answer": r["response"]} for r in PAIRS]
     datasets.Dataset.from_list(renamed).to_parquet(tmp_path / "qa.parquet")
     tok = _tokenizer()
-    expected = build.read_data(_config(tmp_path, f"data.train_file={_jsonl(tmp_path / 'd.jsonl', PAIRS)}"), tok)
-    mapped = build.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'qa.parquet'}", "data.columns.prompt=question",
+    expected = recipe_data.read_data(_config(tmp_path, f"data.train_file={_jsonl(tmp_path / 'd.jsonl', PAIRS)}"), tok)
+    mapped = recipe_data.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'qa.parquet'}", "data.columns.prompt=question",
                                      "data.columns.response=answer"), tok)
     assert _tokens(mapped.train) == _tokens(expected.train)
-    jsonl = build.read_data(_config(tmp_path, f"data.train_file={_jsonl(tmp_path / 'qa.jsonl', renamed)}",
+    jsonl = recipe_data.read_data(_config(tmp_path, f"data.train_file={_jsonl(tmp_path / 'qa.jsonl', renamed)}",
                                     "data.columns.prompt=question", "data.columns.response=answer"), tok)
     assert _tokens(jsonl.train) == _tokens(expected.train)
     with pytest.raises(ToolkitError, match="has no column query \\(data.columns\\); its columns: question, answer"):
-        build.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'qa.parquet'}", "data.columns.prompt=query"), tok)
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'qa.parquet'}", "data.columns.prompt=query"), tok)
 
 
 def test_a_mixture_takes_each_source_in_its_share(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", PAIRS[:6])
     b = _jsonl(tmp_path / "b.jsonl", [{"text": "7" * 5}, {"text": "8" * 5}])
     tok = _tokenizer()
-    got = build.read_data(_config(tmp_path, f"data.train_file={a},{b}", "data.weights=1,3"), tok)
+    got = recipe_data.read_data(_config(tmp_path, f"data.train_file={a},{b}", "data.weights=1,3"), tok)
     assert got.stats.mixture == {str(a): 2, str(b): 6} and len(got.train) == 8
     texts = {tuple(t) for t in _tokens(got.train)}
     assert sum(1 for t in _tokens(got.train) if t[0] in tok.convert_tokens_to_ids(["7", "8"])) == 6
     assert len(texts) == 4, "two of a, and b's two samples repeated to fill its share"
-    again = build.read_data(_config(tmp_path, f"data.train_file={a},{b}", "data.weights=1,3"), tok)
+    again = recipe_data.read_data(_config(tmp_path, f"data.train_file={a},{b}", "data.weights=1,3"), tok)
     assert _tokens(again.train) == _tokens(got.train), "the mixture is deterministic"
     with pytest.raises(ToolkitError, match="data.weights has 1 values for 2 data sets"):
-        build.read_data(_config(tmp_path, f"data.train_file={a},{b}", "data.weights=1"), tok)
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={a},{b}", "data.weights=1"), tok)
 
 
 def test_a_hub_name_offline_is_one_line(tmp_path, monkeypatch):
@@ -114,57 +114,57 @@ def test_a_hub_name_offline_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
     with pytest.raises(ToolkitError, match="no-such-org/no-such-set is not a local file or directory.*HF_HUB_OFFLINE") as e:
-        build.read_data(_config(tmp_path, "data.train_file=no-such-org/no-such-set"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, "data.train_file=no-such-org/no-such-set"), _tokenizer())
     assert "\n" not in str(e.value)
     with pytest.raises(ToolkitError, match="data file .*typo.parquet does not exist"):
-        build.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'typo.parquet'}"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={tmp_path / 'typo.parquet'}"), _tokenizer())
 
 
 def test_chat_templates_set_by_name_or_file_and_refused_with_the_reason(tmp_path):
     data = _jsonl(tmp_path / "chat.jsonl", CHATS)
     with pytest.raises(ToolkitError, match="has `messages` but the tokenizer has no chat template: set data.chat_template"):
-        build.read_data(_config(tmp_path, f"data.train_file={data}"), _tokenizer())
-    chatml = build.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=chatml", "data.seq_len=64"),
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={data}"), _tokenizer())
+    chatml = recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=chatml", "data.seq_len=64"),
                              _tokenizer(text=True))
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}"
                         "{% else %}={% endif %}{% endfor %}")
-    own = build.read_data(_config(tmp_path, f"data.train_file={data}", f"data.chat_template={template}"), _tokenizer())
+    own = recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", f"data.chat_template={template}"), _tokenizer())
     tok = _tokenizer()
     first = own.train[0]
     trained = [t for t, m in zip(first.tokens[1:], first.loss_mask[1:]) if m]
     assert tok.convert_ids_to_tokens(trained) == ["0", "</s>"] and len(chatml.train) == 10
     template.write_text("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}")
     with pytest.raises(ToolkitError, match="does not render assistant turn 2's content in that turn"):
-        build.read_data(_config(tmp_path, f"data.train_file={data}", f"data.chat_template={template}"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", f"data.chat_template={template}"), _tokenizer())
     template.write_text("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ToolkitError, match="renders turn 2 by changing what the earlier turns rendered"):
-        build.read_data(_config(tmp_path, f"data.train_file={data}", f"data.chat_template={template}"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", f"data.chat_template={template}"), _tokenizer())
     with pytest.raises(ToolkitError, match="data.chat_template=nope: neither a file nor a known name"):
-        build.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=nope"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=nope"), _tokenizer())
 
 
 def test_data_the_tokenizer_cannot_read_is_refused_with_the_count_and_an_example(tmp_path):
     data = _jsonl(tmp_path / "words.jsonl", WORDS * 4)
     with pytest.raises(ToolkitError, match=r"words.jsonl: \d+ of \d+ tokens \(\d+%\) are the tokenizer's unknown token "
                                            r"'<unk>', above data.max_unk_share=0.05.*e.g. .*words.jsonl:1: ") as e:
-        build.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=chatml"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=chatml"), _tokenizer())
     assert "\n" not in str(e.value)
 
 
 def test_truncation_side_and_the_samples_it_drops_are_counted(tmp_path):
     long_prompt = [{"prompt": "1" * 30 + "=", "response": "2"}, *PAIRS]
     data = _jsonl(tmp_path / "d.jsonl", long_prompt)
-    right = build.read_data(_config(tmp_path, f"data.train_file={data}"), _tokenizer())
+    right = recipe_data.read_data(_config(tmp_path, f"data.train_file={data}"), _tokenizer())
     assert (right.stats.truncated, right.stats.dropped_targets_truncated, len(right.train)) == (1, 1, 10)
-    left = build.read_data(_config(tmp_path, f"data.train_file={data}", "data.truncation=left"), _tokenizer())
+    left = recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", "data.truncation=left"), _tokenizer())
     assert (left.stats.truncated, left.stats.dropped_targets_truncated, len(left.train)) == (1, 0, 11)
     assert left.train[0].tokens[15:17] == _tokenizer().convert_tokens_to_ids(["2", "</s>"]), "the response is kept"
     assert "dropped_targets_truncated" in right.stats.summary()
     only_long = _jsonl(tmp_path / "long.jsonl", long_prompt[:1] * 3)
     with pytest.raises(ToolkitError, match=r"holds no usable samples \(3 read: 3 every trained token cut by truncation\)"
                                            ".*data.truncation"):
-        build.read_data(_config(tmp_path, f"data.train_file={only_long}"), _tokenizer())
+        recipe_data.read_data(_config(tmp_path, f"data.train_file={only_long}"), _tokenizer())
 
 
 def test_invalid_utf8_in_a_jsonl_line_is_named_by_file_and_line(tmp_path):

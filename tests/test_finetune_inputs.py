@@ -196,15 +196,15 @@ def test_packing_is_refused_on_the_transformer_engine_path(tiny_hf, tmp_path, mo
 
 def test_a_checkpoint_without_tokenizer_is_one_line_before_training(tiny_hf, tmp_path):
     from toolkit.convert import hf_to_megatron
-    from toolkit.train import build
+    from toolkit.train import recipe_data
 
     mc = hf_to_megatron(tiny_hf["llama"], tmp_path / "mc", fmt="torch_dist", progress=False)
     cfg = load_config(recipe_file(tmp_path, model={"checkpoint": str(mc)}))
-    assert build.load_tokenizer(cfg) is not None
+    assert recipe_data.load_tokenizer(cfg) is not None
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (mc / "hf" / name).unlink(missing_ok=True)
     with pytest.raises(ToolkitError, match=r"has no tokenizer .*copy the HF model's tokenizer files into"):
-        build.load_tokenizer(cfg)
+        recipe_data.load_tokenizer(cfg)
 
 
 PACKING_TOLERANCE = 1e-4  # fp32; RoPE is relative, so shifted positions differ only by rounding

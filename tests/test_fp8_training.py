@@ -54,12 +54,12 @@ def train_losses(mapping: dict, overrides: list[str], steps: int, info, rows) ->
 def fp8_against_bf16(mapping: dict) -> dict:
     """Worker (TP x PP ranks): each case's loss curve and seconds."""
     from toolkit.runtime.distributed import init_parallel
-    from toolkit.train import build
+    from toolkit.train import recipe_data
     from toolkit.train.config import config_from_mapping
 
     info = init_parallel(TP, PP, mapping["seed"])
     cfg = config_from_mapping(mapping)
-    rows = build.read_data(cfg, build.load_tokenizer(cfg))  # once: every case reads the same rows
+    rows = recipe_data.read_data(cfg, recipe_data.load_tokenizer(cfg))  # once: every case reads the same rows
     cases = {"bf16": (["precision=bf16"], STEPS, None),
              "tensorwise": (["precision=fp8", "fp8.recipe=tensorwise"], STEPS, None),
              "rowwise": (["precision=fp8", "fp8.recipe=rowwise"], STEPS, None),

@@ -10,8 +10,6 @@ somebody moves that import to the top. Beside the written imports, two that Pyth
 - a package whose __init__ walks `pkgutil.iter_modules(__path__)` (toolkit.families: a family is
   whatever module defines one) imports each of its modules.
 
-Three cycles were there before this test, none through the blocks: KNOWN_CYCLES names them, to be broken.
-
 The test reads the toolkit the interpreter imports: a copy of this file run outside any checkout with
 `PYTHONPATH=<a checkout>` checks that checkout (inside one, pytest puts its root first on sys.path).
 """
@@ -42,14 +40,6 @@ MOVED_OUT = {
 # What the blocks may import, all the way down: each other, the families' declarations and split kinds, the
 # runtime's compatibility patches, the errors; never the model builder, the trainer, the converter or the CLI.
 BLOCKS_DEPEND_ON = ("toolkit.blocks", "toolkit.families", "toolkit.splits", "toolkit.runtime", "toolkit.errors")
-
-# Cycles that were there before this test, none through the blocks; each is to be broken, then taken off
-# (the test fails once one is gone, so the list only shrinks). A cycle that grows is a new one.
-KNOWN_CYCLES = {
-    # `toolkit data prepare` (prepare_data.prepare_for_recipe) reads the recipe's data as build.py does, and
-    # build.py reads prepared data through prepare_data (both imports inside functions)
-    frozenset({"toolkit.train.build", "toolkit.train.prepare_data"}),
-}
 
 
 def module_name(path: Path) -> str:
@@ -179,13 +169,10 @@ def test_graph_sees_function_level_and_package_imports():
     assert "toolkit.families.llama" in graph["toolkit.families"]  # walked by pkgutil
 
 
-def test_toolkit_imports_have_no_cycle_but_the_known_ones():
+def test_toolkit_imports_have_no_cycle():
     found = cycles(import_graph())
-    new = [cycle for cycle in found if frozenset(cycle) not in KNOWN_CYCLES]
-    assert not new, "import cycles in toolkit/ (each: a module, what it imports, ... back to the first):\n" + \
-        "\n".join(" -> ".join(cycle) for cycle in new)
-    gone = KNOWN_CYCLES - {frozenset(cycle) for cycle in found}
-    assert not gone, f"no longer cycles: take them off KNOWN_CYCLES: {[sorted(c) for c in gone]}"
+    assert not found, "import cycles in toolkit/ (each: a module, what it imports, ... back to the first):\n" + \
+        "\n".join(" -> ".join(cycle) for cycle in found)
 
 
 def test_building_blocks_live_in_toolkit_blocks():

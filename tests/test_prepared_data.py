@@ -22,7 +22,7 @@ import pytest
 
 from toolkit.errors import ToolkitError
 from toolkit.tinymodels import build_tokenizer
-from toolkit.train import build
+from toolkit.train import recipe_data
 from toolkit.train.config import load_config
 from toolkit.train.data import BatchSource, DataStats, ReadOptions
 from toolkit.train.data_sources import DataError, Source, records
@@ -84,8 +84,8 @@ CASES = {"sft": ["data.train_file={qa}"], "sft-packed": ["data.train_file={qa}",
 @pytest.mark.parametrize("case", CASES)
 def test_rows_and_batches_from_the_cache_are_the_in_memory_ones(files, tmp_path, case):
     overrides = [o.format(**files) for o in CASES[case]]
-    memory = build.read_data(_config(tmp_path / "mem", *overrides, "data.prepared=false"), build_tokenizer())
-    cached = build.read_data(_config(tmp_path / "run", *overrides), build_tokenizer())
+    memory = recipe_data.read_data(_config(tmp_path / "mem", *overrides, "data.prepared=false"), build_tokenizer())
+    cached = recipe_data.read_data(_config(tmp_path / "run", *overrides), build_tokenizer())
     assert _prepared_dirs(tmp_path / "run") and not _prepared_dirs(tmp_path / "mem")
     assert not isinstance(cached.train, list)  # rows made from the mapped arrays
     assert cached.stats.summary() == memory.stats.summary()
@@ -102,22 +102,22 @@ def test_rows_and_batches_from_the_cache_are_the_in_memory_ones(files, tmp_path,
 
 def test_a_second_start_opens_the_cache_and_still_refuses_what_cannot_train(files, tmp_path, capfd):
     cfg = _config(tmp_path / "run", f"data.train_file={files['qa']}")
-    first = build.read_data(cfg, build_tokenizer())
+    first = recipe_data.read_data(cfg, build_tokenizer())
     assert "prepared " in capfd.readouterr().err
     (written,) = _prepared_dirs(tmp_path / "run")
     stamp = (written / "tokens.bin").stat().st_mtime_ns
-    again = build.read_data(cfg, build_tokenizer())
+    again = recipe_data.read_data(cfg, build_tokenizer())
     assert "prepared " not in capfd.readouterr().err and (written / "tokens.bin").stat().st_mtime_ns == stamp
     assert list(again.train) == list(first.train)
     for _ in range(2):  # the first start prepares, the second opens the cache: the same one line each time
         with pytest.raises(DataError, match="gives 40 samples, fewer than one global batch of 64") as refused:
-            build.read_data(_config(tmp_path / "run", f"data.train_file={files['qa']}", "global_batch=64"),
+            recipe_data.read_data(_config(tmp_path / "run", f"data.train_file={files['qa']}", "global_batch=64"),
                             build_tokenizer())
         assert "\n" not in str(refused.value)
     words = _jsonl(tmp_path / "words.jsonl", [{"text": "hello there"}] * 8)
     for _ in range(2):
         with pytest.raises(DataError, match=r"are the tokenizer's unknown token '<unk>'.*words.jsonl:1"):
-            build.read_data(_config(tmp_path / "run", f"data.train_file={words}"), build_tokenizer())
+            recipe_data.read_data(_config(tmp_path / "run", f"data.train_file={words}"), build_tokenizer())
     assert len(_prepared_dirs(tmp_path / "run")) == 2
 
 
@@ -128,11 +128,11 @@ def test_a_malformed_line_refuses_and_the_refusal_is_kept_for_the_same_inputs(tm
     cfg = _config(tmp_path / "run", f"data.train_file={data}")
     for _ in range(2):
         with pytest.raises(DataError, match=r"bad.jsonl:4: ") as refused:
-            build.read_data(cfg, build_tokenizer())
+            recipe_data.read_data(cfg, build_tokenizer())
         assert "\n" not in str(refused.value)
     assert not _prepared_dirs(tmp_path / "run")
     assert capfd.readouterr().err.count("prepared ") == 0  # neither start wrote a cache
-    skipped = build.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.malformed=skip",
+    skipped = recipe_data.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.malformed=skip",
                                       "global_batch=2"), build_tokenizer())
     assert skipped.stats.skipped_malformed == 1 and len(skipped.train) == 3
 
@@ -140,26 +140,26 @@ def test_a_malformed_line_refuses_and_the_refusal_is_kept_for_the_same_inputs(tm
 def test_a_changed_data_file_is_prepared_again(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}=", "response": f"{i}"} for i in range(6)])
     cfg = _config(tmp_path / "run", f"data.train_file={data}", "data.shuffle=false")
-    before = build.read_data(cfg, build_tokenizer())
+    before = recipe_data.read_data(cfg, build_tokenizer())
     _jsonl(data, [{"prompt": f"{i}=", "response": f"{i}{i}"} for i in range(6)])  # same name, new content
-    after = build.read_data(cfg, build_tokenizer())
+    after = recipe_data.read_data(cfg, build_tokenizer())
     assert len(_prepared_dirs(tmp_path / "run")) == 2
     assert [r.tokens for r in after.train] != [r.tokens for r in before.train]
     assert [r.tokens for r in after.train] == [r.tokens for r in
-                                               build.read_data(_config(tmp_path / "mem", f"data.train_file={data}",
+                                               recipe_data.read_data(_config(tmp_path / "mem", f"data.train_file={data}",
                                                                        "data.prepared=false"), build_tokenizer()).train]
     # a changed option (seq_len) is another cache too; pack and shuffle only arrange the same one
-    build.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.pack=true", "global_batch=2"),
+    recipe_data.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.pack=true", "global_batch=2"),
                     build_tokenizer())
     assert len(_prepared_dirs(tmp_path / "run")) == 2
-    build.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.seq_len=8"), build_tokenizer())
+    recipe_data.read_data(_config(tmp_path / "run", f"data.train_file={data}", "data.seq_len=8"), build_tokenizer())
     assert len(_prepared_dirs(tmp_path / "run")) == 3
 
 
 @pytest.mark.parametrize("damage", ["tokens.bin", "offsets.bin", "meta.json"])
 def test_a_damaged_cache_is_said_in_one_line_and_prepared_again(files, tmp_path, capfd, damage):
     cfg = _config(tmp_path / "run", f"data.train_file={files['qa']}")
-    expected = list(build.read_data(cfg, build_tokenizer()).train)
+    expected = list(recipe_data.read_data(cfg, build_tokenizer()).train)
     (written,) = _prepared_dirs(tmp_path / "run")
     path = written / damage
     if damage == "meta.json":
@@ -167,7 +167,7 @@ def test_a_damaged_cache_is_said_in_one_line_and_prepared_again(files, tmp_path,
     else:
         os.truncate(path, path.stat().st_size - 8)
     capfd.readouterr()
-    again = build.read_data(cfg, build_tokenizer())
+    again = recipe_data.read_data(cfg, build_tokenizer())
     lines = [line for line in capfd.readouterr().err.splitlines() if " is damaged: " in line]
     assert len(lines) == 1 and damage in lines[0] and lines[0].endswith("preparing it again"), lines
     assert list(again.train) == expected
@@ -176,15 +176,15 @@ def test_a_damaged_cache_is_said_in_one_line_and_prepared_again(files, tmp_path,
 
 def test_a_changed_byte_is_caught_by_the_full_check(files, tmp_path, capfd):
     cfg = _config(tmp_path / "run", f"data.train_file={files['qa']}")
-    expected = list(build.read_data(cfg, build_tokenizer()).train)
+    expected = list(recipe_data.read_data(cfg, build_tokenizer()).train)
     (written,) = _prepared_dirs(tmp_path / "run")
     tokens = np.memmap(written / "tokens.bin", dtype=np.uint32, mode="r+")
     tokens[3] += 1  # same size: only the BLAKE3 digest tells
     tokens.flush()
     del tokens
-    assert list(build.read_data(cfg, build_tokenizer()).train) != expected  # sizes alone cannot see it
+    assert list(recipe_data.read_data(cfg, build_tokenizer()).train) != expected  # sizes alone cannot see it
     capfd.readouterr()
-    checked = build.read_data(_config(tmp_path / "run", f"data.train_file={files['qa']}", "data.verify_prepared=true"),
+    checked = recipe_data.read_data(_config(tmp_path / "run", f"data.train_file={files['qa']}", "data.verify_prepared=true"),
                               build_tokenizer())
     assert "tokens.bin does not have the BLAKE3 digest" in capfd.readouterr().err
     assert list(checked.train) == expected
@@ -267,29 +267,29 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_cache(tmp_path, s
     data = _jsonl(tmp_path / "big.jsonl", rows)
     cfg = _config(tmp_path / "run", f"data.train_file={data}", f"data.cache_dir={fs}")
     with pytest.raises(ToolkitError, match="no space left on the device while preparing") as refused:
-        build.read_data(cfg, build_tokenizer())
+        recipe_data.read_data(cfg, build_tokenizer())
     assert "\n" not in str(refused.value)
     prepared = fs / PREPARED
     assert not [p for p in prepared.iterdir() if p.is_dir() or "partial" in p.name]  # no cache, no partial
     assert not [p for p in prepared.iterdir() if p.name.endswith(".refused")]  # a full disk is not the data's verdict
     with pytest.raises(ToolkitError, match="no space left"):  # the next start tries again
-        build.read_data(cfg, build_tokenizer())
+        recipe_data.read_data(cfg, build_tokenizer())
     # long rows first: the first chunk's projection says it will not fit, before the disk is full
     _jsonl(data, rows[600:] + rows[:600])
     with pytest.raises(ToolkitError, match=r"big.jsonl will not fit: preparing its 4,600 rows needs about .* free "
                                            r"under .*: free space or set data.cache_dir"):
-        build.read_data(cfg, build_tokenizer())
+        recipe_data.read_data(cfg, build_tokenizer())
     assert not [p for p in prepared.iterdir() if p.is_dir()]
 
 
 WRITER = """
 import sys
 from toolkit.tinymodels import build_tokenizer
-from toolkit.train import build
+from toolkit.train import recipe_data
 from toolkit.train.config import load_config
 cfg = load_config(None, ["model.checkpoint=unused", "run_dir=" + sys.argv[1], "global_batch=4", "micro_batch=1",
                          "data.seq_len=16", "data.train_file=" + sys.argv[2]])
-rows = build.read_data(cfg, build_tokenizer()).train
+rows = recipe_data.read_data(cfg, build_tokenizer()).train
 print("rows", [r.tokens for r in rows])
 """
 
@@ -345,7 +345,7 @@ def test_data_prepare_ahead_then_inspect_and_a_damaged_cache_refused_in_one_line
     assert "data ready: 39 packed rows (633 tokens read)" in out and "every check passed" in out
     (cache,) = _prepared_dirs(tmp_path / "run")
     cfg = load_config(str(recipe), [])
-    build.read_data(cfg, build.load_tokenizer(cfg))  # the run's start: opens what `data prepare` wrote
+    recipe_data.read_data(cfg, recipe_data.load_tokenizer(cfg))  # the run's start: opens what `data prepare` wrote
     assert "prepared " not in capfd.readouterr().err
 
     assert main(["data", "inspect", str(tmp_path / "run" / "data_cache"), "--verify"]) == 0

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def _prepare(args) -> int:
-    from toolkit.train.prepare_data import prepare_for_recipe
+    from toolkit.train.recipe_data import prepare_for_recipe
 
     cfg, rows = prepare_for_recipe(args.config, args.overrides)
     unit = "pairs" if cfg.method == "dpo" else "packed rows" if cfg.data.pack else "samples"

@@ -1,4 +1,5 @@
-"""The pieces recipes/finetune.py assembles: checks, model, DeepSpeed config, data."""
+"""The pieces recipes/finetune.py assembles: checks, model, DeepSpeed config, each DP rank's batches
+(from the rows toolkit.train.recipe_data reads)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.convert.metadata import HF_DIR, CheckpointMeta
+from toolkit.convert.metadata import CheckpointMeta
 from toolkit.layouts import RECIPE_NAMES, Layout
 from toolkit import model as model_builder
 from toolkit.blocks.context_parallel import TE_CP_COMM_TYPE, padded_length
@@ -16,7 +17,8 @@ from toolkit.runtime.distributed import ParallelInfo
 from toolkit.errors import ConfigError, ConversionError
 from toolkit.train import virtual
 from toolkit.train.config import TrainConfig
-from toolkit.train.data import BatchSource, Row
+from toolkit.train.data import BatchSource
+from toolkit.train.recipe_data import DataRows
 
 # precision=fp8 builds the model in bf16: FP8 is the decoder GEMMs' (toolkit.fp8), not the weights'.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
@@ -76,25 +78,6 @@ def check_fp8(cfg: TrainConfig, spec) -> None:
         raise ConfigError("precision=fp8 with moe.dispatcher=allgather on the Transformer Engine spec is not supported: "
                           "megatron-core pads each expert's tokens to FP8's GEMM multiple with the alltoall dispatcher "
                           "only; use moe.dispatcher=alltoall")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(cfg: TrainConfig):
-    """The tokenizer copied into the checkpoint at conversion; one clear line when it is missing."""
-    from transformers import AutoTokenizer
-
-    hf_dir = Path(cfg.model.checkpoint) / HF_DIR
-    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(
-            f"checkpoint {cfg.model.checkpoint} has no tokenizer ({hf_dir} holds none of {', '.join(TOKENIZER_FILES)}): "
-            f"copy the HF model's tokenizer files into {hf_dir}/ (or convert from a directory that has them)"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(hf_dir)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"the tokenizer in {hf_dir} cannot be loaded: {str(e).splitlines()[0]}") from None
 
 
 def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int:
@@ -313,111 +296,6 @@ def ds_config(cfg: TrainConfig, spec, dp: int) -> dict:
     if cfg.precision == "fp16":
         config["fp16"].update(fp16_ds_settings(cfg))
     return config
-
-
-@dataclass
-class DataRows:
-    """The training (and validation) rows, read and checked before the model is built: lists, or
-    views over memory-mapped prepared data (toolkit.train.row_views) that make a row when indexed."""
-
-    train: list[Row]
-    valid: list[Row] | None
-    stats: object  # toolkit.train.data.DataStats of the training data
-
-
-def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
-    """Every rank reads the same data and reaches the same verdict: data that cannot train is one
-    DataError here, before any process group. With data.prepared (the default) each source is
-    tokenized once, by one process, into a cache every rank maps (toolkit.train.prepare_data); the
-    refusals are decided from the counts it stored, at every start."""
-    from toolkit.train import chat_templates, data, data_sources, preference
-
-    d = cfg.data
-    chat_templates.apply(tokenizer, d.chat_template)
-    if d.chat_template is not None:
-        chat_templates.check(tokenizer)
-    opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
-    cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
-    dpo = cfg.method == "dpo"  # preference pairs (toolkit.train.preference), two rows each
-    read_source = _prepared_reader(cfg, tokenizer, opts, cache) if d.prepared else _memory_reader(cfg, tokenizer, opts, cache)
-
-    def read(source, stats):
-        samples = read_source(source, stats)
-        data.refuse_unreadable(source.name, stats, d.max_unk_share, tokenizer)
-        data.refuse_empty(source.name, samples, stats)
-        return samples
-
-    def to_rows(samples, stats):
-        if d.prepared:
-            from toolkit.train.row_views import row_view
-
-            rows = row_view(samples, d.seq_len + 1, data.pad_token(tokenizer), cfg.method, d.pack)
-            stats.packed_rows = len(rows) if d.pack and not dpo else 0
-            return rows
-        if dpo:
-            return preference.to_pair_rows(samples, tokenizer, d.seq_len)
-        return data.to_rows(samples, tokenizer, d.seq_len, d.pack, stats)
-
-    stats = data.DataStats()
-    train_sources = data_sources.sources(d.train_file, d.weights, d.split)
-    parts = [(s, read(s, stats)) for s in train_sources]
-    samples = mixed(parts, cfg.seed, stats) if d.prepared else data.mix(parts, cfg.seed, stats)
-    train = to_rows(samples, stats)
-    if len(train) < cfg.global_batch:
-        unit = "pairs" if dpo else "packed rows" if d.pack else "samples"
-        raise data.DataError(
-            f"{d.train_file} gives {len(train)} {unit}, fewer than one global batch "
-            f"of {cfg.global_batch}: every step would repeat samples; add data or lower global_batch")
-    valid = None
-    if d.valid_file or d.valid_split:
-        source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
-        valid = to_rows(read(source, data.DataStats()), data.DataStats())
-    return DataRows(train, valid, stats)
-
-
-def _memory_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):
-    """data.prepared=false: every source tokenized in this process, into lists."""
-    from toolkit.train import data, data_sources, preference
-
-    read_records = preference.read_pairs if cfg.method == "dpo" else data.read_samples
-
-    def read(source, stats):
-        return read_records(data_sources.records(source, opts.columns, cache), tokenizer, opts, stats)
-
-    return read
-
-
-def _prepared_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):
-    """data.prepared: each source's prepared store (made now if missing), its stored counts added to `stats`."""
-    import functools
-    import os
-
-    from toolkit.train.prepare_data import PrepareSettings, prepared_source
-    from toolkit.train.prepared_key import tokenizer_fingerprint
-    from toolkit.train.row_views import PairItems
-    from toolkit.train.tokenize_pool import available_cores
-
-    say = functools.partial(print, flush=True) if os.environ.get("RANK", "0") == "0" else (lambda _: None)
-    settings = PrepareSettings(cache, cfg.data.num_proc or available_cores(), cfg.data.verify_prepared, say)
-    digest = tokenizer_fingerprint(tokenizer)
-
-    def read(source, stats):
-        store = prepared_source(source, tokenizer, digest, opts, cfg.method, settings)
-        stats.add(store.stats())
-        return PairItems(store) if cfg.method == "dpo" else store
-
-    return read
-
-
-def mixed(parts, seed: int, stats):
-    """The prepared sources mixed as toolkit.train.data.mix mixes lists."""
-    from toolkit.train.data import mixture_picks
-    from toolkit.train.row_views import MixedItems
-
-    if len(parts) == 1:
-        return parts[0][1]
-    picks = mixture_picks([(src, len(items)) for src, items in parts], seed, stats)
-    return MixedItems([items for _, items in parts], picks)
 
 
 def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):

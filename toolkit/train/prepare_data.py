@@ -235,16 +235,3 @@ class PrepareProgress:
         print(f"prepared {self.name}: {stats.lines:,} rows, {stats.samples:,} kept, {stats.tokens:,} tokens in "
               f"{seconds:.1f} s ({stats.tokens / max(seconds, 1e-9):,.0f} tokens/s) into {final}", file=self.stream,
               flush=True)
-
-
-def prepare_for_recipe(config: str | None, overrides: list[str]):
-    """`toolkit data prepare`: the recipe's data prepared and checked as its start would (the same
-    cache directories, the same refusals), ahead of the job; returns (the config, its DataRows)."""
-    from toolkit.train import build
-    from toolkit.train.config import load_config
-
-    cfg = load_config(config, overrides)
-    if not cfg.data.prepared:
-        raise ToolkitError("data.prepared=false: the recipe tokenizes in memory at every start, there is nothing to "
-                           "prepare (leave data.prepared at its default, true)")
-    return cfg, build.read_data(cfg, build.load_tokenizer(cfg))
