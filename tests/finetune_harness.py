@@ -135,9 +135,12 @@ class ForkServer:
 
     def _start(self) -> None:
         import atexit
+        import shutil
         import tempfile
 
-        self.path = str(Path(tempfile.mkdtemp(prefix="forkrun-")) / "socket")
+        directory = tempfile.mkdtemp(prefix="forkrun-")
+        atexit.register(shutil.rmtree, directory, True)
+        self.path = str(Path(directory) / "socket")
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkrun.py"), "--serve", self.path],
                                      env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready", "tests/forkrun.py --serve did not start"

@@ -85,6 +85,12 @@ def stop(pids: dict[int, int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def shell_code(status: int) -> int:
+    """A child's exit code from its wait status; killed by signal N: 128 + N, as a shell reports it."""
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
 def launch_ranks(nprocs: int, script: str, args: list[str]) -> int:
     """Fork the ranks of `script` (libraries already imported) and wait for them, as torchrun does."""
     from toolkit.runtime.launch import free_port
@@ -101,10 +107,10 @@ def launch_ranks(nprocs: int, script: str, args: list[str]) -> int:
     while pids:
         pid, status = os.wait()
         pids.pop(pid)
-        code = os.waitstatus_to_exitcode(status)
+        code = shell_code(status)
         if code != 0:
             stop(pids)
-            return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
+            return code
     return 0
 
 
@@ -131,8 +137,7 @@ def serve(path: str) -> None:
             stream.write(json.dumps({"pid": pid}) + "\n")
             stream.flush()
             _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
-            stream.write(json.dumps({"code": code if code >= 0 else 128 - code}) + "\n")
+            stream.write(json.dumps({"code": shell_code(status)}) + "\n")
 
 
 def _state_the_last_launch_removed() -> None:
