@@ -14,7 +14,8 @@
    same whatever the data, so the difference is the data's.)
 
 The tokenizer is a byte-level BPE of --vocab tokens trained with `tokenizers` on the synthetic
-text; conversations are 1-3 exchanges of Zipf-distributed pseudo-words (a few hundred tokens each).
+text; conversations are 1-3 exchanges of Zipf-distributed pseudo-words (about 800 tokens each, as the issue
+sizes them).
 
     python benchmarks/data_bench.py [--small 2000] [--num-proc 2] [--json OUT]
     python benchmarks/data_bench.py --small 100000 --only-prepare    # 1M conversations: prepare only
@@ -68,7 +69,7 @@ def synthetic_conversations(n: int, seed: int):
     for _ in range(n):
         messages = []
         for _ in range(int(rng.integers(1, 4))):
-            messages += [{"role": "user", "content": text(10, 60)}, {"role": "assistant", "content": text(30, 220)}]
+            messages += [{"role": "user", "content": text(10, 80)}, {"role": "assistant", "content": text(60, 450)}]
         yield {"messages": messages}
 
 
@@ -180,9 +181,10 @@ def rank_worker(args) -> None:
     for _ in range(BATCHES_READ - 1):
         source.next_global_batch()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    status = Path("/proc/self/status").read_text()
-    now = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
-    print(json.dumps({"peak_rss": peak, "rss_end": now, "after_imports_rss": imported, "first_batch_s": first, "tokens": rows.stats.tokens,
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    now, anon, file = (int(status[key].split()[0]) * 1024 for key in ("VmRSS", "RssAnon", "RssFile"))
+    print(json.dumps({"peak_rss": peak, "rss_end": now, "rss_anon_end": anon, "rss_file_end": file,
+                      "after_imports_rss": imported, "first_batch_s": first, "tokens": rows.stats.tokens,
                       "rows": len(rows.train), "process_s": time.perf_counter() - began}))
 
 
@@ -265,8 +267,10 @@ def _bench(args, work: Path) -> int:
     for name in (["large"] if args.only_prepare else ["tiny", "small", "large"]):
         ranks[name] = run_rank(recipe_overrides(work, data[name], work / f"cache-{name}", args.num_proc))
         print(f"rank, prepared, {name}: peak RSS {ranks[name]['peak_rss'] / 2**20:,.0f} MiB (at the end "
-              f"{ranks[name]['rss_end'] / 2**20:,.0f} MiB), "
-              f"{ranks[name]['tokens']:,} tokens, first batch after {ranks[name]['first_batch_s']:.2f} s", flush=True)
+              f"{ranks[name]['rss_end'] / 2**20:,.0f} MiB: "
+              f"{ranks[name]['rss_anon_end'] / 2**20:,.0f} MiB anonymous, {ranks[name]['rss_file_end'] / 2**20:,.0f} MiB "
+              f"file-backed), {ranks[name]['tokens']:,} tokens, first batch after {ranks[name]['first_batch_s']:.2f} s",
+              flush=True)
     figures["ranks_prepared"] = ranks
     if not args.only_prepare:
         growth = (ranks["large"]["peak_rss"] - ranks["small"]["peak_rss"]) / (ranks["large"]["tokens"] -

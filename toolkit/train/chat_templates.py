@@ -70,23 +70,15 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
-def render_prefixes(tokenizer, conversations: list[list[dict]]) -> list[list[list[int]]] | None:
-    """render() of every prefix of every conversation, in one batched call of the tokenizer (the
-    same template rendering and the same encoding as one call each, without a call's overhead);
-    None when the template fails on any of them (each is then rendered alone, to say which)."""
-    prefixes = [conversation[: i + 1] for conversation in conversations for i in range(len(conversation))]
-    if not prefixes:
-        return []
-    try:
-        rendered = tokenizer.apply_chat_template(prefixes, tokenize=True, add_generation_prompt=False)
-    except Exception:
-        return None
-    ids = iter(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-    return [[list(next(ids)) for _ in conversation] for conversation in conversations]
-
-
 def _squeezed(text: str) -> str:
     return "".join(text.split())
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    """tokenizer.decode(ids) up to whitespace, which _squeezed drops: a fast tokenizer's own decode,
+    without transformers' per-call conversions (its clean-up of spaces before punctuation is all it adds)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    return backend.decode(ids, skip_special_tokens=False) if backend is not None else tokenizer.decode(ids)
 
 
 def _renders_content(tokenizer, content: str, added: list[int]) -> bool:
@@ -95,7 +87,7 @@ def _renders_content(tokenizer, content: str, added: list[int]) -> bool:
     encoding every assistant message again was a third of the time preparing chat data took."""
     if not added:
         return False
-    turn = _squeezed(tokenizer.decode(added))
+    turn = _squeezed(_decode(tokenizer, added))
     if _squeezed(content) in turn:
         return True
     read = tokenizer.decode(tokenizer(content, add_special_tokens=False)["input_ids"])
@@ -104,7 +96,7 @@ def _renders_content(tokenizer, content: str, added: list[int]) -> bool:
 
 def locate_turns(tokenizer, messages: list[dict], prefixes: list[list[int]] | None = None) -> list[tuple[list[int], bool]]:
     """Each turn's tokens and whether it is an assistant turn; ChatTemplateError naming why the
-    turns cannot be told apart. `prefixes`: render_prefixes' result for these messages."""
+    turns cannot be told apart. `prefixes`: chat_prefixes.render_prefixes' result for these messages."""
     tokens: list[int] = []
     turns = []
     for i, message in enumerate(messages):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.train import chat_templates
+from toolkit.train import chat_prefixes, chat_templates
 from toolkit.train.chat_templates import ChatTemplateError
 from toolkit.train.data_sources import OUR_COLUMNS, DataError, Source, records
 
@@ -93,7 +93,7 @@ def _is_conversation(messages) -> bool:
 
 def _messages(tokenizer, messages, prefixes=None) -> Sample:
     """Render turn by turn: the tokens each assistant turn adds count in the loss. `prefixes`: each
-    prefix already rendered (chat_templates.render_prefixes)."""
+    prefix already rendered (chat_prefixes.render_prefixes)."""
     if not _is_conversation(messages):
         raise ValueError('"messages" must be a list of {"role", "content"} objects')
     chat_templates.require(tokenizer)
@@ -142,10 +142,10 @@ def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats
 
 def prerendered_parse(tokenizer, records: list):
     """parse_line for these records, their conversations' prefixes rendered in one batched call
-    (chat_templates.render_prefixes) first: the same samples, without a tokenizer call per turn."""
+    (chat_prefixes.render_prefixes) first: the same samples, without a tokenizer call per turn."""
     conversations = [r for r in records if isinstance(r, dict) and "messages" in r and _is_conversation(r["messages"])
                      and not ("prompt" in r and "response" in r)]
-    rendered = chat_templates.render_prefixes(tokenizer, [r["messages"] for r in conversations]) \
+    rendered = chat_prefixes.render_prefixes(tokenizer, [r["messages"] for r in conversations]) \
         if conversations and getattr(tokenizer, "chat_template", None) else None
     by_record = {id(r): prefixes for r, prefixes in zip(conversations, rendered or [])}
     return lambda tok, record: parse_line(tok, record, by_record.get(id(record)))
