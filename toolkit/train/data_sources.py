@@ -77,19 +77,21 @@ def records(source: Source, columns: dict[str, str], cache_dir: Path) -> Iterato
         yield f"{source.name} [{source.split} row {i}]", rename(row, columns)
 
 
-def content_fingerprint(source: Source, cache_dir: Path) -> str:
+def content_fingerprint(source: Source, cache_dir: Path, digest_of=None) -> str:
     """What the records of `source` are, for the prepared-data key (toolkit.train.prepared_key): the
     BLAKE3 of a file's bytes, or of every file under a directory (with their relative paths); a Hub
-    dataset's `datasets` fingerprint (its revision's files), which needs it loaded."""
+    dataset's `datasets` fingerprint (its revision's files), which needs it loaded. `digest_of(path)`:
+    a file's BLAKE3 (default: toolkit.checksum.file_digest; a start's is remembered_digests')."""
     from toolkit.checksum import Hasher, file_digest
 
+    digest_of = digest_of or file_digest
     path = Path(source.name)
     if path.is_file():
-        return file_digest(path)
+        return digest_of(path)
     if path.is_dir():
         hasher = Hasher()
         for file in sorted(p for p in path.rglob("*") if p.is_file()):
-            hasher.update(f"{file.relative_to(path).as_posix()}\0{file_digest(file)}\0".encode())
+            hasher.update(f"{file.relative_to(path).as_posix()}\0{digest_of(file)}\0".encode())
         return hasher.hexdigest()
     if path.suffix == ".jsonl" or path.suffix in BUILDERS or path.is_absolute() or source.name.startswith("."):
         raise DataError(f"data file {path} does not exist")

@@ -37,9 +37,11 @@ from toolkit.train.data import DataStats, ReadOptions
 from toolkit.train.data_sources import DataError, Source
 from toolkit.train.prepared_key import directory_name, key_fields
 from toolkit.train.prepared_store import DamagedStore, SampleStore, StoreWriter
+from toolkit.train.remembered_digests import remembered_digest
 from toolkit.train.tokenize_pool import CHUNK_RECORDS, tokenize
 
 PREPARED = "prepared"  # under data.cache_dir
+DIGESTS = ".digests"  # under PREPARED: the data files' digests, remembered by their stat (remembered_digests)
 MIN_CHUNK_RECORDS = 64  # a source of fewer than two chunks of these is tokenized without a pool
 PROGRESS_EVERY_S = 30.0  # a plain progress line this often in a log (a terminal gets a bar)
 _NO_LOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -57,8 +59,9 @@ class PrepareSettings:
 def prepared_source(source: Source, tokenizer, tokenizer_digest: str, opts: ReadOptions, method: str,
                     settings: PrepareSettings) -> SampleStore:
     """The prepared samples of `source` (pairs' sequences for method=dpo), prepared now if needed."""
-    fields = key_fields(source, data_sources.content_fingerprint(source, settings.cache_dir), tokenizer_digest, opts,
-                        method)
+    memo = settings.cache_dir / PREPARED / DIGESTS
+    fingerprint = data_sources.content_fingerprint(source, settings.cache_dir, lambda p: remembered_digest(p, memo))
+    fields = key_fields(source, fingerprint, tokenizer_digest, opts, method)
     final = settings.cache_dir / PREPARED / directory_name(fields)
     store = _open(final, settings, rebuild_damaged=False)
     if store is not None:
