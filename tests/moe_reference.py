@@ -122,18 +122,21 @@ def routed_per_document():
     """hf_reference's `step_loss` for routers without a load-balancing loss in the objective (GLM-4.5,
     DeepSeek-V3 and gpt-oss as their recipes train them): one forward per document (every token of it
     is routed, as the trainer routes every non-padding input), and per step the tokens each HF router
-    (…TopkRouter / …TopKRouter, returning (logits, weights, experts)) sent to each expert, in
+    (…TopkRouter / …TopKRouter, returning (logits, weights, experts); Llama 4's) sent to each expert, in
     `.routing` as the trainer's tokens_per_expert of its MoE layers. Works on a PeftModel too."""
     counts: list = []
 
     def step_loss(model, global_rows, cfg, device):
-        # (Gemma 4's Gemma4TextRouter too, its expert count in its config)
-        routers = [m for m in model.modules() if type(m).__name__.lower().endswith(("topkrouter", "gemma4textrouter"))]
+        # (Gemma 4's Gemma4TextRouter too, its expert count in its config; Llama 4's Llama4Router, returning
+        # (scores, logits), its experts the top_k of its logits)
+        routers = [m for m in model.modules()
+                   if type(m).__name__.lower().endswith(("topkrouter", "gemma4textrouter", "llama4router"))]
         experts = getattr(routers[0], "num_experts", None) or routers[0].config.num_experts
         routed = torch.zeros(len(routers), experts, dtype=torch.long)
 
         def count(n, router, _inputs, out):  # returns None: the router's output stays as it is
-            routed[n] += torch.bincount(out[2].flatten(), minlength=experts)
+            chosen = out[1].topk(router.top_k, dim=-1).indices if len(out) == 2 else out[2]
+            routed[n] += torch.bincount(chosen.flatten(), minlength=experts)
 
         hooks = [router.register_forward_hook(functools.partial(count, n)) for n, router in enumerate(routers)]
         total, tokens = 0.0, 0

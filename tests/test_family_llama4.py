@@ -266,3 +266,31 @@ def test_published_sizes_count_as_hf_builds_them():
         print(f"{name}: {hf_total / 1e9:.2f}B total, {hf_active / 1e9:.2f}B active")
         assert (total_params(spec), active_params(spec)) == (hf_total, int(hf_active)), name
         assert round(hf_active / 1e9) == 17, name
+
+
+@pytest.mark.multiprocess
+def test_tp2_dp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
+    """The recipe at TP2 x DP2 x EP2 with sequence parallelism (4 ranks) on the tiny fp32 Llama 4 with every piece
+    on (MoE on layers 1 and 3 with the shared expert, the sigmoid top-1 router scaling the experts' input, NoPE on
+    layer 2, the L2 q/k norm, chunks and the NoPE temperature beyond the recipe's sequences): HF's losses and
+    gradient norms over 10 steps, every step's tokens per expert as HF's routers chose them, and the export loads
+    in transformers as Llama4ForCausalLM. Guard: the reference with the q/k norm off is far off the run."""
+    from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
+    from tests.moe_reference import family_finetune_parity, routed_per_document
+    from toolkit.families.hf_values import auto_causal_lm
+
+    reference = routed_per_document()
+    run = family_finetune_parity(tmp_path, TEXT, 4, {"tp": 2, "ep": 2, "sequence_parallel": True},
+                                 lambda hf: reference, export_hf=True)
+    print(f"Llama 4 TP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
+    assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
+        (run.loss, run.norm)
+    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == reference.routing
+    assert len(reference.routing[0]) == 2  # the two MoE layers
+    assert type(auto_causal_lm().from_pretrained(tmp_path / "run" / "hf")).__name__ == "Llama4ForCausalLM"
+
+    guard = shutil.copytree(run.hf, tmp_path / "hf-no-qk-norm")
+    edit_config(guard, use_qk_norm=False)
+    off = differences(run.metrics, *hf_reference(guard, run.data, run.cfg, STEPS))
+    print(f"guard, HF without the q/k norm: {off[0]:.1e} / {off[1]:.1e}")
+    assert off[0] > 100 * LOSS_TOLERANCE_FP32

@@ -69,6 +69,9 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("olmo3", "Olmo3ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
         # SmolLM3: layer 2 without RoPE (megatron-core's no_rope_freq), tied embeddings split over the stages
         ("smollm3", "SmolLM3ForCausalLM", "model.layers.2.self_attn.k_proj.weight"),
+        # Qwen3.5: gated delta net layers (their four in_proj_* as megatron-core's one in_proj, split per key head
+        # over TP) and an output-gated full-attention layer on each stage
+        ("qwen3.5", "Qwen3_5ForCausalLM", "model.layers.0.linear_attn.in_proj_qkv.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,

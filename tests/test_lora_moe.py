@@ -334,3 +334,35 @@ def test_lora_on_qwen3_next_attention_gated_delta_net_and_experts_at_ep2_matches
         assert any(f"{module}.lora_" in k for k in keys), module
     assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", changed)
     assert_guards_fail(trained, experts=6, untrained=untrained)
+
+
+# The 2026 families' MoE layers: (target_modules, target_parameters, layer spec, experts, merged tensors that must
+# change, linears whose LoRA left untrained must fail the comparison)
+FRONTIER_LORA = {
+    # MiniMax-M2: the sigmoid router with a random expert bias, whole-projection q/k norms, partial RoPE; no shared
+    # expert or dense layer
+    "minimax-m2": (ATTENTION, EXPERTS, "te", 8,
+                   ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj",
+                    "model.layers.2.self_attn.q_proj.weight"), ("self_attn.v_proj",)),
+    # Mistral 4: multi-latent attention (the local spec), a dense first layer, 2 shared experts, routed scaling;
+    # PEFT rewrites nothing for mistral4, so the MLPs' linears are target_modules
+    "mistral4": ([*MLA, "gate_proj", "up_proj", "down_proj"], EXPERTS, "local", 8,
+                 ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_experts.down_proj.weight",
+                  "model.layers.0.mlp.up_proj.weight", "model.layers.3.self_attn.kv_b_proj.weight"),
+                 ("shared_experts.up_proj", "layers.0.mlp.down_proj", "self_attn.kv_a_proj_with_mqa")),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", FRONTIER_LORA)
+def test_lora_on_minimax_m2_and_mistral4_attention_and_experts_at_ep2_matches_peft(tmp_path, variant):
+    """MiniMax-M2 and Mistral 4 at DP2 x EP2: LoRA on the attention (Mistral 4's multi-latent projections),
+    Mistral 4's dense and shared MLPs and every routed expert trains as PEFT's, every step routed as HF
+    routes it; the adapter loads in PeftModel and --merge is merge_and_unload(). Guards: the last expert
+    (on EP rank 1) or one adapted linear left untrained fails the comparison."""
+    modules, parameters, layer_spec, experts, changed, untrained = FRONTIER_LORA[variant]
+    trained = train_against_peft(tmp_path, variant, modules, parameters, routing=UNBALANCED, layer_spec=layer_spec,
+                                 save_every=STEPS, global_batch=SMALL_BATCH)
+    assert_matches_peft_training(trained)
+    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", changed)
+    assert_guards_fail(trained, experts=experts, untrained=untrained)
