@@ -486,3 +486,25 @@ def test_run_directory_export_may_go_inside_the_run_but_never_over_the_model(tin
     with pytest.raises(ToolkitError, match="overlaps the input"):
         megatron_to_hf(run, run, overwrite=True, progress=False)
     assert (run / "checkpoints" / "step_0000001" / "model" / "toolkit_checkpoint.json").is_file()
+
+
+# Quantized re-saves of text models that are not read (NVFP4 from ModelOpt, AWQ, GPTQ, compressed-tensors INT4,
+# bitsandbytes): their weights are packed integers with scales, which read as bf16 would convert garbage.
+QUANTIZED = {
+    "modelopt": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"quant_method='modelopt'"),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128}, r"quant_method='awq'"),
+    "gptq": ({"quant_method": "gptq", "bits": 4}, r"quant_method='gptq'"),
+    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
+                           r"quant_method='compressed-tensors', format='nvfp4-pack-quantized'\) is not read: its "
+                           r"nvfp4-pack-quantized weights are decompressed by the compressed-tensors library"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method='bitsandbytes'"),
+}
+
+
+@pytest.mark.parametrize("method", QUANTIZED)
+def test_a_quantized_text_checkpoint_is_refused_in_one_line_naming_its_format(hf_copy, tmp_path, method):
+    """Before, every one of these converted silently (its config's quantization_config was not looked at)."""
+    quantization, match = QUANTIZED[method]
+    src = hf_copy()
+    edit_config(src, quantization_config=quantization)
+    convert_fails(src, tmp_path / "out", rf"^[^\n]*config.json: a quantized llama checkpoint \([^\n]*{match}[^\n]*$")

@@ -190,7 +190,8 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
         quantization = src.config.get("quantization_config", (text if isinstance(text, dict) else {}).get(
             "quantization_config"))
         if quantization is not None:
-            raise ConversionError(_quantized(src.dir / "config.json", wrapper, quantization))
+            raise ConversionError(_quantized(src.dir / "config.json", wrapper.model_type, quantization,
+                                             "only unquantized multimodal checkpoints convert through their language model"))
         view = LanguageModelView(src, wrapper)
         family = _family(view.config)
         if family is not None and family.fused_experts is not None:  # Qwen3.5-MoE's, GLM-4.6V's, where stored fused
@@ -198,6 +199,7 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     else:
         family = _family(src.config)
         fused = family.fused_experts if family else None  # experts stored fused (gpt-oss): read one at a time
+        _refuse_unread_quantization(src, fused)
         # FP8 weights dequantized beneath a view of fused experts that has no MXFP4 of its own (Qwen3.5-MoE's)
         fp8_first = fp8.is_fp8(src.config) and (fused is None or not fused.mxfp4)
         view = fused_view(fp8.Fp8View(src) if fp8_first else src, fused)
@@ -207,16 +209,28 @@ def open_hf(directory) -> HFCheckpoint | LanguageModelView:
     return view
 
 
-def _quantized(where: Path, wrapper: Wrapper, quantization) -> str:
-    """The one line refusing a quantized wrapper, naming its format."""
+def _quantized(where: Path, model_type: str, quantization, why: str) -> str:
+    """The one line refusing a quantized checkpoint, naming its format."""
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
     fmt = quantization.get("format") if isinstance(quantization, dict) else None
-    why = "only unquantized multimodal checkpoints convert through their language model"
-    if method == "compressed-tensors" or fmt is not None:  # Kimi-K2.5's INT4 experts
+    if method == "compressed-tensors" or fmt is not None:  # Kimi-K2.5's INT4 experts, NVFP4 re-saves
         why = (f"its {fmt or 'compressed'} weights are decompressed by the compressed-tensors library, which defines "
                "that format (transformers' integration only calls it); " + why)
-    return (f"{where}: a quantized {wrapper.model_type} checkpoint (quantization_config.quant_method={method!r}"
+    return (f"{where}: a quantized {model_type} checkpoint (quantization_config.quant_method={method!r}"
             + (f", format={fmt!r}" if fmt is not None else "") + f") is not read: {why}")
+
+
+def _refuse_unread_quantization(src: "HFCheckpoint", fused) -> None:
+    """A text checkpoint quantized otherwise than the formats dequantized while reading (FP8 with block
+    scales, toolkit/convert/fp8.py; gpt-oss's MXFP4 experts, toolkit/convert/fused_experts.py) is one line:
+    its packed integer weights and scales (NVFP4, AWQ, GPTQ, INT4, bitsandbytes) would convert as garbage."""
+    quantization = src.config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if quantization is None or method == "fp8" or (method == "mxfp4" and fused is not None and fused.mxfp4):
+        return
+    raise ConversionError(_quantized(src.dir / "config.json", src.config.get("model_type"), quantization,
+                                     "only FP8 weights with block scales and gpt-oss's MXFP4 experts are dequantized "
+                                     "while reading; convert the unquantized (bf16) release"))
 
 
 def _family(cfg: dict):
