@@ -14,7 +14,9 @@ trains GLM-4.5's and DeepSeek-V3's (multi-latent attention) attention, dense lay
 experts (the sigmoid router with its expert bias, which stays the base model's on both sides), and
 gpt-oss's attention and routed experts (stored transposed, gate and up interleaved), and Qwen3-Next's
 and Qwen3.5-MoE's attention and gated delta net (Qwen3.5's four in_proj_* Linears), dense MLP, shared and
-routed experts.
+routed experts, MiniMax-M2's and Mistral 4's, and Llama 4's (experts x @ W under feed_forward.experts, which
+PEFT reads as [experts, out, in]) and Gemma 4's MoE block (experts beside the dense mlp) attention, dense MLPs
+and routed experts with fp64 routers.
 """
 
 from __future__ import annotations
