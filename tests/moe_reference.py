@@ -80,6 +80,43 @@ def _fp64_topk_then_softmax(router, hidden_states):
     return logits, torch.softmax(top, dim=-1).to(hidden_states.dtype), chosen
 
 
+def gemma4_routers_in_fp64(model) -> None:
+    """hf_reference's `prepare` for moe.router_dtype=fp64 on Gemma 4: Gemma4TextRouter with its logits, softmax,
+    top-k and renormalisation in fp64, as megatron-core's router then (its input rms(x) * scale / sqrt(hidden) in
+    fp32 on both sides), the per-expert scale applied to the chosen weights."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+    def forward(self, hidden_states):
+        x = self.norm(hidden_states) * self.scale * self.scalar_root_size
+        probs = torch.softmax(F.linear(x.double(), self.proj.weight.double()), dim=-1)
+        top, index = torch.topk(probs, self.config.top_k_experts, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True) * self.per_expert_scale.double()[index]
+        return probs, top.to(hidden_states.dtype), index
+
+    _replace_forward(model, Gemma4TextRouter, forward)
+
+
+def llama4_routers_in_fp64(model) -> None:
+    """hf_reference's `prepare` for moe.router_dtype=fp64 on Llama 4: Llama4Router's logits, top-k and sigmoid in
+    fp64, as megatron-core's sigmoid router then; the scores (0 off the top-k) go back in fp32, its logits fp64."""
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states.double(), self.weight.double())
+        top, index = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, index, top)
+        return torch.sigmoid(scores).to(hidden_states.dtype), logits
+
+    _replace_forward(model, Llama4Router, forward)
+
+
+def _replace_forward(model, router_class, forward) -> None:
+    routers = [m for m in model.modules() if isinstance(m, router_class)]
+    assert routers, f"no {router_class.__name__} in the model"
+    for router in routers:
+        router.forward = types.MethodType(forward, router)
+
+
 def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
     """tests.finetune_harness.hf_reference's `step_loss`: the global batch as the trainer's padded
     micro-batches (rows of seq_len + 1 tokens, inputs the first seq_len), one forward each, with the
@@ -120,7 +157,7 @@ def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
 
 def routed_per_document():
     """hf_reference's `step_loss` for routers without a load-balancing loss in the objective (GLM-4.5,
-    DeepSeek-V3 and gpt-oss as their recipes train them): one forward per document (every token of it
+    DeepSeek-V3, gpt-oss, Gemma 4 and Llama 4 as their recipes train them): one forward per document (every token of it
     is routed, as the trainer routes every non-padding input), and per step the tokens each HF router
     (…TopkRouter / …TopKRouter, returning (logits, weights, experts); Llama 4's) sent to each expert, in
     `.routing` as the trainer's tokens_per_expert of its MoE layers. Works on a PeftModel too."""

@@ -266,26 +266,6 @@ def test_wrapper_round_trip_keeps_every_byte_and_loads_as_the_multimodal_class(t
     assert type(transformers.AutoModelForCausalLM.from_pretrained(text)).__name__ == "Gemma4ForCausalLM"
 
 
-def _route_in_fp64(model):
-    """Gemma4TextRouter with its logits, softmax, top-k and renormalisation in fp64, as megatron-core's router with
-    moe.router_dtype=fp64 (its input rms(x) * scale / sqrt(hidden) in fp32 on both sides), the per-expert scale
-    applied to the chosen weights."""
-    import types
-
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
-
-    def forward(self, hidden_states):
-        x = self.norm(hidden_states) * self.scale * self.scalar_root_size
-        probs = torch.softmax(torch.nn.functional.linear(x.double(), self.proj.weight.double()), dim=-1)
-        top, index = torch.topk(probs, self.config.top_k_experts, dim=-1)
-        top = top / top.sum(dim=-1, keepdim=True) * self.per_expert_scale.double()[index]
-        return probs, top.to(hidden_states.dtype), index
-
-    for module in model.modules():
-        if isinstance(module, Gemma4TextRouter):
-            module.forward = types.MethodType(forward, module)
-
-
 @pytest.mark.multiprocess
 def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
     """The family's one fine-tune launch: the recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (8 processes)
@@ -298,11 +278,11 @@ def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
-    from tests.moe_reference import family_finetune_parity, routed_per_document
+    from tests.moe_reference import family_finetune_parity, gemma4_routers_in_fp64, routed_per_document
 
     run = family_finetune_parity(tmp_path, MOE, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
                                  lambda hf: routed_per_document(), moe={"router_dtype": "fp64"},
-                                 prepare=_route_in_fp64, export_hf=True, layer_spec="local", num_hidden_layers=4,
+                                 prepare=gemma4_routers_in_fp64, export_hf=True, layer_spec="local", num_hidden_layers=4,
                                  layer_types=["sliding_attention", "full_attention"] * 2)
     print(f"Gemma 4 MoE TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
     assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
@@ -350,11 +330,14 @@ def test_published_sizes_count_as_hf_builds_them(name):
         assert round(active_params(spec) / 1e9, 1) == card_active
 
 
-def test_lora_targets_and_the_moe_refusal():
+def test_lora_targets_and_what_stays_refused_on_the_moe_block():
     """Dense: every linear a PEFT target, the global layers' q/k (no v_proj where k is v) and o_proj with their own
-    sizes. MoE: refused in one line (not yet mapped: docs/frontier_families.md)."""
+    sizes. MoE (enable_moe_block): the attention and the dense MLP beside the experts (megatron-core's mlp.dense)
+    with all-linear, the routed experts as `experts.*` target_parameters (trained against PEFT in
+    tests/test_lora_moe.py); still refused in one line: the router's proj, and the experts at TP > 1."""
     from toolkit.errors import AdapterError
     from toolkit.families import family_named
+    from toolkit.lora import experts
     from toolkit.lora.targets import resolve
 
     family = family_named("gemma4")
@@ -365,5 +348,12 @@ def test_lora_targets_and_the_moe_refusal():
         by_layers.setdefault(layers, {}).update((t.name, (t.in_features, t.out_features)) for t in parts)
     assert by_layers[(2, 5)] == {"q_proj": (64, 256), "k_proj": (64, 64), "o_proj": (256, 64)}
     assert by_layers[(0, 1, 3, 4)] == {"q_proj": (64, 128), "k_proj": (64, 64), "v_proj": (64, 64), "o_proj": (128, 64)}
-    with pytest.raises(AdapterError, match=r"^LoRA on gemma4 with enable_moe_block is not supported yet: [^\n]*$"):
-        resolve(family, spec_from_config(make_config(MOE).to_dict())[1], ["all-linear"])
+    moe = spec_from_config(make_config(MOE).to_dict())[1]
+    modules = {lt.module: lt.chosen for lt in resolve(family, moe, ["all-linear"])}
+    assert modules["mlp.dense.linear_fc1"] == ("gate_proj", "up_proj") and modules["mlp.dense.linear_fc2"] == ("down_proj",)
+    chosen = experts.resolve(family, moe, ["gate_up_proj", "down_proj"], 0.0)
+    assert experts.config_names(chosen) == ["experts.gate_up_proj", "experts.down_proj"]
+    with pytest.raises(AdapterError, match=r"^LoRA on the Mixture-of-Experts router \(proj\) is not supported[^\n]*$"):
+        resolve(family, moe, ["q_proj", "proj"])
+    with pytest.raises(AdapterError, match=r"^LoRA on the experts \(peft.target_parameters\) at parallel.tp=2 [^\n]*$"):
+        experts.check_layout(2, chosen)

@@ -14,7 +14,9 @@ trains GLM-4.5's and DeepSeek-V3's (multi-latent attention) attention, dense lay
 experts (the sigmoid router with its expert bias, which stays the base model's on both sides), and
 gpt-oss's attention and routed experts (stored transposed, gate and up interleaved), and Qwen3-Next's
 and Qwen3.5-MoE's attention and gated delta net (Qwen3.5's four in_proj_* Linears), dense MLP, shared and
-routed experts.
+routed experts, MiniMax-M2's and Mistral 4's, and Llama 4's (experts x @ W under feed_forward.experts, which
+PEFT reads as [experts, out, in]) and Gemma 4's MoE block (experts beside the dense mlp) attention, dense MLPs
+and routed experts with fp64 routers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from transformers import AutoTokenizer
 
 from tests.finetune_harness import (GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference, launch,
                                     read_metrics, recipe, write_peft_adapter, write_uneven_data)
-from tests.moe_reference import moe_step_loss, route_in_fp64, routed_per_document
+from tests.moe_reference import (gemma4_routers_in_fp64, llama4_routers_in_fp64, moe_step_loss, route_in_fp64,
+                                 routed_per_document)
 from toolkit.convert import hf_to_megatron
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -63,15 +66,21 @@ SOFTMAX = Routing({"router_aux_loss_coef": AUX_LOSS_COEF}, {"router_dtype": "fp6
 # Routers trained without a load-balancing loss (GLM-4.5's sigmoid router with its expert bias,
 # gpt-oss's with router_aux_loss_coef 0), in fp32 on both sides
 UNBALANCED = Routing({"router_aux_loss_coef": 0.0}, step_loss=lambda hf: routed_per_document())
+# Llama 4's top-1 sigmoid router (applied to the expert's input) and Gemma 4's scaled softmax router, trained without
+# a load-balancing loss, in fp64 on both sides (tests/moe_reference.py)
+LLAMA4_FP64 = Routing({"router_aux_loss_coef": 0.0}, {"router_dtype": "fp64"}, lambda hf: routed_per_document(),
+                      llama4_routers_in_fp64)
+GEMMA4_FP64 = Routing(moe={"router_dtype": "fp64"}, step_loss=lambda hf: routed_per_document(),
+                      prepare=gemma4_routers_in_fp64)
 
 
 def train_against_peft(root: Path, variant: str, modules: list[str], parameters: list[str] | None,
-                       routing: Routing = SOFTMAX, layer_spec: str = "te", **settings):
-    """A DP2 x EP2 LoRA run of `variant` from an adapter PEFT saved (target_modules `modules`,
-    target_parameters `parameters`), and the PEFT reference of the same recipe."""
+                       routing: Routing = SOFTMAX, layer_spec: str = "te", model: dict | None = None, **settings):
+    """A DP2 x EP2 LoRA run of `variant` (`model`: its config changes) from an adapter PEFT saved (target_modules
+    `modules`, target_parameters `parameters`), and the PEFT reference of the same recipe."""
     from toolkit.tinymodels import make_tiny_model
 
-    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, **routing.model)
+    hf = make_tiny_model(variant, root / "hf", dtype="float32", vocab_size=250, **routing.model, **(model or {}))
     mc = hf_to_megatron(hf, root / "mc", fmt="torch_dist", progress=False, layer_spec=layer_spec)
     source = write_peft_adapter(hf, root / "adapter", modules, r=2, alpha=4.0, target_parameters=parameters)
     data = write_uneven_data(root / "data.jsonl", 300)
@@ -149,9 +158,9 @@ def with_expert_untrained(adapter: dict, start: dict, expert: int, experts: int 
     out = {}
     for key, tensor in adapter.items():
         out[key] = tensor.clone()
-        if ".mlp.experts." in key and ".lora_A." in key:
+        if ".experts." in key and ".lora_A." in key:  # the routed experts' (not shared_expert(s).*)
             out[key][rows] = start[key][rows]
-        elif ".mlp.experts." in key:
+        elif ".experts." in key:
             out[key][:, cols] = start[key][:, cols]
     return out
 
@@ -364,5 +373,83 @@ def test_lora_on_minimax_m2_and_mistral4_attention_and_experts_at_ep2_matches_pe
     trained = train_against_peft(tmp_path, variant, modules, parameters, routing=UNBALANCED, layer_spec=layer_spec,
                                  save_every=STEPS, global_batch=SMALL_BATCH)
     assert_matches_peft_training(trained)
+    assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", changed)
+    assert_guards_fail(trained, experts=experts, untrained=untrained)
+
+
+# PEFT's target_parameters on each family's experts module, as adapter_config.json names them
+LLAMA4_EXPERTS = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+GEMMA4_EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("variant, parameters", [("llama4", LLAMA4_EXPERTS), ("gemma4-moe", GEMMA4_EXPERTS),
+                                                 ("mixtral", EXPERTS), ("gpt-oss", EXPERTS)])
+def test_adapter_config_target_parameters_are_what_peft_wraps_on_the_hf_model(tmp_path, variant, parameters):
+    """The target_parameters an adapter lists for each family (from `gate_up_proj,down_proj`) are the module path
+    PEFT's get_peft_model matches on the HF model: it wraps both fused weights of every MoE layer and nothing else,
+    and its LoRA tensors have the keys and shapes the toolkit expects (Llama 4's x @ W experts with lora_A facing
+    the output, toolkit/lora/experts.py)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.families import family_named, spec_from_config
+    from toolkit.lora import adapter, experts
+    from toolkit.lora.peft_dir import LoraSettings
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model(variant, tmp_path / "hf", dtype="float32", vocab_size=250)
+    spec = spec_from_config(json.loads((hf / "config.json").read_text()))[1]
+    family = family_named(spec.family)
+    settings = adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, 0.0, ("q_proj",),
+                                                                   target_parameters=("gate_up_proj", "down_proj")))
+    assert list(settings.target_parameters) == parameters
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32),
+                          LoraConfig(r=2, lora_alpha=4.0, target_modules=["q_proj"],
+                                     target_parameters=list(settings.target_parameters)))
+    module = experts.experts_module(family)
+    wrapped = {f"{n.replace('.base_layer', '')}.{m.parameter_name}" for n, m in peft.base_model.model.named_modules()
+               if type(m).__name__ == "ParamWrapper"}
+    assert wrapped == {f"{module.replace('*', str(layer))}.{name}" for layer in experts.moe_layers(spec)
+                       for name in ("gate_up_proj", "down_proj")}
+    linears, targets = adapter.resolve_targets(family, spec, settings)
+    saved = {k.replace(".default", ""): tuple(v.shape) for k, v in peft.state_dict().items() if ".lora_" in k}
+    assert saved == adapter.expected_shapes(linears, spec, 2, targets)
+
+
+# Llama 4 and Gemma 4, their experts in modules of their own (toolkit.lora.experts.experts_module), LoRA on the attention,
+# the dense MLPs and every routed expert: (target_parameters, routing, the tiny model's config changes, experts, merged
+# tensors that must change, linears whose LoRA left untrained must fail the comparison)
+OWN_EXPERTS_MODULE_LORA = {
+    # a dense MLP and a MoE layer (top-1 sigmoid routing on the expert's input, a shared expert) on each side of the
+    # NoPE layer; experts stored x @ W, which PEFT's ParamWrapper reads as [experts, out, in]: lora_A faces the output
+    "llama4": (LLAMA4_EXPERTS, LLAMA4_FP64, {}, 4,
+               ("model.layers.1.feed_forward.experts.gate_up_proj", "model.layers.3.feed_forward.experts.down_proj",
+                "model.layers.1.feed_forward.shared_expert.up_proj.weight", "model.layers.2.feed_forward.down_proj.weight",
+                "model.layers.0.self_attn.k_proj.weight"), ("shared_expert.down_proj",)),
+    # the MoE block: a dense MLP (megatron-core's mlp.dense) and 8 experts top-2 side by side, each with its norms, the
+    # router's scale and per-expert scale; sliding and global layers (keys as values), 4 layers
+    "gemma4-moe": (GEMMA4_EXPERTS, GEMMA4_FP64,
+                   {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}, 8,
+                   ("model.layers.0.experts.gate_up_proj", "model.layers.3.experts.down_proj",
+                    "model.layers.2.mlp.up_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                    "model.layers.0.self_attn.v_proj.weight"), ("mlp.down_proj",)),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", OWN_EXPERTS_MODULE_LORA)
+def test_lora_on_llama4_and_gemma4_moe_attention_dense_mlps_and_experts_at_ep2_matches_peft(tmp_path, variant):
+    """Llama 4 and Gemma 4's MoE block at DP2 x EP2: LoRA on the attention, the dense MLPs (Llama 4's shared expert
+    too) and every routed expert trains as PEFT's, every step routed as HF routes it (fp64 routers on both sides);
+    the adapter names the family's experts module (`feed_forward.experts.*`, `experts.*`), loads in PeftModel, and
+    --merge is merge_and_unload(). Guards: the last expert (on EP rank 1) or one adapted linear left untrained fails
+    the comparison."""
+    parameters, routing, model, experts, changed, untrained = OWN_EXPERTS_MODULE_LORA[variant]
+    trained = train_against_peft(tmp_path, variant, ATTENTION + MLP, parameters, routing=routing, layer_spec="local",
+                                 model=model, save_every=STEPS, global_batch=SMALL_BATCH)
+    assert_matches_peft_training(trained)
+    config = json.loads((trained["run"] / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == parameters and sorted(config["target_modules"]) == sorted(ATTENTION + MLP)
     assert_merge_equals_merge_and_unload(trained, tmp_path / "merged", changed)
     assert_guards_fail(trained, experts=experts, untrained=untrained)

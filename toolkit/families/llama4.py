@@ -119,5 +119,5 @@ LLAMA4 = Family(
     read=read,
     layer=CustomLayer(qk_norm="l2_rope"),
     fused_experts=FusedExperts(prefix=FF + "experts.", per_expert=FF + "experts.#.", gate_up="gate_up_proj",
-                               down="down_proj", layout=FUSED_HALVES_X_AT_W),
+                               down="down_proj", layout=FUSED_HALVES_X_AT_W, peft_reads_transposed=True),
 )

@@ -176,7 +176,7 @@ class FusedExperts:
     down_proj `.weight` ([out, in], as nn.Linear) and `.bias`. Where a checkpoint holds per-expert tensors
     instead, nothing is fused and they are read as stored."""
 
-    prefix: str  # of the fused tensors, `*` for the layer
+    prefix: str  # of the fused tensors, `*` for the layer: transformers' experts module (PEFT's target_parameters)
     per_expert: str
     gate_up: str
     down: str
@@ -191,6 +191,10 @@ class FusedExperts:
     # [experts, hidden, ffn], the config's hidden_size and moe_intermediate_size), as transformers'
     # Transpose(check_dims=True) reads them (Qwen3-VL-MoE: published x @ W, its own save nn.Linear's)
     either_orientation: bool = False
+    # transformers' module applies the weights as x @ W but does not say so (no `is_transposed`: Llama4TextExperts):
+    # PEFT's ParamWrapper (target_parameters) then reads [experts, in, out] as [experts, out, in], and its lora_A
+    # faces the output, lora_B the input (toolkit/lora/experts.py)
+    peft_reads_transposed: bool = False
 
     def __post_init__(self):
         if self.layout not in FUSED_LAYOUTS:

@@ -33,9 +33,11 @@ class Piece:
     index: torch.Tensor
     param: torch.nn.Parameter | None = None
     expert: bool = False  # a routed expert's: held by one EP rank, replicated over its expert-DP group
+    transposed: bool = False  # the parameter holds the slice transposed (Llama 4's experts: ExpertTarget.swapped)
 
     def take(self, whole: torch.Tensor) -> torch.Tensor:
-        return whole.index_select(self.axis, self.index).clone()
+        piece = whole.index_select(self.axis, self.index)
+        return (piece.T if self.transposed else piece).contiguous().clone()
 
 
 @dataclass
@@ -55,7 +57,8 @@ class Adapter:
         out = []
         for piece in self.pieces:
             full = safe_get_full_fp32_param(piece.param)
-            values = (piece.param.detach() if full is None else full).float().cpu().clone()
+            values = (piece.param.detach() if full is None else full).float().cpu()
+            values = (values.T if piece.transposed else values).contiguous().clone()
             out.append((piece.key, piece.shape, piece.axis, piece.index, values))
         return out
 
@@ -204,6 +207,8 @@ def _wrap_experts(module, expert_targets, layer: int, spec: ModelSpec, settings:
         for t in expert_targets:
             a = Piece(t.key(layer, "A"), (count * r, t.in_features), 0, rows, expert=True)
             b = Piece(t.key(layer, "B"), (t.out_features, count * r), 1, cols, expert=True)
+            if t.swapped:  # megatron-core's A is PEFT's B_e transposed, its B PEFT's A_e transposed
+                a, b = dataclasses.replace(b, transposed=True), dataclasses.replace(a, transposed=True)
             base = getattr(expert_module, t.linear)
             if t.parallel == targets.ROW:
                 wrapper = RowParallelLora(base, {t.name: values(a)}, {t.name: values(b)}, settings.scaling, 0.0)

@@ -93,9 +93,6 @@ def available(family: Family, spec: ModelSpec) -> list[str]:
 
 def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_none: bool = False) -> list[LinearTargets]:
     """The linears to wrap and their chosen parts; refuses a name the family does not have."""
-    if family.layer is not None and family.layer.gemma4 and spec.is_moe:
-        raise AdapterError(f"LoRA on {family.name} with enable_moe_block is not supported yet: its experts are fused "
-                           "[gate; up] halves and a dense MLP sits beside them; fine-tune it in full (no peft section)")
     names = available(family, spec)
     wanted = set(names) if ALL_LINEAR in target_modules else set(target_modules)
     router = sorted(wanted & router_names(family))
