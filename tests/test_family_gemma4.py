@@ -266,6 +266,13 @@ def test_wrapper_round_trip_keeps_every_byte_and_loads_as_the_multimodal_class(t
     assert type(transformers.AutoModelForCausalLM.from_pretrained(text)).__name__ == "Gemma4ForCausalLM"
 
 
+# The tiny MoE's seed for the fine-tune: over the reference's 10 steps its closest top-k decision (the gap between
+# the 8th and 9th router probability, in fp64) is 4.2e-7, against 9.9e-10 with the default seed, where one token of
+# layer 2 went to another expert at step 6 on one machine (a last-bit difference in the fp32 router input) and
+# not on another; seeds 1-13 gave 9.5e-10 to 4.2e-7.
+ROUTING_SEED = 8
+
+
 @pytest.mark.multiprocess
 def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
     """The family's one fine-tune launch: the recipe at TP2 x PP2 x DP2 x EP2 with sequence parallelism (8 processes)
@@ -283,7 +290,7 @@ def test_moe_tp2_pp2_dp2_ep2_fine_tune_matches_hf(tmp_path):
     run = family_finetune_parity(tmp_path, MOE, 8, {"tp": 2, "pp": 2, "ep": 2, "sequence_parallel": True},
                                  lambda hf: routed_per_document(), moe={"router_dtype": "fp64"},
                                  prepare=gemma4_routers_in_fp64, export_hf=True, layer_spec="local", num_hidden_layers=4,
-                                 layer_types=["sliding_attention", "full_attention"] * 2)
+                                 layer_types=["sliding_attention", "full_attention"] * 2, seed=ROUTING_SEED)
     print(f"Gemma 4 MoE TP2xPP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
     assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
         (run.loss, run.norm)
