@@ -127,12 +127,6 @@ def test_mrope_on_text_positions_is_megatron_cores_interleaved_partial_rope_bit_
     assert not torch.equal(_hf_rope([2, 1, 1], shifted, 16)[0], _hf_rope([2, 1, 1], text, 16)[0])
 
 
-def _rotate_halves(x):
-    """Llama's rotate_half: the halves, not the pairs, that rotate_half_llm rotates."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def test_guards_each_piece_switched_off_moves_hf_logits_past_the_tolerance(tiny_glm4v_dense, monkeypatch):
     """HF's own GLM-4.6V-Flash wrapper with each piece the conversion maps switched off: the post-norms (either),
     the interleaving (RoPE on halves instead of pairs), the partial rotary (every dimension rotated) and the q/k/v
@@ -166,11 +160,13 @@ def test_guards_each_piece_switched_off_moves_hf_logits_past_the_tolerance(tiny_
     config.text_config.rope_parameters = {**config.text_config.rope_parameters, "partial_rotary_factor": 1.0,
                                           "mrope_section": [4, 2, 2]}  # the 8 frequencies of the whole head
     moved["partial rotary"] = hf_logits(src, config=config)
+    # RoPE on halves: the module's own rotate_half (its vision tower's) on each frequency's angles laid out twice in
+    # a row ([f; f]) instead of repeat_interleave'd
+    recompose = modeling_glm4v.Glm4vTextRotaryEmbedding.recomposition_frequencies
     with monkeypatch.context() as patch:
-        patch.setattr(modeling_glm4v, "rotate_half_llm", _rotate_halves)
+        patch.setattr(modeling_glm4v, "rotate_half_llm", modeling_glm4v.rotate_half)
         patch.setattr(modeling_glm4v.Glm4vTextRotaryEmbedding, "recomposition_frequencies",
-                      lambda self, f: torch.cat([m[i % 3] for i, m in enumerate(f.split(self.mrope_section, -1))],
-                                                -1).repeat(1, 1, 2))
+                      lambda self, f: recompose(self, f)[..., ::2].repeat(1, 1, 2))
         moved["interleaving"] = hf_logits(src)
     moved = {piece: (logits - base).abs().max().item() for piece, logits in moved.items()}
     print("glm4v guards, max |logits - HF|:", {k: f"{v:.1e}" for k, v in moved.items()})
