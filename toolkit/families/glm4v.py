@@ -46,7 +46,8 @@ POST_MLP_NORM = replace(_GEMMA3[M + "mlp.linear_fc2.post_layernorm.weight"], hf=
 def read(cfg: dict) -> dict:
     """Refuse a head_dim other than hidden_size // num_attention_heads, the only one Glm4vTextAttention computes."""
     heads, hidden, head_dim = cfg.get("num_attention_heads"), cfg.get("hidden_size"), cfg.get("head_dim")
-    if head_dim is not None and isinstance(heads, int) and isinstance(hidden, int) and heads and head_dim != hidden // heads:
+    if head_dim is not None and isinstance(heads, int) and isinstance(hidden, int) and heads \
+            and head_dim != hidden // heads:
         raise ConversionError(f"glm4v with head_dim={head_dim!r}: Glm4vTextAttention's heads are hidden_size // "
                               f"num_attention_heads = {hidden // heads} wide whatever head_dim says, its rotary "
                               "embedding reads head_dim: not one model to map")
