@@ -10,9 +10,9 @@ the guards on HF's own model (each piece switched off moves its logits past 100x
 size as HF builds it and the LoRA targets.
 
 No published config.json of GLM-4.6V-Flash or GLM-4.1V-9B was found in the sources searched (docs/
-frontier_families.md), so the published-size test reads transformers' Glm4vTextConfig defaults, which its class
-documents as GLM-4.1V-9B-Thinking's (the same sizes a public print of that checkpoint's config shows:
-ai-bot-pro/achatbot pull request 168)."""
+frontier_families.md), so the published-size test reads transformers' config class defaults, which its class
+documents as GLM-4.1V-9B-Thinking's (the sizes a public print of that checkpoint's config shows: ai-bot-pro/achatbot
+pull request 168) and which give GLM-4.6V-Flash's published parameter count exactly."""
 
 from __future__ import annotations
 
@@ -199,11 +199,17 @@ def test_wrapper_round_trip_keeps_every_byte_and_loads_in_transformers(tiny_glm4
     assert (cfg["model_type"], cfg["architectures"]) == ("glm4v_text", ["Glm4vTextModel"])
 
 
+# zai-org/GLM-4.6V-Flash's parameters as the Hub's API counts its safetensors (vision tower included), quoted by a
+# public models survey (search index file 70102877713, "HF API `safetensors.total`", read 2026-09-24)
+FLASH_PUBLISHED_PARAMS = 10_292_777_472
+
+
 def test_published_size_counts_as_hf_builds_it():
-    """`toolkit memory`'s parameter count (toolkit.memory.params) of the 9B language model equals HF's
-    Glm46VForConditionalGeneration's language model and lm_head built on the meta device from Glm4vTextConfig's
-    defaults (GLM-4.1V-9B-Thinking's sizes, the ones GLM-4.6V-Flash is documented to share: 40 layers of 4096,
-    32 heads, 2 KV heads, FFN 13696, vocab 151552, untied): 9.40B."""
+    """`toolkit memory`'s parameter count (toolkit.memory.params) of the language model equals HF's
+    Glm46VForConditionalGeneration's language model and lm_head built on the meta device from the config classes'
+    defaults (Glm4vTextConfig: 40 layers of 4096, 32 heads, 2 KV heads, FFN 13696, vocab 151552, untied; documented
+    as GLM-4.1V-9B-Thinking's): 9.40B; with the default vision tower the whole is GLM-4.6V-Flash's published count
+    to the parameter, so these are its sizes."""
     import transformers
 
     from toolkit.memory.params import total_params
@@ -215,7 +221,9 @@ def test_published_size_counts_as_hf_builds_it():
     spec = spec_from_config(cfg)[1]
     with torch.device("meta"):
         model = transformers.Glm46VForConditionalGeneration(config)
+    whole = sum(p.numel() for p in model.parameters())
     hf = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual."))
+    assert whole == FLASH_PUBLISHED_PARAMS
     assert (spec.num_layers, spec.hidden_size, spec.head_dim, spec.tied_embeddings) == (40, 4096, 128, False)
     assert total_params(spec) == hf and round(hf / 1e9, 2) == 9.40, (total_params(spec), hf)
 
