@@ -94,15 +94,19 @@ def test_mrope_on_text_positions_is_plain_partial_rope_bit_for_bit():
     assert not torch.equal(_rope_cos_sin([2, 1, 1], shifted)[0], _rope_cos_sin([2, 1, 1], text)[0])
 
 
-def hf_logits(src, inputs=None):
+def hf_logits(src, inputs=None, **load):
     from transformers import AutoModelForImageTextToText
 
+    return logits_of(AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32, **load), inputs)
+
+
+def logits_of(model, inputs=None):
+    """An HF wrapper's fp32 logits on the parity launch's text tokens (toolkit.convert.parity.reference_tokens)."""
     from toolkit.convert.parity import DEFAULT_BATCH, DEFAULT_SEQ_LEN, reference_tokens
 
-    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
     tokens = reference_tokens(model.config.text_config.vocab_size, DEFAULT_BATCH, DEFAULT_SEQ_LEN)
     with torch.no_grad():
-        return model(input_ids=tokens, **(inputs or {})).logits
+        return model.eval()(input_ids=tokens, **(inputs or {})).logits
 
 
 def test_guards_mrope_streams_move_hf_logits_past_the_tolerance(tiny_glm4v):

@@ -100,7 +100,8 @@ def test_the_rows_flagged_float32_cover_what_the_installed_class_keeps_in_float3
     # (GLM-4.5V's router weight and expert bias; nothing in Qwen3-VL's) is what the family flags
     for name, wrapper in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                           ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
-                          ("glm4v_moe", "Glm4vMoeForConditionalGeneration")):
+                          ("glm4v_moe", "Glm4vMoeForConditionalGeneration"),
+                          ("glm4v", "Glm4vForConditionalGeneration")):
         family = next(f for f in FAMILIES if f.name == name)
         patterns = getattr(transformers, wrapper)._keep_in_fp32_modules_strict or ()
         flagged = [r.hf[0] for r in family.rows if r.kept_in_float32]

@@ -13,7 +13,8 @@ and Mistral Small 4's wrapper with its guards (tests/test_family_mistral4.py); G
 and its wrapper's language model (its guards in tests/test_family_gemma4.py); Llama 4 and its wrapper (its guards
 HF-side in tests/test_family_llama4.py); Qwen3-VL's dense and MoE wrappers in both formats, the MoE's experts as
 published and as transformers saves them (its guards in tests/test_family_qwen3_vl.py); GLM-4.5V's wrapper in both
-formats and GLM-4.6V's, its experts fused (its guards in tests/test_family_glm4v_moe.py); Kimi-K2.5's wrapper in both
+formats and GLM-4.6V's, its experts fused (its guards in tests/test_family_glm4v_moe.py); GLM-4.6V-Flash's dense
+wrapper in both formats and GLM-4.1V's (its guards in tests/test_family_glm4v.py); Kimi-K2.5's wrapper in both
 formats (tests/test_family_kimi_k25.py); Ministral 3 in both formats and inside the mistral3 wrapper
 (tests/test_family_ministral3.py)."""
 
@@ -24,6 +25,7 @@ import pytest
 from tests import test_family_deepseek_v3 as deepseek
 from tests.test_convert_parity import assert_parity
 from tests import test_family_gemma4 as gemma4
+from tests import test_family_glm4v as glm4v_dense
 from tests import test_family_glm4v_moe as glm4v
 from tests import test_family_gpt_oss as gpt_oss
 from tests import test_family_kimi_k25 as kimi_k25
@@ -37,6 +39,7 @@ from tests import test_family_qwen3_vl as qwen3_vl
 from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
 from tests.test_family_gemma4 import tiny_gemma4  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
+from tests.test_family_glm4v import tiny_glm4v_dense  # noqa: F401  (fixtures)
 from tests.test_family_glm4v_moe import tiny_glm4v  # noqa: F401  (fixtures)
 from tests.test_family_gpt_oss import tiny_gpt_oss  # noqa: F401  (fixtures)
 from tests.test_family_kimi_k25 import tiny_kimi_k25  # noqa: F401  (fixtures)
@@ -61,7 +64,7 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
                                                     tiny_gpt_oss, tiny_deepseek, tiny_qwen3_next,  # noqa: F811
                                                     tiny_qwen3_5, tiny_minimax, tiny_mistral4, tiny_gemma4,  # noqa: F811
                                                     tiny_llama4, tiny_qwen3_vl, tiny_glm4v, tiny_kimi_k25,  # noqa: F811
-                                                    tiny_ministral3, tmp_path):  # noqa: F811
+                                                    tiny_ministral3, tiny_glm4v_dense, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -77,11 +80,12 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     l4, _ = llama4.parity_pairs(tiny_llama4, tmp_path)  # all must match
     q3vl, _ = qwen3_vl.parity_pairs(tiny_qwen3_vl, tmp_path)  # all must match
     g4v, _ = glm4v.parity_pairs(tiny_glm4v, tmp_path)  # all must match
+    g4vd, _ = glm4v_dense.parity_pairs(tiny_glm4v_dense, tmp_path)  # all must match
     k25, _ = kimi_k25.parity_pairs(tiny_kimi_k25, tmp_path)  # all must match
     mi3, _ = ministral3.parity_pairs(tiny_ministral3, tmp_path)  # all must match
     mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
-    pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + k25 + mi3 + mm[:mm_matching]
+    pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching]
               + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)])
     reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4, tp=2, pp=2, ep=2)
     glm_reports = reports[len(pairs):len(pairs) + len(glm)]

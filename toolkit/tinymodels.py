@@ -525,23 +525,34 @@ def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32",
 # the 4 frequencies of its 8 rotated dimensions (H and W a frequency each)
 GLM4V_MOE = {**{k: v for k, v in GLM4_MOE.items() if k != "use_qk_norm"},
              "rope_parameters": {**GLM4_MOE["rope_parameters"], "mrope_section": [2, 1, 1]}}
+# GLM-4.6V-Flash / GLM-4.1V's dense language model (glm4v_text): heads 16 wide (hidden // heads, the only head size
+# Glm4vTextAttention has), RoPE on half of each (8 dims: 4 frequencies, MRoPE sections [2, 1, 1] giving H and W one
+# each), an FFN of 96 fused as gate_up_proj, 4 layers for PP 2; its four norms and q/k/v biases are randomised. Sharper
+# attention (init std 0.1, as llama3-scaled's) so that RoPE's layout shows in the logits: at 0.02 rotating every
+# dimension instead of half moves them 9e-3, under the guards' 100x the parity tolerance
+GLM4V = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, num_hidden_layers=4,
+             vocab_size=251, initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                              "mrope_section": [2, 1, 1]})
 # GLM-4.5V's vision tower as small as the class allows: one block of width 32, 2 x 2 patches of 14 pixels
 GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, image_size=28)
 
 
 def make_tiny_glm4v_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, glm46v: bool = False,
-                               **text_overrides) -> Path:
+                               dense: bool = False, **text_overrides) -> Path:
     """GLM-4.5V as published (Glm4vMoeForConditionalGeneration), or GLM-4.6V with `glm46v` (Glm46VForConditionalGeneration
-    around the same glm4v_moe_text model): the tiny text model under `model.language_model`, `lm_head` beside it, a
-    vision tower under `model.visual`, from transformers' own config classes; returns its directory."""
+    around the same glm4v_moe_text model); with `dense`, the dense glm4v_text model instead: GLM-4.6V-Flash with
+    `glm46v`, GLM-4.1V-9B (Glm4vForConditionalGeneration) without. The tiny text model under `model.language_model`,
+    `lm_head` beside it, a vision tower under `model.visual`, from transformers' own config classes; returns its
+    directory."""
     import torch
     import transformers
 
-    text = {**BASE, **GLM4V_MOE, "model_type": "glm4v_moe_text", "bos_token_id": 1, "eos_token_id": 2,
+    text_type = "glm4v_text" if dense else "glm4v_moe_text"
+    text = {**BASE, **(GLM4V if dense else GLM4V_MOE), "model_type": text_type, "bos_token_id": 1, "eos_token_id": 2,
             "pad_token_id": 0, **text_overrides}
-    vision = {**GLM4V_VISION, "out_hidden_size": text["hidden_size"], "model_type": "glm4v_vision" if glm46v
+    vision = {**GLM4V_VISION, "out_hidden_size": text["hidden_size"], "model_type": "glm4v_vision" if glm46v or dense
               else "glm4v_moe_vision"}
-    name = "Glm46V" if glm46v else "Glm4vMoe"
+    name = "Glm46V" if glm46v else "Glm4v" if dense else "Glm4vMoe"
     config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision,
                                                      tie_word_embeddings=text["tie_word_embeddings"])
     torch.manual_seed(seed)

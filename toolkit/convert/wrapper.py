@@ -78,7 +78,10 @@ WRAPPERS = (
     # tie_word_embeddings says; the text model alone has no causal-LM class (its family's Qwen3VL(Moe)TextModel)
     Wrapper("qwen3_vl", "text_config", _QWEN3_5, None, "Qwen3VLForConditionalGeneration", True),
     Wrapper("qwen3_vl_moe", "text_config", _QWEN3_5, None, "Qwen3VLMoeForConditionalGeneration", True),
-    # GLM-4.5V / GLM-4.6V: saved likewise (model.language_model.*, lm_head beside model.visual.*)
+    # GLM-4.5V / GLM-4.6V: saved likewise (model.language_model.*, lm_head beside model.visual.*); the glm46v wrapper
+    # holds GLM-4.6V's MoE language model (glm4v_moe_text) or GLM-4.6V-Flash's dense one (glm4v_text), read as its
+    # text_config.model_type's family; GLM-4.1V-9B (glm4v) the same dense one
+    Wrapper("glm4v", "text_config", _QWEN3_5, None, "Glm4vForConditionalGeneration", True),
     Wrapper("glm4v_moe", "text_config", _QWEN3_5, None, "Glm4vMoeForConditionalGeneration", True),
     Wrapper("glm46v", "text_config", _QWEN3_5, None, "Glm46VForConditionalGeneration", True, experts_as_stored=True),
     # Kimi-K2.5: DeepSeek-V3's language model (text_config model_type kimi_k2, read as deepseek_v3) saved as llava's

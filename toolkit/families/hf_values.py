@@ -107,7 +107,8 @@ CAUSAL_LM_GAPS = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
                   # Qwen3-VL's wrappers (their language models have no causal-LM class): the wrapper on text
                   "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
                   "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
-                  # GLM-4.5V / GLM-4.6V's wrappers likewise
+                  # GLM-4.5V / GLM-4.6V / GLM-4.6V-Flash / GLM-4.1V's wrappers likewise
+                  "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
                   "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration"),
                   "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration"),
                   "kimi_k25": ("Kimi_K25Config", "Kimi_K25ForConditionalGeneration")}  # (config class, model class)
