@@ -158,3 +158,34 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_loses_nothing(chat_mode
     (small_disk / "filler").unlink()
     assert checkpoint.find_resumable(small_disk / "run").path == first
     assert os.path.ismount(small_disk)
+
+
+def test_a_rank_that_looks_after_the_partial_save_is_removed_stays_silent(tmp_path, monkeypatch):
+    """Defect (seen in CI: a traceback beside the one line). Both ranks' torch_dist writes fail; the
+    first rank sees the full disk and removes the partial save; the second looks only then, sees free
+    space and a short write worded "unexpected pos 704 vs 598" without the errno, so only the note can
+    tell it that the disk was why. Here the second rank looks at the moment of the removal."""
+    import errno
+
+    from toolkit.errors import ReportedByAnotherRank
+    from toolkit.train import checkpoint
+
+    root = tmp_path / "checkpoints"
+    tmp, final = root / ".step_0000004.partial", root / "step_0000004"
+    (tmp / "train").mkdir(parents=True)
+    (tmp / "train" / "shard.distcp").write_bytes(b"x" * 100)
+    note = root / ".step_0000004.disk_full"
+    short_write = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    rmtree, second = shutil.rmtree, []
+
+    def removal_meanwhile_the_second_rank_looks(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        if Path(path) == tmp and not second:
+            second.append(checkpoint._told_disk_full(short_write, root, tmp, final, note))
+
+    monkeypatch.setattr(shutil, "rmtree", removal_meanwhile_the_second_rank_looks)
+    first = checkpoint._told_disk_full(OSError(errno.ENOSPC, "No space left on device"), root, tmp, final, note)
+    assert isinstance(first, checkpoint.CheckpointError) and "is full: saving step_0000004" in str(first), first
+    assert isinstance(second[0], ReportedByAnotherRank), f"the second rank would raise its own traceback: {second}"
+    assert checkpoint._told_disk_full(RuntimeError("another failure"), tmp_path / "elsewhere", tmp, final,
+                                      tmp_path / "elsewhere" / "note") is None, "a failure that is not the disk"

@@ -223,16 +223,29 @@ def save(run_dir: Path, step: int, engine, module, shards, source, train_state: 
             os.replace(marker, root / LATEST)
             _prune(root, keep_last, step)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any writer's failure on a full disk is the same story
-        if not _disk_full(e, root):
-            if reported.exists():  # a collective broke because the rank that hit the full disk has left
-                raise ReportedByAnotherRank(f"{final.name}: the disk is full") from None
+        told = _told_disk_full(e, root, tmp, final, reported)
+        if told is None:
             raise
-        error = _disk_full_error(root, tmp, final)  # removes the partial save, which frees room for the note
-        if not _first_to_report(reported):
-            raise ReportedByAnotherRank(f"{final.name}: the disk is full") from None
-        raise error from None
+        raise told from None
     dist.barrier()
     return final
+
+
+def _told_disk_full(error: BaseException, root: Path, tmp: Path, final: Path, note: Path) -> ToolkitError | None:
+    """What a rank whose save failed raises when the disk filled: the one line (the first rank to
+    report), or a silent ReportedByAnotherRank; None when the disk is not why it failed.
+
+    The first rank claims `note` before it removes the partial save: a rank that looks after the
+    removal sees free space (and DCP words a short write as "unexpected pos", without the errno),
+    so the note must already be there for it to stay silent."""
+    silent = ReportedByAnotherRank(f"{final.name}: the disk is full")
+    if not _disk_full(error, root):
+        return silent if note.exists() else None  # a collective broke because the rank that hit the full disk has left
+    first = _first_to_report(note)
+    told = _disk_full_error(root, tmp, final)  # removes the partial save
+    if not note.exists():  # there was no room even for the note: now there is
+        _first_to_report(note)
+    return told if first else silent
 
 
 def _first_to_report(note: Path) -> bool:
