@@ -66,11 +66,11 @@ def gradients_unquantized():
 
     original = local.torchao_config
 
-    def forward_only(name, pad_inner_dim):
+    def forward_only(name, on_cuda):
         import dataclasses
 
         hp = CastConfig(scaling_type=ScalingType.DISABLED)
-        config = original(name, pad_inner_dim)
+        config = original(name, on_cuda)
         return dataclasses.replace(config, cast_config_grad_output=hp, cast_config_weight_for_grad_input=hp,
                                    cast_config_input_for_grad_weight=hp, cast_config_grad_output_for_grad_weight=hp)
 
@@ -123,7 +123,7 @@ def gemm_snr(gemm, recipe: str | None) -> dict:
     if recipe is None:
         y = xb @ wb.t()
     else:
-        y = local.Fp8Forward(None, local.torchao_config(recipe, pad_inner_dim=False))(xb, wb)
+        y = local.Fp8Forward(None, local.torchao_config(recipe, on_cuda=False))(xb, wb)
     y.backward(g.bfloat16())
     return {"output": snr_db(x @ w.t(), y), "grad_input": snr_db(g @ w, xb.grad),
             "grad_weight": snr_db(g.flatten(0, -2).t() @ x.flatten(0, -2), wb.grad)}
@@ -141,7 +141,7 @@ def chosen_linears() -> dict:
     for variant, first_last in (("llama", True), ("qwen3-moe", False)):
         _, spec = spec_from_config(make_config(variant, num_hidden_layers=LAYERS).to_dict())
         model = build_gpt_model(spec, Layout(1, 1), torch.bfloat16, layer_spec="local")
-        chosen[variant] = apply_fp8([model], "tensorwise", first_last, spec.num_layers, pad_inner_dim=False)
+        chosen[variant] = apply_fp8([model], "tensorwise", first_last, spec.num_layers)
     return chosen
 
 
@@ -205,3 +205,34 @@ def test_fp8_linears_signal_to_noise_against_fp32_in_one_step(tiny_checkpoint):
         assert unquantized["output"] <= bf16["output"] - BELOW_BF16_DB, (recipe, unquantized)  # the forward still FP8
         assert min(unquantized["grad_input"], unquantized["grad_weight"]) > bf16["grad_input"] - BELOW_BF16_DB, \
             (recipe, unquantized, bf16)  # so the distance-from-bf16 criterion on gradients fails
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_cpu_emulates_the_fp8_gemm_that_cuda_runs_on_scaled_mm(monkeypatch, recipe):
+    """CUDA-shaped: apply_fp8 picks torch's _scaled_mm (dimensions padded) where CUDA is, torchao's
+    emulated GEMM on CPU; and the emulation computes what the kernel computes: its output and both
+    gradients equal the CPU _scaled_mm's (the kernel CUDA runs, as the CPU has it) to bf16 rounding.
+    Guard: the same GEMMs unquantized, in bf16, differ by far more."""
+    from toolkit.fp8 import local
+
+    assert (local.device_config(recipe).emulate, local.device_config(recipe).pad_inner_dim) == (True, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (local.device_config(recipe).emulate, local.device_config(recipe).pad_inner_dim) == (False, True)
+    monkeypatch.undo()
+
+    torch.manual_seed(0)
+    x, w, g = torch.randn(64, 96), torch.randn(80, 96) * 0.1, torch.randn(64, 80)
+    results = {}
+    for name, config in (("emulated", local.torchao_config(recipe, on_cuda=False)),
+                         ("scaled_mm", local.dataclasses.replace(local.torchao_config(recipe, on_cuda=False), emulate=False)),
+                         ("bf16", None)):
+        xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        y = xb @ wb.t() if config is None else local.Fp8Forward(None, config)(xb, wb)
+        y.backward(g.bfloat16())
+        results[name] = [t.float() for t in (y, xb.grad, wb.grad)]
+
+    def worst(a, b):
+        return max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(results[a], results[b]))
+
+    assert worst("emulated", "scaled_mm") <= 2 ** -7, "one bf16 rounding apart at most"
+    assert worst("bf16", "scaled_mm") > 4 * 2 ** -7, "the guard: without FP8 the GEMMs differ by more"

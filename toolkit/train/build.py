@@ -247,8 +247,7 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
     if cfg.precision == "fp8" and layer_spec == "local":  # torchao's FP8 GEMMs in megatron-core's linears
         from toolkit.fp8.local import apply_fp8
 
-        apply_fp8(virtual.chunks(model), cfg.fp8.recipe, cfg.fp8.first_last_bf16, spec.num_layers,
-                  pad_inner_dim=torch.cuda.is_available())
+        apply_fp8(virtual.chunks(model), cfg.fp8.recipe, cfg.fp8.first_last_bf16, spec.num_layers)
     return model, layout
 
 
