@@ -18,7 +18,7 @@ where it differs):
   linear_attn.q/k/v/g/b/a_proj, six       GatedDeltaNet.in_proj [q; k; v; z; beta; alpha] (gdn.py:40-54,
   Linears (g: the output gate z, b: beta, :172; 0.16.1 :309), concatenated: Split.GDN_IN_PROJ_EACH
   a: the decay's input)                   (toolkit/splits/gated_delta.py)
-  linear_attn.q/k/v_conv1d as published   GatedDeltaNet.conv1d over [q; k; v] channels (common.py:226-238,
+  linear_attn.q/k/v_conv1d as published   GatedDeltaNet.conv1d over [q; k; v] channels (common.py:223-232,
   (concatenated into conv1d on load,      gdn.py:175-223; 0.16.1 :166-174), silu after: Split.GDN_CONV_EACH
   conversion_mapping.py), no bias
   k heads serving v_heads / k_heads       repeat_interleave of q and k (common.py:418-421; 0.16.1 :351-353),
@@ -26,7 +26,7 @@ where it differs):
   g = -exp(A_log) softplus(a + dt_bias)   _compute_g_and_beta (common.py:433-446; 0.16.1 :365), as HF
   beta = sigmoid(b), times 2 where        ScaledBetaGatedDeltaNet, beta_scale 2 (toolkit/blocks/
   linear_allow_neg_eigval (the default)   mixer_gated_delta_net.py; megatron_versions.gdn_beta_in_method)
-  l2norm of q and k, the gated delta rule `fla`'s kernels (use_qk_l2norm, common.py:413-414; 0.16.1 :349-350),
+  l2norm of q and k, the gated delta rule `fla`'s kernels (use_qk_l2norm, common.py:410-411; 0.16.1 :349-350),
                                           toolkit/blocks/kernels/gated_delta_rule.py where `fla` is missing
   o_norm: Qwen3NextRMSNormGated w with    GatedDeltaNet.out_norm times silu(z) (common.py:256-261, :370-380;
   eps 1e-5 whatever rms_norm_eps says     0.16.1 :202-208, :412-421): GatedRMSNorm with fixed_eps 1e-5
@@ -37,6 +37,10 @@ where it differs):
   has no rope_theta (OlmoHybridModel)     position_embedding_type 'none' (gpt_model.py:105-107; 0.16.1 :99-101)
   cos / sin kept in fp32                  megatron-core's RoPE in fp32 too; the same in fp32 checkpoints
   every other norm: w, rms_norm_eps       RMSNorm (toolkit/blocks/norms.py), layernorm_epsilon
+
+Not carried over: Qwen3-Next's (1 + w) norms (every norm here is w), its attention output gate (q_proj here is
+heads x head_dim), partial rotary, MoE (a dense SwiGLU on every layer), rms_norm_eps on the gated norm; OLMo 3's
+sliding windows, its per-layer-type RoPE.
 
 Refused in one line: attention_bias, a rope type other than default, a hidden_act other than silu, a
 layer type other than linear_attention / full_attention, value heads not a multiple of key heads.
@@ -98,5 +102,6 @@ OLMO_HYBRID = Family(
     read=read,  # its qk_norm: megatron-core's qk_layernorm, built as ProjectionRMSNorm by the layer below
     nope_without_theta=True,
     refuse_flags=("attention_bias",),
+    mtp_prefix="mtp.",  # OlmoHybridForCausalLM ignores `mtp.*` on load (Qwen3NextPreTrainedModel's rule): left out too
     layer=replace(OLMO2.layer, linear_layer=CustomLayer(pre_norms=True, post_norms=False)),
 )
