@@ -149,3 +149,17 @@ def assert_guards_fail(reports) -> None:
     print({piece: f"{r.max_logit_diff:.2e}" for piece, r in zip(GUARDS, reports)})
     for piece, report in zip(GUARDS, reports, strict=True):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+def test_the_gated_delta_nets_output_norm_is_summed_over_tp():
+    """GatedDeltaNet.out_norm holds one weight of head_v_dim that each TP rank applies to its own value heads: its
+    gradient is partial per rank and summed over TP (toolkit/train/parallel.py), as the q/k norms'. Without the sum
+    OLMo-Hybrid's TP2 x PP2 fine-tune drifted from HF's (losses 3.0e-3 apart at init std 0.1)."""
+    from types import SimpleNamespace
+
+    from toolkit.train.parallel import partial_over_tp
+
+    config = SimpleNamespace(sequence_parallel=False, qk_layernorm=False)
+    weight = torch.nn.Parameter(torch.ones(12))
+    assert partial_over_tp(config, "decoder.layers.0.self_attention.out_norm.weight", weight)
+    assert not partial_over_tp(config, "decoder.layers.0.self_attention.in_proj.layer_norm_weight", weight)
