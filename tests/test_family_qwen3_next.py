@@ -130,9 +130,12 @@ def test_linear_key_heads_not_divisible_by_tp_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize("split, names, shapes", [
     (Split.GATED_QKV, ("q", "k", "v"), ((24, 7), (6, 7), (6, 7))),
     (Split.GDN_IN_PROJ, ("qkvz", "ba"), ((52, 7), (8, 7))),
-    (Split.GDN_CONV, ("conv",), ((32, 1, 4),))])
+    (Split.GDN_CONV, ("conv",), ((32, 1, 4),)),
+    (Split.GDN_IN_PROJ_EACH, tuple("qkvgba"), ((6, 7), (6, 7), (20, 7), (20, 7), (4, 7), (4, 7))),
+    (Split.GDN_CONV_EACH, ("q", "k", "v"), ((6, 1, 4), (6, 1, 4), (20, 1, 4)))])
 def test_relaid_tensors_split_and_merge_back_exactly(split, names, shapes):
-    """4 heads in 2 query groups of head dim 3; 2 key heads of 3, 4 value heads of 5 (two per key head)."""
+    """4 heads in 2 query groups of head dim 3; 2 key heads of 3, 4 value heads of 5 (two per key head).
+    The *_EACH kinds: OLMo-Hybrid's six in_proj Linears and three convs (toolkit/families/olmo_hybrid.py)."""
     geo = Geometry(4, 2, 3, 10, 10, linear_k_heads=2, linear_v_heads=4, linear_k_dim=3, linear_v_dim=5)
     tensors = {n: torch.randn(*s) for n, s in zip(names, shapes)}
 

@@ -16,7 +16,8 @@ published and as transformers saves them (its guards in tests/test_family_qwen3_
 formats and GLM-4.6V's, its experts fused (its guards in tests/test_family_glm4v_moe.py); GLM-4.6V-Flash's dense
 wrapper in both formats and GLM-4.1V's (its guards in tests/test_family_glm4v.py); Kimi-K2.5's wrapper in both
 formats (tests/test_family_kimi_k25.py); Ministral 3 in both formats and inside the mistral3 wrapper
-(tests/test_family_ministral3.py)."""
+(tests/test_family_ministral3.py); OLMo-Hybrid in both formats and with its guards, three deliberately
+wrong conversions (tests/test_family_olmo_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tests import test_family_llama4 as llama4
 from tests import test_family_minimax_m2 as minimax
 from tests import test_family_ministral3 as ministral3
 from tests import test_family_mistral4 as mistral4
+from tests import test_family_olmo_hybrid as olmo_hybrid
 from tests import test_family_qwen3_5 as qwen3_5
 from tests import test_family_qwen3_next as qwen3_next
 from tests import test_family_qwen3_vl as qwen3_vl
@@ -47,6 +49,7 @@ from tests.test_family_llama4 import tiny_llama4  # noqa: F401  (fixtures)
 from tests.test_family_minimax_m2 import tiny_minimax  # noqa: F401  (fixtures)
 from tests.test_family_ministral3 import tiny_ministral3  # noqa: F401  (fixtures)
 from tests.test_family_mistral4 import tiny_mistral4  # noqa: F401  (fixtures)
+from tests.test_family_olmo_hybrid import tiny_olmo_hybrid  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_5 import tiny_qwen3_5  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_next import tiny_qwen3_next  # noqa: F401  (fixtures)
 from tests.test_family_qwen3_vl import tiny_qwen3_vl  # noqa: F401  (fixtures)
@@ -64,7 +67,8 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
                                                     tiny_gpt_oss, tiny_deepseek, tiny_qwen3_next,  # noqa: F811
                                                     tiny_qwen3_5, tiny_minimax, tiny_mistral4, tiny_gemma4,  # noqa: F811
                                                     tiny_llama4, tiny_qwen3_vl, tiny_glm4v, tiny_kimi_k25,  # noqa: F811
-                                                    tiny_ministral3, tiny_glm4v_dense, tmp_path):  # noqa: F811
+                                                    tiny_ministral3, tiny_glm4v_dense, tiny_olmo_hybrid,  # noqa: F811
+                                                    tmp_path):
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -84,10 +88,13 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     k25, _ = kimi_k25.parity_pairs(tiny_kimi_k25, tmp_path)  # all must match
     mi3, _ = ministral3.parity_pairs(tiny_ministral3, tmp_path)  # all must match
     mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
+    oh, oh_matching = olmo_hybrid.parity_pairs(tiny_olmo_hybrid, tmp_path)
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
-    pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching]
+    pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching] + oh[:oh_matching]
               + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)])
-    reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4, tp=2, pp=2, ep=2)
+    reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4 + oh[oh_matching:], tp=2, pp=2, ep=2)
+    oh_guards = reports[len(reports) - len(oh) + oh_matching:]
+    reports = reports[:len(reports) - len(oh) + oh_matching]
     glm_reports = reports[len(pairs):len(pairs) + len(glm)]
     oss_reports = reports[len(pairs) + len(glm):len(pairs) + len(glm) + len(oss)]
     ds_reports = reports[len(pairs) + len(glm) + len(oss):len(pairs) + len(glm) + len(oss) + len(ds)]
@@ -100,3 +107,4 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     deepseek.assert_guards_fail(ds_reports[ds_matching:])
     minimax.assert_guards_fail(mm_guards)
     mistral4.assert_guards_fail(m4_reports[m4_matching:])
+    olmo_hybrid.assert_guards_fail(oh_guards)

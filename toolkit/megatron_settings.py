@@ -99,7 +99,8 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tied_embeddings,
         # GPTModel's own YaRN; multi-latent attention builds its own (mla_settings)
-        position_embedding_type="yarn" if spec.yarn and not spec.mla else "rope",
+        position_embedding_type=("none" if spec.rope_theta is None  # no RoPE anywhere (gpt_model.py:99-101)
+                                 else "yarn" if spec.yarn and not spec.mla else "rope"),
         rotary_base=spec.rope_theta,
         rotary_percent=spec.rotary_percent,
         rope_scaling=spec.rope_scaling_factor is not None,

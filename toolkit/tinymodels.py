@@ -172,6 +172,16 @@ QWEN3_5 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, hea
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "moe_intermediate_size": 24,
                "shared_expert_intermediate_size": 40, "num_experts": 6, "num_experts_per_tok": 2}
+# OLMo-Hybrid with every piece in play: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per key
+# head; conv kernel 4; beta doubled, linear_allow_neg_eigval as published) alternating with OLMo 3's attention layers
+# (GQA 2 of 4 heads, q/k norms over the projection, post-norms) so each PP 2 stage holds both; RoPE on the attention
+# layers (the published checkpoint has none: tests/data/published_configs/olmo-hybrid-7b.json); weights of std 0.1
+# so that the doubled beta and RoPE matter past the parity tolerance.
+OLMO_HYBRID = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                   linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, vocab_size=251, initializer_range=0.1,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # Mistral 4 with every feature on: DeepSeek-V3's multi-latent attention sizes above, YaRN as published (mscale and
 # mscale_all_dim 1: cos and sin unscaled, the softmax by get_mscale(4, 1) squared) over 64 original positions with
 # the Llama-4 query scale (beta 0.1, exactly 1 below those 64, past the test sequences); 8 experts top-3 (4 per EP 2
@@ -286,6 +296,7 @@ VARIANTS = {
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2),
     "ministral3": ("Ministral3Config", MINISTRAL3),
     "llama4": ("Llama4TextConfig", LLAMA4),
+    "olmo-hybrid": ("OlmoHybridConfig", OLMO_HYBRID),
 }
 
 
@@ -394,8 +405,34 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
             tensor.data = tensor.data.float()
     directory = Path(directory)
     model.save_pretrained(directory)
+    if model_type == "olmo_hybrid":
+        as_olmo_hybrid_publishes(directory, model.config)
     build_tokenizer().save_pretrained(directory)
     return directory
+
+
+def as_olmo_hybrid_publishes(directory: Path, config) -> None:
+    """Rewrite transformers' save of an OLMo-Hybrid model as the published checkpoints hold it (transformers'
+    convert_olmo_hybrid_weights_to_hf.py; toolkit/families/olmo_hybrid.py): save_pretrained reverses the conversion
+    mapping by cutting the concatenated conv1d into three equal chunks and names the attention layers'
+    post_attention_layernorm feedforward_layer_norm; published, q/k/v_conv1d are the key, key and value channels
+    and the attention layers keep post_attention_layernorm. transformers loads both forms to the same model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    (path,) = directory.glob("*.safetensors")
+    tensors = load_file(path)
+    key_size = config.linear_num_key_heads * config.linear_key_head_dim
+    value_size = config.linear_num_value_heads * config.linear_value_head_dim
+    for layer, kind in enumerate(config.layer_types):
+        prefix = f"model.layers.{layer}."
+        if kind == "full_attention":
+            tensors[prefix + "post_attention_layernorm.weight"] = tensors.pop(prefix + "feedforward_layer_norm.weight")
+            continue
+        convs = [prefix + f"linear_attn.{p}_conv1d.weight" for p in "qkv"]
+        whole = torch.cat([tensors.pop(name) for name in convs])
+        tensors.update(zip(convs, (t.clone() for t in whole.split([key_size, key_size, value_size]))))
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 # A SigLIP vision tower as small as the class allows: one layer, 2 x 2 patches of 14 pixels

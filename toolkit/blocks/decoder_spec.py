@@ -3,7 +3,7 @@ toolkit's blocks (this package), composed from the family's `CustomLayer` choice
 what the spec cannot reach is hooked onto the built model (`adapt_model`).
 
 A layer: input norm, self-attention (toolkit/blocks/attention_self.py; a gated delta net where the layer is
-linear, toolkit/blocks/mixer_gated_delta_net.py), the dense MLP or megatron-core's MoE module (Gemma 4's own,
+linear, toolkit/blocks/mixer_gated_delta_net.py, with norms of its own kind where CustomLayer.linear_layer says), the dense MLP or megatron-core's MoE module (Gemma 4's own,
 toolkit/blocks/moe_layers.py), its post-norms in the output linears (toolkit/blocks/linears.py); q/k norms
 as `CustomLayer.qk_norm` says: per head (RMSNorm), over the projection (ProjectionRMSNorm,
 toolkit/blocks/norms.py), or Llama 4's L2 norm, megatron-core's own weightless L2Norm (transformer/torch_norm.py,
@@ -142,6 +142,8 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, l
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+    if linear and layer.linear_layer:  # a gated delta net layer of its own make (OLMo-Hybrid's pre-norms)
+        layer = layer.linear_layer
     pre_norm = RMSNorm if layer.pre_norms else IdentityOp
     out_linear = PostNormRowParallelLinear if layer.post_norms else RowParallelLinear
     gemma4_moe = layer.gemma4 and moe  # the MoE layer holds its own norms (Gemma4MoELayer)
@@ -162,7 +164,7 @@ def layer_spec(config, spec: ModelSpec, layer: CustomLayer, moe: bool = False, l
             q_layernorm=_qk_norm(_layer_qk_norm(spec, layer, nope), spec.num_heads),
             k_layernorm=_qk_norm(_layer_qk_norm(spec, layer, nope), spec.num_kv_heads),
         ),
-    ) if not linear else gated_delta_net_spec()
+    ) if not linear else gated_delta_net_spec(spec.linear_attention)
     return ModuleSpec(
         module=_scaled_layer() if layer.gemma4 else TransformerLayer,
         submodules=TransformerLayerSubmodules(

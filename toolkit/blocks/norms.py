@@ -49,8 +49,9 @@ class GatedRMSNorm(RMSNorm):
     (gated_delta_net.py:203-208): weight w whatever layernorm_zero_centered_gamma says, as HF's
     Qwen3NextRMSNormGated (its gate, silu(z), is applied by GatedDeltaNet._apply_gated_norm)."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(config, hidden_size, eps)
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, fixed_eps: float | None = None, **unused):
+        # fixed_eps: the model's own epsilon for this norm where it is not layernorm_epsilon (OLMo-Hybrid's 1e-5)
+        super().__init__(config, hidden_size, eps if fixed_eps is None else fixed_eps)
         self.zero_centered = False
         with torch.no_grad():
             self.weight.fill_(1.0)

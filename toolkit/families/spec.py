@@ -38,7 +38,7 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     norm_eps: float
-    rope_theta: float
+    rope_theta: float | None  # None: no RoPE on any layer (Family.nope_without_theta)
     max_position_embeddings: int
     tied_embeddings: bool
     qkv_bias: bool
@@ -175,7 +175,7 @@ class ModelSpec:
         qk, v = la["k_heads"] * la["k_dim"], la["v_heads"] * la["v_dim"]
         return {"gated_q_size": 2 * self.num_heads * self.head_dim, "gdn_qkvz": 2 * qk + 2 * v,
                 "gdn_ba": 2 * la["v_heads"], "gdn_conv": 2 * qk + v, "gdn_qkv": 2 * qk + v, "gdn_kernel": la["conv_kernel"],
-                "gdn_v_heads": la["v_heads"], "gdn_v_dim": la["v_dim"], "gdn_v_size": v}
+                "gdn_v_heads": la["v_heads"], "gdn_v_dim": la["v_dim"], "gdn_v_size": v, "gdn_k_size": qk}
 
     def size_of(self, symbol: str) -> int:
         return {
@@ -240,6 +240,8 @@ def _rope(cfg: dict, family: Family) -> dict:
     source, field = _rope_names(cfg)
     if family.rope_key and isinstance(params.get(family.rope_key), dict):
         source, params = f"{source}.{family.rope_key}", dict(params[family.rope_key])
+    if params.get("rope_theta") is None and family.nope_without_theta:
+        return {"rope_theta": None}
     theta = _require(params, "rope_theta")  # transformers 5 always puts it there
     rope_type = params.get("rope_type", "default")
     if rope_type not in family.rope_types:

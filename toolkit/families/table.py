@@ -149,6 +149,9 @@ class CustomLayer:
     # times its stored layer_scalar (toolkit/blocks/attention_self.py Gemma4SelfAttention,
     # toolkit/blocks/decoder_spec.py ScaledTransformerLayer)
     gemma4: bool = False
+    # The choices of a gated delta net (linear attention) layer where they differ from the attention layers'
+    # (OLMo-Hybrid: norms before its token mixer and MLP, after them on its attention layers); None: the same
+    linear_layer: "CustomLayer | None" = None
 
 
 # FusedExperts.layout: how a layer's fused gate_up and down tensors hold each expert's weights
@@ -269,6 +272,9 @@ class Family:
     # qk_rope_head_dim / (qk_nope_head_dim + qk_rope_head_dim) (Mistral 4), which megatron-core's
     # qk_pos_emb_head_dim already is: read as that share (rotary_percent 1), any other value refused
     mla_rope_share: bool = False
+    # rope_parameters.rope_theta null means no RoPE on any layer (OLMo-Hybrid as published: OlmoHybridModel
+    # builds no rotary embedding then, megatron-core's position_embedding_type 'none'); else it is required
+    nope_without_theta: bool = False
 
     @property
     def float32_names(self) -> tuple[tuple[str, str], ...]:

@@ -37,6 +37,10 @@ CHANGES = (
      "the toolkit's torch causal_conv1d stands in where fla is missing (gated_delta_net_modules)"),
     ("0.19.0", "ssm/gated_delta_net.py became a package: the fla names live in gated_delta_net/common.py and are "
      "imported by name into gated_delta_net/gdn.py", "gated_delta_net_modules(): every module that holds them"),
+    ("0.19.0", "GatedDeltaNet computes g and beta in a method of its own, _compute_g_and_beta "
+     "(gated_delta_net/common.py:433-446; 0.16.1 inside forward, gated_delta_net.py:365-366; 0.17, 0.18 not read)",
+     "gdn_beta_in_method(): OLMo-Hybrid's scaled beta overrides the method, else scales the beta forward passes "
+     "to the kernels (toolkit/blocks/mixer_gated_delta_net.py)"),
     ("0.19.0", "the MoE aux-loss tracker became moe_logging.MoEMetricsTracker, sized by the first model's layers, "
      "whose clear() only zeroes", "reset_moe_metrics(): between models of different depths in one process"),
     ("0.19.0", "MLA refuses a q_layernorm in the spec where q_lora_rank is None (mla_qk_norm_config.py:259)",
@@ -113,6 +117,13 @@ def gated_delta_net_modules() -> tuple[str, ...]:
     if installed() >= Version("0.19.0"):
         return ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net.gdn")
     return ("megatron.core.ssm.gated_delta_net",)
+
+
+def gdn_beta_in_method() -> bool:
+    """GatedDeltaNet computes beta in _compute_g_and_beta (else inside forward)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    return hasattr(GatedDeltaNet, "_compute_g_and_beta")
 
 
 def reset_moe_metrics() -> None:

@@ -18,6 +18,10 @@ holds the r-th chunk of every part, in part order.
                part order, so GDN_IN_PROJ's parts, TP split and torch_dist keys, without its regrouping
   GDN_CONV     HF conv1d.weight [q; k; v channels, 1, kernel] -> GatedDeltaNet.conv1d, each part over TP
                (gated_delta_net.py:161-174, :333-337)
+  GDN_IN_PROJ_EACH  OLMo-Hybrid's six Linears q_proj, k_proj, v_proj, g_proj (the output gate, z),
+               b_proj (beta), a_proj (alpha, the decay's input): GDN_IN_PROJ_CAT with q, k, v apart
+  GDN_CONV_EACH  OLMo-Hybrid's q_conv1d, k_conv1d, v_conv1d as published (transformers' conversion
+               mapping concatenates them into conv1d on load, Concatenate(dim=0)): GDN_CONV's parts
 """
 
 from __future__ import annotations
@@ -160,3 +164,22 @@ class GDNConv(_Relaid):
 
     def to_hf(self, whole, geo):
         return [whole.contiguous()]
+
+
+class GDNInProjEach(GDNInProjCat):
+    name = "GDN_IN_PROJ_EACH"
+
+    def to_hf(self, whole, geo):
+        return [t.contiguous() for t in whole.split(self.parts(whole.shape[0], geo))]
+
+
+class GDNConvEach(GDNConv):
+    name = "GDN_CONV_EACH"
+
+    def to_megatron(self, tensors, geo):
+        import torch
+
+        return torch.cat(list(tensors))
+
+    def to_hf(self, whole, geo):
+        return [t.contiguous() for t in whole.split(self.parts(whole.shape[0], geo))]

@@ -99,18 +99,24 @@ def allreduce_tied_embedding_grads(model, tied: bool) -> None:
         dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
+# The gated delta net's output norm (Qwen3-Next, Qwen3.5, OLMo-Hybrid: toolkit/blocks/mixer_gated_delta_net.py)
+GDN_OUT_NORM = "self_attention.out_norm."
+
+
 def partial_over_tp(config, name: str, param) -> bool:
     """Replicated over TP, but each TP rank computes only part of its gradient: megatron's
     finalize_model_grads sums these over TP (_allreduce_non_tensor_model_parallel_grads, the same
     rule). Under sequence parallelism each rank normalises its own tokens (norms, tagged
-    `sequence_parallel`); q/k norms see each rank's own heads. Routed experts' biases carry the
+    `sequence_parallel`); q/k norms see each rank's own heads, and so does a gated delta net's output norm
+    (GatedDeltaNet.out_norm, one weight of head_v_dim over this rank's value heads; megatron-core tags it for no
+    such sum: without it the TP copies drifted, Qwen3.5's TP2 x PP2 fine-tune 4.7e-6 off HF, 9.6e-7 with it). Routed experts' biases carry the
     tag too (megatron-core's expert MLPs are built with the model's config) but are no such part:
     at expert TP = TP every TP rank computes its shard from the same dispatched tokens, and at
     expert TP 1 (gpt-oss) each TP rank holds other experts, whose biases a sum would mix."""
     if ".mlp.experts." in name:
         return False
     return (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
-        config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+        config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)) or GDN_OUT_NORM in name
 
 
 def sum_partial_grads_over_tp(model) -> list[str]:
