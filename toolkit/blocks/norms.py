@@ -13,6 +13,8 @@
   qk_layernorm normalises each head (attention.py:1281). Each TP rank holds some heads, so the sum
   of squares is all-reduced over TP.
 - ValueNorm: Gemma 4's weightless RMSNorm of each value head (and of its router's input).
+- ExtendedRMSNorm: megatron-core's Mamba-2 gated norm (ssm/mamba_mixer.py) over the torch one of
+  toolkit/blocks/kernels/mamba2_ssd.py, where `mamba_ssm` is missing (toolkit/runtime/cpu_compat.py).
 
 Llama 4's q/k L2 norm is megatron-core's own weightless L2Norm (transformer/torch_norm.py), chosen in
 toolkit/blocks/decoder_spec.py.
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state as ps
+
+from toolkit.blocks.kernels.mamba2_ssd import RMSNormGated
 
 
 class RMSNorm(torch.nn.Module):
@@ -90,3 +94,18 @@ class ValueNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class ExtendedRMSNorm(RMSNormGated):
+    """megatron-core's ExtendedRMSNorm (mamba_mixer.py, in 0.16.1 as in 0.19): mamba_ssm's gated RMSNorm with
+    a sharded state dict, its weight split over TP on dim 0. Upstream's subclasses a MagicMock where
+    mamba_ssm is missing, so it is this class there."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if not hasattr(self, "tp_group"):
+            self.tp_group = ps.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])

@@ -24,6 +24,7 @@ the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_up) is
     UNSPLIT_*   that kind's whole tensor on every TP rank (experts at expert TP 1)
     GLOBAL_*    that kind on a Gemma 4 global layer (its own head size and KV heads)
     GATED_QKV, GDN_IN_PROJ, GDN_IN_PROJ_CAT, GDN_CONV   Qwen3-Next's and Qwen3.5's (gated_delta.py)
+    MAMBA_IN_PROJ, MAMBA_CONV   Mamba-2's (Nemotron-H) input projection and causal conv (mamba.py)
 
 The package imports no other toolkit module (torch only where tensors are made), so the family tables
 import it cheaply.
@@ -32,6 +33,7 @@ import it cheaply.
 from __future__ import annotations
 
 from toolkit.splits.gated_delta import GatedQKV, GDNConv, GDNInProj, GDNInProjCat
+from toolkit.splits.mamba import MambaConv, MambaInProj
 from toolkit.splits.kinds import (ColumnSplit, FusedGateUp, FusedQK, FusedQKV, GlobalLayer, HFFusedGateUp,
                                   HFFusedQKV, Replicated, RowSplit, Unsplit, VocabSplit)
 
@@ -57,3 +59,6 @@ class Split:
     GDN_IN_PROJ = GDNInProj()
     GDN_IN_PROJ_CAT = GDNInProjCat()  # Qwen3.5's four in_proj_* tensors, in megatron-core's order already
     GDN_CONV = GDNConv()
+    # Mamba-2 (Nemotron-H): in_proj [z; x; B; C; dt] and conv1d [x; B; C], each part over TP
+    MAMBA_IN_PROJ = MambaInProj()
+    MAMBA_CONV = MambaConv()
