@@ -19,6 +19,7 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     moe_layers.py             MoE layer, router     Gemma 4's MoE block beside a dense MLP, its scaled router
     router_losses.py          router loss           the load-balancing loss: megatron-core's, or HF's (layers pooled)
     decoder_spec.py           layer and block       the decoder layer and block specs composing the above per family
+    hybrid_spec.py            layer stack           Nemotron-H's hybrid stack (Mamba-2, attention, MLP layers by pattern)
     kernels/                  CPU kernels           plain torch for the GPU kernels megatron-core imports (see there)
 
 No module here imports toolkit/model.py or the trainer; they import these. How tensors are laid out over TP

@@ -7,6 +7,7 @@
   It also runs under sequence parallelism, which WrappedTorchNorm refuses (torch_norm.py:32):
   its weight is tagged `sequence_parallel` as megatron-core's own norms tag theirs, so that its
   gradient, partial on each TP rank, is summed over TP (toolkit.train.parallel).
+- ConfigEpsRMSNorm: RMSNorm at the config's eps where megatron-core's builder passes none (the Mamba layer).
 - GatedRMSNorm: Qwen3-Next's gated delta net output norm, a plain w, never (1 + w): HF's
   Qwen3NextRMSNormGated, unlike the model's other norms.
 - ProjectionRMSNorm: q/k RMSNorm over the whole projection (all heads), where megatron-core's
@@ -46,6 +47,15 @@ class RMSNorm(torch.nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale(self.weight)).type_as(x)
+
+
+class ConfigEpsRMSNorm(RMSNorm):
+    """RMSNorm whose eps is the config's layernorm_epsilon where its builder passes none: MambaLayer before 0.19
+    builds its norm with (config, hidden_size) only (0.16.1 ssm/mamba_layer.py:85, 0.18.0 :98), where TENorm's
+    own default is 1e-5 and RMSNorm's above 1e-6; 0.19 passes eps=config.layernorm_epsilon (0.19.2 mamba_layer.py:93-97)."""
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
+        super().__init__(config, hidden_size, config.layernorm_epsilon if eps is None else eps)
 
 
 class GatedRMSNorm(RMSNorm):

@@ -89,6 +89,10 @@ MODEL_BUILD_SPOTS = {
     "TE's MagicMock TELinear reads as HAVE_TE, then isinstance(self.linear_proj, TELinear) raises TypeError",
     "toolkit/blocks/attention_mla.py MLACoreAttention (local spec)": "transformer/multi_latent_attention.py:154-164 pass "
     "k_channels / v_channels, which the local DotProductAttention (dot_product_attention.py:42-52) does not take",
+    "toolkit/blocks/hybrid_spec.py buildable_hybrid_stack (without TE)": "models/hybrid/hybrid_block.py:215 (0.16.1 "
+    "ssm/mamba_block.py:166): HybridStack builds its final norm as TENorm by name, whatever the spec, and TENorm raises "
+    "ImportError without Transformer Engine (extensions/transformer_engine.py:818): the hybrid model (Nemotron-H) "
+    "cannot be built without TE",
     "toolkit/blocks/attention_mla.py sum_latent_grads_over_tp (every device, TP > 1, local spec)": "transformer/"
     "multi_latent_attention.py:594/607 gather the latent whose backward keeps a partial gradient (mappings.py:487)",
 }
