@@ -33,6 +33,10 @@ state n, inner = h p; TP t splits heads and groups alike (:260, :268: both must 
   out_proj.weight [hidden, inner] (:448)       out_proj.weight, RowParallelLinear, Split.ROW
   in_proj / out_proj bias (use_bias)           none: MambaMixer asserts bias False (:274) and conv_bias True
                                                (:275); a config with use_bias or without use_conv_bias is refused
+
+HF zeroes padded positions before in_proj and after the conv (apply_mask_to_padding_states :131, called at
+:485 and :549); MambaLayer takes no mask (ssm/mamba_layer.py forward: attention_mask "Not used"): equal for
+unpadded and right-padded sequences (causal), not for left padding.
 """
 
 from __future__ import annotations
