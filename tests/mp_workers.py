@@ -392,12 +392,59 @@ def cuda_shaped_checks(cfg_path: str, tokens, save_dir: str, variants: list[str]
     out = {}
     for name, check in (("gpu_layer_specs", lambda: _layer_specs_with_gpu_flags(variants)),
                         ("lora_under_te", lambda: _lora_where_te_would_run(cfg_path, tokens)),
-                        ("save_from_device", lambda: _save_tensors_not_on_cpu(save_dir))):
+                        ("save_from_device", lambda: _save_tensors_not_on_cpu(save_dir)),
+                        ("mamba_ssm_kernels", _mamba_ssm_kernels_where_installed)):
         try:
             out[name] = check()
         except BaseException:  # noqa: BLE001 - reported to the test (CheckpointException is not an Exception)
             out[name] = {"error": traceback.format_exc()}
     return out
+
+
+def _mamba_ssm_kernels_where_installed() -> dict:
+    """megatron-core's MambaMixer where CUDA and `mamba_ssm` exist. mamba_ssm cannot import here, so its module
+    is set as its import leaves it (mamba_mixer.py:68-79: HAVE_MAMBA_SSM and the three names), each name a
+    recording kernel answering as mamba_ssm's would (the torch scan's numbers); CUDA as a GPU answers. Runs last:
+    it leaves the process so."""
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from toolkit.blocks import mixer_mamba, norms
+    from toolkit.blocks.kernels import mamba2_ssd
+    from toolkit.runtime import cpu_compat
+
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return mamba2_ssd.mamba_split_conv1d_scan_combined(*args, **kwargs)
+
+    class KernelNorm(mamba2_ssd.RMSNormGated):  # mamba_ssm's layernorm_gated.RMSNorm
+        pass
+
+    class KernelExtendedRMSNorm(KernelNorm, norms.ExtendedRMSNorm):  # upstream's class over mamba_ssm's norm
+        pass
+
+    for name, value in (("HAVE_MAMBA_SSM", True), ("mamba_split_conv1d_scan_combined", kernel),
+                        ("mamba_chunk_scan_combined", object()), ("RMSNormGated", KernelNorm),
+                        ("ExtendedRMSNorm", KernelExtendedRMSNorm)):
+        setattr(mamba_mixer, name, value)
+    if hasattr(mamba_mixer, "TOOLKIT_MAMBA_SSD"):
+        del mamba_mixer.TOOLKIT_MAMBA_SSD
+    torch.cuda.is_available = lambda: True
+    cpu_compat.apply_upstream_fixes()
+    kept = mamba_mixer.mamba_split_conv1d_scan_combined is kernel and mamba_mixer.RMSNormGated is KernelNorm
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                               mamba_state_dim=4, mamba_head_dim=4, mamba_num_groups=2, mamba_num_heads=4)
+    mixer = build_module(mixer_mamba.mamba_mixer_spec(4, 8), config, d_model=16, layer_number=1,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    out, _ = mixer(torch.randn(10, 2, 16))
+    assert out.shape == (10, 2, 16)
+    return {"kernel_kept": kept, "norm": type(mixer.norm).__name__, "kernel_calls": len(calls),
+            "stand_in_marker": hasattr(mamba_mixer, "TOOLKIT_MAMBA_SSD")}
 
 
 def _layer_specs_with_gpu_flags(variants: list[str]) -> dict:

@@ -268,7 +268,10 @@ def test_cuda_only_paths_in_one_launch(lora_checkpoint):
       linear_fc1, where the adapter would see the un-normalised input; the LoRA model must build
       with separate norms and give PeftModel's logits;
     - train/'s checkpoint writer given tensors that are not on the CPU (as DeepSpeed leaves them
-      on a GPU) must stage them to the CPU, as megatron-core's execute_sync does (preload_fn)."""
+      on a GPU) must stage them to the CPU, as megatron-core's execute_sync does (preload_fn);
+    - with CUDA and `mamba_ssm` installed, megatron-core's MambaMixer keeps upstream's kernels: the
+      stand-in (cpu_compat.stand_in_mamba_ssm) changes nothing and the training forward calls mamba_ssm's
+      fused split-conv-scan (tests/mp_workers.py _mamba_ssm_kernels_where_installed)."""
     from tests.test_lora import held_out_tokens, peft_logits
     from toolkit.runtime.launch import run_on_processes
 
@@ -280,6 +283,8 @@ def test_cuda_only_paths_in_one_launch(lora_checkpoint):
     assert not failed, "\n".join(f"{name}: {error}" for name, error in failed.items())
     assert sorted(out["gpu_layer_specs"]) == sorted(VARIANTS)
     assert out["save_from_device"]["equal"]
+    assert out["mamba_ssm_kernels"] == {"kernel_kept": True, "norm": "KernelExtendedRMSNorm", "kernel_calls": 1,
+                                        "stand_in_marker": False}, out["mamba_ssm_kernels"]
     lora = out["lora_under_te"]
     assert lora["classes"] == {"input_layernorm": "RMSNorm", "linear_qkv": "ColumnParallelLinear"}, lora["classes"]
     worst = float((torch.tensor(lora["logits"]) - peft_logits(hf, adapter, tokens)).abs().max())

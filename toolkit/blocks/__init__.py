@@ -10,6 +10,7 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     attention_mla.py          core attention        multi-latent attention buildable on the local spec, without TE/CUDA
     context_parallel.py       core attention        the sequence split over CP ranks and the attention across them
     mixer_gated_delta_net.py  token mixer           Qwen3-Next's gated delta net (megatron-core's GatedDeltaNet)
+    mixer_mamba.py            token mixer           Nemotron-H's Mamba-2 mixer (megatron-core's MambaMixer)
     norms.py                  norms                 fp32 RMSNorm (1 + w), whole-projection q/k norm, gated, value norm
     linears.py                linears               post-normed row-parallel linear, Gemma 4's keys-as-values qkv
     rope_yarn.py              RoPE variant          YaRN without CUDA; a config without YaRN for a layer's own RoPE
@@ -18,6 +19,7 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     moe_layers.py             MoE layer, router     Gemma 4's MoE block beside a dense MLP, its scaled router
     router_losses.py          router loss           the load-balancing loss: megatron-core's, or HF's (layers pooled)
     decoder_spec.py           layer and block       the decoder layer and block specs composing the above per family
+    hybrid_spec.py            layer stack           Nemotron-H's hybrid stack (Mamba-2, attention, MLP layers by pattern)
     kernels/                  CPU kernels           plain torch for the GPU kernels megatron-core imports (see there)
 
 No module here imports toolkit/model.py or the trainer; they import these. How tensors are laid out over TP

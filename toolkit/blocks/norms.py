@@ -7,12 +7,15 @@
   It also runs under sequence parallelism, which WrappedTorchNorm refuses (torch_norm.py:32):
   its weight is tagged `sequence_parallel` as megatron-core's own norms tag theirs, so that its
   gradient, partial on each TP rank, is summed over TP (toolkit.train.parallel).
+- ConfigEpsRMSNorm: RMSNorm at the config's eps where megatron-core's builder passes none (the Mamba layer).
 - GatedRMSNorm: Qwen3-Next's gated delta net output norm, a plain w, never (1 + w): HF's
   Qwen3NextRMSNormGated, unlike the model's other norms.
 - ProjectionRMSNorm: q/k RMSNorm over the whole projection (all heads), where megatron-core's
   qk_layernorm normalises each head (attention.py:1281). Each TP rank holds some heads, so the sum
   of squares is all-reduced over TP.
 - ValueNorm: Gemma 4's weightless RMSNorm of each value head (and of its router's input).
+- ExtendedRMSNorm: megatron-core's Mamba-2 gated norm (ssm/mamba_mixer.py) over the torch one of
+  toolkit/blocks/kernels/mamba2_ssd.py, where `mamba_ssm` is missing (toolkit/runtime/cpu_compat.py).
 
 Llama 4's q/k L2 norm is megatron-core's own weightless L2Norm (transformer/torch_norm.py), chosen in
 toolkit/blocks/decoder_spec.py.
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state as ps
+
+from toolkit.blocks.kernels.mamba2_ssd import RMSNormGated
 
 
 class RMSNorm(torch.nn.Module):
@@ -42,6 +47,15 @@ class RMSNorm(torch.nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale(self.weight)).type_as(x)
+
+
+class ConfigEpsRMSNorm(RMSNorm):
+    """RMSNorm whose eps is the config's layernorm_epsilon where its builder passes none: MambaLayer before 0.19
+    builds its norm with (config, hidden_size) only (0.16.1 ssm/mamba_layer.py:85, 0.18.0 :98), where TENorm's
+    own default is 1e-5 and RMSNorm's above 1e-6; 0.19 passes eps=config.layernorm_epsilon (0.19.2 mamba_layer.py:93-97)."""
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
+        super().__init__(config, hidden_size, config.layernorm_epsilon if eps is None else eps)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -91,3 +105,18 @@ class ValueNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class ExtendedRMSNorm(RMSNormGated):
+    """megatron-core's ExtendedRMSNorm (mamba_mixer.py, in 0.16.1 as in 0.19): mamba_ssm's gated RMSNorm with
+    a sharded state dict, its weight split over TP on dim 0. Upstream's subclasses a MagicMock where
+    mamba_ssm is missing, so it is this class there."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if not hasattr(self, "tp_group"):
+            self.tp_group = ps.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])

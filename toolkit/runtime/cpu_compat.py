@@ -61,6 +61,14 @@ UPSTREAM_SPOTS = {
     ":349-350/:382 call them (Qwen3-Next's linear-attention layers). Stood in by toolkit/blocks/kernels/gated_delta_rule.py "
     "wherever `fla` is missing, on GPUs too (apply_upstream_fixes). The causal conv needs no stand-in: without "
     "`causal_conv1d` upstream runs its own nn.Conv1d and activation (:49-53, :326-327)",
+    "mamba_ssm": "ssm/mamba_mixer.py:68-93 (0.19.2; 0.16.1 :59-71) imports mamba_chunk_scan_combined, "
+    "mamba_split_conv1d_scan_combined and RMSNormGated from `mamba_ssm` (Triton kernels), else sets "
+    "HAVE_MAMBA_SSM False, RMSNormGated a MagicMock and so ExtendedRMSNorm (:111; 0.16.1 :83) a MagicMock; "
+    "MambaMixer.__init__ refuses to build without it (:202; 0.16.1 :173), _ssm_training calls the split "
+    "kernel (:755; 0.16.1 :659) and _ssm_prefill the chunk scan (:1063; 0.16.1 :850) (Nemotron-H's Mamba-2 "
+    "layers). Stood in by toolkit/blocks/kernels/mamba2_ssd.py and toolkit/blocks/norms.py "
+    "ExtendedRMSNorm wherever `mamba_ssm` is missing, on GPUs too (apply_upstream_fixes). The causal conv of "
+    "the prefill path needs none: without `causal_conv1d` upstream runs its own conv and silu (:914; 0.16.1 :802)",
 }
 # Applied on every machine, GPUs included (apply_upstream_fixes): an upstream bug, not a CPU one.
 TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
@@ -81,6 +89,10 @@ MODEL_BUILD_SPOTS = {
     "TE's MagicMock TELinear reads as HAVE_TE, then isinstance(self.linear_proj, TELinear) raises TypeError",
     "toolkit/blocks/attention_mla.py MLACoreAttention (local spec)": "transformer/multi_latent_attention.py:154-164 pass "
     "k_channels / v_channels, which the local DotProductAttention (dot_product_attention.py:42-52) does not take",
+    "toolkit/blocks/hybrid_spec.py buildable_hybrid_stack (without TE)": "models/hybrid/hybrid_block.py:215 (0.16.1 "
+    "ssm/mamba_block.py:166): HybridStack builds its final norm as TENorm by name, whatever the spec, and TENorm raises "
+    "ImportError without Transformer Engine (extensions/transformer_engine.py:818): the hybrid model (Nemotron-H) "
+    "cannot be built without TE",
     "toolkit/blocks/attention_mla.py sum_latent_grads_over_tp (every device, TP > 1, local spec)": "transformer/"
     "multi_latent_attention.py:594/607 gather the latent whose backward keeps a partial gradient (mappings.py:487)",
 }
@@ -340,6 +352,23 @@ def stand_in_gated_delta_rule() -> None:
     homes[0].TOOLKIT_GATED_DELTA_RULE = True
 
 
+def stand_in_mamba_ssm() -> None:
+    """See UPSTREAM_SPOTS["mamba_ssm"]: the torch Mamba-2 scan and gated RMSNorm where `mamba_ssm` is missing;
+    with it installed, nothing changes. Idempotent."""
+    from megatron.core.ssm import mamba_mixer
+
+    from toolkit.blocks import norms
+    from toolkit.blocks.kernels import mamba2_ssd
+
+    if mamba_mixer.HAVE_MAMBA_SSM:
+        return
+    for name in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "RMSNormGated"):
+        setattr(mamba_mixer, name, getattr(mamba2_ssd, name))
+    mamba_mixer.ExtendedRMSNorm = norms.ExtendedRMSNorm
+    mamba_mixer.HAVE_MAMBA_SSM = True  # the guard in MambaMixer.__init__ asks only whether the names are there
+    mamba_mixer.TOOLKIT_MAMBA_SSD = True
+
+
 def define_te_general_gemm() -> None:
     """See TE_GEMM_SPOT: without TE the router's gating linear falls back to torch once the name exists."""
     from megatron.core.transformer.moe import moe_utils
@@ -361,6 +390,7 @@ _PATCHES = {
     "distributed_optimizer": _distributed_optimizer,
     "context_parallel_rope": _context_parallel_rope,
     "gated_delta_rule": stand_in_gated_delta_rule,
+    "mamba_ssm": stand_in_mamba_ssm,
 }
 
 
@@ -385,6 +415,7 @@ def apply_upstream_fixes() -> None:
     define_te_general_gemm()
     mask_expert_bias_counts_per_token()
     stand_in_gated_delta_rule()  # a GPU without `fla` lacks it as a CPU does
+    stand_in_mamba_ssm()  # likewise a GPU without `mamba_ssm`
 
 
 def apply(force: bool = False) -> list[str]:

@@ -35,6 +35,13 @@ CHANGES = (
      "both; reading_both_common_layouts() lets an older release load the new layout"),
     ("0.18.0", "GatedDeltaNet's depthwise conv calls fla's causal_conv1d (its torch path only under deterministic_mode)",
      "the toolkit's torch causal_conv1d stands in where fla is missing (gated_delta_net_modules)"),
+    ("0.18.0", "MambaModel / MambaStack (models/mamba, ssm/mamba_block.py) renamed HybridModel / HybridStack "
+     "(models/hybrid; the old names kept as re-exports, MambaModel taking mamba_stack_spec as hybrid_stack_spec), "
+     "its layer pattern argument hybrid_override_pattern renamed hybrid_layer_pattern (the old one deprecated)",
+     "hybrid_model_class(), hybrid_stack_classes(): the classes and the argument names of the installed release"),
+    ("0.19.0", "MambaMixer's depthwise conv became two parameters, conv1d_weight and conv1d_bias, instead of an nn.Conv1d "
+     "`conv1d` (its torch_dist keys stay conv1d.weight / conv1d.bias: mamba_mixer.py conv_checkpoint_key_map)",
+     "mamba_conv_names(): the names in the module's state_dict (the torch format) of the installed release"),
     ("0.19.0", "ssm/gated_delta_net.py became a package: the fla names live in gated_delta_net/common.py and are "
      "imported by name into gated_delta_net/gdn.py", "gated_delta_net_modules(): every module that holds them"),
     ("0.19.0", "GatedDeltaNet computes g and beta in a method of its own, _compute_g_and_beta "
@@ -110,6 +117,36 @@ def quiet_release_notices() -> None:
 
     for name, text in RELEASE_NOTICES:
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+
+
+def mamba_conv_names() -> tuple[str, str]:
+    """MambaMixer's conv weight and bias as its state_dict names them (relative to the mixer)."""
+    if installed() >= Version("0.19.0"):
+        return "conv1d_weight", "conv1d_bias"
+    return "conv1d.weight", "conv1d.bias"
+
+
+def hybrid_model_class():
+    """(megatron-core's hybrid Mamba / attention / MLP model class, the keywords its stack spec and its layer
+    pattern are passed by)."""
+    if installed() >= Version("0.18.0"):
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel, "hybrid_stack_spec", "hybrid_layer_pattern"
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    return MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
+
+
+def hybrid_stack_classes():
+    """(megatron-core's hybrid layer stack, its submodules dataclass)."""
+    if installed() >= Version("0.18.0"):
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+
+        return HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+    return MambaStack, MambaStackSubmodules
 
 
 def gated_delta_net_modules() -> tuple[str, ...]:

@@ -25,6 +25,7 @@ the shape of a shard), so a new tensor kind (a fused HF QKV, a fused gate_up) is
     GLOBAL_*    that kind on a Gemma 4 global layer (its own head size and KV heads)
     GATED_QKV, GDN_IN_PROJ, GDN_IN_PROJ_CAT, GDN_CONV   Qwen3-Next's and Qwen3.5's (gated_delta.py)
     GDN_IN_PROJ_EACH, GDN_CONV_EACH                    OLMo-Hybrid's (gated_delta.py)
+    MAMBA_IN_PROJ, MAMBA_CONV   Mamba-2's (Nemotron-H) input projection and causal conv (mamba.py)
 
 The package imports no other toolkit module (torch only where tensors are made), so the family tables
 import it cheaply.
@@ -33,6 +34,7 @@ import it cheaply.
 from __future__ import annotations
 
 from toolkit.splits.gated_delta import GatedQKV, GDNConv, GDNConvEach, GDNInProj, GDNInProjCat, GDNInProjEach
+from toolkit.splits.mamba import MambaConv, MambaInProj
 from toolkit.splits.kinds import (ColumnSplit, FusedGateUp, FusedQK, FusedQKV, GlobalLayer, HFFusedGateUp,
                                   HFFusedQKV, Replicated, RowSplit, Unsplit, VocabSplit)
 
@@ -61,3 +63,6 @@ class Split:
     # OLMo-Hybrid's: each of q, k, v, gate, beta, alpha a Linear of its own; q, k, v's convs apart
     GDN_IN_PROJ_EACH = GDNInProjEach()
     GDN_CONV_EACH = GDNConvEach()
+    # Mamba-2 (Nemotron-H): in_proj [z; x; B; C; dt] and conv1d [x; B; C], each part over TP
+    MAMBA_IN_PROJ = MambaInProj()
+    MAMBA_CONV = MambaConv()

@@ -38,6 +38,11 @@ class Geometry:
     # Gemma 4's global layers: their KV heads and head size; 0 without
     global_kv_heads: int = 0
     global_head_dim: int = 0
+    # Mamba-2 (Nemotron-H): heads, head dim, B/C groups, state size; 0 without
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
 
     @property
     def heads_per_group(self) -> int:
