@@ -26,58 +26,10 @@ holds the r-th chunk of every part, in part order.
 
 from __future__ import annotations
 
-from toolkit.splits.kinds import ColumnSplit, Geometry, chunk_range
+from toolkit.splits.kinds import Geometry, RelaidSplit
 
 
-class _Relaid(ColumnSplit):
-    """A column-split tensor built by re-laying HF tensors out whole (each no bigger than the tensor)."""
-
-    def to_megatron(self, tensors, geo: Geometry):
-        raise NotImplementedError
-
-    def to_hf(self, whole, geo: Geometry) -> list:
-        raise NotImplementedError
-
-    def parts(self, size: int, geo: Geometry) -> list[int]:
-        """Lengths along dim 0 of the TP=1 tensor's parts that TP splits each on its own."""
-        return [size]
-
-    def _segments(self, size: int, tp: int, rank: int, geo: Geometry) -> list[slice]:
-        out, start = [], 0
-        for length in self.parts(size, geo):
-            chunk = chunk_range(length, tp, rank)
-            out.append(slice(start + chunk.start, start + chunk.stop))
-            start += length
-        return out
-
-    def row_pieces(self, src, names, tp, rank, geo):
-        """Not described: the shard's rows are re-laid from several HF tensors, not rows of the first
-        (ColumnSplit's pieces would copy the wrong bytes, or too few: the record's size check refused
-        Qwen3-Next's linear_qkv wherever its ranges were large enough to be copied)."""
-        return None
-
-    def build(self, src, names, tp, rank, geo):
-        import torch
-
-        whole = self.to_megatron([src.read(n) for n in names], geo)
-        return torch.cat([whole[s] for s in self._segments(whole.shape[0], tp, rank, geo)])
-
-    def merge(self, shards, geo):
-        import torch
-
-        tp, size = len(shards), sum(s.shape[0] for s in shards)
-        pieces = [list(shard.split([s.stop - s.start for s in self._segments(size, tp, rank, geo)]))
-                  for rank, shard in enumerate(shards)]
-        # part by part, every rank's chunk of it in rank order
-        return self.to_hf(torch.cat([p[i] for i in range(len(pieces[0])) for p in pieces]), geo)
-
-    def segments(self, size, tp, rank, geo=None):
-        if geo is None:
-            raise ValueError(f"{self.name} tensors need the model's geometry to be resliced")
-        return self._segments(size, tp, rank, geo)
-
-
-class GatedQKV(_Relaid):
+class GatedQKV(RelaidSplit):
     name = "GATED_QKV"
 
     def to_megatron(self, tensors, geo):
@@ -106,7 +58,7 @@ def _linear(geo: Geometry) -> tuple[int, int, int, int]:
     return geo.linear_k_heads, geo.linear_v_heads // geo.linear_k_heads, geo.linear_k_dim, geo.linear_v_dim
 
 
-class GDNInProj(_Relaid):
+class GDNInProj(RelaidSplit):
     name = "GDN_IN_PROJ"
     # megatron-core's torch_dist keys each part as a tensor of its own, `<key>.<part>` (gated_delta_net.py:
     # 474-485, _split_tensor_factory)
@@ -151,7 +103,7 @@ class GDNInProjCat(GDNInProj):
         return [t.contiguous() for t in (torch.cat((q, k, v)), z, b, a)]
 
 
-class GDNConv(_Relaid):
+class GDNConv(RelaidSplit):
     name = "GDN_CONV"
     dist_names = ("query", "key", "value")  # gated_delta_net.py:487-507
 

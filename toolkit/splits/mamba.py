@@ -17,8 +17,7 @@ megatron-core requires both to divide by TP (mamba_mixer.py: nheads % tp, ngroup
 
 from __future__ import annotations
 
-from toolkit.splits.gated_delta import _Relaid
-from toolkit.splits.kinds import Geometry
+from toolkit.splits.kinds import Geometry, RelaidSplit
 
 
 def _sizes(geo: Geometry) -> tuple[int, int, int]:
@@ -26,7 +25,7 @@ def _sizes(geo: Geometry) -> tuple[int, int, int]:
     return geo.mamba_heads * geo.mamba_head_dim, geo.mamba_groups * geo.mamba_state, geo.mamba_heads
 
 
-class MambaInProj(_Relaid):
+class MambaInProj(RelaidSplit):
     name = "MAMBA_IN_PROJ"
     dist_names = ("z", "x", "B", "C", "dt")
 
