@@ -436,10 +436,11 @@ def _mamba_ssm_kernels_where_installed() -> dict:
         del mamba_mixer.TOOLKIT_MAMBA_SSD
     torch.cuda.is_available = lambda: True
     cpu_compat.apply_upstream_fixes()
-    kept = mamba_mixer.mamba_split_conv1d_scan_combined is kernel and mamba_mixer.RMSNormGated is KernelNorm
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
                                mamba_state_dim=4, mamba_head_dim=4, mamba_num_groups=2, mamba_num_heads=4)
-    mixer = build_module(mixer_mamba.mamba_mixer_spec(4, 8), config, d_model=16, layer_number=1,
+    spec = mixer_mamba.mamba_mixer_spec(4, 8)  # where the stand-in would replace them
+    kept = mamba_mixer.mamba_split_conv1d_scan_combined is kernel and mamba_mixer.RMSNormGated is KernelNorm
+    mixer = build_module(spec, config, d_model=16, layer_number=1,
                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     out, _ = mixer(torch.randn(10, 2, 16))
     assert out.shape == (10, 2, 16)

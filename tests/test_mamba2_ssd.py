@@ -222,15 +222,15 @@ def test_megatron_mamba_mixer_equals_transformers_at_tp1_and_tp2():
 
 
 def test_megatron_mamba_mixer_runs_the_stand_in_without_mamba_ssm():
-    """megatron-core refuses to build MambaMixer without `mamba_ssm` (mamba_mixer.py:202); after cpu_compat its
-    module holds the torch kernels and a real ExtendedRMSNorm (upstream's subclasses a MagicMock)."""
+    """megatron-core refuses to build MambaMixer without `mamba_ssm` (mamba_mixer.py:202); once a Mamba layer's
+    spec is made its module holds the torch kernels and a real ExtendedRMSNorm (upstream's subclasses a
+    MagicMock)."""
     from megatron.core.ssm import mamba_mixer
 
-    from toolkit.blocks import norms
+    from toolkit.blocks import mixer_mamba, norms
     from toolkit.blocks.kernels import mamba2_ssd
-    from toolkit.runtime import cpu_compat
 
-    cpu_compat.apply()
+    mixer_mamba.mamba_mixer_spec(4, 8)
     assert mamba_mixer.HAVE_MAMBA_SSM
     if getattr(mamba_mixer, "TOOLKIT_MAMBA_SSD", False):
         for name in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "RMSNormGated"):

@@ -108,3 +108,32 @@ def test_checkpoints_written_under_one_end_load_resume_and_export_under_the_othe
     info = _toolkit(r, "ckpt", "inspect", step).stdout
     layout = "common_state inside the DCP files" if Version(ends[writer]) >= Version("0.19") else "common.pt"
     assert f"torch_dist train/: non-tensor state in {layout}" in info, info
+
+
+def test_starting_megatron_core_imports_no_mamba_layer():
+    """What start-up patches (cpu_compat.apply, as init_parallel runs it) leaves megatron-core's Mamba mixer
+    unimported: it is imported where a Mamba layer is built (megatron_versions.mamba_mixer_module). On 0.16.1
+    it imports triton unguarded, which a CPU-only torch lacks: importing it at start-up failed every launch of
+    CI's oldest lane (2026-12-02), for models without a Mamba layer too."""
+    probe = ("import sys\nfrom toolkit.runtime import cpu_compat\ncpu_compat.apply()\n"
+             "print('megatron' in sys.modules, 'megatron.core.ssm.mamba_mixer' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "True False", result.stdout
+
+
+def test_a_mamba_layer_builds_or_says_in_one_line_that_it_needs_triton():
+    """0.16.1 without triton (the oldest lane: a CPU-only torch) cannot import its Mamba mixer (see
+    megatron_versions.CHANGES, 0.17.0): one line naming the fix. Every other case builds the layer's spec."""
+    import importlib.util
+
+    from toolkit.blocks import mixer_mamba
+    from toolkit.errors import ToolkitError
+    from toolkit.runtime import megatron_versions
+
+    if importlib.util.find_spec("triton") is None and megatron_versions.series() < (0, 17):
+        with pytest.raises(ToolkitError, match=r"imports triton, which is not installed.*pip install triton") as err:
+            mixer_mamba.mamba_mixer_spec(4, 8)
+        assert "\n" not in str(err.value)
+    else:
+        assert mixer_mamba.mamba_mixer_spec(4, 8).params == {"d_conv": 4, "chunk_size": 8}

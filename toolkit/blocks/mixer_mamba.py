@@ -46,11 +46,12 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 def mamba_mixer_spec(conv_kernel: int, chunk_size: int):
     """The mixer of a Mamba-2 layer: MambaMixer with the config's conv width and scan chunk (constructor
     arguments, not TransformerConfig fields: MambaLayer passes neither, mamba_layer.py)."""
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from toolkit.runtime import cpu_compat
+    from toolkit.runtime import cpu_compat, megatron_versions
 
     cpu_compat.stand_in_mamba_ssm()  # where `mamba_ssm` is missing (a no-op where it is there)
-    return ModuleSpec(module=MambaMixer, params={"d_conv": conv_kernel, "chunk_size": chunk_size},
-                      submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+    mamba_mixer = megatron_versions.mamba_mixer_module()
+    return ModuleSpec(module=mamba_mixer.MambaMixer, params={"d_conv": conv_kernel, "chunk_size": chunk_size},
+                      submodules=mamba_mixer.MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                                  out_proj=RowParallelLinear))

@@ -61,14 +61,6 @@ UPSTREAM_SPOTS = {
     ":349-350/:382 call them (Qwen3-Next's linear-attention layers). Stood in by toolkit/blocks/kernels/gated_delta_rule.py "
     "wherever `fla` is missing, on GPUs too (apply_upstream_fixes). The causal conv needs no stand-in: without "
     "`causal_conv1d` upstream runs its own nn.Conv1d and activation (:49-53, :326-327)",
-    "mamba_ssm": "ssm/mamba_mixer.py:68-93 (0.19.2; 0.16.1 :59-71) imports mamba_chunk_scan_combined, "
-    "mamba_split_conv1d_scan_combined and RMSNormGated from `mamba_ssm` (Triton kernels), else sets "
-    "HAVE_MAMBA_SSM False, RMSNormGated a MagicMock and so ExtendedRMSNorm (:111; 0.16.1 :83) a MagicMock; "
-    "MambaMixer.__init__ refuses to build without it (:202; 0.16.1 :173), _ssm_training calls the split "
-    "kernel (:755; 0.16.1 :659) and _ssm_prefill the chunk scan (:1063; 0.16.1 :850) (Nemotron-H's Mamba-2 "
-    "layers). Stood in by toolkit/blocks/kernels/mamba2_ssd.py and toolkit/blocks/norms.py "
-    "ExtendedRMSNorm wherever `mamba_ssm` is missing, on GPUs too (apply_upstream_fixes). The causal conv of "
-    "the prefill path needs none: without `causal_conv1d` upstream runs its own conv and silu (:914; 0.16.1 :802)",
 }
 # Applied on every machine, GPUs included (apply_upstream_fixes): an upstream bug, not a CPU one.
 TE_GEMM_SPOT = ("transformer/moe/moe_utils.py:22-39 imports te_general_gemm only inside `try: import "
@@ -82,6 +74,15 @@ EXPERT_BIAS_MASK_SPOT = ("transformer/moe/router.py:541-542: TopKRouter._apply_e
 # Stood in only while a model is built, by the module named (not patched here); listed so that every
 # upstream spot the toolkit works around is found in one place.
 MODEL_BUILD_SPOTS = {
+    "toolkit/blocks/mixer_mamba.py mamba_mixer_spec (every device, without mamba_ssm)": "ssm/mamba_mixer.py:68-93 "
+    "(0.19.2; 0.16.1 :59-71) imports mamba_chunk_scan_combined, "
+    "mamba_split_conv1d_scan_combined and RMSNormGated from `mamba_ssm` (Triton kernels), else sets "
+    "HAVE_MAMBA_SSM False, RMSNormGated a MagicMock and so ExtendedRMSNorm (:111; 0.16.1 :83) a MagicMock; "
+    "MambaMixer.__init__ refuses to build without it (:202; 0.16.1 :173), _ssm_training calls the split "
+    "kernel (:755; 0.16.1 :659) and _ssm_prefill the chunk scan (:1063; 0.16.1 :850) (Nemotron-H's Mamba-2 "
+    "layers). Stood in by toolkit/blocks/kernels/mamba2_ssd.py and toolkit/blocks/norms.py "
+    "ExtendedRMSNorm wherever `mamba_ssm` is missing, on GPUs too. The causal conv of "
+    "the prefill path needs none: without `causal_conv1d` upstream runs its own conv and silu (:914; 0.16.1 :802)",
     "toolkit/blocks/rope_yarn.py CpuYarnRotaryEmbedding (without CUDA)": "models/common/embeddings/yarn_rotary_pos_embedding.py:"
     "120-126: YarnRotaryEmbedding.get_emb moves its frequencies to torch.cuda.current_device(), and its "
     "constructor calls it: MLA with YaRN cannot be built without CUDA",
@@ -353,12 +354,14 @@ def stand_in_gated_delta_rule() -> None:
 
 
 def stand_in_mamba_ssm() -> None:
-    """See UPSTREAM_SPOTS["mamba_ssm"]: the torch Mamba-2 scan and gated RMSNorm where `mamba_ssm` is missing;
-    with it installed, nothing changes. Idempotent."""
-    from megatron.core.ssm import mamba_mixer
-
+    """See MODEL_BUILD_SPOTS (mixer_mamba): the torch Mamba-2 scan and gated RMSNorm where `mamba_ssm` is
+    missing; with it installed, nothing changes. Called where a Mamba layer is built, not at start-up: the
+    module imports megatron-core's inference kernels (and, on 0.16.1, triton). Idempotent."""
     from toolkit.blocks import norms
     from toolkit.blocks.kernels import mamba2_ssd
+    from toolkit.runtime import megatron_versions
+
+    mamba_mixer = megatron_versions.mamba_mixer_module()
 
     if mamba_mixer.HAVE_MAMBA_SSM:
         return
@@ -390,7 +393,6 @@ _PATCHES = {
     "distributed_optimizer": _distributed_optimizer,
     "context_parallel_rope": _context_parallel_rope,
     "gated_delta_rule": stand_in_gated_delta_rule,
-    "mamba_ssm": stand_in_mamba_ssm,
 }
 
 
@@ -415,7 +417,6 @@ def apply_upstream_fixes() -> None:
     define_te_general_gemm()
     mask_expert_bias_counts_per_token()
     stand_in_gated_delta_rule()  # a GPU without `fla` lacks it as a CPU does
-    stand_in_mamba_ssm()  # likewise a GPU without `mamba_ssm`
 
 
 def apply(force: bool = False) -> list[str]:

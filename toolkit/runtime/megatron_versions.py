@@ -28,6 +28,9 @@ CHANGES = (
      "without the deprecation warning it then logs on every rank"),
     ("0.17.0", "extensions/transformer_engine.get_te_version() removed",
      "te_version(): Transformer Engine's own version"),
+    ("0.17.0", "inference/contexts/attention_context/triton/tensor_ops.py imports triton under a guard; 0.16.1 "
+     "imports it unguarded, and ssm/mamba_mixer.py imports that module: without triton (a CPU-only torch has "
+     "none) 0.16.1 cannot build a Mamba layer", "mamba_mixer_module(): the module, or one line naming the fix"),
     ("0.17.0", "Python >= 3.12 (Requires-Python)", "pyproject allows >=3.11: pip on 3.11 resolves 0.16.1"),
     ("0.19.0", "torch_dist stores the non-tensor state as a ShardedObject 'common_state' inside the DCP "
      "files instead of common.pt (serialization.py save; load_common_state_dict reads both)",
@@ -124,6 +127,23 @@ def mamba_conv_names() -> tuple[str, str]:
     if installed() >= Version("0.19.0"):
         return "conv1d_weight", "conv1d_bias"
     return "conv1d.weight", "conv1d.bias"
+
+
+def mamba_mixer_module():
+    """megatron-core's ssm/mamba_mixer.py, imported where a Mamba layer is built (see CHANGES, 0.17.0: on 0.16.1
+    it needs triton)."""
+    from toolkit.errors import ToolkitError
+
+    try:
+        from megatron.core.ssm import mamba_mixer
+    except ModuleNotFoundError as err:
+        if err.name != "triton":
+            raise
+        raise ToolkitError(
+            f"megatron-core {installed()}'s Mamba mixer imports triton, which is not installed (a CPU-only torch "
+            "has none; inference/contexts/attention_context/triton/tensor_ops.py): pip install triton, or use "
+            "megatron-core >= 0.17, which imports it only where it is there") from None
+    return mamba_mixer
 
 
 def hybrid_model_class():
