@@ -405,10 +405,18 @@ def _mamba_ssm_kernels_where_installed() -> dict:
     """megatron-core's MambaMixer where CUDA and `mamba_ssm` exist. mamba_ssm cannot import here, so its module
     is set as its import leaves it (mamba_mixer.py:68-79: HAVE_MAMBA_SSM and the three names), each name a
     recording kernel answering as mamba_ssm's would (the torch scan's numbers); CUDA as a GPU answers. Runs last:
-    it leaves the process so."""
+    it leaves the process so. Where the release cannot import its mixer at all (0.16.1 without triton, which a
+    GPU's torch has), the one line that says so."""
     import torch
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm import mamba_mixer
+
+    from toolkit.errors import ToolkitError
+    from toolkit.runtime import megatron_versions
+
+    try:
+        mamba_mixer = megatron_versions.mamba_mixer_module()
+    except ToolkitError as err:
+        return {"refused": str(err)}
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -283,8 +283,14 @@ def test_cuda_only_paths_in_one_launch(lora_checkpoint):
     assert not failed, "\n".join(f"{name}: {error}" for name, error in failed.items())
     assert sorted(out["gpu_layer_specs"]) == sorted(VARIANTS)
     assert out["save_from_device"]["equal"]
-    assert out["mamba_ssm_kernels"] == {"kernel_kept": True, "norm": "KernelExtendedRMSNorm", "kernel_calls": 1,
-                                        "stand_in_marker": False}, out["mamba_ssm_kernels"]
+    if "refused" in out["mamba_ssm_kernels"]:  # megatron-core 0.16.1 on a CPU-only torch (no triton)
+        from toolkit.runtime import megatron_versions
+
+        assert megatron_versions.series() < (0, 17), out["mamba_ssm_kernels"]
+        assert "pip install triton" in out["mamba_ssm_kernels"]["refused"], out["mamba_ssm_kernels"]
+    else:
+        assert out["mamba_ssm_kernels"] == {"kernel_kept": True, "norm": "KernelExtendedRMSNorm", "kernel_calls": 1,
+                                            "stand_in_marker": False}, out["mamba_ssm_kernels"]
     lora = out["lora_under_te"]
     assert lora["classes"] == {"input_layernorm": "RMSNorm", "linear_qkv": "ColumnParallelLinear"}, lora["classes"]
     worst = float((torch.tensor(lora["logits"]) - peft_logits(hf, adapter, tokens)).abs().max())
