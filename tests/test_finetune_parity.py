@@ -72,6 +72,9 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         # Qwen3.5: gated delta net layers (their four in_proj_* as megatron-core's one in_proj, split per key head
         # over TP) and an output-gated full-attention layer on each stage
         ("qwen3.5", "Qwen3_5ForCausalLM", "model.layers.0.linear_attn.in_proj_qkv.weight"),
+        # OLMo-Hybrid: its gated delta net layers pre-normed with beta doubled (the gradient through 2 sigmoid(b)),
+        # OLMo 3's post-normed attention layers, on each stage; exported under the published names
+        ("olmo-hybrid", "OlmoHybridForCausalLM", "model.layers.0.linear_attn.b_proj.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,
