@@ -305,9 +305,11 @@ def parity_setup(root: Path, models: dict):
     data = write_uneven_data(root / "data.jsonl", 300)
     built = {}
     gemma3_layers = {"layer_types": ["sliding_attention", "full_attention"] * 2}
-    # OLMo-Hybrid at its class's init std (its tiny variant's 0.1 sharpens it for the logit guards; trained 10 steps
-    # at that std the losses matched HF's within 6.7e-6 but the gradient norms only within 4.6e-4 relative: not
-    # explained yet; at 0.02, 2.1e-6 and 5.5e-6)
+    # OLMo-Hybrid at its class's init std (its tiny variant's 0.1 sharpens it for the logit guards). Trained 10 steps
+    # at 0.1 the losses match HF's within 6.7e-6 and the first step's gradient norm within 4e-7 relative, at TP1 as
+    # at TP2xPP2, but later norms drift apart (8.4e-4 at TP1, 4.6e-4 at TP2xPP2, growing with the step): the
+    # optimizer amplifying fp32 rounding of two different kernels, not a layout's sum (TP1 drifts as much).
+    # At 0.02: 2.1e-6 and 5.5e-6.
     of_variant = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers, "olmo-hybrid": {"initializer_range": 0.02}}
     for name, variant in models.items():
         size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **of_variant.get(variant, {}))
