@@ -177,6 +177,34 @@ def test_invalid_utf8_in_a_jsonl_line_is_named_by_file_and_line(tmp_path):
     assert len(read_jsonl(path, _tokenizer(), 64, "truncate", "skip", stats)) == 2 and stats.skipped_malformed == 1
 
 
+@pytest.mark.parametrize("prepared", ["true", "false"])
+def test_images_in_the_data_are_refused_in_one_line_naming_the_line_whatever_malformed_says(tmp_path, prepared):
+    """Defect: a conversation with an image (TRL's and LLaMA-Factory's formats) failed in the chat template
+    ("can only concatenate str (not "list") to str"), and an `images` column beside text messages trained on
+    the text alone, silently. Both are refused naming the line, also under data.malformed=skip, and for DPO's
+    pairs; the prepared cache and the in-memory path alike."""
+    image_part = {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "12"}]}
+    cases = {
+        "part": ([*CHATS[:3], {"messages": [image_part, {"role": "assistant", "content": "3"}]}], ":4: ",
+                 "messages[0].content[0] is of type 'image'", ()),
+        "column": ([*CHATS[:2], {**CHATS[2], "images": ["cat.png"]}], ":3: ", "its `images` column", ()),
+        "dpo": ([{"prompt": [image_part], "chosen": [{"role": "assistant", "content": "1"}],
+                  "rejected": [{"role": "assistant", "content": "2"}]}] * 2, ":1: ",
+                "prompt[0].content[0] is of type 'image'", ("method=dpo",)),
+    }
+    for name, (records, line, where, extra) in cases.items():
+        data = _jsonl(tmp_path / f"{name}.jsonl", records)
+        with pytest.raises(ToolkitError, match="the data holds images") as err:
+            recipe_data.read_data(_config(tmp_path, f"data.train_file={data}", "data.chat_template=chatml",
+                                          "data.seq_len=64", "data.malformed=skip", f"data.prepared={prepared}",
+                                          f"data.cache_dir={tmp_path / name}", *extra), _tokenizer(text=True))
+        message = str(err.value)
+        assert f"{data}{line}" in message and where in message and "\n" not in message, (name, message)
+    kept = [p for name in cases for p in (tmp_path / name).rglob("*")  # the stored refusal and the writers' lock only
+            if p.is_file() and not p.name.endswith((".refused", ".prepare-lock"))]
+    assert not kept, f"a cache for data that cannot train: {kept}"
+
+
 @pytest.fixture(scope="module")
 def converted(tiny_hf, tmp_path_factory):
     from toolkit.convert import hf_to_megatron

@@ -123,10 +123,39 @@ def _truncate(sample: Sample, max_tokens: int, side: str) -> Sample:
     return Sample(sample.tokens[cut], sample.loss_mask[cut])
 
 
+# Where the formats TRL and LLaMA-Factory read put images (and videos): a column beside `messages`, or a part of a
+# message's content list ({"type": "image", "image": "cat.png"}; OpenAI's "image_url").
+IMAGE_COLUMNS = ("images", "image", "videos", "video")
+IMAGE_PART_TYPES = ("image", "image_url", "input_image", "video", "video_url")
+
+
+def image_in(record) -> str | None:
+    """Where `record` holds an image or a video (a non-empty image column, or an image part of a message of
+    its `messages`, `prompt`, `chosen` or `rejected`), else None."""
+    if not isinstance(record, dict):
+        return None
+    for column in IMAGE_COLUMNS:
+        if record.get(column) not in (None, [], ""):
+            return f"its `{column}` column"
+    for key in ("messages", "prompt", "chosen", "rejected"):
+        messages = record.get(key)
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    return f"{key}[{i}].content[{j}] is of type {part['type']!r}"
+    return None
+
+
 def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats: DataStats):
     """parse(tokenizer, record), counted in stats; None for a malformed record skipped
-    (data.malformed=skip), else one DataError naming where it is."""
+    (data.malformed=skip), else one DataError naming where it is. A record with an image is refused
+    whatever data.malformed says: training on its text alone would be training on another sample."""
     stats.lines += 1
+    found = image_in(record)
+    if found:
+        raise DataError(f"{where}: the data holds images ({found}), and fine-tuning is on text only (images are "
+                        "not read): remove the image parts and image columns from the data")
     try:
         if isinstance(record, Exception):
             raise record
@@ -144,7 +173,7 @@ def prerendered_parse(tokenizer, records: list):
     """parse_line for these records, their conversations' prefixes rendered in one batched call
     (chat_prefixes.render_prefixes) first: the same samples, without a tokenizer call per turn."""
     conversations = [r for r in records if isinstance(r, dict) and "messages" in r and _is_conversation(r["messages"])
-                     and not ("prompt" in r and "response" in r)]
+                     and not ("prompt" in r and "response" in r) and image_in(r) is None]
     rendered = chat_prefixes.render_prefixes(tokenizer, [r["messages"] for r in conversations]) \
         if conversations and getattr(tokenizer, "chat_template", None) else None
     by_record = {id(r): prefixes for r, prefixes in zip(conversations, rendered or [])}
