@@ -27,6 +27,7 @@ FAMILIES = {
     "gemma4": "all-linear",  # and its global layers' [q; k]
     "olmo3": "all-linear", "smollm3": "all-linear", "ministral3": "all-linear",
     "qwen3.5": "all-linear",  # the four in_proj_* Linears onto megatron-core's one in_proj
+    "olmo-hybrid": "all-linear",  # its gated delta net's six Linears (q_proj as its attention layers') likewise
     "mistral4": MLA, "minimax-m2": ATTENTION,
     "llama4": [*ATTENTION, "gate_proj", "up_proj", "down_proj"],  # its dense layers' MLPs and the shared experts
 }

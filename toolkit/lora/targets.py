@@ -22,9 +22,12 @@ COLUMN, ROW = "column", "row"
 # (toolkit.lora.shards), so B follows the base weight's re-layout both ways. Qwen3.5's GDN_IN_PROJ_CAT: PEFT's one
 # LoRA per HF Linear (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) is one (A, B) pair each inside megatron-core's
 # one GatedDeltaNet.in_proj, A whole, B's rows on the rows of in_proj the split gives that tensor (per TP rank
-# its chunk of q, k, v, z, beta, alpha).
+# its chunk of q, k, v, z, beta, alpha). OLMo-Hybrid's GDN_IN_PROJ_EACH likewise, for its six Linears (q_proj, k_proj,
+# v_proj, g_proj, b_proj, a_proj): without them `q_proj` would adapt its attention layers' q_proj only, where PEFT
+# on the HF model adapts the gated delta net's q_proj too.
 _COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP, Split.GATED_QKV,
-                  Split.GDN_IN_PROJ, Split.GDN_IN_PROJ_CAT, Split.GLOBAL_QKV, Split.GLOBAL_QK)  # GLOBAL_*: Gemma 4's global layers
+                  Split.GDN_IN_PROJ, Split.GDN_IN_PROJ_CAT, Split.GDN_IN_PROJ_EACH, Split.GLOBAL_QKV,
+                  Split.GLOBAL_QK)  # GLOBAL_*: Gemma 4's global layers
 
 
 @dataclass(frozen=True)
