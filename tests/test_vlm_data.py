@@ -188,6 +188,8 @@ BAD = {
                                       ["2 <image> placeholders", "for 1 images", "write one <image> where each image goes"]),
     "fewer placeholders than images": (lambda d: _sharegpt("Same?", ["pics/small.png", "pics/wide.png"]),
                                        ["0 <image> placeholders", "for 2 images"]),
+    "neither bytes nor a path": (lambda d: _with_first_image({"bytes": None, "path": None}),
+                                 ["an image is a dict with neither bytes nor a path"]),
     "a video": (lambda d: trl_record() | {"videos": ["clip.mp4"]}, ["`videos` column holds videos"]),
 }
 

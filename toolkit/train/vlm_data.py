@@ -90,24 +90,33 @@ def encode_vlm_conversation(processor, record, base_dir: str | Path, seq_len: in
         raise DataError(f"{where}: {e}") from None
     sample, whole = sample_of_turns(turns), processed[-1]
     per_token = {k: list(v[0]) for k, v in whole.items() if k not in PROCESSOR_TEXT_KEYS and _per_token(v, sample.tokens)}
-    tokens, mask = sample.tokens, sample.loss_mask
-    cut = len(tokens) > seq_len + 1
+    kept = _fit(processor, sample.tokens, sample.loss_mask, per_token, seq_len + 1, stats)
+    if kept is None:
+        return None
+    tokens, mask, per_token = kept
+    stats.samples += 1
+    return VLMSample(tokens, [t if m else IGNORE_INDEX for t, m in zip(tokens, mask)], whole.get("pixel_values"),
+                     whole.get("image_grid_thw"), per_token)
+
+
+def _fit(processor, tokens: list[int], mask: list[int], per_token: dict, max_tokens: int, stats: VLMStats):
+    """(tokens, mask, per_token) cut to max_tokens at the end (the text path's default data.truncation=right), or None
+    (counted) where the cut would fall in an image's tokens or leave nothing to train on."""
+    cut = len(tokens) > max_tokens
     if cut:
-        if _last_image_token(processor, tokens) >= seq_len + 1:
+        if _last_image_token(processor, tokens) >= max_tokens:
             stats.dropped_image_truncated += 1
             return None
         stats.truncated += 1
-        tokens, mask = tokens[: seq_len + 1], mask[: seq_len + 1]
-        per_token = {k: v[: seq_len + 1] for k, v in per_token.items()}
+        tokens, mask = tokens[:max_tokens], mask[:max_tokens]
+        per_token = {k: v[:max_tokens] for k, v in per_token.items()}
     if not sum(mask[1:]):  # the first token is never a target
         if cut:
             stats.dropped_targets_truncated += 1
         else:
             stats.dropped_no_targets += 1
         return None
-    stats.samples += 1
-    return VLMSample(tokens, [t if m else IGNORE_INDEX for t, m in zip(tokens, mask)], whole.get("pixel_values"),
-                     whole.get("image_grid_thw"), per_token)
+    return tokens, mask, per_token
 
 
 def _process(processor, messages: list[dict], where: str):
@@ -217,8 +226,8 @@ def _load_image(source, base_dir: Path, where: str):
     else:
         given = source.get("path") if isinstance(source, dict) else source
         if not isinstance(given, (str, Path)):
-            raise DataError(f"{where}: an image is {type(source).__name__}: give a path, {{\"bytes\": ...}} or "
-                            "{\"path\": ...}")
+            what = "a dict with neither bytes nor a path" if isinstance(source, dict) else type(source).__name__
+            raise DataError(f"{where}: an image is {what}: give a path, {{\"bytes\": ...}} or {{\"path\": ...}}")
         if str(given).startswith(URL_PREFIXES):
             raise DataError(f"{where}: image {given} is a URL, and images are not fetched (offline): download it and "
                             "give its path, relative to the data file's directory")
