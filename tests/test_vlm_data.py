@@ -103,6 +103,21 @@ def test_a_parquet_file_of_datasets_images_reads_as_the_files(processor, images)
                         reference(processor, images))
 
 
+def test_exif_rotation_and_palette_images_read_as_transformers_reads_a_path(processor, tmp_path):
+    """A JPEG whose EXIF turns it a quarter (84 x 56 stored, 56 x 84 shown) and a palette PNG: given as paths, as
+    bytes or decoded (as `datasets` gives them), each is the image transformers makes of the path."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    Image.new("RGB", (84, 56), (200, 30, 30)).save(tmp_path / "turned.jpg", exif=exif)
+    Image.new("P", (28, 28), 7).save(tmp_path / "palette.png")
+    paths = [tmp_path / "turned.jpg", tmp_path / "palette.png"]
+    expected = processor.apply_chat_template(trl_record(*map(str, paths))["messages"], tokenize=True, return_dict=True)
+    assert expected["image_grid_thw"].tolist() == [[1, 6, 4], [1, 2, 2]]  # the JPEG read upright: 96 x 64 pixels
+    for given in (["turned.jpg", "palette.png"], [{"bytes": p.read_bytes(), "path": None} for p in paths],
+                  [Image.open(p) for p in paths]):
+        assert_is_reference(encode(processor, trl_record(*given), tmp_path), expected)
+
+
 def expected_mask(processor, ids: list[int]) -> list[int]:
     """1 on each assistant turn, from its <|im_start|> to the end of its line after <|im_end|>, as the text path trains."""
     start = processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
