@@ -10,6 +10,8 @@ Image parts without a source (`{"type": "image"}`, as TRL's datasets write them)
 column's images in order, as `<image>` placeholders do. An image is a path relative to the data
 file's directory, `{"bytes": ...}` or `{"path": ...}` as datasets' Image feature stores it in
 Parquet and Arrow, or an image `datasets` decoded; a URL is refused, since nothing is fetched.
+Each is made what transformers' load_image makes of a path (EXIF orientation applied, RGB), so an
+image reads the same whichever way it is stored.
 
 The model's own processor (AutoProcessor) renders the conversation with its chat template,
 expands each image's placeholder to the image's tokens and makes the pixel values, so the ids and
@@ -17,7 +19,8 @@ the image-token counts are transformers' own. The loss mask is the text path's
 (chat_templates.locate_turns, data.sample_of_turns): each prefix of the conversation rendered by
 the processor, the tokens each assistant turn adds trained. Each prefix is processed with its
 images, so a conversation of n turns has its images processed up to n times (twice for the common
-image-question-reply record).
+image-question-reply record). Truncation keeps the first seq_len + 1 tokens (the text path's default
+data.truncation=right); data.truncation=left and data.overlong=drop are not read here.
 """
 
 from __future__ import annotations
