@@ -558,6 +558,39 @@ def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32",
     return directory
 
 
+# Qwen3-VL's vision tokens (Qwen3VLProcessor finds them by these names), added to the text tokenizer as specials
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's published chat template without its vision ids and videos: ChatML, the default system prompt, each
+# image part one <|image_pad|> between <|vision_start|> and <|vision_end|> (the processor expands it to the image's tokens)
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3-VL's 16-pixel patches merged 2 x 2 (as published), so an image is a multiple of 32 pixels a side and each
+# 32 x 32 block one token; 1 to 16 tokens an image keeps the tiny images tiny (published: 256 to 16384)
+QWEN3_VL_PATCH = 16
+QWEN3_VL_PIXELS = dict(min_pixels=32 * 32, max_pixels=16 * 32 * 32)
+
+
+def make_tiny_qwen3_vl_processor(directory: str | Path) -> Path:
+    """Qwen3-VL's processor from transformers' classes (Qwen3VLProcessor over Qwen2VLImageProcessor's defaults, with
+    Qwen3-VL's patch size and few pixels, and Qwen3VLVideoProcessor, which it requires and which needs torchvision)
+    with the text tokenizer and Qwen's vision tokens; saved so that AutoProcessor loads it; returns its directory."""
+    import transformers
+
+    tokenizer = build_tokenizer(text=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    processor = transformers.Qwen3VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(patch_size=QWEN3_VL_PATCH, **QWEN3_VL_PIXELS),
+        tokenizer=tokenizer, video_processor=transformers.Qwen3VLVideoProcessor(), chat_template=QWEN_VL_CHAT_TEMPLATE)
+    processor.save_pretrained(str(directory))
+    return Path(directory)
+
+
 # GLM-4.5V's language model: the tiny GLM-4.5 without q/k norms (its class has none), MRoPE sections [2, 1, 1] over
 # the 4 frequencies of its 8 rotated dimensions (H and W a frequency each)
 GLM4V_MOE = {**{k: v for k, v in GLM4_MOE.items() if k != "use_qk_norm"},

@@ -97,9 +97,15 @@ def _messages(tokenizer, messages, prefixes=None) -> Sample:
     if not _is_conversation(messages):
         raise ValueError('"messages" must be a list of {"role", "content"} objects')
     chat_templates.require(tokenizer)
+    return sample_of_turns(chat_templates.locate_turns(tokenizer, messages, prefixes))
+
+
+def sample_of_turns(turns: list[tuple[list[int], bool]]) -> Sample:
+    """chat_templates.locate_turns' turns in one sample, the assistant turns' tokens trained
+    (toolkit.train.vlm_data masks multimodal conversations so too)."""
     tokens: list[int] = []
     mask: list[int] = []
-    for added, assistant in chat_templates.locate_turns(tokenizer, messages, prefixes):
+    for added, assistant in turns:
         tokens += added
         mask += [1 if assistant else 0] * len(added)
     return Sample(tokens, mask)
