@@ -73,7 +73,8 @@ def load_processor(model_dir: str | Path):
     try:
         processor = AutoProcessor.from_pretrained(str(model_dir))
     except Exception as e:  # ImportError (no torchvision for Qwen-VL's video processor), OSError, ValueError
-        raise DataError(f"{model_dir}: the model's processor cannot be loaded ({_first_line(e)})") from None
+        fix = ": install torchvision (pip install -e '.[vlm]')" if "torchvision" in str(e).lower() else ""
+        raise DataError(f"{model_dir}: the model's processor cannot be loaded ({_first_line(e)}){fix}") from None
     if getattr(processor, "image_processor", None) is None or not getattr(processor, "chat_template", None):
         raise DataError(f"{model_dir}: {type(processor).__name__} is not a vision-language processor with a chat template "
                         "(no image processor, or no chat_template): give the checkpoint the model was published with")
