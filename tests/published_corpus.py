@@ -45,6 +45,17 @@ VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "n
 # Gemma 4's tower names its KV heads and head sizes too, and keeps its 16-pixel patches; a smaller position table
 VISION_OF = {"gemma4_vision": {"num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "patch_size": 16,
                                "position_embedding_size": 64}}
+# Kimi-K2.5's tower names its sizes vt_* (its remote code's names) and mm_hidden_size / text_hidden_size (the
+# projector's in and out widths); transformers' Kimi_K25VisionConfig reads hidden_size, ... instead, which the file
+# leaves to the class (27 layers of 1152, the published sizes): both shrunk, the class's names written in, their
+# original recorded as None (the class default), as a Gemma 3 text_config's vocabulary is
+VISION_OF_WRAPPER = {"kimi_k25": {"vt_hidden_size": 32, "vt_intermediate_size": 64, "vt_num_hidden_layers": 1,
+                                  "vt_num_attention_heads": 2, "mm_hidden_size": 32}}
+CLASS_VISION_SIZES = {"kimi_k25": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                   "num_attention_heads": 2}}
+# A head whose consecutive MRoPE sections are kept in proportion where the file derives the head from hidden_size /
+# heads (GLM-4.6V-Flash's text_config: 4096 / 32 = 128, whose 32 rotated frequencies are the sections' [8, 12, 12])
+MROPE_HEAD = 32
 
 
 def shrink(published: dict) -> tuple[dict, dict]:
@@ -83,12 +94,30 @@ def shrink(published: dict) -> tuple[dict, dict]:
         # MiniMax-M2's legacy partial RoPE: the same share of the smaller head (64 of 128 -> 8 of 16)
         new["rotary_dim"] = cfg["rotary_dim"] * SIZES["head_dim"] // cfg["head_dim"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("mrope_section") and not rope.get("mrope_interleaved"):
+    mrope = isinstance(rope, dict) and rope.get("mrope_section") and not rope.get("mrope_interleaved")
+    if mrope and "head_dim" in cfg:
         new.pop("head_dim", None)  # GLM-4.5V's consecutive MRoPE sections count the head's frequencies: kept whole
+    elif mrope and heads is not None:  # GLM-4.6V-Flash's head is hidden_size / heads: the sections scale with it
+        new["hidden_size"] = HEADS * MROPE_HEAD
     original = {k: cfg.get(k) for k in new}
     cfg.update(new)
+    if mrope and "head_dim" not in cfg and heads is not None:
+        _shrink_mrope_sections(cfg, original, published_head=published["hidden_size"] // heads)
     _shrink_rope_factors(cfg, original)
     return cfg, original
+
+
+def _shrink_mrope_sections(cfg: dict, original: dict, published_head: int) -> None:
+    """Consecutive MRoPE sections (T, H, W frequencies) scaled from the published head to MROPE_HEAD: [8, 12, 12]
+    of 128 x 0.5 / 2 = 32 frequencies -> [2, 3, 3] of 32 x 0.5 / 2 = 8."""
+    key = "rope_parameters" if isinstance(cfg.get("rope_parameters"), dict) else "rope_scaling"
+    rope = cfg[key]
+    sections = rope["mrope_section"]
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    published, shrunk = int(published_head * partial) // 2, int(MROPE_HEAD * partial) // 2
+    assert sum(sections) == published and all(s * shrunk % published == 0 for s in sections), (sections, published)
+    original[f"{key}.mrope_section"] = sections
+    cfg[key] = {**rope, "mrope_section": [s * shrunk // published for s in sections]}
 
 
 def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
@@ -103,10 +132,13 @@ def _shrink_wrapper(published: dict, text_key: str) -> tuple[dict, dict]:
     vision = published.get("vision_config")
     if isinstance(vision, dict):
         sizes = {k: v for k, v in {**VISION, **VISION_OF.get(vision.get("model_type"), {})}.items() if k in vision}
-        if "out_hidden_size" in vision:
-            sizes["out_hidden_size"] = cfg[text_key]["hidden_size"]
-        cfg["vision_config"] = {**vision, **sizes}
-        original["vision_config"] = {k: vision[k] for k in sizes}
+        sizes.update({k: v for k, v in VISION_OF_WRAPPER.get(published["model_type"], {}).items() if k in vision})
+        for key in ("out_hidden_size", "text_hidden_size"):  # the projector's output: the text model's width
+            if key in vision:
+                sizes[key] = cfg[text_key]["hidden_size"]
+        added = {k: v for k, v in CLASS_VISION_SIZES.get(published["model_type"], {}).items() if k not in vision}
+        cfg["vision_config"] = {**vision, **sizes, **added}
+        original["vision_config"] = {**{k: vision[k] for k in sizes}, **dict.fromkeys(added)}
     return cfg, original
 
 

@@ -180,7 +180,7 @@ def test_verbose_conversion_names_the_keys_read_and_the_defaults_applied(tmp_pat
 
 def test_every_published_config_converts_or_is_refused_in_one_line(tmp_path):
     """An entry whose outcome is not "converts" names its refusal, which conversion must give in one
-    line (none today: LongRoPE was the last); an entry that converts but is not verified (index.json
+    line (Kimi-K2.5 as published, its INT4 experts; LongRoPE was refused before it); an entry that converts but is not verified (index.json
     "unverified" says why) must convert at TP2 x PP2 x EP2. One test over the lists rather than a parameter
     per entry, so an empty list is not reported as a skip."""
     for name in corpus.refused():
