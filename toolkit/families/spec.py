@@ -153,6 +153,8 @@ class ModelSpec:
         None where either does. The converter's default and the recipe's choice both come from here."""
         if self.mla:  # toolkit/families/mla.py: the TE spec's layout (gpt_layer_specs.py:232-268) is not written
             return "local", "multi-latent attention converts for megatron-core's local spec only"
+        if self.mamba:  # toolkit/blocks/hybrid_spec.py: local modules on every device
+            return "local", "a hybrid model runs on the toolkit's local hybrid stack spec only"
         return None
 
     def _mla_sizes(self) -> dict:
