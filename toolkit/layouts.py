@@ -47,6 +47,8 @@ class Layout:
                if spec.linear_attention else {}),
             **({"global_kv_heads": spec.global_attention["kv_heads"], "global_head_dim": spec.global_attention["head_dim"]}
                if spec.global_attention else {}),
+            **({"mamba_heads": spec.mamba["heads"], "mamba_head_dim": spec.mamba["head_dim"],
+                "mamba_groups": spec.mamba["groups"], "mamba_state": spec.mamba["state"]} if spec.mamba else {}),
         )
 
     def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:
@@ -94,6 +96,11 @@ class Layout:
         if k_heads % self.tp:
             raise ConversionError(f"{k_heads} linear-attention key heads (linear_num_key_heads) are not divisible "
                                   f"by {tp}: megatron-core splits the gated delta net by whole key heads")
+        # megatron-core splits a Mamba-2 mixer by whole heads and whole B/C groups (mamba_mixer.py:260, :268)
+        for key, size in (("mamba_num_heads", "heads"), ("n_groups", "groups")) if spec.mamba else ():
+            if spec.mamba[size] % self.tp:
+                raise ConversionError(f"{key} {spec.mamba[size]} is not divisible by {tp}: megatron-core splits the "
+                                      "Mamba-2 mixer by whole heads and B/C groups")
         if spec.ffn_hidden_size % self.tp:
             raise ConversionError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by {tp}")
         for key, size in self._mla_down_projections(spec):

@@ -45,14 +45,23 @@ def _activation(name: str):
     return {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[name]
 
 
+# HF's activations of an MLP without a gate: relu2 (Nemotron-H's NemotronHMLP), megatron-core's squared_relu
+UNGATED_ACTIVATIONS = ("relu2",)
+
+
 def glu_settings(spec: ModelSpec) -> dict:
     """The gated MLP: HF's activation, or gpt-oss's clamped SwiGLU as megatron-core's quick_gelu GLU
-    with a clamp and an offset (mlp.py:219-226; toolkit/families/gpt_oss.py)."""
+    with a clamp and an offset (mlp.py:219-226; toolkit/families/gpt_oss.py); an MLP without a gate for
+    UNGATED_ACTIVATIONS (activations.py squared_relu)."""
+    if spec.activation in UNGATED_ACTIVATIONS:
+        from megatron.core.activations import squared_relu
+
+        return {"activation_func": squared_relu, "gated_linear_unit": False}
     if spec.glu_clamp is None:
-        return {"activation_func": _activation(spec.activation)}
+        return {"activation_func": _activation(spec.activation), "gated_linear_unit": True}
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    return {"activation_func": quick_gelu, "activation_func_clamp_value": spec.glu_clamp,
+    return {"activation_func": quick_gelu, "gated_linear_unit": True, "activation_func_clamp_value": spec.glu_clamp,
             "glu_linear_offset": spec.glu_offset}
 
 
@@ -75,7 +84,6 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         kv_channels=spec.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
-        gated_linear_unit=True,
         **glu_settings(spec),
         add_bias_linear=spec.linear_bias,
         **({"softmax_type": "learnable"} if spec.attention_sinks else {}),
@@ -93,6 +101,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         **family_named(spec.family).megatron,
         **moe_settings(spec),
         **linear_attention_settings(spec),
+        **mamba_settings(spec),
     )
     transformer.update(mla_settings(spec))  # its kv_channels replaces the one above
     gpt = dict(
@@ -120,6 +129,16 @@ def linear_attention_settings(spec: ModelSpec) -> dict:
                 linear_attention_freq=[int(c) for c in spec.linear_layers], linear_conv_kernel_dim=la["conv_kernel"],
                 linear_key_head_dim=la["k_dim"], linear_value_head_dim=la["v_dim"],
                 linear_num_key_heads=la["k_heads"], linear_num_value_heads=la["v_heads"])
+
+
+def mamba_settings(spec: ModelSpec) -> dict:
+    """Nemotron-H's Mamba-2 mixers (toolkit/families/nemotron_h.py) as TransformerConfig's fields; the conv
+    width and the scan's chunk are the mixer's constructor arguments instead (toolkit/blocks/mixer_mamba.py)."""
+    if not spec.mamba:
+        return {}
+    m = spec.mamba
+    return dict(mamba_state_dim=m["state"], mamba_head_dim=m["head_dim"], mamba_num_groups=m["groups"],
+                mamba_num_heads=m["heads"])
 
 
 def mla_settings(spec: ModelSpec) -> dict:
@@ -214,8 +233,12 @@ def megatron_args(spec: ModelSpec, layout: Layout, ckpt_format: str) -> argparse
     named["untie_embeddings_and_output_weights"] = not named.pop("share_embeddings_and_output_weights")
     if spec.glu_clamp is not None:  # Megatron-LM's --quick-geglu (with the clamp and offset named as the config's)
         named["gated_linear_unit"], named["quick_geglu"] = named.pop("swiglu"), True
+    elif spec.activation in UNGATED_ACTIVATIONS:  # Megatron-LM's --squared-relu, without --swiglu
+        named["swiglu"], named["squared_relu"] = False, True
     elif spec.activation != "silu":  # Megatron-LM's `swiglu` means a gated silu; it has no flag for this one
         named["gated_linear_unit"], named["activation"] = named.pop("swiglu"), spec.activation
+    if spec.hybrid_pattern:  # Megatron-LM's --hybrid-override-pattern
+        named["hybrid_override_pattern"] = spec.hybrid_pattern
     dtype = getattr(torch, spec.dtype, torch.float32)
     return argparse.Namespace(
         **named,

@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from toolkit.errors import ConfigError
 from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
@@ -163,7 +164,8 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
 
 def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None,
                     aux_loss: AuxLoss | None = None, vp_stage: int | None = None):
-    """GPTModel for this process's pipeline stage (parallel_state must be initialised); `aux_loss`
+    """GPTModel for this process's pipeline stage (parallel_state must be initialised), or a hybrid model's
+    HybridModel (build_hybrid_model); `aux_loss`
     as in transformer_config (toolkit/blocks/router_losses.py), checked against the layout. `vp_stage`: which
     of this rank's virtual stages (interleaved pipeline, toolkit.train.virtual), or None.
     `layer_spec`: "te", "local" or a megatron-core spec; by default running_layer_spec()."""
@@ -172,6 +174,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
 
     from toolkit.blocks.attention_mla import buildable_mla
 
+    if spec.hybrid_pattern is not None:
+        return build_hybrid_model(spec, layout, dtype, config, vp_stage)
     if aux_loss:
         aux_loss.check(layout.pp)
     megatron_versions.quiet_release_notices()  # GPTModel's deprecation from 0.19, chosen on purpose
@@ -201,6 +205,36 @@ def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.
         aux_loss.install(model)
     if spec.attention_sinks:
         tag_sinks_split_over_tp(model)
+    if torch.cuda.is_available():
+        model.cuda()
+    return model
+
+
+def build_hybrid_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None,
+                       vp_stage: int | None = None):
+    """megatron-core's HybridModel (MambaModel before 0.18: megatron_versions.hybrid_model_class) for this
+    process's pipeline stage, of the toolkit's local stack spec (toolkit/blocks/hybrid_spec.py) on every device,
+    its layers ModelSpec.hybrid_pattern; megatron-core splits the pattern evenly over the stages, as
+    Layout.stage_layers does (0.19.2 hybrid_layer_allocation.py select_pipeline_segment; 0.16.1 mamba_block.py
+    _select_layers_for_pipeline_parallel). No virtual pipeline: megatron-core refuses it without '|' in the pattern."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.blocks.hybrid_spec import buildable_hybrid_stack, hybrid_stack_spec
+
+    if vp_stage is not None:
+        raise ConfigError(f"{spec.family}: no virtual pipeline stages (parallel.vpp) for a hybrid model: megatron-core "
+                          "takes them only from '|' in its layer pattern")
+    config = config or transformer_config(spec, layout, dtype, layer_spec="local")
+    model_class, stack_argument, pattern_argument = megatron_versions.hybrid_model_class()
+    gpt = settings_for(spec).gpt
+    with buildable_hybrid_stack():
+        model = model_class(
+            config=config, vocab_size=layout.padded_vocab(spec.vocab_size),
+            max_sequence_length=gpt["max_sequence_length"], position_embedding_type=gpt["position_embedding_type"],
+            share_embeddings_and_output_weights=gpt["share_embeddings_and_output_weights"],
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(), parallel_output=True,
+            **{stack_argument: hybrid_stack_spec(spec.mamba["conv_kernel"], spec.mamba["chunk_size"]),
+               pattern_argument: spec.hybrid_pattern})
     if torch.cuda.is_available():
         model.cuda()
     return model

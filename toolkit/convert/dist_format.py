@@ -227,6 +227,11 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     transformer/utils.py _get_extra_state_offsets). `attention`: the attention's linears
     (naming.attention_linears); `linear_layers` as ModelSpec's (its "1" layers have the gated delta net's
     linears instead, and every layer is keyed on its own)."""
+    if linear_layers and set(linear_layers) <= set(naming.HYBRID_EXTRA_STATE):  # a hybrid model's pattern
+        # and its output layer's: HybridModel (MambaModel before 0.18) keeps it in its sharded state dict, where
+        # GPTModel.sharded_state_dict pops it (0.19.2 gpt_model.py:890-897)
+        names = [*naming.hybrid_extra_state_names(linear_layers), naming.OUTPUT_LAYER_EXTRA_STATE]
+        return {f"{name}/shard_0_1": [None] for name in names}
     if moe_layers is not None or linear_layers is not None:
         kinds = moe_layers or ("1" if num_experts else "0") * num_layers
         return _per_layer_extra_state_objects(num_experts, shared_expert, kinds, attention, linear_layers)

@@ -9,6 +9,7 @@ SequentialMLP's `mlp.experts.local_experts.{i}.linear_fc1.weight`."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Container
 
@@ -17,8 +18,15 @@ from typing import Container
 TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    # a hybrid model's Mamba-2 layer (Nemotron-H): its norm, fused into in_proj by the TE spec (MambaLayer's
+    # sharded_state_dict_keys_map, toolkit/blocks/hybrid_spec.py)
+    "mixer.in_proj.layer_norm_weight": "norm.weight",
 }
 LOCAL_TO_TE = {v: k for k, v in TE_TO_LOCAL.items()}
+# Mamba-2's depthwise conv: torch_dist keys mixer.conv1d.weight / .bias on every release, the module's own names
+# conv1d_weight / conv1d_bias from megatron-core 0.19 (megatron_versions.mamba_conv_names; mamba_conv_names_here)
+MAMBA_CONV = ("mixer.conv1d.weight", "mixer.conv1d.bias")
+LOCAL_TO_TE.update({"mixer.conv1d_weight": MAMBA_CONV[0], "mixer.conv1d_bias": MAMBA_CONV[1]})
 # A gated delta net layer's input norm (Qwen3-Next), fused into its in_proj by the TE spec
 # (experimental_attention_variant_module_specs.py:66-73); local to canonical depends on the layer's kind,
 # which one name cannot say: canonical_names reads it from the layer's other names
@@ -59,11 +67,21 @@ def layer_name(layer: int, suffix: str) -> str:
     return f"decoder.layers.{layer}.{suffix}"
 
 
+@functools.cache
+def mamba_conv_names_here() -> dict[str, str]:
+    """MAMBA_CONV -> the installed megatron-core's state_dict names (imported where a Mamba layer is named)."""
+    from toolkit.runtime.megatron_versions import mamba_conv_names
+
+    return {canonical: f"mixer.{name}" for canonical, name in zip(MAMBA_CONV, mamba_conv_names())}
+
+
 def to_spec_name(canonical: str, layer_spec: str, moe: bool = False) -> str:
     """Canonical (TE) name -> the name used by `layer_spec` (`moe`: of a Mixture-of-Experts layer)."""
     layer, suffix = split_layer(canonical)
     if layer is None:
         return canonical
+    if suffix in MAMBA_CONV:  # under either spec: a parameter of the mixer, not a module
+        return layer_name(layer, mamba_conv_names_here()[suffix])
     if layer_spec == "local":
         return layer_name(layer, TE_TO_LOCAL.get(suffix, suffix))
     if moe and suffix == LOCAL_TO_TE[TE_MOE_NORM]:
@@ -156,6 +174,32 @@ def shift_layer(name: str, delta: int) -> str:
 
 
 def detect_layer_spec(names) -> str:
-    """The local spec has a separate input norm; TE fuses it into linear_qkv (dense and MoE alike)."""
-    return "local" if any(split_layer(n)[1] == TE_TO_LOCAL["self_attention.linear_qkv.layer_norm_weight"]
-                          for n in names) else "te"
+    """The local spec has a separate input norm; TE fuses it into linear_qkv (dense and MoE alike), or into
+    a Mamba-2 layer's in_proj."""
+    local = (TE_TO_LOCAL["self_attention.linear_qkv.layer_norm_weight"], TE_TO_LOCAL["mixer.in_proj.layer_norm_weight"])
+    return "local" if any(split_layer(n)[1] in local for n in names) else "te"
+
+
+# The output layer's `_extra_state` (ColumnParallelLinear.get_extra_state: None), in a hybrid model's state
+OUTPUT_LAYER_EXTRA_STATE = "output_layer._extra_state"
+# A hybrid model's layers (Nemotron-H) by their pattern symbol: the linears with an `_extra_state`
+HYBRID_EXTRA_STATE = {"M": ("mixer.in_proj", "mixer.out_proj"), "*": EXTRA_STATE_MODULES[:2], "-": MLP_EXTRA_STATE}
+
+
+def hybrid_symbols(names) -> str | None:
+    """The pattern symbol of each layer of canonical or local `names` (stage-local layers from 0) where they
+    are a hybrid model's: "M" a Mamba-2 mixer, "*" attention without an MLP, "-" an MLP without attention;
+    None where every layer has both attention and an MLP (a GPT model)."""
+    held: dict[int, set[str]] = {}
+    for layer, suffix in map(split_layer, names):
+        if layer is not None:
+            held.setdefault(layer, set()).add(suffix.split(".", 1)[0])
+    symbols = ["M" if "mixer" in parts else "-" if "self_attention" not in parts else "*" if "mlp" not in parts else ""
+               for _, parts in sorted(held.items())]
+    return "".join(symbols) if all(symbols) and symbols else None
+
+
+def hybrid_extra_state_names(symbols: str) -> list[str]:
+    """`_extra_state` entries of a hybrid model's rank (its layers' `symbols`, hybrid_symbols)."""
+    return [layer_name(layer, f"{module}._extra_state") for layer, symbol in enumerate(symbols)
+            for module in HYBRID_EXTRA_STATE[symbol]]

@@ -90,7 +90,10 @@ def config_values(cfg: dict, source: str = "config.json", model_type: str | None
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its warnings about token ids are not ours to show
     try:
-        resolved = config_class.from_dict(copy.deepcopy(cfg)).to_dict()  # it edits nested dicts in place
+        # save_pretrained writes inf as {"__float__": "Infinity"} (NemotronHConfig's time_step_limit), which
+        # from_pretrained decodes on reading the file (_dict_from_json_file), from_dict does not
+        decode = getattr(config_class, "_decode_special_floats", lambda values: values)
+        resolved = config_class.from_dict(decode(copy.deepcopy(cfg))).to_dict()  # it edits nested dicts in place
     except Exception as e:  # huggingface_hub's StrictDataclassError, ValueError, TypeError: all refusals
         detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         raise ConversionError(f"{source} is refused by transformers' {config_class.__name__}: {detail}") from e

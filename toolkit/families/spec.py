@@ -119,6 +119,23 @@ class ModelSpec:
     # Llama 4's use_qk_norm: a weightless L2 (RMS) norm of each query and key head on the layers with RoPE
     # (megatron-core's L2Norm, toolkit/blocks/decoder_spec.py; toolkit/families/llama4.py)
     qk_l2_norm: bool = False
+    # Nemotron-H (toolkit/families/nemotron_h.py): Mamba-2's sizes (heads, head_dim, groups, state, conv_kernel,
+    # chunk_size), the model megatron-core's HybridModel; None: no Mamba layers. Its layer pattern is
+    # linear_layers, one symbol of megatron-core's per layer ("M" Mamba-2, "*" attention, "-" MLP)
+    mamba: dict | None = field(default=None, hash=False)
+
+    @property
+    def hybrid_pattern(self) -> str | None:
+        """megatron-core's hybrid layer pattern (HybridModel's hybrid_layer_pattern), None for a GPTModel."""
+        return self.linear_layers if self.mamba else None
+
+    def _mamba_sizes(self) -> dict:
+        if not self.mamba:
+            return {}
+        m = self.mamba
+        inner, bc = m["heads"] * m["head_dim"], m["groups"] * m["state"]
+        return {"mamba_in_proj": 2 * inner + 2 * bc + m["heads"], "mamba_conv": inner + 2 * bc, "mamba_inner": inner,
+                "mamba_heads": m["heads"], "mamba_kernel": m["conv_kernel"]}
 
     @property
     def q_lora(self) -> bool:
@@ -136,6 +153,8 @@ class ModelSpec:
         None where either does. The converter's default and the recipe's choice both come from here."""
         if self.mla:  # toolkit/families/mla.py: the TE spec's layout (gpt_layer_specs.py:232-268) is not written
             return "local", "multi-latent attention converts for megatron-core's local spec only"
+        if self.mamba:  # toolkit/blocks/hybrid_spec.py: local modules on every device
+            return "local", "a hybrid model runs on the toolkit's local hybrid stack spec only"
         return None
 
     def _mla_sizes(self) -> dict:
@@ -196,6 +215,7 @@ class ModelSpec:
             **self._mla_sizes(),
             **self._linear_sizes(),
             **self._global_sizes(),
+            **self._mamba_sizes(),
         }[symbol]
 
     def expert_tp(self, tp: int) -> int:
@@ -314,17 +334,19 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     window = cfg.get(family.window_key) if family.window_key else None
     moe = (read_moe(cfg, family.name, family.router)
            if family.router and (family.router.when is None or cfg.get(family.router.when)) else None)
-    fields = {"rope_scaling_factor": None, **_rope(cfg, family), **(family.read(cfg) if family.read else {})}
+    own = family.read(cfg) if family.read else {}
+    # what a family reads itself (Nemotron-H: its layer count from layers_block_type, layer_norm_epsilon, no RoPE)
+    fields = {"rope_scaling_factor": None, **({} if "rope_theta" in own else _rope(cfg, family)), **own}
     spec = ModelSpec(
         family=family.name,
-        num_layers=_count(cfg, "num_hidden_layers"),
+        num_layers=fields.pop("num_layers") if "num_layers" in fields else _count(cfg, "num_hidden_layers"),
         hidden_size=hidden,
         ffn_hidden_size=_count(cfg, family.ffn_key),
         num_heads=heads,
         num_kv_heads=_count(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads,
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab_size=_count(cfg, "vocab_size"),
-        norm_eps=float(_require(cfg, "rms_norm_eps")),
+        norm_eps=fields.pop("norm_eps") if "norm_eps" in fields else float(_require(cfg, "rms_norm_eps")),
         max_position_embeddings=int(_require(cfg, "max_position_embeddings")),
         tied_embeddings=bool(_require(cfg, "tie_word_embeddings")),
         qkv_bias=family.qkv_bias if isinstance(family.qkv_bias, bool) else bool(_require(cfg, family.qkv_bias)),

@@ -43,7 +43,8 @@ class Row:
     # checkpoint may store it in either: converted and exported as stored (toolkit/families/float32.py)
     float32_parameter: bool = False
     # The kind of token mixer the row belongs to where a model mixes them (LINEAR_ATTENTION: Qwen3-Next's
-    # gated delta net layers, FULL_ATTENTION: its attention layers); None: every layer
+    # gated delta net layers, FULL_ATTENTION: its attention layers; MAMBA_LAYER, MLP_LAYER: a hybrid model's
+    # Mamba-2 and MLP-only layers); None: every layer
     attention: str | None = None
 
     @property
@@ -119,12 +120,20 @@ LINEAR_ATTENTION, FULL_ATTENTION, GLOBAL_ATTENTION = "linear", "full", "global"
 GLOBAL_LAYER = "2"
 
 
+# A hybrid model's layers (Nemotron-H: megatron-core's HybridModel), by their symbol in its layer pattern, which
+# is ModelSpec.linear_layers there: a Mamba-2 layer, an attention-only layer, an MLP-only layer
+MAMBA_LAYER, MLP_LAYER = "mamba", "mlp"
+HYBRID_SYMBOLS = {"M": MAMBA_LAYER, "*": FULL_ATTENTION, "-": MLP_LAYER}
+
+
 def attention_kind(linear_layers: str | None, layer: int) -> str:
     """`linear_layers`: per layer "1" for a gated delta net (linear attention) layer, "0" for attention
     (megatron-core's linear_attention_freq as a list), "2" for an attention layer with head sizes of its
-    own (Gemma 4's global layers beside its sliding "0" ones: toolkit/families/gemma4.py); None:
-    attention everywhere."""
+    own (Gemma 4's global layers beside its sliding "0" ones: toolkit/families/gemma4.py), or a hybrid
+    model's pattern symbol (HYBRID_SYMBOLS: Nemotron-H); None: attention everywhere."""
     kind = linear_layers[layer] if linear_layers is not None else "0"
+    if kind in HYBRID_SYMBOLS:
+        return HYBRID_SYMBOLS[kind]
     return LINEAR_ATTENTION if kind == "1" else GLOBAL_ATTENTION if kind == GLOBAL_LAYER else FULL_ATTENTION
 
 

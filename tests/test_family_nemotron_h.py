@@ -1,0 +1,108 @@
+"""Nemotron-H (nemotron_h): Mamba-2, attention-only and relu^2 MLP-only layers by a pattern, converted for
+megatron-core's HybridModel (toolkit/families/nemotron_h.py).
+
+HF is the reference: a tiny NemotronHForCausalLM (transformers' own class and save_pretrained; tests/
+test_hybrid_model.py's config and weights: the pattern M-*M-M*- puts every symbol on both stages of PP 2, and
+40 tokens run over Mamba chunks of 16) converted at TP2 x PP2 in both formats gives HF's logits and every layer's
+output within 1e-4 in fp32 in one `convert verify` launch, where conversions with a TP split swapped for a plain
+one (Mamba-2's in_proj and conv1d cut as one block instead of part by part) must fail; both formats export back
+to HF's safetensors bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.test_convert_parity import FP32_TOLERANCE
+from tests.test_gemma3_wrapper import tensor_hashes
+from tests.test_hybrid_model import SEQ, _hf_model
+from toolkit.convert import hf_to_megatron, megatron_to_hf
+from toolkit.errors import ConversionError
+from toolkit.families import spec_from_config
+from toolkit.layouts import Layout
+from toolkit.splits import Split
+
+FORMATS = ("torch", "torch_dist")
+# Splits swapped for a plain block split (Split.COLUMN: rank r the r-th block of rows), each converted and verified
+GUARDS = {"in-proj-as-one-block": Split.MAMBA_IN_PROJ, "conv-as-one-block": Split.MAMBA_CONV}
+
+
+@pytest.fixture(scope="module")
+def tiny_nemotron_h(tmp_path_factory):
+    config, model = _hf_model()
+    out = tmp_path_factory.mktemp("nemotron-h") / "hf"
+    model.save_pretrained(out)
+    return out
+
+
+def test_spec_settings_and_refusals():
+    from toolkit.megatron_settings import settings_for
+
+    config = _hf_model()[0]  # transformers' NemotronHConfig
+    spec = spec_from_config(config.to_dict())[1]
+    assert (spec.family, spec.num_layers, spec.hybrid_pattern, spec.rope_theta, spec.activation) == (
+        "nemotron_h", 8, "M-*M-M*-", None, "relu2")
+    assert spec.mamba == {"heads": 4, "head_dim": 8, "groups": 2, "state": 8, "conv_kernel": 4, "chunk_size": 16}
+    settings = settings_for(spec)
+    assert settings.transformer["gated_linear_unit"] is False and settings.transformer["is_hybrid_model"] is True
+    assert settings.gpt["position_embedding_type"] == "none"
+    base = config.to_dict()
+    for changes, line in (
+            ({"layers_block_type": ["linear_attention", "moe"] * 4}, r"layers_block_type\[1\]='moe'.*pattern symbol E"),
+            ({"mlp_bias": True}, "nemotron_h with mlp_bias=True"),
+            ({"use_bias": True}, "nemotron_h with use_bias=True"),
+            ({"use_conv_bias": False}, "nemotron_h with use_conv_bias=False"),
+            ({"tie_word_embeddings": True}, "nemotron_h with tie_word_embeddings=True"),
+            ({"layer_norm_epsilon": 1e-6}, "nemotron_h with layer_norm_epsilon=1e-06"),
+            ({"mamba_hidden_act": "relu"}, "nemotron_h with mamba_hidden_act='relu'"),
+            ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu' is not supported for nemotron_h"),
+            ({"mamba_num_heads": 6, "n_groups": 4}, "mamba_num_heads=6 not a multiple of n_groups=4")):
+        with pytest.raises(ConversionError, match=line):
+            spec_from_config({**base, **changes})
+    file = {k: v for k, v in base.items() if k != "layers_block_type"}
+    with pytest.raises(ConversionError, match="refused by transformers' NemotronHConfig"):  # an unknown symbol
+        spec_from_config({**file, "hybrid_override_pattern": "M-X*"})
+    assert spec_from_config({**file, "hybrid_override_pattern": "M*-M"})[1].hybrid_pattern == "M*-M"  # as published
+    with pytest.raises(ConversionError, match="n_groups 2 is not divisible by --tp 4"):
+        Layout(4, 1).check(spec)
+
+
+def _as_one_block(monkeypatch, split):
+    """The family table with `split`'s rows cut as one block per TP rank, for the conversions that follow."""
+    import toolkit.families as families
+    from toolkit.families.nemotron_h import NEMOTRON_H
+
+    wrong = dataclasses.replace(NEMOTRON_H, rows=tuple(dataclasses.replace(r, split=Split.COLUMN) if r.split is split
+                                                       else r for r in NEMOTRON_H.rows))
+    monkeypatch.setattr(families, "FAMILIES", tuple(wrong if f is NEMOTRON_H else f for f in families.FAMILIES))
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_both_formats_match_hf_round_trip_bit_exactly_and_wrong_splits_fail(tiny_nemotron_h, tmp_path,
+                                                                                     monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import verify_many
+
+    src = tiny_nemotron_h
+    converted = {fmt: hf_to_megatron(src, tmp_path / fmt, tp=2, pp=2, fmt=fmt, progress=False) for fmt in FORMATS}
+    for fmt, ckpt in converted.items():
+        back = megatron_to_hf(ckpt, tmp_path / f"hf-{fmt}", progress=False)
+        assert tensor_hashes(back) == tensor_hashes(src), fmt
+    assert AutoModelForCausalLM.from_pretrained(back).model.layers[2].block_type == "full_attention"
+    wrong = {}
+    for piece, split in GUARDS.items():
+        with monkeypatch.context() as patch:
+            _as_one_block(patch, split)
+            wrong[piece] = hf_to_megatron(src, tmp_path / piece, tp=2, pp=2, progress=False)
+    reports = verify_many([(src, converted[fmt]) for fmt in FORMATS] + [(src, ckpt) for ckpt in wrong.values()],
+                          seq_len=SEQ)
+    for report in reports[:len(FORMATS)]:
+        print("\n".join(report.lines()))
+        assert report.ok and report.max_logit_diff < FP32_TOLERANCE and len(report.layer_diffs) == 8, report.checkpoint
+        assert max(report.layer_diffs) < FP32_TOLERANCE and report.top1_agreement == 1.0, report.checkpoint
+    print({piece: f"{r.max_logit_diff:.2e}" for piece, r in zip(GUARDS, reports[len(FORMATS):])})
+    for piece, report in zip(GUARDS, reports[len(FORMATS):], strict=True):
+        assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
