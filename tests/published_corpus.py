@@ -267,3 +267,47 @@ def _expert_bias_in_float32(directory: Path) -> None:
 def convert_options(name: str) -> dict:
     """hf_to_megatron options an entry converts (or is refused) with, beyond the layout: index.json "convert"."""
     return index()[name].get("convert", {})
+
+
+def published_sizes(name: str) -> dict:
+    """An entry's config at the published sizes (index.json original_sizes put back: a key recorded None, which the
+    file leaves to its class, taken out again; "rope_parameters.mrope_section" into its dict)."""
+    cfg = json.loads(json.dumps(config(name)))
+
+    def restore(part: dict, sizes: dict) -> None:
+        for key, value in sizes.items():
+            outer, _, inner = key.partition(".")
+            if inner:
+                part[outer] = {**part[outer], inner: value}
+            elif isinstance(value, dict) and isinstance(part.get(key), dict):
+                restore(part[key], value)
+            elif value is None:
+                part.pop(key, None)
+            else:
+                part[key] = value
+
+    restore(cfg, index()[name]["original_sizes"])
+    return cfg
+
+
+def wrapper_counts(name: str) -> tuple:
+    """(the language model's spec, HF's whole wrapper's parameters, its language model's parameters (lm_head too),
+    those a token goes through) of an entry at its published sizes, as transformers 5.24 builds the wrapper's class on
+    the meta device; the routed experts counted num_experts_per_tok of n_routed_experts."""
+    import torch
+    import transformers
+
+    from toolkit.convert.wrapper import wrapper_for
+    from toolkit.families import spec_from_config
+
+    cfg = published_sizes(name)
+    wrapper = wrapper_for(cfg)
+    spec = spec_from_config(language_config(cfg))[1]
+    hf_config = transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
+    with torch.device("meta"):
+        model = getattr(transformers, wrapper.architecture)(hf_config)
+    # transformers' module names (model.language_model.*, lm_head) are its save's, reversed by its conversion mapping
+    language = {n: p.numel() for n, p in model.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
+    share = spec.moe_topk / spec.num_experts if spec.is_moe else 1
+    active = sum(v * share if ".mlp.experts." in n else v for n, v in language.items())
+    return spec, sum(p.numel() for p in model.parameters()), sum(language.values()), int(active)

@@ -228,6 +228,18 @@ def test_published_size_counts_as_hf_builds_it():
     assert total_params(spec) == hf and round(hf / 1e9, 2) == 9.40, (total_params(spec), hf)
 
 
+def test_the_corpus_entry_has_the_published_size():
+    """GLM-4.6V-Flash's corpus entry (tests/data/published_configs glm-4.6v-flash, reconstructed on these class
+    defaults) at its published sizes, built as its Glm4vForConditionalGeneration on the meta device: the whole is the
+    Hub's count to the parameter, the language model 9.40B as `toolkit memory` counts it."""
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import total_params
+
+    spec, whole, hf_total, _ = corpus.wrapper_counts("glm-4.6v-flash")
+    assert whole == FLASH_PUBLISHED_PARAMS
+    assert total_params(spec) == hf_total == 9_400_279_040
+
+
 def test_lora_targets_resolve_to_the_wrappers_linears():
     """Every linear a PEFT target under HF's names: q/k/v_proj in the fused linear_qkv, o_proj, the one fused
     gate_up_proj (in 64, out 2 x 96) and down_proj, with their sizes."""

@@ -137,3 +137,17 @@ def test_wrapper_round_trip_keeps_every_byte(tiny_glm4v, tmp_path, name, fmt):
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names and not any("gate_up_proj" in n for n in names)
     cfg = json.loads((alone / "config.json").read_text())
     assert (cfg["model_type"], cfg["architectures"]) == ("glm4v_moe_text", ["Glm4vMoeTextModel"])
+
+
+def test_published_size_counts_as_hf_builds_it():
+    """GLM-4.6V (tests/data/published_configs glm-4.6v, at its published sizes): `toolkit memory`'s parameter counts
+    (toolkit.memory.params) of the language model equal HF's Glm46VForConditionalGeneration's language model and
+    lm_head built on the meta device: 106.85B, 13.42B a token goes through; the card's "106B" and, without the
+    embedding and output layer (as GLM-4.5's figures count, tests/test_memory_moe_families.py), "12B active"."""
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import active_params, total_params
+
+    spec, _, hf_total, hf_active = corpus.wrapper_counts("glm-4.6v")
+    assert (total_params(spec), active_params(spec)) == (hf_total, hf_active) == (106_852_245_504, 13_424_123_904)
+    embeddings = 2 * spec.vocab_size * spec.hidden_size
+    assert (int(hf_total / 1e9), int((hf_active - embeddings) / 1e9)) == (106, 12)

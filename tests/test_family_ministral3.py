@@ -109,3 +109,17 @@ def test_round_trips_keep_every_byte(tiny_ministral3, tmp_path, name):
     assert tensor_hashes(back) == tensor_hashes(src)
     if not name.startswith(VL):
         assert json.loads((back / "config.json").read_text())["architectures"] == ["Ministral3ForCausalLM"]
+
+
+def test_published_size_counts_as_hf_builds_it():
+    """Ministral-3-8B-Base-2512 (tests/data/published_configs ministral-3-8b-base-2512, at its published sizes):
+    `toolkit memory`'s parameter count (toolkit.memory.params) of the language model equals HF's
+    Mistral3ForConditionalGeneration's language model and lm_head built on the meta device, 8,489,553,920 (untied):
+    NVIDIA Megatron-Bridge's "8.4B Language Model + 0.4B Vision Encoder" for it; the whole wrapper 8.92B."""
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import total_params
+
+    spec, whole, hf_total, _ = corpus.wrapper_counts("ministral-3-8b-base-2512")
+    assert (spec.family, spec.tied_embeddings, spec.exact_seq_len) == ("ministral3", False, 16384)
+    assert total_params(spec) == hf_total == 8_489_553_920
+    assert (int(hf_total / 1e8), round((whole - hf_total) / 1e9, 1)) == (84, 0.4)
