@@ -129,3 +129,14 @@ def auto_causal_lm():
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and hasattr(transformers, model_name):
             MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] = model_name
     return transformers.AutoModelForCausalLM
+
+
+def positive_ints(cfg: dict, keys: dict[str, str]) -> dict[str, int]:
+    """{name: cfg[key]} for `keys` (name -> config key), each refused in one line unless a positive integer
+    (the gated delta net's sizes, toolkit/families/qwen3_next.py; Mamba-2's, nemotron_h.py)."""
+    values = {}
+    for name, key in keys.items():
+        values[name] = cfg.get(key)
+        if type(values[name]) is not int or values[name] < 1:
+            raise ConversionError(f"config.json has {key}={values[name]!r}; expected a positive integer")
+    return values

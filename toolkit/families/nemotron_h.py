@@ -46,6 +46,7 @@ Exact only where HF's dt clamp at time_step_min does not bite and for unpadded o
 (toolkit/blocks/mixer_mamba.py)."""
 
 from toolkit.errors import ConversionError
+from toolkit.families.hf_values import positive_ints
 from toolkit.families.table import FULL_ATTENTION, MAMBA_LAYER, MLP_LAYER, Family, row
 from toolkit.splits import Split
 
@@ -104,11 +105,7 @@ def read(cfg: dict) -> dict:
     if not types:
         raise ConversionError("config.json has no layers_block_type (nor hybrid_override_pattern): Nemotron-H's "
                               "layer pattern is needed")
-    mamba = {}
-    for name, key in MAMBA_KEYS.items():
-        mamba[name] = cfg.get(key)
-        if type(mamba[name]) is not int or mamba[name] < 1:
-            raise ConversionError(f"config.json has {key}={mamba[name]!r}; expected a positive integer")
+    mamba = positive_ints(cfg, MAMBA_KEYS)
     if mamba["heads"] % mamba["groups"]:
         raise ConversionError(f"config.json has mamba_num_heads={mamba['heads']} not a multiple of "
                               f"n_groups={mamba['groups']}: each B/C group serves whole heads")

@@ -36,6 +36,7 @@ from dataclasses import replace
 
 from toolkit.errors import ConversionError
 from toolkit.families.experts import ATTENTION_ROWS, DENSE_LAYER_ROWS, GATE_PROJ_EXPERT_ROWS, shared_expert_rows
+from toolkit.families.hf_values import positive_ints
 from toolkit.families.llama import BY_NAME, L, M
 from toolkit.families.qwen2_moe import QWEN2_MOE, S
 from toolkit.families.qwen3_moe import QK_NORMS
@@ -80,11 +81,7 @@ def read(cfg: dict, family: str = "qwen3_next") -> dict:
     if len(types) != cfg.get("num_hidden_layers"):
         raise ConversionError(f"config.json has {len(types)} layer_types for num_hidden_layers="
                               f"{cfg.get('num_hidden_layers')!r}; expected one per layer")
-    sizes = {}
-    for name, key in LINEAR_KEYS.items():
-        sizes[name] = cfg.get(key)
-        if type(sizes[name]) is not int or sizes[name] < 1:
-            raise ConversionError(f"config.json has {key}={sizes[name]!r}; expected a positive integer")
+    sizes = positive_ints(cfg, LINEAR_KEYS)
     if sizes["v_heads"] % sizes["k_heads"]:
         raise ConversionError(f"config.json has linear_num_value_heads={sizes['v_heads']} not a multiple of "
                               f"linear_num_key_heads={sizes['k_heads']}: each key head serves whole value heads")
