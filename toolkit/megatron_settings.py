@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
 from toolkit.layouts import Layout
+from toolkit.runtime import megatron_versions
 
 # The factor megatron-core uses when llama3 scaling is off: the default of GPTModel.__init__ and
 # RotaryEmbedding (gpt_model.py:105, rotary_pos_embedding.py:66), as of Megatron-LM's
@@ -104,6 +105,7 @@ def settings_for(spec: ModelSpec) -> MegatronSettings:
         **mamba_settings(spec),
     )
     transformer.update(mla_settings(spec))  # its kv_channels replaces the one above
+    transformer.update(dsa_settings(spec))
     gpt = dict(
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tied_embeddings,
@@ -163,6 +165,22 @@ def mla_settings(spec: ModelSpec) -> dict:
         rotary_percent=spec.rotary_percent,
         **(mla_yarn(spec.yarn) if spec.yarn else {"rope_type": "rope", "rotary_scaling_factor": 1.0}),
     )
+
+
+def dsa_settings(spec: ModelSpec) -> dict:
+    """DeepSeek Sparse Attention's indexer (toolkit/families/dsa.py) as TransformerConfig's dsa_* fields
+    (megatron-core 0.19: transformer_config.py:303-343): HF's indexer leaves out DeepSeek's Hadamard rotation
+    (orthonormal) and rotates half-split, its k_norm a LayerNorm of eps 1e-6, its scores ReLU'd; no indexer loss
+    (dsa_indexer_loss_coeff, off as HF trains none). Refused in one line before 0.19 (megatron_versions.dsa_exact)."""
+    if not spec.dsa:
+        return {}
+    from toolkit.families.dsa import HF_INDEXER_K_NORM_EPS
+
+    megatron_versions.require_exact_dsa()
+    d = spec.dsa
+    return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=d["heads"], dsa_indexer_head_dim=d["head_dim"],
+                dsa_indexer_topk=d["topk"], dsa_indexer_rotate_activation=False, dsa_indexer_rope_interleaved=False,
+                dsa_indexer_scoring_relu=True, dsa_indexer_k_norm_epsilon=HF_INDEXER_K_NORM_EPS)
 
 
 def mla_yarn(yarn: dict) -> dict:

@@ -13,6 +13,7 @@ modules on every device (toolkit/blocks/decoder_spec.py).
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -107,6 +108,10 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         gradient_accumulation_fusion=False,
         **(aux_loss.config_fields() if aux_loss and spec.is_moe else {}),
     )
+    if spec.dsa:  # its fused kernels where they are installed, else megatron-core's torch path
+        from toolkit.blocks.attention_dsa import kernel_backend
+
+        kwargs["dsa_kernel_backend"] = kernel_backend()
     kwargs.update(overrides)
     config = (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
     for name, value in settings_for(spec).config_attributes.items():
@@ -142,7 +147,7 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     # grouped_gemm package, which CPUs lack).
     experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if isinstance(config.moe_layer_freq, list):  # dense layers among MoE ones: megatron-core's spec per layer
-        local = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
+        local = gpt_layer_specs.get_gpt_decoder_block_spec(_without_dsa(config), use_transformer_engine=layer_spec == "te",
                                                            normalization=config.normalization)
     elif layer_spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -154,12 +159,27 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
     if config.multi_latent_attention and layer_spec == "local":
         from toolkit.blocks.attention_mla import with_mla_core_attention
 
-        local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None)
+        core = {}
+        if getattr(config, "experimental_attention_variant", None) == "dsa":  # toolkit/blocks/attention_dsa.py
+            from toolkit.blocks.attention_dsa import dsa_core_attention
+
+            core = {"core": dsa_core_attention()}
+        local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None, **core)
     if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
         from toolkit.blocks.decoder_spec import sequence_parallel_block_spec
 
         return sequence_parallel_block_spec(config, local)
     return local
+
+
+def _without_dsa(config):
+    """`config` as megatron-core's GPT layer specs take it: they refuse experimental_attention_variant 'dsa'
+    (gpt_layer_specs.py:572), whose core attention is put into the MLA layers afterwards (toolkit/blocks/attention_dsa.py)."""
+    if getattr(config, "experimental_attention_variant", None) != "dsa":
+        return config
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    return plain
 
 
 def build_gpt_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, config=None, layer_spec=None,

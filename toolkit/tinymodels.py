@@ -75,6 +75,10 @@ DEEPSEEK_V3 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                                     "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
                                     "mscale": 0.7, "mscale_all_dim": 1.0})
 DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# DeepSeek-V3.2: DeepSeek-V3's MLA (a low-rank query, which its indexer reads), YaRN, sigmoid router with groups, expert
+# bias and shared experts, a dense first layer, plus the lightning indexer of DeepSeek Sparse Attention: 4 heads of 16
+# (RoPE on the first 8, qk_rope_head_dim) keeping the top 8 keys per query, fewer than the parity checks' 32 tokens
+DEEPSEEK_V32 = dict(DEEPSEEK_V3, index_topk=8, index_head_dim=16, index_n_heads=4)
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
 # 1.5 that the larger weights (initializer_range 0.1) cross often (transformers before 5.19 fixes it at
@@ -275,6 +279,7 @@ VARIANTS = {
     "glm4-moe-air": ("Glm4MoeConfig", GLM4_MOE_AIR),
     "deepseek-v3": ("DeepseekV3Config", DEEPSEEK_V3),
     "deepseek-v3-full-q": ("DeepseekV3Config", DEEPSEEK_V3_FULL_Q),
+    "deepseek-v32": ("DeepseekV32Config", DEEPSEEK_V32),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),

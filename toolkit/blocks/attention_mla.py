@@ -43,20 +43,21 @@ class MLACoreAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-def with_mla_core_attention(spec, full_rank_query: bool = False):
-    """A local-spec layer (ModuleSpec) or block (TransformerBlockSubmodules) with MLACoreAttention as
-    each MLA layer's core attention. `full_rank_query` (q_lora_rank None): no query norm, which such a
-    layer never applies, and which megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
+def with_mla_core_attention(spec, full_rank_query: bool = False, core=MLACoreAttention):
+    """A local-spec layer (ModuleSpec) or block (TransformerBlockSubmodules) with `core` (MLACoreAttention;
+    DeepSeek Sparse Attention's, toolkit/blocks/attention_dsa.py) as each MLA layer's core attention.
+    `full_rank_query` (q_lora_rank None): no query norm, which such a layer never applies, and which
+    megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if isinstance(spec, TransformerBlockSubmodules):
-        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query) for layer in spec.layer_specs])
+        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query, core) for layer in spec.layer_specs])
     attention = spec.submodules.self_attention
     if attention.submodules.core_attention is not DotProductAttention:
         return spec
     query_norm = {"q_layernorm": IdentityOp} if full_rank_query and hasattr(attention.submodules, "q_layernorm") else {}
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=MLACoreAttention, **query_norm))
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=core, **query_norm))
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 
 
@@ -77,6 +78,10 @@ def buildable_mla(config):
         patches["YarnRotaryEmbedding"] = CpuYarnRotaryEmbedding
     original = {name: getattr(mla, name) for name in patches}
     vars(mla).update(patches)
+    indexer = _indexer_module(config)  # its YaRN as the attention's, without CUDA the CPU one
+    indexer_yarn = indexer and indexer.YarnRotaryEmbedding
+    if indexer:
+        indexer.YarnRotaryEmbedding = patches.get("YarnRotaryEmbedding", indexer_yarn)
     resolver = megatron_versions.mla_qk_norm_resolver()
     if resolver is not None:
         resolve = resolver._resolve_mla_qk_layernorm
@@ -85,8 +90,20 @@ def buildable_mla(config):
         yield
     finally:
         vars(mla).update(original)
+        if indexer:
+            indexer.YarnRotaryEmbedding = indexer_yarn
         if resolver is not None:
             resolver._resolve_mla_qk_layernorm = resolve
+
+
+def _indexer_module(config):
+    """megatron-core's dsa.py where the model has DeepSeek Sparse Attention, whose indexer builds its own YaRN
+    (DSAIndexer.__init__); else None."""
+    if getattr(config, "experimental_attention_variant", None) != "dsa":
+        return None
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    return dsa
 
 
 def _full_rank_query_unfused(resolve):

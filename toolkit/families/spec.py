@@ -102,6 +102,9 @@ class ModelSpec:
     # Multi-latent attention (toolkit/families/mla.py): q_lora_rank (None: a full q_proj), kv_lora_rank,
     # qk_nope_head_dim, qk_rope_head_dim, v_head_dim; None: the usual attention
     mla: dict | None = field(default=None, hash=False)
+    # DeepSeek Sparse Attention's lightning indexer on every multi-latent attention layer (toolkit/families/dsa.py):
+    # heads, head_dim, topk; None: dense attention
+    dsa: dict | None = field(default=None, hash=False)
     # Qwen3-Next (toolkit/families/qwen3_next.py): the gated delta net's sizes (k_heads, v_heads, k_dim,
     # v_dim, conv_kernel; None: no linear attention) and per layer "1" for a gated delta net layer, "0"
     # for an attention layer (megatron-core's linear_attention_freq as a list)
@@ -166,6 +169,12 @@ class ModelSpec:
                 "q_heads": heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]),
                 "kv_up": heads * (m["qk_nope_head_dim"] + m["v_head_dim"]), "v_size": heads * m["v_head_dim"]}
 
+    def _dsa_sizes(self) -> dict:
+        if not self.dsa:
+            return {}
+        d = self.dsa
+        return {"index_q": d["heads"] * d["head_dim"], "index_dim": d["head_dim"], "index_heads": d["heads"]}
+
     @property
     def is_dense(self) -> bool:
         return not self.is_moe
@@ -213,6 +222,7 @@ class ModelSpec:
             "shared_ffn": self.moe_shared_ffn_hidden_size,
             "one": 1,
             **self._mla_sizes(),
+            **self._dsa_sizes(),
             **self._linear_sizes(),
             **self._global_sizes(),
             **self._mamba_sizes(),

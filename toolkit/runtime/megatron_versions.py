@@ -51,6 +51,11 @@ CHANGES = (
      "(gated_delta_net/common.py:433-446; 0.16.1 inside forward, gated_delta_net.py:365-366; 0.17, 0.18 not read)",
      "gdn_beta_in_method(): OLMo-Hybrid's scaled beta overrides the method, else scales the beta forward passes "
      "to the kernels (toolkit/blocks/mixer_gated_delta_net.py)"),
+    ("0.19.0", "DSAIndexer rotates the first qk_pos_emb_head_dim dimensions of its q and k (x_pe first, as DeepSeek's "
+     "and HF's indexer; 0.16.1-0.18 rotate the last ones, dsa.py _apply_rope) and takes dsa_indexer_rotate_activation, "
+     "dsa_indexer_rope_interleaved, dsa_indexer_scoring_relu, dsa_indexer_k_norm_epsilon (0.16.1-0.18 always apply the "
+     "Hadamard rotation, bf16 with fast_hadamard_transform only, and k_norm takes layernorm_epsilon)",
+     "require_exact_dsa(): DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) refused in one line before 0.19"),
     ("0.19.0", "the MoE aux-loss tracker became moe_logging.MoEMetricsTracker, sized by the first model's layers, "
      "whose clear() only zeroes", "reset_moe_metrics(): between models of different depths in one process"),
     ("0.19.0", "MLA refuses a q_layernorm in the spec where q_lora_rank is None (mla_qk_norm_config.py:259)",
@@ -144,6 +149,16 @@ def mamba_mixer_module():
             "has none; inference/contexts/attention_context/triton/tensor_ops.py): pip install triton, or use "
             "megatron-core >= 0.17, which imports it only where it is there") from None
     return mamba_mixer
+
+
+def require_exact_dsa() -> None:
+    """DeepSeek Sparse Attention as HF computes it needs megatron-core 0.19's DSAIndexer (see CHANGES, 0.19.0)."""
+    from toolkit.errors import ConversionError
+
+    if installed() < Version("0.19.0"):
+        raise ConversionError(f"DeepSeek Sparse Attention (index_topk) cannot be computed as HF does on megatron-core "
+                              f"{installed()}: its indexer rotates the other end of q and k and always applies the "
+                              "Hadamard rotation (experimental_attention_variant/dsa.py); use megatron-core >= 0.19")
 
 
 def hybrid_model_class():
