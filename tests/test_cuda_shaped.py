@@ -295,3 +295,23 @@ def test_cuda_only_paths_in_one_launch(lora_checkpoint):
     assert lora["classes"] == {"input_layernorm": "RMSNorm", "linear_qkv": "ColumnParallelLinear"}, lora["classes"]
     worst = float((torch.tensor(lora["logits"]) - peft_logits(hf, adapter, tokens)).abs().max())
     assert worst < 1e-4, worst
+
+
+def test_sparse_attention_runs_megatron_cores_tilelang_kernels_where_cuda_has_them(monkeypatch):
+    """DeepSeek Sparse Attention (toolkit/blocks/attention_dsa.py): with CUDA and megatron-core's TileLang DSA kernels
+    (as its own dependency check answers), its fused backend; without either, its torch path ('none'), which is
+    what the CPU runs (tests/test_family_deepseek_v32.py). Guard: the same check on this CPU says 'none'."""
+    from megatron.core import utils
+
+    from toolkit.blocks.attention_dsa import kernel_backend
+    from toolkit.model import transformer_config
+
+    assert kernel_backend() == "none"
+    _, spec = spec_from_config(make_config("deepseek-v32").to_dict())
+    assert transformer_config(spec, Layout(1, 1), torch.float32).dsa_kernel_backend == "none"
+    cuda_present(monkeypatch)
+    monkeypatch.setattr(utils, "_missing_tilelang_dsa_kernel_dependencies", lambda: ["TileLang DSA kernels"])
+    assert kernel_backend() == "none"
+    monkeypatch.setattr(utils, "_missing_tilelang_dsa_kernel_dependencies", lambda: [])
+    assert kernel_backend() == "tilelang"
+    assert transformer_config(spec, Layout(1, 1), torch.bfloat16).dsa_kernel_backend == "tilelang"

@@ -12,12 +12,11 @@ parallel_mode 'duplicated') and the absorbed MLA, which requires sequence parall
 * the kernels: megatron-core's DSAttention runs its own torch path, fused_qk_topk_naive and unfused_dsa_fn,
   unless dsa_kernel_backend names a fused one (dsa_kernels.use_fused_dsa_kernels); `kernel_backend()` names
   TileLang's where CUDA and the tilelang package are there (its hooks decline what they do not support and
-  megatron-core falls back to the torch path), 'none' otherwise, so no kernel of ours stands in.
+  megatron-core falls back to the torch path), 'none' otherwise, so no kernel of ours stands in. Which is there
+  is megatron-core's own answer (utils._missing_tilelang_dsa_kernel_dependencies, what TransformerConfig checks).
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
@@ -61,6 +60,8 @@ def dsa_core_attention():
 
 
 def kernel_backend() -> str:
-    """megatron-core's dsa_kernel_backend here: 'tilelang' with CUDA and the tilelang package, else 'none'
+    """megatron-core's dsa_kernel_backend here: 'tilelang' with CUDA and its TileLang DSA kernels, else 'none'
     (its torch path)."""
-    return "tilelang" if torch.cuda.is_available() and importlib.util.find_spec("tilelang") else "none"
+    from megatron.core import utils
+
+    return "tilelang" if torch.cuda.is_available() and not utils._missing_tilelang_dsa_kernel_dependencies() else "none"
