@@ -28,6 +28,9 @@ SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32
          "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16,
          # multi-latent attention (DeepSeek-V3, Kimi-K2): every size distinct, as the tiny test models
          "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+         # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2): 4 heads of 16, RoPE on 8 of them as the attention's,
+         # the top 8 keys kept, fewer than the parity checks' tokens so that the sparse path runs
+         "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8,
          # the gated delta net (Qwen3-Next): 2 key heads each serving 2 value heads, as the published 16 / 32
          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
          # Gemma 4's global layers: a head of their own, twice the sliding layers' as published (512 / 256)

@@ -41,7 +41,7 @@ def hf_counts(cfg) -> tuple[int, int]:
     return total, active
 
 
-TINY = ("deepseek-v3", "deepseek-v3-full-q", "glm4-moe", "glm4-moe-air", "gpt-oss", "qwen3-next", "qwen3.5-moe")
+TINY = ("deepseek-v3", "deepseek-v3-full-q", "deepseek-v32", "glm4-moe", "glm4-moe-air", "gpt-oss", "qwen3-next", "qwen3.5-moe")
 
 
 @pytest.mark.parametrize("variant", TINY)
@@ -91,6 +91,12 @@ def _deepseek_config(cfg: dict):
     return DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "auto_map", "quantization_config")})
 
 
+def _deepseek_v32_config(cfg: dict):
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "quantization_config")})
+
+
 def _qwen3_next_config(cfg: dict):
     from transformers import Qwen3NextConfig
 
@@ -111,6 +117,10 @@ def _glm_config(cfg: dict):
 # layer, as GLM-4.5's "355B / 32B" counts too: 13.42B with them)
 PUBLISHED = {
     "deepseek-v3": (published("deepseek-v3"), _deepseek_config, (671, 1e9), 37, True),
+    # DeepSeek-V3.2-Exp: DeepSeek-V3 and 61 indexers of 13.96M (wq_b 1536 x 64 x 128, wk 7168 x 128, k_norm, weights_proj
+    # 7168 x 64): 671.88B, 38.40B active; its card gives no total of its own (the hub's 685B is the checkpoint's, MTP
+    # layer included, which HF's model ignores)
+    "deepseek-v3.2-exp": (published("deepseek-v3.2-exp"), _deepseek_v32_config, (671, 1e9), 38, True),
     "kimi-k2-instruct": (published("kimi-k2-instruct"), _deepseek_config, (1, 1e12), 32, True),
     "glm-4.5-air": ({**GLM45_AIR, "model_type": "glm4_moe"}, _glm_config, (106, 1e9), 12, False),
     # "80B total parameters, only 3B active" (79.67B; 3.87B with the embedding and output layer, 3.25B without)
