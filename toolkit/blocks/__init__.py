@@ -8,6 +8,7 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     attention_self.py         self-attention        SelfAttention with its layer's own RoPE; Gemma 4's
     attention_sdpa.py         core attention        DotProductAttention through torch's fused SDPA (the local spec's)
     attention_mla.py          core attention        multi-latent attention buildable on the local spec, without TE/CUDA
+    attention_dsa.py          core attention        DeepSeek Sparse Attention (megatron-core's DSAttention) on local modules
     context_parallel.py       core attention        the sequence split over CP ranks and the attention across them
     mixer_gated_delta_net.py  token mixer           Qwen3-Next's gated delta net (megatron-core's GatedDeltaNet)
     mixer_mamba.py            token mixer           Nemotron-H's Mamba-2 mixer (megatron-core's MambaMixer)

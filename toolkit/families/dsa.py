@@ -40,9 +40,9 @@ DSA_ROWS = (
     row(INDEXER + "linear_wk.weight", HF_INDEXER + "wk.weight", Split.REPLICATED, ("index_dim", "hidden")),
     row(INDEXER + "k_norm.weight", HF_INDEXER + "k_norm.weight", Split.REPLICATED, ("index_dim",)),
     row(INDEXER + "k_norm.bias", HF_INDEXER + "k_norm.bias", Split.REPLICATED, ("index_dim",)),
-    # transformers keeps it in float32 under fp16 (_keep_in_fp32_modules), so a checkpoint may store it so
+    # (transformers keeps it in float32 only under fp16: _keep_in_fp32_modules, not the strict list bf16 keeps)
     row(INDEXER + "linear_weights_proj.weight", HF_INDEXER + "weights_proj.weight", Split.REPLICATED,
-        ("index_heads", "hidden"), float32_parameter=True),
+        ("index_heads", "hidden")),
 )
 
 SIZES = {"heads": "index_n_heads", "head_dim": "index_head_dim", "topk": "index_topk"}
