@@ -76,8 +76,18 @@ def test_the_indexer_keeps_hfs_top_k_keys_and_each_piece_matters(world_of_one, m
     """megatron-core's DSAIndexer of the toolkit's local modules, given HF's DeepseekV32Indexer's weights (random,
     k_norm's too), keeps exactly HF's top-8 keys of every query of 2 x 32 tokens (YaRN RoPE as the model's).
     Guards: its RoPE interleaved, or left out, its scores without ReLU, or k_norm skipped, each keep other keys."""
-    from megatron.core.transformer.spec_utils import build_module
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
+
+    same, differ = indexer_against_hf(VARIANT, hf.DeepseekV32Indexer, hf.DeepseekV32RotaryEmbedding, world_of_one,
+                                      monkeypatch, {"rope interleaved": {"dsa_indexer_rope_interleaved": True}})
+    assert same and all(count > 50 for count in differ.values()), differ
+
+
+def indexer_against_hf(variant: str, hf_indexer, hf_rotary, group, monkeypatch, broken_configs: dict) -> tuple[bool, dict]:
+    """(whether megatron-core's indexer keeps HF's keys for every query, {guard: how many (query, key) pairs it keeps
+    otherwise}) for `variant`'s indexer, its guards: `broken_configs` (name -> TransformerConfig fields), no ReLU, no
+    RoPE, no k_norm."""
+    from megatron.core.transformer.spec_utils import build_module
 
     from toolkit.blocks.attention_dsa import dsa_core_attention
     from toolkit.blocks.attention_mla import buildable_mla
@@ -85,11 +95,11 @@ def test_the_indexer_keeps_hfs_top_k_keys_and_each_piece_matters(world_of_one, m
     from toolkit.model import transformer_config
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # as cpu_compat does in a rank
-    cfg = make_config(VARIANT)
+    cfg = make_config(variant)
     config = transformer_config(spec_from_config(cfg.to_dict())[1], Layout(1, 1), torch.float32, layer_spec="local")
     with buildable_mla(config):
-        indexer = build_module(dsa_core_attention().submodules.indexer, config=config, pg_collection=world_of_one)
-    reference = hf.DeepseekV32Indexer(cfg, 0)
+        indexer = build_module(dsa_core_attention().submodules.indexer, config=config, pg_collection=group)
+    reference = hf_indexer(cfg, 0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, theirs in (("linear_wq_b.weight", reference.wq_b.weight), ("linear_wk.weight", reference.wk.weight),
@@ -100,16 +110,15 @@ def test_the_indexer_keeps_hfs_top_k_keys_and_each_piece_matters(world_of_one, m
     x, q_r = torch.randn(2, SEQ, 64, generator=g), torch.randn(2, SEQ, 48, generator=g)
     positions = torch.arange(SEQ)[None].expand(2, SEQ)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None].expand(2, SEQ, SEQ)
-    hf_kept = _kept(reference(x, q_r, hf.DeepseekV32RotaryEmbedding(cfg)(x, positions), causal, positions))
+    hf_kept = _kept(reference(x, q_r, hf_rotary(cfg)(x, positions), causal, positions))
     mask = torch.triu(torch.full((SEQ, SEQ), float("-inf")), 1)
 
     def kept_keys() -> torch.Tensor:
         return _kept(indexer.forward_with_scores(x.transpose(0, 1), q_r.transpose(0, 1), mask)[1])
 
-    assert torch.equal(kept_keys(), hf_kept) and int(hf_kept.sum()) == 2 * sum(min(8, s + 1) for s in range(SEQ))
+    same = torch.equal(kept_keys(), hf_kept) and int(hf_kept.sum()) == 2 * sum(min(8, s + 1) for s in range(SEQ))
     differ = {}
-    for piece, change in (("rope interleaved", {"dsa_indexer_rope_interleaved": True}),
-                          ("no relu", {"dsa_indexer_scoring_relu": False})):
+    for piece, change in {**broken_configs, "no relu": {"dsa_indexer_scoring_relu": False}}.items():
         broken = copy.copy(config)
         vars(broken).update(change)
         with monkeypatch.context() as m:
@@ -119,8 +128,8 @@ def test_the_indexer_keeps_hfs_top_k_keys_and_each_piece_matters(world_of_one, m
         with monkeypatch.context() as m:
             m.setattr(module, name, lambda t, *args, **kwargs: t)
             differ[piece] = int((kept_keys() != hf_kept).sum())
-    print(differ)
-    assert all(count > 50 for count in differ.values()), differ
+    print(variant, differ)
+    return same, differ
 
 
 def _write_config(src, **changes) -> None:

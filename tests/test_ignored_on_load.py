@@ -45,7 +45,7 @@ def test_the_family_rules_cover_what_the_installed_class_ignores_on_load():
             assert re.search(pattern, name)  # as transformers matches (_adjust_missing_and_unexpected_keys)
             assert ignored_on_load([name, "model.embed_tokens.weight"], cfg, family) == {MTP: [name]}, (family.name, pattern)
             covered[family.name] = covered.get(family.name, 0) + 1
-    assert set(covered) == {"glm4_moe", "deepseek_v3", "deepseek_v32", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4v_moe",
+    assert set(covered) == {"glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4v_moe",
                             "olmo_hybrid", "nemotron_h"}, covered
 
 

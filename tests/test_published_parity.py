@@ -18,7 +18,7 @@ wrapper in both formats and GLM-4.1V's (its guards in tests/test_family_glm4v.py
 formats (tests/test_family_kimi_k25.py); Ministral 3 in both formats and inside the mistral3 wrapper
 (tests/test_family_ministral3.py); OLMo-Hybrid in both formats and with its guards, three deliberately
 wrong conversions (tests/test_family_olmo_hybrid.py); DeepSeek-V3.2's sparse attention in both formats and with its
-guards (tests/test_family_deepseek_v32.py)."""
+guards (tests/test_family_deepseek_v32.py), and GLM-5's in both formats (tests/test_family_glm_moe_dsa.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import pytest
 
 from tests import test_family_deepseek_v3 as deepseek
 from tests import test_family_deepseek_v32 as deepseek_v32
+from tests import test_family_glm_moe_dsa as glm_moe_dsa
 from tests.test_convert_parity import assert_parity
 from tests import test_family_gemma4 as gemma4
 from tests import test_family_glm4v as glm4v_dense
@@ -42,6 +43,7 @@ from tests import test_family_qwen3_next as qwen3_next
 from tests import test_family_qwen3_vl as qwen3_vl
 from tests.test_family_deepseek_v3 import tiny_deepseek  # noqa: F401  (fixture)
 from tests.test_family_deepseek_v32 import tiny_deepseek_v32  # noqa: F401  (fixture)
+from tests.test_family_glm_moe_dsa import tiny_glm_moe_dsa  # noqa: F401  (fixture)
 from tests.test_family_gemma4 import tiny_gemma4  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import assert_guards_fail, parity_pairs, tiny_glm  # noqa: F401  (fixtures)
 from tests.test_family_glm4v import tiny_glm4v_dense  # noqa: F401  (fixtures)
@@ -71,7 +73,7 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
                                                     tiny_qwen3_5, tiny_minimax, tiny_mistral4, tiny_gemma4,  # noqa: F811
                                                     tiny_llama4, tiny_qwen3_vl, tiny_glm4v, tiny_kimi_k25,  # noqa: F811
                                                     tiny_ministral3, tiny_glm4v_dense, tiny_olmo_hybrid,  # noqa: F811
-                                                    tiny_deepseek_v32, tmp_path):  # noqa: F811
+                                                    tiny_deepseek_v32, tiny_glm_moe_dsa, tmp_path):  # noqa: F811
     sources = [*longrope_hf.values(), *(dense_layer_moe[v] for v in DENSE_LAYER_VARIANTS), gemma3_wrapper["fp32"]]
     pairs = []
     for i, src in enumerate(sources):
@@ -93,9 +95,10 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
     oh, oh_matching = olmo_hybrid.parity_pairs(tiny_olmo_hybrid, tmp_path)
     dsa, dsa_matching = deepseek_v32.parity_pairs(tiny_deepseek_v32, tmp_path)
+    glm5, _ = glm_moe_dsa.parity_pairs(tiny_glm_moe_dsa, tmp_path)  # all must match
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
     pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching] + oh[:oh_matching]
-              + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)] + dsa[:dsa_matching])
+              + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)] + dsa[:dsa_matching] + glm5)
     reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4 + oh[oh_matching:] + dsa[dsa_matching:],
                           tp=2, pp=2, ep=2)
     dsa_guards = reports[len(reports) - len(dsa) + dsa_matching:]

@@ -170,7 +170,7 @@ def mla_settings(spec: ModelSpec) -> dict:
 def dsa_settings(spec: ModelSpec) -> dict:
     """DeepSeek Sparse Attention's indexer (toolkit/families/dsa.py) as TransformerConfig's dsa_* fields
     (megatron-core 0.19: transformer_config.py:303-343): HF's indexer leaves out DeepSeek's Hadamard rotation
-    (orthonormal) and rotates half-split, its k_norm a LayerNorm of eps 1e-6, its scores ReLU'd; no indexer loss
+    (orthonormal) and rotates half-split (GLM-5's interleaved), its k_norm a LayerNorm of eps 1e-6, its scores ReLU'd; no indexer loss
     (dsa_indexer_loss_coeff, off as HF trains none). Refused in one line before 0.19 (megatron_versions.dsa_exact)."""
     if not spec.dsa:
         return {}
@@ -179,7 +179,8 @@ def dsa_settings(spec: ModelSpec) -> dict:
     megatron_versions.require_exact_dsa()
     d = spec.dsa
     return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=d["heads"], dsa_indexer_head_dim=d["head_dim"],
-                dsa_indexer_topk=d["topk"], dsa_indexer_rotate_activation=False, dsa_indexer_rope_interleaved=False,
+                dsa_indexer_topk=d["topk"], dsa_indexer_rotate_activation=False,
+                dsa_indexer_rope_interleaved=d.get("rope_interleaved", False),
                 dsa_indexer_scoring_relu=True, dsa_indexer_k_norm_epsilon=HF_INDEXER_K_NORM_EPS)
 
 

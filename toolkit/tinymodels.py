@@ -79,6 +79,10 @@ DEEPSEEK_V3_FULL_Q = dict(DEEPSEEK_V3, q_lora_rank=None, rope_parameters={"rope_
 # bias and shared experts, a dense first layer, plus the lightning indexer of DeepSeek Sparse Attention: 4 heads of 16
 # (RoPE on the first 8, qk_rope_head_dim) keeping the top 8 keys per query, fewer than the parity checks' 32 tokens
 DEEPSEEK_V32 = dict(DEEPSEEK_V3, index_topk=8, index_head_dim=16, index_n_heads=4)
+# GLM-5: DeepSeek-V3.2's modules with its indexer's RoPE interleaved, rms_norm_eps 1e-5 as published (its latent norms
+# keep 1e-6), one expert group as published, plain RoPE
+GLM_MOE_DSA = dict(DEEPSEEK_V32, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1)
 # gpt-oss with every piece in play: 8 experts top-3 (4 per EP 2 rank) of width 24, a SwiGLU limit of
 # 1.5 that the larger weights (initializer_range 0.1) cross often (transformers before 5.19 fixes it at
@@ -280,6 +284,7 @@ VARIANTS = {
     "deepseek-v3": ("DeepseekV3Config", DEEPSEEK_V3),
     "deepseek-v3-full-q": ("DeepseekV3Config", DEEPSEEK_V3_FULL_Q),
     "deepseek-v32": ("DeepseekV32Config", DEEPSEEK_V32),
+    "glm-moe-dsa": ("GlmMoeDsaConfig", GLM_MOE_DSA),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),

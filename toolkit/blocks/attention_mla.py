@@ -43,20 +43,24 @@ class MLACoreAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-def with_mla_core_attention(spec, full_rank_query: bool = False, core=MLACoreAttention):
+def with_mla_core_attention(spec, full_rank_query: bool = False, core=MLACoreAttention, latent_norm=None):
     """A local-spec layer (ModuleSpec) or block (TransformerBlockSubmodules) with `core` (MLACoreAttention;
     DeepSeek Sparse Attention's, toolkit/blocks/attention_dsa.py) as each MLA layer's core attention.
     `full_rank_query` (q_lora_rank None): no query norm, which such a layer never applies, and which
-    megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
+    megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259). `latent_norm`: the q / kv latent norms'
+    class where it is not the spec's (toolkit/blocks/norms.py LatentRMSNorm)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if isinstance(spec, TransformerBlockSubmodules):
-        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query, core) for layer in spec.layer_specs])
+        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query, core, latent_norm)
+                                          for layer in spec.layer_specs])
     attention = spec.submodules.self_attention
     if attention.submodules.core_attention is not DotProductAttention:
         return spec
     query_norm = {"q_layernorm": IdentityOp} if full_rank_query and hasattr(attention.submodules, "q_layernorm") else {}
+    if latent_norm is not None:
+        query_norm = {"kv_layernorm": latent_norm, **({} if full_rank_query else {"q_layernorm": latent_norm}), **query_norm}
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=core, **query_norm))
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 

@@ -198,10 +198,15 @@ def _rmsnorm_layer(layer):
     attention = layer.submodules.self_attention
     # multi-latent attention (MLASelfAttentionSubmodules) norms its query and key-value latents instead
     qk = {name: RMSNorm for name in ("q_layernorm", "k_layernorm", "kv_layernorm")
-          if getattr(attention.submodules, name, IdentityOp) is not IdentityOp}
+          if getattr(attention.submodules, name, IdentityOp) is not IdentityOp
+          and not _is_rmsnorm(getattr(attention.submodules, name))}  # ours already (LatentRMSNorm) stays
     attention = replace(attention, submodules=replace(attention.submodules, **qk))
     return replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
                                              self_attention=attention))
+
+
+def _is_rmsnorm(module) -> bool:
+    return isinstance(module, type) and issubclass(module, RMSNorm)
 
 
 def block_spec(config, spec: ModelSpec, layer: CustomLayer):

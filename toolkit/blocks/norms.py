@@ -7,6 +7,7 @@
   It also runs under sequence parallelism, which WrappedTorchNorm refuses (torch_norm.py:32):
   its weight is tagged `sequence_parallel` as megatron-core's own norms tag theirs, so that its
   gradient, partial on each TP rank, is summed over TP (toolkit.train.parallel).
+- LatentRMSNorm: multi-latent attention's q / kv latent norm at HF's fixed eps (GLM-5).
 - ConfigEpsRMSNorm: RMSNorm at the config's eps where megatron-core's builder passes none (the Mamba layer).
 - GatedRMSNorm: Qwen3-Next's gated delta net output norm, a plain w, never (1 + w): HF's
   Qwen3NextRMSNormGated, unlike the model's other norms.
@@ -47,6 +48,17 @@ class RMSNorm(torch.nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale(self.weight)).type_as(x)
+
+
+class LatentRMSNorm(RMSNorm):
+    """Multi-latent attention's q / kv latent norm at HF's own eps (DeepseekV3RMSNorm's default, 1e-6), whatever eps
+    megatron-core's MLASelfAttention passes it (layernorm_epsilon): GLM-5's rms_norm_eps 1e-5 norms the layers, not
+    its q_a_layernorm / kv_a_layernorm (toolkit/families/mla.py latent_norm_eps)."""
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
+        from toolkit.families.mla import HF_LORA_NORM_EPS
+
+        super().__init__(config, hidden_size, HF_LORA_NORM_EPS)
 
 
 class ConfigEpsRMSNorm(RMSNorm):

@@ -48,8 +48,10 @@ DSA_ROWS = (
 SIZES = {"heads": "index_n_heads", "head_dim": "index_head_dim", "topk": "index_topk"}
 
 
-def read_dsa(cfg: dict) -> dict:
-    """ModelSpec.dsa: the indexer's heads, head_dim and topk; refusing what DSAIndexer computes otherwise."""
+def read_dsa(cfg: dict, rope_interleaved: bool = False) -> dict:
+    """ModelSpec.dsa: the indexer's heads, head_dim and topk, and whether its RoPE is interleaved (GLM-5's:
+    apply_rotary_pos_emb_interleave, megatron-core's dsa_indexer_rope_interleaved); refusing what DSAIndexer
+    computes otherwise."""
     if cfg.get("q_lora_rank") is None:
         raise ConversionError(f"{cfg.get('model_type')} with q_lora_rank=null cannot be mapped exactly: HF's indexer "
                               "reads the normed low-rank query (q_a_layernorm), which a full-rank query has none of")
@@ -57,4 +59,4 @@ def read_dsa(cfg: dict) -> dict:
     if sizes["head_dim"] < cfg.get("qk_rope_head_dim", 0):
         raise ConversionError(f"index_head_dim={sizes['head_dim']} is below qk_rope_head_dim="
                               f"{cfg.get('qk_rope_head_dim')}: the indexer rotates that many of its dimensions")
-    return sizes
+    return {**sizes, "rope_interleaved": rope_interleaved}

@@ -61,9 +61,11 @@ MLA_ROWS = (
 SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def read_mla(cfg: dict) -> dict:
+def read_mla(cfg: dict, latent_norms_own_eps: bool = False) -> dict:
     """ModelSpec.mla: q_lora_rank (None: a full q_proj), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-    v_head_dim; refusing what MLASelfAttention computes otherwise."""
+    v_head_dim; refusing what MLASelfAttention computes otherwise. `latent_norms_own_eps`: the family builds
+    the q / kv latent norms at HF's HF_LORA_NORM_EPS (toolkit/blocks/norms.py LatentRMSNorm, GLM-5), so any
+    rms_norm_eps maps exactly (recorded as latent_norm_eps)."""
     if cfg.get("attention_bias"):
         raise ConversionError("deepseek_v3 with attention_bias=true cannot be mapped exactly to megatron-core: "
                               "MLASelfAttention has no biases on q_a_proj, kv_a_proj_with_mqa or o_proj")
@@ -75,7 +77,7 @@ def read_mla(cfg: dict) -> dict:
         raise ConversionError(f"num_key_value_heads={cfg.get('num_key_value_heads')!r} with num_attention_heads="
                               f"{cfg.get('num_attention_heads')!r}: multi-latent attention has a key and value per head "
                               "(HF would repeat them), so they must be equal")
-    if float(cfg.get("rms_norm_eps")) != HF_LORA_NORM_EPS:
+    if float(cfg.get("rms_norm_eps")) != HF_LORA_NORM_EPS and not latent_norms_own_eps:
         raise ConversionError(f"rms_norm_eps={cfg.get('rms_norm_eps')!r} cannot be mapped exactly to megatron-core: HF's "
                               f"q_a_layernorm and kv_a_layernorm keep eps {HF_LORA_NORM_EPS} whatever it says, "
                               "megatron-core's q/kv norms take layernorm_epsilon")
@@ -87,7 +89,7 @@ def read_mla(cfg: dict) -> dict:
                                   + (" or null" if key == "q_lora_rank" else ""))
     if sizes["qk_rope_head_dim"] % 2:
         raise ConversionError(f"qk_rope_head_dim={sizes['qk_rope_head_dim']} is odd: RoPE rotates pairs")
-    return sizes
+    return {**sizes, **({"latent_norm_eps": HF_LORA_NORM_EPS} if latent_norms_own_eps else {})}
 
 
 def _refuse_yarn_otherwise(cfg: dict) -> None:
