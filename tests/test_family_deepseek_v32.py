@@ -159,17 +159,22 @@ def test_what_the_indexer_cannot_be_is_refused_in_one_line(tmp_path, monkeypatch
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_deepseek_v32, tmp_path, fmt):
     """bf16 at TP2 x PP2 x EP2: every tensor back bit for bit, the indexer's included; each rank's torch file holds
     the tensors `toolkit memory` counts for it (the indexer whole on every TP rank)."""
+    assert_round_trip(tiny_deepseek_v32[f"{VARIANT}-bf16"], VARIANT, tmp_path, fmt, "DeepseekV32ForCausalLM")
+
+
+def assert_round_trip(src, variant: str, tmp_path, fmt: str, architecture: str) -> None:
+    """`src` at TP2 x PP2 x EP2 in `fmt` and back: every tensor bit for bit in its dtype (the indexers' among them),
+    each torch rank file what `toolkit memory` counts for it, and transformers loads the export as `architecture`."""
     from transformers import AutoModelForCausalLM
 
-    src = tiny_deepseek_v32[f"{VARIANT}-bf16"]
     original = load_all(src)
     out = hf_to_megatron(src, tmp_path / "m", tp=2, pp=2, ep=2, fmt=fmt, **LOCAL)
     if fmt == "torch":
-        assert_memory_counts_each_rank(out, VARIANT)
+        assert_memory_counts_each_rank(out, variant)
     restored = load_all(megatron_to_hf(out, tmp_path / "h", progress=False))
     assert set(restored) == set(original) and any(".indexer." in k for k in original)
     assert all(torch.equal(restored[k], original[k]) and restored[k].dtype == original[k].dtype for k in original)
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "h")).__name__ == "DeepseekV32ForCausalLM"
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "h")).__name__ == architecture
 
 
 GUARDS = ("topk", "k_norm")

@@ -16,11 +16,8 @@ import torch
 
 from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_tensors
-from tests.test_convert_roundtrip import load_all
-from tests.test_family_deepseek_v3 import assert_memory_counts_each_rank
-from tests.test_family_deepseek_v32 import indexer_against_hf, world_of_one  # noqa: F401  (fixture)
+from tests.test_family_deepseek_v32 import assert_round_trip, indexer_against_hf, world_of_one  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import family_parity_pairs
-from toolkit.convert import hf_to_megatron, megatron_to_hf
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
 from toolkit.tinymodels import make_config, make_tiny_model
@@ -91,17 +88,7 @@ def test_shared_indexers_are_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_glm_moe_dsa, tmp_path, fmt):
-    from transformers import AutoModelForCausalLM
-
-    src = tiny_glm_moe_dsa[f"{VARIANT}-bf16"]
-    original = load_all(src)
-    out = hf_to_megatron(src, tmp_path / "m", tp=2, pp=2, ep=2, fmt=fmt, **LOCAL)
-    if fmt == "torch":
-        assert_memory_counts_each_rank(out, VARIANT)
-    restored = load_all(megatron_to_hf(out, tmp_path / "h", progress=False))
-    assert set(restored) == set(original)
-    assert all(torch.equal(restored[k], original[k]) and restored[k].dtype == original[k].dtype for k in original)
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "h")).__name__ == "GlmMoeDsaForCausalLM"
+    assert_round_trip(tiny_glm_moe_dsa[f"{VARIANT}-bf16"], VARIANT, tmp_path, fmt, "GlmMoeDsaForCausalLM")
 
 
 def parity_pairs(tiny_glm_moe_dsa, tmp_path) -> tuple[list, int]:
