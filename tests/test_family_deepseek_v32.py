@@ -47,7 +47,8 @@ def test_settings_are_megatron_cores_dsa_fields():
     assert {k: v for k, v in settings.items() if k.startswith("dsa_") or k == "experimental_attention_variant"} == {
         "experimental_attention_variant": "dsa", "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 16,
         "dsa_indexer_topk": 8, "dsa_indexer_rotate_activation": False, "dsa_indexer_rope_interleaved": False,
-        "dsa_indexer_scoring_relu": True, "dsa_indexer_k_norm_epsilon": 1e-6}
+        "dsa_indexer_scoring_relu": True, "dsa_indexer_k_norm_epsilon": 1e-6, "dsa_indexer_topk_freq": 1,
+        "dsa_indexer_skip_topk_offset": 0}
     assert settings["multi_latent_attention"] and settings["q_lora_rank"] == 48
 
 

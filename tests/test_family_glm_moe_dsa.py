@@ -4,7 +4,8 @@ and its latent norms at HF's 1e-6 under rms_norm_eps 1e-5 (toolkit/families/glm_
 HF is the reference: the indexer keeps GlmMoeDsaIndexer's top-k keys for every query (guard: its RoPE half-split as
 DeepSeek-V3.2's keeps others); the model at TP2 x PP2 x EP2 in both formats gives HF's logits within 1e-4 in fp32 (in
 the one launch of tests/test_published_parity.py, index_topk 8 of 32 tokens; its indexer guards are DeepSeek-V3.2's,
-the same modules), on a model whose latents are small enough that the latent norms at 1e-5 would be 0.82 off."""
+the same modules), on a model whose latents are small enough that the latent norms at 1e-5 would be 0.82 off; and
+with IndexShare (indexer_types "shared": megatron-core's dsa_indexer_topk_freq / dsa_indexer_skip_topk_offset)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_tensors
 from tests.test_family_deepseek_v32 import assert_round_trip, indexer_against_hf, world_of_one  # noqa: F401  (fixture)
 from tests.test_family_glm4_moe import family_parity_pairs
+from toolkit.convert import hf_to_megatron
 from toolkit.families import spec_from_config
 from toolkit.megatron_settings import settings_for
 from toolkit.tinymodels import make_config, make_tiny_model
 
 VARIANT = "glm-moe-dsa"
+SHARED = "glm-moe-dsa-shared"  # IndexShare: layers 1 and 3 reuse the top-k of layers 0 and 2
 LOCAL = {"layer_spec": "local", "progress": False}
 
 
@@ -34,7 +37,7 @@ LATENT_SCALE = 0.02
 @pytest.fixture(scope="module")
 def tiny_glm_moe_dsa(tmp_path_factory):
     """fp32 model (parity; its latents small, so the latent norms' eps matters) and `glm-moe-dsa-bf16` (round trips)."""
-    models = fp32_and_bf16_models(tmp_path_factory.mktemp("glm-moe-dsa"), (VARIANT,), 130, 140)
+    models = fp32_and_bf16_models(tmp_path_factory.mktemp("glm-moe-dsa"), (VARIANT, SHARED), 130, 140)
     kv_lora = make_config(VARIANT).kv_lora_rank
 
     def small_latents(tensors):
@@ -44,7 +47,8 @@ def tiny_glm_moe_dsa(tmp_path_factory):
             elif name.endswith("kv_a_proj_with_mqa.weight"):
                 tensor[:kv_lora].mul_(LATENT_SCALE)  # the latent, not the key's rotary part
 
-    edit_tensors(models[VARIANT], small_latents)
+    for variant in (VARIANT, SHARED):
+        edit_tensors(models[variant], small_latents)
     return models
 
 
@@ -77,21 +81,35 @@ def test_the_indexer_keeps_hfs_top_k_keys_with_its_rope_interleaved(world_of_one
     assert same and all(count > 50 for count in differ.values()), differ
 
 
-def test_shared_indexers_are_refused_in_one_line(tmp_path):
-    """IndexShare (GLM-5.1 / 5.2's index_topk_freq: "shared" layers reuse an earlier layer's top-k) is not converted
-    yet: refused naming indexer_types, nothing written."""
+def test_index_share_is_megatron_cores_schedule_and_another_pattern_is_refused(tmp_path):
+    """indexer_types as megatron-core's dsa_indexer_topk_freq / dsa_indexer_skip_topk_offset: the tiny model's
+    [full, shared, full, shared] is (2, 1), GLM-5.2's 78 layers of index_topk_freq 4 after 3 (as GlmMoeDsaConfig
+    derives them) are (4, 3) with the indexer's rows on its 21 full layers only; a pattern no schedule gives is refused
+    in one line, nothing written."""
+    from transformers import GlmMoeDsaConfig
+
+    spec = spec_from_config(make_config(SHARED).to_dict())[1]
+    settings = settings_for(spec).transformer
+    assert (settings["dsa_indexer_topk_freq"], settings["dsa_indexer_skip_topk_offset"], spec.linear_layers) == (2, 1, "0303")
+    glm52 = GlmMoeDsaConfig(num_hidden_layers=78, index_topk_freq=4, index_skip_topk_offset=3).to_dict()
+    spec52 = spec_from_config(glm52)[1]
+    assert (spec52.dsa["topk_freq"], spec52.dsa["skip_topk_offset"], spec52.linear_layers.count("0")) == (4, 3, 21)
     src = make_tiny_model(VARIANT, tmp_path / "src", seed=1)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "indexer_types": ["full", "shared", "full", "shared"]}))
-    convert_fails(src, tmp_path / "out", re.escape("indexer_types names layers [1, 3] 'shared'"), layer_spec="local")
+    (src / "config.json").write_text(json.dumps({**cfg, "indexer_types": ["full", "shared", "full", "full"]}))
+    convert_fails(src, tmp_path / "out", re.escape("is not megatron-core's schedule"), layer_spec="local")
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_glm_moe_dsa, tmp_path, fmt):
-    assert_round_trip(tiny_glm_moe_dsa[f"{VARIANT}-bf16"], VARIANT, tmp_path, fmt, "GlmMoeDsaForCausalLM")
+@pytest.mark.parametrize("variant, fmt", [(VARIANT, "torch"), (VARIANT, "torch_dist"), (SHARED, "torch")])
+def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_glm_moe_dsa, tmp_path, variant, fmt):
+    """With IndexShare too: the indexer's tensors on the full layers only, as megatron-core's ranks hold them."""
+    assert_round_trip(tiny_glm_moe_dsa[f"{variant}-bf16"], variant, tmp_path, fmt, "GlmMoeDsaForCausalLM")
 
 
 def parity_pairs(tiny_glm_moe_dsa, tmp_path) -> tuple[list, int]:
     """(hf, megatron) pairs for the TP2 x PP2 x EP2 parity launch of tests/test_published_parity.py: per-rank torch
-    files and torch_dist, both to match."""
-    return family_parity_pairs(tiny_glm_moe_dsa, (VARIANT, VARIANT), (), None, tmp_path, layer_spec="local")
+    files and torch_dist, and the IndexShare model as torch_dist, all to match."""
+    pairs, matching = family_parity_pairs(tiny_glm_moe_dsa, (VARIANT, VARIANT), (), None, tmp_path, layer_spec="local")
+    shared = tiny_glm_moe_dsa[SHARED]
+    return pairs + [(shared, hf_to_megatron(shared, tmp_path / f"{SHARED}-torch_dist", tp=2, pp=2, ep=2,
+                                            fmt="torch_dist", **LOCAL))], matching + 1

@@ -181,7 +181,9 @@ def dsa_settings(spec: ModelSpec) -> dict:
     return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=d["heads"], dsa_indexer_head_dim=d["head_dim"],
                 dsa_indexer_topk=d["topk"], dsa_indexer_rotate_activation=False,
                 dsa_indexer_rope_interleaved=d.get("rope_interleaved", False),
-                dsa_indexer_scoring_relu=True, dsa_indexer_k_norm_epsilon=HF_INDEXER_K_NORM_EPS)
+                dsa_indexer_scoring_relu=True, dsa_indexer_k_norm_epsilon=HF_INDEXER_K_NORM_EPS,
+                # GLM-5's IndexShare (toolkit/families/glm_moe_dsa.py): a computing layer every freq after offset
+                dsa_indexer_topk_freq=d.get("topk_freq", 1), dsa_indexer_skip_topk_offset=d.get("skip_topk_offset", 0))
 
 
 def mla_yarn(yarn: dict) -> dict:

@@ -285,6 +285,8 @@ VARIANTS = {
     "deepseek-v3-full-q": ("DeepseekV3Config", DEEPSEEK_V3_FULL_Q),
     "deepseek-v32": ("DeepseekV32Config", DEEPSEEK_V32),
     "glm-moe-dsa": ("GlmMoeDsaConfig", GLM_MOE_DSA),
+    # IndexShare: layers 1 and 3 reuse the top-k of layers 0 and 2 (each pipeline stage of PP 2 begins with a full one)
+    "glm-moe-dsa-shared": ("GlmMoeDsaConfig", {**GLM_MOE_DSA, "indexer_types": ["full", "shared", "full", "shared"]}),
     "phi3": ("Phi3Config", PHI3),
     "phi4-mini": ("Phi3Config", PHI4_MINI),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),

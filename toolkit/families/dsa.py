@@ -24,10 +24,12 @@ duplicated linears hold them. megatron-core before 0.19 cannot compute it exactl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from toolkit.errors import ConversionError
 from toolkit.families.hf_values import positive_ints
 from toolkit.families.llama import L, M
-from toolkit.families.table import row
+from toolkit.families.table import FULL_ATTENTION, row
 from toolkit.splits import Split
 
 HF_INDEXER = L + "self_attn.indexer."
@@ -35,7 +37,8 @@ INDEXER = M + "self_attention.core_attention.indexer."
 # HF's DeepseekV32Indexer builds k_norm as nn.LayerNorm(index_head_dim, eps=1e-6), whatever rms_norm_eps says
 HF_INDEXER_K_NORM_EPS = 1e-6
 
-DSA_ROWS = (
+# On the layers whose indexer runs (FULL_ATTENTION; every layer but GLM-5's shared ones, ModelSpec.linear_layers "3")
+DSA_ROWS = tuple(replace(r, attention=FULL_ATTENTION) for r in (
     row(INDEXER + "linear_wq_b.weight", HF_INDEXER + "wq_b.weight", Split.REPLICATED, ("index_q", "q_lora")),
     row(INDEXER + "linear_wk.weight", HF_INDEXER + "wk.weight", Split.REPLICATED, ("index_dim", "hidden")),
     row(INDEXER + "k_norm.weight", HF_INDEXER + "k_norm.weight", Split.REPLICATED, ("index_dim",)),
@@ -43,7 +46,7 @@ DSA_ROWS = (
     # (transformers keeps it in float32 only under fp16: _keep_in_fp32_modules, not the strict list bf16 keeps)
     row(INDEXER + "linear_weights_proj.weight", HF_INDEXER + "weights_proj.weight", Split.REPLICATED,
         ("index_heads", "hidden")),
-)
+))
 
 SIZES = {"heads": "index_n_heads", "head_dim": "index_head_dim", "topk": "index_topk"}
 

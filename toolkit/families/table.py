@@ -118,6 +118,9 @@ def layer_kind(moe_layers: str | None, layer: int) -> str:
 LINEAR_ATTENTION, FULL_ATTENTION, GLOBAL_ATTENTION = "linear", "full", "global"
 # ModelSpec.linear_layers' letter for an attention layer with head sizes of its own (Gemma 4's global layers)
 GLOBAL_LAYER = "2"
+# ModelSpec.linear_layers' letter for a sparse attention layer without an indexer of its own, which reuses an earlier
+# layer's top-k (GLM-5's IndexShare: toolkit/families/glm_moe_dsa.py), and its kind
+SHARED_INDEX_LAYER, SHARED_INDEX_ATTENTION = "3", "shared_index"
 
 
 # A hybrid model's layers (Nemotron-H: megatron-core's HybridModel), by their symbol in its layer pattern, which
@@ -129,12 +132,13 @@ HYBRID_SYMBOLS = {"M": MAMBA_LAYER, "*": FULL_ATTENTION, "-": MLP_LAYER}
 def attention_kind(linear_layers: str | None, layer: int) -> str:
     """`linear_layers`: per layer "1" for a gated delta net (linear attention) layer, "0" for attention
     (megatron-core's linear_attention_freq as a list), "2" for an attention layer with head sizes of its
-    own (Gemma 4's global layers beside its sliding "0" ones: toolkit/families/gemma4.py), or a hybrid
+    own (Gemma 4's global layers beside its sliding "0" ones: toolkit/families/gemma4.py), "3" for a sparse
+    attention layer reusing an earlier layer's top-k (GLM-5's shared indexers), or a hybrid
     model's pattern symbol (HYBRID_SYMBOLS: Nemotron-H); None: attention everywhere."""
     kind = linear_layers[layer] if linear_layers is not None else "0"
     if kind in HYBRID_SYMBOLS:
         return HYBRID_SYMBOLS[kind]
-    return LINEAR_ATTENTION if kind == "1" else GLOBAL_ATTENTION if kind == GLOBAL_LAYER else FULL_ATTENTION
+    return {"1": LINEAR_ATTENTION, GLOBAL_LAYER: GLOBAL_ATTENTION, SHARED_INDEX_LAYER: SHARED_INDEX_ATTENTION}.get(kind, FULL_ATTENTION)
 
 
 OUTPUT_LAYER = "output_layer.weight"
