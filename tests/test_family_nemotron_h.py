@@ -106,3 +106,27 @@ def test_tp2_pp2_both_formats_match_hf_round_trip_bit_exactly_and_wrong_splits_f
     print({piece: f"{r.max_logit_diff:.2e}" for piece, r in zip(GUARDS, reports[len(FORMATS):])})
     for piece, report in zip(GUARDS, reports[len(FORMATS):], strict=True):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_parity(tmp_path_factory):
+    from tests.finetune_harness import parity_setup
+
+    return parity_setup(tmp_path_factory.mktemp("nemotron-h-finetune"), {"nemotron-h": "nemotron-h"})
+
+
+@pytest.mark.multiprocess
+def test_guard_the_mamba_norm_summed_over_tp_fails_the_fine_tune_parity(nemotron_h_parity, tmp_path):
+    """Mamba-2's A_log, D, dt_bias and gated norm are split over TP with the heads (megatron-core tags them
+    tensor_model_parallel), so none is summed over TP, unlike a gated delta net's output norm (one weight over every
+    rank's heads, toolkit/train/parallel.py). Guard of tests/test_finetune_parity.py's nemotron-h case (losses 8.2e-7,
+    grad norms 4.6e-7 relative off HF at TP2 x PP2): the gated norm's gradient summed over TP as that one's
+    (tests/recipe_with_defect.py tp-sum), TP 2 for 3 steps, is 1.7e-4 off on the losses and 2.9e-4 on the norms."""
+    from tests.finetune_harness import LOSS_TOLERANCE_FP32, REPO, run_against_reference
+
+    _, loss, norm = run_against_reference(nemotron_h_parity, tmp_path, 2, "nemotron-h", steps=3,
+                                          parallel={"tp": 2, "pp": 1, "zero_stage": 1},
+                                          script=REPO / "tests" / "recipe_with_defect.py",
+                                          env={"DEFECT": "tp-sum:.mixer.norm."})
+    print(f"Mamba's gated norm summed over TP: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss > 10 * LOSS_TOLERANCE_FP32, loss
