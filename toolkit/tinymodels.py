@@ -149,6 +149,13 @@ DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 # residual stream's rounding grows past 1e-4 over six layers at TP 2, the logits still within 6e-6)
 NORM_WEIGHTS.update(dict.fromkeys(("gemma4_text", "gemma4"), (0.25, 0.75)))
 
+# Mamba-2's per-head scalars (Nemotron-H), drawn so that each moves the output: A = -exp(A_log) in (-1, -0.05) and dt =
+# softplus(.. + dt_bias) mostly in (0.1, 0.7) give decays that keep the state for tens of tokens (HF's A_log = log(1..h)
+# and dt of 0.001-0.1 at init barely move the tiny model's loss), dt kept far above HF's clamp at time_step_min 1e-3
+# (toolkit/blocks/mixer_mamba.py); D around zero, each head's skip its own. name ending -> (draw, low, high)
+MAMBA_DRAWS = {"nemotron_h": {"A_log": ("log_uniform", 0.05, 1.0), "dt_bias": ("uniform", -2.0, 0.0),
+                              "D": ("uniform", -1.0, 1.0)}}
+
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
 # key head; conv kernel 4) alternating with output-gated attention layers (full_attention_interval 2, so
 # each PP 2 stage holds both), 6 experts top-2 renormalised (3 per EP 2 rank) with a gated shared expert
@@ -242,6 +249,13 @@ LLAMA4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head
               attn_temperature_tuning=True, floor_scale=64, attn_scale=0.1, vocab_size=251, initializer_range=0.1,
               max_position_embeddings=256, router_aux_loss_coef=0.0,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# Nemotron-H with every piece of its dense layers in play: Mamba-2 (4 heads of 16, 2 B/C groups of state 8: TP 2
+# splits heads and groups alike; conv kernel 4; chunks of 16, shorter than the test sequences), attention (GQA 2 of 4
+# heads of 16, no RoPE) and relu^2 MLP layers, the pattern M-*M*- putting each kind on both PP 2 stages; the gated
+# norm's eps at megatron-core's fixed 1e-5 (toolkit/families/nemotron_h.py). num_hidden_layers is the pattern's.
+NEMOTRON_H = dict(hidden_size=64, hybrid_override_pattern="M-*M*-", mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                  ssm_state_size=8, conv_kernel=4, chunk_size=16, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=96, vocab_size=251, layer_norm_epsilon=1e-5, initializer_range=0.1)
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -297,6 +311,7 @@ VARIANTS = {
     "ministral3": ("Ministral3Config", MINISTRAL3),
     "llama4": ("Llama4TextConfig", LLAMA4),
     "olmo-hybrid": ("OlmoHybridConfig", OLMO_HYBRID),
+    "nemotron-h": ("NemotronHConfig", NEMOTRON_H),
 }
 
 
@@ -376,9 +391,14 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
     from toolkit.families import HF_FLOAT32_BUFFERS
 
     low, high = NORM_WEIGHTS.get(model_type, DEFAULT_NORM_WEIGHTS)
+    mamba = MAMBA_DRAWS.get(model_type, {})
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            drawn = mamba.get(name.rpartition(".")[2])
+            if drawn:
+                kind, lo, hi = drawn
+                param.copy_(param.uniform_(lo, hi).log() if kind == "log_uniform" else param.uniform_(lo, hi))
+            elif "norm" in name:
                 param.uniform_(low, high)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight",
                                 "feed_forward.router.weight")):
