@@ -31,7 +31,7 @@ REFERENCES = ReferenceCache()
 # per-sequence log-probabilities, which every layout computes the same way (its TP/PP/DP sums are the layouts'
 # own), so the cross product of losses and layouts proved nothing this cross does not.
 LAYOUTS = {
-    "sigmoid-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", None, "llama"),
+    "sigmoid-TP2xPP2": (4, {"tp": 2, "pp": 2, "zero_stage": 1}, "sigmoid", None, "llama"),
     "sigmoid-lora-loaded-DP1": (1, {"tp": 1, "pp": 1, "zero_stage": 1}, "sigmoid", "loaded", "llama"),
     "ipo-TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "zero_stage": 1}, "ipo", None, "llama"),
     "ipo-lora-TP2xDP2": (4, {"tp": 2, "pp": 1, "zero_stage": 1}, "ipo", "new", "llama"),
