@@ -1,0 +1,227 @@
+"""Qwen3-VL on megatron-core (toolkit/vlm/) against transformers' Qwen3VLForConditionalGeneration on image + text.
+
+The model is the tiny Qwen3-VL wrapper of toolkit.tinymodels (transformers' own config classes: DeepStack after the
+first decoder layer, interleaved MRoPE sections [2, 2, 2]), its language model converted to torch_dist; the batch
+is the tiny processor's (make_tiny_qwen3_vl_processor) on two conversations with three images of three sizes,
+right-padded. HF is the reference: its logits (fp32, within 1e-4 at the unpadded tokens), its loss and the
+gradient norm of one backward (within 1e-4 relative, the whole model's and the vision tower's), at TP1, TP2 and
+PP2 in one launch of two ranks. Guards, at TP1 in the same launch: MRoPE positions replaced by text positions,
+the image embeddings not placed at the image tokens, DeepStack skipped: each moves the logits far past 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_convert_parity import FP32_TOLERANCE
+from toolkit.convert import hf_to_megatron
+from toolkit.runtime.launch import run_on_processes
+from toolkit.tinymodels import make_tiny_qwen3_vl_multimodal, make_tiny_qwen3_vl_processor
+from toolkit.vlm.positions import mrope_position_ids
+
+GRAD_NORM_RTOL = 1e-4
+LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on the launch's two ranks
+GUARDS = ("text positions", "image embeddings not placed", "DeepStack skipped")
+IMAGE_SIZES = ((28, 28), (84, 56), (64, 96))  # (width, height): 1, 6 and 6 tokens (grids 2x2, 4x6, 6x4)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(wrapper dir, converted checkpoint, processor batch) of the tiny Qwen3-VL."""
+    import transformers
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("vlm")
+    processor = transformers.AutoProcessor.from_pretrained(str(make_tiny_qwen3_vl_processor(root / "processor")))
+    hf_dir = make_tiny_qwen3_vl_multimodal(root / "hf", seed=3)
+    checkpoint = hf_to_megatron(hf_dir, root / "megatron", fmt="torch_dist", progress=False)
+    generator = torch.Generator().manual_seed(0)
+    small, wide, tall = (Image.fromarray(torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=generator).numpy())
+                         for w, h in IMAGE_SIZES)
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": small}, {"type": "text", "text": "Which is wider?"},
+                                      {"type": "image", "image": wide}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "The second."}]}],
+        [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": tall}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "Tall."}]}]]
+    batch = processor.apply_chat_template(conversations, tokenize=True, return_dict=True, return_tensors="pt",
+                                          padding=True)
+    return hf_dir, checkpoint, dict(batch)
+
+
+def hf_model(hf_dir):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def test_mrope_positions_are_transformers_get_rope_index(vlm):
+    """Our positions equal HF's get_rope_index on the padded batch of three image sizes (at every unpadded token;
+    padding is 0 in both); they are not text positions (three distinct streams at the images)."""
+    hf_dir, _, batch = vlm
+    expected, _ = hf_model(hf_dir).model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                                         batch["image_grid_thw"], attention_mask=batch["attention_mask"])
+    ours = mrope_position_ids(batch["mm_token_type_ids"], batch["image_grid_thw"], 2, batch["attention_mask"])
+    assert torch.equal(ours, expected)
+    assert not torch.equal(ours[1], ours[0]) and not torch.equal(ours[2], ours[1])
+
+
+@pytest.mark.parametrize("section,head_dim", [([2, 2, 2], 12), ([24, 20, 20], 128)])
+def test_interleaved_mrope_is_transformers_cos_sin_and_not_megatron_cores_chunked(section, head_dim, monkeypatch):
+    """InterleavedMRoPE's angles give HF's Qwen3VLTextRotaryEmbedding cos and sin bit for bit, for the tiny and the
+    published sections, on positions whose three streams differ; megatron-core's MultimodalRotaryEmbedding (the
+    chunked layout) gives other values from the same positions."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from toolkit.blocks.rope_mrope import InterleavedMRoPE
+
+    positions = torch.stack([torch.arange(40), torch.arange(40) // 3 + 5, torch.arange(40) % 7 + 2])[:, None]
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
+    cos, sin = Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(head_dim=head_dim, rope_parameters=rope))(
+        torch.zeros(1), positions)
+    angles = InterleavedMRoPE(head_dim, 1e6, section)(positions)  # [s, b, 1, head_dim]
+    assert torch.equal(angles.cos()[:, :, 0].transpose(0, 1), cos) and torch.equal(
+        angles.sin()[:, :, 0].transpose(0, 1), sin)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # its inv_freq is made there
+    chunked = MultimodalRotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, rotary_base=1e6)(positions, section)
+    assert (chunked.cos() - angles.cos()).abs().max() > 0.1
+
+
+def hf_reference(hf_dir, batch) -> dict:
+    """HF's logits, loss and gradient norms (the whole model's and its vision tower's) of one backward."""
+    model = hf_model(hf_dir)
+    out = model(**batch, labels=training_labels(batch))
+    out.loss.backward()
+    return {"logits": out.logits.detach(), "loss": out.loss.item(), "grad_norm": _norm(model.parameters()),
+            "vision_grad_norm": _norm(model.model.visual.parameters())}
+
+
+def _norm(params) -> float:
+    return torch.stack([p.grad.double().square().sum() for p in params if p.grad is not None]).sum().sqrt().item()
+
+
+def training_labels(batch) -> torch.Tensor:
+    """Every unpadded token a target (HF shifts them)."""
+    return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+
+
+def test_tp1_tp2_pp2_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed(vlm):
+    hf_dir, checkpoint, batch = vlm
+    ref = hf_reference(hf_dir, batch)
+    per_rank = run_on_processes("tests.test_vlm_model:layouts_worker", 2, str(hf_dir), str(checkpoint), batch)
+    valid = batch["attention_mask"].bool()
+    for (tp, pp), result in zip(LAYOUTS, per_rank[-1]["layouts"]):  # the last rank: last stage of every layout
+        where = f"TP{tp} PP{pp}"
+        logits = torch.tensor(result["logits"])
+        assert (logits - ref["logits"])[valid].abs().max() < FP32_TOLERANCE, where
+        assert result["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=0), where
+        assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_RTOL), where
+    for (tp, pp), result in zip(LAYOUTS, per_rank[0]["layouts"]):  # rank 0: the first stage, holding the tower
+        assert result["vision_grad_norm"] == pytest.approx(ref["vision_grad_norm"], rel=GRAD_NORM_RTOL), (tp, pp)
+    tp2 = LAYOUTS.index((2, 1))  # the tower replicated over TP: the same gradient on both ranks
+    assert per_rank[0]["layouts"][tp2]["local_vision_grad_norm"] == per_rank[1]["layouts"][tp2]["local_vision_grad_norm"]
+    for guard in GUARDS:
+        moved = (torch.tensor(per_rank[0]["guards"][guard]) - ref["logits"])[valid].abs().max()
+        assert moved > 100 * FP32_TOLERANCE, guard
+
+
+def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
+    """On each of two ranks: per layout of LAYOUTS, the model's logits, loss and gradient norms of one backward;
+    at TP1, each guard's logits."""
+    from tests.workers_memory import switch_layout
+    from toolkit.vlm.model import build_vision_language_model
+
+    out = {"layouts": []}
+    for tp, pp in LAYOUTS:
+        device = switch_layout(tp, pp).device
+        batch = {k: v.to(device) for k, v in batch.items()}
+        model = build_vision_language_model(hf_dir, checkpoint, tp, pp)
+        out["layouts"].append(_forward_backward(model, batch))
+        if (tp, pp) == (1, 1):
+            out["guards"] = _guard_logits(model, batch)
+    return out
+
+
+def _model_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("input_ids", "pixel_values", "image_grid_thw")} | {"token_types": batch["mm_token_type_ids"]}
+
+
+def _forward_backward(model, batch: dict) -> dict:
+    """One forward and backward of the pipeline (send / receive between the stages by hand), the loss HF's mean
+    over the shifted targets; the gradient norms summed over the model-parallel ranks, TP duplicates once."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from toolkit.train.loss import padded_vocab_mask, token_losses
+
+    gpt = model.language_model
+    seq, batch_size = batch["input_ids"].shape[1], batch["input_ids"].shape[0]
+    if not ps.is_pipeline_first_stage():
+        received = torch.empty(seq, batch_size, gpt.config.hidden_size, device=batch["input_ids"].device)
+        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        received.requires_grad_(True)
+        model.set_input_tensor(received)
+    out = model(**_model_inputs(batch))
+    result = {}
+    if ps.is_pipeline_last_stage():
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        labels = training_labels(batch)  # each token's target: the next one's label, none at the end
+        shifted = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), dim=1)
+        targets, mask = shifted.clamp(min=0), (shifted != -100).float()
+        vocab_mask = padded_vocab_mask(model.vocab_size, gpt.vocab_size, ps.get_tensor_model_parallel_world_size(),
+                                       ps.get_tensor_model_parallel_rank(), out.device)
+        # before the loss: megatron-core's vocab-parallel cross-entropy shifts its input logits in place
+        result["logits"] = gather_from_tensor_model_parallel_region(out.detach())[..., : model.vocab_size].cpu().tolist()
+        losses = token_losses(out, targets, vocab_mask)
+        loss = (losses * mask).sum() / mask.sum()
+        loss.backward()
+        result["loss"] = loss.item()
+    else:
+        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty(out.shape, device=out.device)
+        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        out.backward(grad)
+    if not ps.is_pipeline_first_stage():
+        dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+    result["grad_norm"] = _model_parallel_norm(model.parameters())
+    if model.vision is not None:
+        result["vision_grad_norm"] = _model_parallel_norm(model.vision.parameters(), across_pipeline=False)
+        result["local_vision_grad_norm"] = _norm(model.vision.parameters())
+    return result
+
+
+def _model_parallel_norm(params, across_pipeline: bool = True) -> float:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    params = list(params)
+    squares = torch.zeros((), dtype=torch.float64, device=params[0].device)
+    for p in params:
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            squares += p.grad.double().square().sum()
+    dist.all_reduce(squares, group=ps.get_model_parallel_group() if across_pipeline
+                    else ps.get_tensor_model_parallel_group())
+    return squares.sqrt().item()
+
+
+def _guard_logits(model, batch: dict) -> dict:
+    """The logits with each piece broken (TP1 PP1, whole vocab as the model's output)."""
+    from unittest import mock
+
+    inputs = _model_inputs(batch)
+    ids = batch["input_ids"]
+    text = torch.arange(ids.shape[1], device=ids.device).expand(3, *ids.shape)
+    out = {}
+    with torch.no_grad():
+        out[GUARDS[0]] = model(**inputs, position_ids=text)
+        with mock.patch("toolkit.vlm.model.place_image_embeds", lambda embeds, mask, rows: embeds):
+            out[GUARDS[1]] = model(**inputs)
+        for hook in model.deepstack.hooks:
+            hook.remove()
+        out[GUARDS[2]] = model(**inputs)
+    return {k: v[..., : model.vocab_size].cpu().tolist() for k, v in out.items()}

@@ -1,0 +1,51 @@
+"""Qwen3-VL's DeepStack: the tower's intermediate features added to the decoder's hidden states at the image
+tokens, after each of the first len(vision_config.deepstack_visual_indexes) decoder layers (transformers 5.24's
+Qwen3VLTextModel: after layer i, hidden[image tokens] += deepstack_visual_embeds[i]).
+
+megatron-core's TransformerBlock has no such step, so each of those layers gets a forward hook that adds the
+features of the forward in progress (`DeepStack.features`). The layers must all sit on the first pipeline stage,
+where the tower runs (refused otherwise); each TP rank adds the same rows to its whole copy of the hidden states
+(no sequence parallelism). Under activation recompute the hook would re-run after the forward's features are
+cleared, so recompute is not combined with DeepStack yet.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from toolkit.errors import ConfigError
+from toolkit.vlm.image_tokens import rows_at_image_tokens
+
+
+class DeepStack:
+    def __init__(self, gpt_model, layers: int, first_stage: bool):
+        self.layers = layers
+        self.mask: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []
+        held = [layer for layer in gpt_model.decoder.layers if layer.layer_number - 1 < layers]  # 1-based numbers
+        if first_stage and len(held) < layers:
+            raise ConfigError(f"DeepStack adds visual features after the first {layers} decoder layers, but the first "
+                              f"pipeline stage holds {len(gpt_model.decoder.layers)}: use fewer pipeline stages")
+        self.hooks = [layer.register_forward_hook(self._hook(layer.layer_number - 1)) for layer in held]
+
+    @contextmanager
+    def features(self, mask: torch.Tensor | None, rows: list[torch.Tensor]):
+        """Add `rows` (one [image tokens, h] per DeepStack layer) at `mask`'s tokens during this forward."""
+        if mask is not None and len(rows) != self.layers:
+            raise ConfigError(f"{len(rows)} DeepStack features for {self.layers} DeepStack layers")
+        self.mask, self.rows = mask, rows
+        try:
+            yield
+        finally:
+            self.mask, self.rows = None, []
+
+    def _hook(self, index: int):
+        def add(module, args, output):
+            if self.mask is None:
+                return output
+            hidden, *rest = output if isinstance(output, tuple) else (output,)
+            hidden = hidden + rows_at_image_tokens(hidden, self.mask, self.rows[index])
+            return (hidden, *rest) if isinstance(output, tuple) else hidden
+        return add
