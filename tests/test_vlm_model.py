@@ -113,19 +113,25 @@ def test_tp1_tp2_pp2_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed
     ref = hf_reference(hf_dir, batch)
     per_rank = run_on_processes("tests.test_vlm_model:layouts_worker", 2, str(hf_dir), str(checkpoint), batch)
     valid = batch["attention_mask"].bool()
+    figures = {}  # printed for the record (pytest -s)
     for (tp, pp), result in zip(LAYOUTS, per_rank[-1]["layouts"]):  # the last rank: last stage of every layout
         where = f"TP{tp} PP{pp}"
-        logits = torch.tensor(result["logits"])
-        assert (logits - ref["logits"])[valid].abs().max() < FP32_TOLERANCE, where
+        dlogit = (torch.tensor(result["logits"]) - ref["logits"])[valid].abs().max().item()
+        figures[where] = {"max |dlogit|": dlogit, "dloss": abs(result["loss"] - ref["loss"]),
+                          "grad norm rel": abs(result["grad_norm"] / ref["grad_norm"] - 1)}
+        assert dlogit < FP32_TOLERANCE, where
         assert result["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=0), where
         assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_RTOL), where
     for (tp, pp), result in zip(LAYOUTS, per_rank[0]["layouts"]):  # rank 0: the first stage, holding the tower
+        figures[f"TP{tp} PP{pp}"]["vision grad norm rel"] = abs(result["vision_grad_norm"] / ref["vision_grad_norm"] - 1)
         assert result["vision_grad_norm"] == pytest.approx(ref["vision_grad_norm"], rel=GRAD_NORM_RTOL), (tp, pp)
     tp2 = LAYOUTS.index((2, 1))  # the tower replicated over TP: the same gradient on both ranks
     assert per_rank[0]["layouts"][tp2]["local_vision_grad_norm"] == per_rank[1]["layouts"][tp2]["local_vision_grad_norm"]
     for guard in GUARDS:
-        moved = (torch.tensor(per_rank[0]["guards"][guard]) - ref["logits"])[valid].abs().max()
+        moved = (torch.tensor(per_rank[0]["guards"][guard]) - ref["logits"])[valid].abs().max().item()
+        figures[guard] = moved
         assert moved > 100 * FP32_TOLERANCE, guard
+    print(figures)
 
 
 def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
