@@ -231,3 +231,32 @@ def _guard_logits(model, batch: dict) -> dict:
             hook.remove()
         out[GUARDS[2]] = model(**inputs)
     return {k: v[..., : model.vocab_size].cpu().tolist() for k, v in out.items()}
+
+
+def test_bad_input_is_refused_in_one_line_naming_the_fix(vlm, tmp_path):
+    """Image tokens that the grids do not give (an image cut short), image rows that the tokens do not take, and a
+    wrapper whose vision tower is carried but not run (Gemma 3): each one line, before any model is built."""
+    from toolkit.errors import ConfigError, ConversionError
+    from toolkit.tinymodels import make_tiny_gemma3_multimodal
+    from toolkit.train.data_sources import DataError
+    from toolkit.vlm.image_tokens import rows_at_image_tokens
+    from toolkit.vlm.model import build_vision_language_model
+    from toolkit.vlm.vision_tower import load_vision_tower
+
+    hf_dir, checkpoint, batch = vlm
+    types = batch["mm_token_type_ids"].clone()
+    types[0, types[0].nonzero()[-1]] = 0  # the second image's last token taken for text
+    refusals = [(DataError, r"a run of 5 image tokens where image_grid_thw gives \[1, 4, 6\] \(6 tokens\): pass the "
+                 "processor's", lambda: mrope_position_ids(types, batch["image_grid_thw"], 2))]
+    mask = batch["input_ids"] == 104
+    refusals.append((DataError, "13 image tokens in input_ids but 12 image features",
+                     lambda: rows_at_image_tokens(torch.zeros(87, 2, 4), mask, torch.zeros(12, 4))))
+    gemma3 = make_tiny_gemma3_multimodal(tmp_path / "gemma3")
+    refusals.append((ConversionError, "the vision tower of a gemma3 checkpoint is carried, not run",
+                     lambda: load_vision_tower(gemma3)))
+    refusals.append((ConfigError, r"images run through Qwen3-VL \(qwen3_vl\) only so far",
+                     lambda: build_vision_language_model(gemma3, checkpoint)))
+    for error, line, call in refusals:
+        with pytest.raises(error, match=line) as refused:
+            call()
+        assert "\n" not in str(refused.value)
