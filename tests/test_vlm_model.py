@@ -6,7 +6,8 @@ is the tiny processor's (make_tiny_qwen3_vl_processor) on two conversations with
 right-padded. HF is the reference: its logits (fp32, within 1e-4 at the unpadded tokens), its loss and the
 gradient norm of one backward (within 1e-4 relative, the whole model's and the vision tower's), at TP1, TP2 and
 PP2 in one launch of two ranks. Guards, at TP1 in the same launch: MRoPE positions replaced by text positions,
-the image embeddings not placed at the image tokens, DeepStack skipped: each moves the logits far past 1e-4.
+the image embeddings not placed at the image tokens, the image rows placed one token late, DeepStack skipped: each
+moves the logits far past 1e-4.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from toolkit.vlm.positions import mrope_position_ids
 
 GRAD_NORM_RTOL = 1e-4
 LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on the launch's two ranks
-GUARDS = ("text positions", "image embeddings not placed", "DeepStack skipped")
+GUARDS = ("text positions", "image embeddings not placed", "image rows one token late", "DeepStack skipped")
 IMAGE_SIZES = ((28, 28), (84, 56), (64, 96))  # (width, height): 1, 6 and 6 tokens (grids 2x2, 4x6, 6x4)
 
 
@@ -227,9 +228,11 @@ def _guard_logits(model, batch: dict) -> dict:
         out[GUARDS[0]] = model(**inputs, position_ids=text)
         with mock.patch("toolkit.vlm.model.place_image_embeds", lambda embeds, mask, rows: embeds):
             out[GUARDS[1]] = model(**inputs)
+        with mock.patch("toolkit.vlm.model.image_token_mask", lambda ids, image_token: (ids == image_token).roll(1, 1)):
+            out[GUARDS[2]] = model(**inputs)  # the tower's and DeepStack's rows each placed one token late
         for hook in model.deepstack.hooks:
             hook.remove()
-        out[GUARDS[2]] = model(**inputs)
+        out[GUARDS[3]] = model(**inputs)
     return {k: v[..., : model.vocab_size].cpu().tolist() for k, v in out.items()}
 
 
