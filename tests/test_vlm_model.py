@@ -157,43 +157,32 @@ def _model_inputs(batch: dict) -> dict:
 
 
 def _forward_backward(model, batch: dict) -> dict:
-    """One forward and backward of the pipeline (send / receive between the stages by hand), the loss HF's mean
+    """One forward and backward through megatron-core's pipeline schedule (one micro-batch), the loss HF's mean
     over the shifted targets; the gradient norms summed over the model-parallel ranks, TP duplicates once."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from toolkit.train.loss import padded_vocab_mask, token_losses
 
-    gpt = model.language_model
-    seq, batch_size = batch["input_ids"].shape[1], batch["input_ids"].shape[0]
-    if not ps.is_pipeline_first_stage():
-        received = torch.empty(seq, batch_size, gpt.config.hidden_size, device=batch["input_ids"].device)
-        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
-        received.requires_grad_(True)
-        model.set_input_tensor(received)
-    out = model(**_model_inputs(batch))
-    result = {}
-    if ps.is_pipeline_last_stage():
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    labels = training_labels(batch)  # each token's target: the next one's label, none at the end
+    shifted = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), dim=1)
+    targets, mask = shifted.clamp(min=0), (shifted != -100).float()
 
-        labels = training_labels(batch)  # each token's target: the next one's label, none at the end
-        shifted = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), dim=1)
-        targets, mask = shifted.clamp(min=0), (shifted != -100).float()
-        vocab_mask = padded_vocab_mask(model.vocab_size, gpt.vocab_size, ps.get_tensor_model_parallel_world_size(),
-                                       ps.get_tensor_model_parallel_rank(), out.device)
+    def loss_func(logits):
+        vocab_mask = padded_vocab_mask(model.vocab_size, model.language_model.vocab_size,
+                                       ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                                       logits.device)
         # before the loss: megatron-core's vocab-parallel cross-entropy shifts its input logits in place
-        result["logits"] = gather_from_tensor_model_parallel_region(out.detach())[..., : model.vocab_size].cpu().tolist()
-        losses = token_losses(out, targets, vocab_mask)
-        loss = (losses * mask).sum() / mask.sum()
-        loss.backward()
-        result["loss"] = loss.item()
-    else:
-        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        grad = torch.empty(out.shape, device=out.device)
-        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
-        out.backward(grad)
-    if not ps.is_pipeline_first_stage():
-        dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+        whole = gather_from_tensor_model_parallel_region(logits.detach())[..., : model.vocab_size].cpu().tolist()
+        loss = (token_losses(logits, targets, vocab_mask) * mask).sum() / mask.sum()
+        return loss, {"loss": loss.item(), "logits": whole}
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=lambda data, chunk: (chunk(**_model_inputs(next(data))), loss_func),
+        data_iterator=iter([batch]), model=model, num_microbatches=1, seq_length=labels.shape[1],
+        micro_batch_size=labels.shape[0], forward_only=False)
+    result = dict(outputs[0]) if outputs else {}  # the last stage's
     result["grad_norm"] = _model_parallel_norm(model.parameters())
     if model.vision is not None:
         result["vision_grad_norm"] = _model_parallel_norm(model.vision.parameters(), across_pipeline=False)

@@ -25,10 +25,10 @@ def rows_at_image_tokens(like_sbh: torch.Tensor, mask: torch.Tensor, rows: torch
                         "pixel_values and image_grid_thw: pass the processor's outputs for the same conversations")
     placed = torch.zeros_like(like_sbh.transpose(0, 1)).masked_scatter(mask[..., None].to(like_sbh.device),
                                                                        rows.to(like_sbh.dtype))
-    return placed.transpose(0, 1)
+    return placed.transpose(0, 1).contiguous()  # as megatron-core's hidden states are (its p2p sends need it)
 
 
 def place_image_embeds(embeds_sbh: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The decoder's input embeddings ([s, b, h]) with the image tokens' replaced by the tower's rows."""
-    at_images = mask.transpose(0, 1)[..., None].to(embeds_sbh.device)
+    at_images = mask.transpose(0, 1).contiguous()[..., None].to(embeds_sbh.device)
     return torch.where(at_images, rows_at_image_tokens(embeds_sbh, mask, rows), embeds_sbh)

@@ -39,7 +39,16 @@ class VisionLanguageModel(torch.nn.Module):
         self.image_token_id, self.spatial_merge_size = image_token_id, spatial_merge_size
         self.deepstack = DeepStack(language_model, deepstack_layers, language_model.pre_process)
 
-    def set_input_tensor(self, tensor) -> None:  # what megatron-core's pipeline schedules call
+    # What megatron-core's pipeline schedules read and call on the model they are given
+    @property
+    def config(self):
+        return self.language_model.config
+
+    @property
+    def model_type(self):
+        return self.language_model.model_type
+
+    def set_input_tensor(self, tensor) -> None:
         self.language_model.set_input_tensor(tensor)
 
     def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor, pixel_values: torch.Tensor | None = None,
