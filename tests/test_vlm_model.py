@@ -128,6 +128,11 @@ def test_tp1_tp2_pp2_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed
         assert result["vision_grad_norm"] == pytest.approx(ref["vision_grad_norm"], rel=GRAD_NORM_RTOL), (tp, pp)
     tp2 = LAYOUTS.index((2, 1))  # the tower replicated over TP: the same gradient on both ranks
     assert per_rank[0]["layouts"][tp2]["local_vision_grad_norm"] == per_rank[1]["layouts"][tp2]["local_vision_grad_norm"]
+    stage0, stage1 = per_rank[0]["refusals"], per_rank[1]["refusals"]
+    refused = ("DeepStack adds visual features after the first 4 decoder layers, which must all be on the first "
+               "pipeline stage (the vision tower's): use fewer pipeline stages")
+    assert stage0[0] == refused and stage1[0] == refused  # stage 0 holds layers 0-2, stage 1 layer 3
+    assert stage0[1].startswith("DeepStack with full activation recompute: not yet") and stage1[1] == ""
     for guard in GUARDS:
         moved = (torch.tensor(per_rank[0]["guards"][guard]) - ref["logits"])[valid].abs().max().item()
         figures[guard] = moved
@@ -137,7 +142,7 @@ def test_tp1_tp2_pp2_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed
 
 def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
     """On each of two ranks: per layout of LAYOUTS, the model's logits, loss and gradient norms of one backward;
-    at TP1, each guard's logits."""
+    at TP1, each guard's logits; at PP2, DeepStack's refusals."""
     from tests.workers_memory import switch_layout
     from toolkit.vlm.model import build_vision_language_model
 
@@ -149,7 +154,27 @@ def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
         out["layouts"].append(_forward_backward(model, batch))
         if (tp, pp) == (1, 1):
             out["guards"] = _guard_logits(model, batch)
+        if (tp, pp) == (1, 2):
+            out["refusals"] = _deepstack_refusals(model.language_model)
     return out
+
+
+def _deepstack_refusals(gpt) -> list[str]:
+    """What DeepStack says on this stage for more DeepStack layers than the first stage holds (3 of 6 at PP2), and
+    under full activation recompute."""
+    from toolkit.errors import ConfigError
+    from toolkit.vlm.deepstack import DeepStack
+
+    lines = []
+    for layers, recompute in ((4, None), (1, "full")):
+        gpt.config.recompute_granularity = recompute
+        try:
+            DeepStack(gpt, layers, gpt.pre_process)
+            lines.append("")
+        except ConfigError as e:
+            lines.append(str(e))
+    gpt.config.recompute_granularity = None
+    return lines
 
 
 def _model_inputs(batch: dict) -> dict:

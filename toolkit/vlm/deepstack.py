@@ -5,8 +5,8 @@ Qwen3VLTextModel: after layer i, hidden[image tokens] += deepstack_visual_embeds
 megatron-core's TransformerBlock has no such step, so each of those layers gets a forward hook that adds the
 features of the forward in progress (`DeepStack.features`). The layers must all sit on the first pipeline stage,
 where the tower runs (refused otherwise); each TP rank adds the same rows to its whole copy of the hidden states
-(no sequence parallelism). Under activation recompute the hook would re-run after the forward's features are
-cleared, so recompute is not combined with DeepStack yet.
+(no sequence parallelism). Full activation recompute would re-run those layers after the forward's features are
+cleared, so it is refused with DeepStack (selective recompute re-runs only the core attention, inside the layer).
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ class DeepStack:
         self.mask: torch.Tensor | None = None
         self.rows: list[torch.Tensor] = []
         held = [layer for layer in gpt_model.decoder.layers if layer.layer_number - 1 < layers]  # 1-based numbers
-        if first_stage and len(held) < layers:
-            raise ConfigError(f"DeepStack adds visual features after the first {layers} decoder layers, but the first "
-                              f"pipeline stage holds {len(gpt_model.decoder.layers)}: use fewer pipeline stages")
+        if held and gpt_model.config.recompute_granularity == "full":
+            raise ConfigError("DeepStack with full activation recompute: not yet (the recomputed layers would miss "
+                              "the visual features); use parallel.recompute=selective or none")
+        if (len(held) < layers) if first_stage else held:  # the features exist on the first stage only
+            raise ConfigError(f"DeepStack adds visual features after the first {layers} decoder layers, which must all "
+                              "be on the first pipeline stage (the vision tower's): use fewer pipeline stages")
         self.hooks = [layer.register_forward_hook(self._hook(layer.layer_number - 1)) for layer in held]
 
     @contextmanager
