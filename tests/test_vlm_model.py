@@ -7,7 +7,7 @@ right-padded. HF is the reference: its logits (fp32, within 1e-4 at the unpadded
 gradient norm of one backward (within 1e-4 relative, the whole model's and the vision tower's), at TP1, TP2 and
 PP2 in one launch of two ranks. Guards, at TP1 in the same launch: MRoPE positions replaced by text positions,
 the image embeddings not placed at the image tokens, the image rows placed one token late, DeepStack skipped: each
-moves the logits far past 1e-4.
+moves the logits far past 1e-4; the tower's image rows detached move its gradient norm far past 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -128,6 +128,9 @@ def test_tp1_tp2_pp2_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed
         assert result["vision_grad_norm"] == pytest.approx(ref["vision_grad_norm"], rel=GRAD_NORM_RTOL), (tp, pp)
     tp2 = LAYOUTS.index((2, 1))  # the tower replicated over TP: the same gradient on both ranks
     assert per_rank[0]["layouts"][tp2]["local_vision_grad_norm"] == per_rank[1]["layouts"][tp2]["local_vision_grad_norm"]
+    detached = abs(per_rank[0]["detached vision grad norm"] / ref["vision_grad_norm"] - 1)
+    figures["image rows detached: vision grad norm rel"] = detached
+    assert detached > 100 * GRAD_NORM_RTOL
     stage0, stage1 = per_rank[0]["refusals"], per_rank[1]["refusals"]
     refused = ("DeepStack adds visual features after the first 4 decoder layers, which must all be on the first "
                "pipeline stage (the vision tower's): use fewer pipeline stages")
@@ -153,10 +156,23 @@ def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
         model = build_vision_language_model(hf_dir, checkpoint, tp, pp)
         out["layouts"].append(_forward_backward(model, batch))
         if (tp, pp) == (1, 1):
+            out["detached vision grad norm"] = _detached_tower_grad_norm(model, batch)
             out["guards"] = _guard_logits(model, batch)
         if (tp, pp) == (1, 2):
             out["refusals"] = _deepstack_refusals(model.language_model)
     return out
+
+
+def _detached_tower_grad_norm(model, batch: dict) -> float:
+    """The backward's guard: the tower's gradient norm with its image rows detached (its DeepStack rows' alone)."""
+    from unittest import mock
+
+    from toolkit.vlm import model as composed
+
+    place = composed.place_image_embeds
+    model.zero_grad(set_to_none=True)
+    with mock.patch.object(composed, "place_image_embeds", lambda embeds, mask, rows: place(embeds, mask, rows.detach())):
+        return _forward_backward(model, batch)["vision_grad_norm"]
 
 
 def _deepstack_refusals(gpt) -> list[str]:
