@@ -147,6 +147,7 @@ def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
     """On each of two ranks: per layout of LAYOUTS, the model's logits, loss and gradient norms of one backward;
     at TP1, each guard's logits; at PP2, DeepStack's refusals."""
     from tests.workers_memory import switch_layout
+    from toolkit.train.parallel import sum_partial_grads_over_tp
     from toolkit.vlm.model import build_vision_language_model
 
     out = {"layouts": []}
@@ -154,6 +155,7 @@ def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
         device = switch_layout(tp, pp).device
         batch = {k: v.to(device) for k, v in batch.items()}
         model = build_vision_language_model(hf_dir, checkpoint, tp, pp)
+        sum_partial_grads_over_tp(model)  # as the trainer does: q/k norms see their rank's heads only
         out["layouts"].append(_forward_backward(model, batch))
         if (tp, pp) == (1, 1):
             out["detached vision grad norm"] = _detached_tower_grad_norm(model, batch)
