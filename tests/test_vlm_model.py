@@ -4,8 +4,8 @@ The model is the tiny Qwen3-VL wrapper of toolkit.tinymodels (transformers' own 
 first decoder layer, interleaved MRoPE sections [2, 2, 2]), its language model converted to torch_dist; the batch
 is the tiny processor's (make_tiny_qwen3_vl_processor) on two conversations with three images of three sizes,
 right-padded. HF is the reference: its logits (fp32, within 1e-4 at the unpadded tokens), its loss and the
-gradient norm of one backward (within 1e-4 relative, the whole model's and the vision tower's), at TP1, TP2 and
-PP2 in one launch of two ranks. Guards, at TP1 in the same launch: MRoPE positions replaced by text positions,
+gradient norm of one backward (within 1e-4 relative, the whole model's and the vision tower's), at TP1, TP2, PP2
+and TP2 with sequence parallelism, in one launch of two ranks. Guards, at TP1 in the same launch: MRoPE positions replaced by text positions,
 the image embeddings not placed at the image tokens, the image rows placed one token late, DeepStack skipped: each
 moves the logits far past 1e-4; the tower's image rows detached move its gradient norm far past 1e-4 relative.
 """
@@ -22,7 +22,7 @@ from toolkit.tinymodels import make_tiny_qwen3_vl_multimodal, make_tiny_qwen3_vl
 from toolkit.vlm.positions import mrope_position_ids
 
 GRAD_NORM_RTOL = 1e-4
-LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (TP, PP) on the launch's two ranks
+LAYOUTS = ((1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True))  # (TP, PP, sequence parallel), two ranks
 GUARDS = ("text positions", "image embeddings not placed", "image rows one token late", "DeepStack skipped")
 IMAGE_SIZES = ((28, 28), (84, 56), (64, 96))  # (width, height): 1, 6 and 6 tokens (grids 2x2, 4x6, 6x4)
 
@@ -46,9 +46,21 @@ def vlm(tmp_path_factory):
          {"role": "assistant", "content": [{"type": "text", "text": "The second."}]}],
         [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": tall}]},
          {"role": "assistant", "content": [{"type": "text", "text": "Tall."}]}]]
-    batch = processor.apply_chat_template(conversations, tokenize=True, return_dict=True, return_tensors="pt",
-                                          padding=True)
-    return hf_dir, checkpoint, dict(batch)
+    batch = dict(processor.apply_chat_template(conversations, tokenize=True, return_dict=True, return_tensors="pt",
+                                               padding=True))
+    return hf_dir, checkpoint, padded_to_even_length(batch, processor.tokenizer.pad_token_id)
+
+
+def padded_to_even_length(batch: dict, pad_id: int) -> dict:
+    """One more padding token where the batch's length is odd: sequence parallelism splits it over TP 2."""
+    if batch["input_ids"].shape[1] % 2 == 0:
+        return batch
+    pads = {"input_ids": pad_id, "attention_mask": 0, "mm_token_type_ids": 0}
+    return batch | {k: torch.cat((batch[k], torch.full_like(batch[k][:, :1], v)), dim=1) for k, v in pads.items()}
+
+
+def _named(tp: int, pp: int, sp: bool) -> str:
+    return f"TP{tp} PP{pp}" + (" SP" if sp else "")
 
 
 def hf_model(hf_dir):
@@ -109,25 +121,26 @@ def training_labels(batch) -> torch.Tensor:
     return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
 
 
-def test_tp1_tp2_pp2_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed(vlm):
+def test_tp1_tp2_pp2_and_sequence_parallel_match_hf_logits_loss_and_grad_norm_and_each_piece_is_needed(vlm):
     hf_dir, checkpoint, batch = vlm
     ref = hf_reference(hf_dir, batch)
     per_rank = run_on_processes("tests.test_vlm_model:layouts_worker", 2, str(hf_dir), str(checkpoint), batch)
     valid = batch["attention_mask"].bool()
     figures = {}  # printed for the record (pytest -s)
-    for (tp, pp), result in zip(LAYOUTS, per_rank[-1]["layouts"]):  # the last rank: last stage of every layout
-        where = f"TP{tp} PP{pp}"
+    for (tp, pp, sp), result in zip(LAYOUTS, per_rank[-1]["layouts"]):  # the last rank: last stage of every layout
+        where = _named(tp, pp, sp)
+        assert result["sequence_parallel"] == sp, where
         dlogit = (torch.tensor(result["logits"]) - ref["logits"])[valid].abs().max().item()
         figures[where] = {"max |dlogit|": dlogit, "dloss": abs(result["loss"] - ref["loss"]),
                           "grad norm rel": abs(result["grad_norm"] / ref["grad_norm"] - 1)}
         assert dlogit < FP32_TOLERANCE, where
         assert result["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=0), where
         assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=GRAD_NORM_RTOL), where
-    for (tp, pp), result in zip(LAYOUTS, per_rank[0]["layouts"]):  # rank 0: the first stage, holding the tower
-        figures[f"TP{tp} PP{pp}"]["vision grad norm rel"] = abs(result["vision_grad_norm"] / ref["vision_grad_norm"] - 1)
-        assert result["vision_grad_norm"] == pytest.approx(ref["vision_grad_norm"], rel=GRAD_NORM_RTOL), (tp, pp)
-    tp2 = LAYOUTS.index((2, 1))  # the tower replicated over TP: the same gradient on both ranks
-    assert per_rank[0]["layouts"][tp2]["local_vision_grad_norm"] == per_rank[1]["layouts"][tp2]["local_vision_grad_norm"]
+    for (tp, pp, sp), result in zip(LAYOUTS, per_rank[0]["layouts"]):  # rank 0: the first stage, holding the tower
+        figures[_named(tp, pp, sp)]["vision grad norm rel"] = abs(result["vision_grad_norm"] / ref["vision_grad_norm"] - 1)
+        assert result["vision_grad_norm"] == pytest.approx(ref["vision_grad_norm"], rel=GRAD_NORM_RTOL), (tp, pp, sp)
+    for tp2 in (LAYOUTS.index((2, 1, False)), LAYOUTS.index((2, 1, True))):  # the tower replicated: the same gradient
+        assert per_rank[0]["layouts"][tp2]["local_vision_grad_norm"] == per_rank[1]["layouts"][tp2]["local_vision_grad_norm"]
     detached = abs(per_rank[0]["detached vision grad norm"] / ref["vision_grad_norm"] - 1)
     figures["image rows detached: vision grad norm rel"] = detached
     assert detached > 100 * GRAD_NORM_RTOL
@@ -151,16 +164,16 @@ def layouts_worker(hf_dir: str, checkpoint: str, batch: dict) -> dict:
     from toolkit.vlm.model import build_vision_language_model
 
     out = {"layouts": []}
-    for tp, pp in LAYOUTS:
+    for tp, pp, sp in LAYOUTS:
         device = switch_layout(tp, pp).device
         batch = {k: v.to(device) for k, v in batch.items()}
-        model = build_vision_language_model(hf_dir, checkpoint, tp, pp)
+        model = build_vision_language_model(hf_dir, checkpoint, tp, pp, sequence_parallel=sp)
         sum_partial_grads_over_tp(model)  # as the trainer does: q/k norms see their rank's heads only
-        out["layouts"].append(_forward_backward(model, batch))
-        if (tp, pp) == (1, 1):
+        out["layouts"].append(_forward_backward(model, batch) | {"sequence_parallel": model.config.sequence_parallel})
+        if (tp, pp, sp) == (1, 1, False):
             out["detached vision grad norm"] = _detached_tower_grad_norm(model, batch)
             out["guards"] = _guard_logits(model, batch)
-        if (tp, pp) == (1, 2):
+        if (tp, pp, sp) == (1, 2, False):
             out["refusals"] = _deepstack_refusals(model.language_model)
     return out
 
@@ -173,7 +186,7 @@ def _detached_tower_grad_norm(model, batch: dict) -> float:
 
     place = composed.place_image_embeds
     model.zero_grad(set_to_none=True)
-    with mock.patch.object(composed, "place_image_embeds", lambda embeds, mask, rows: place(embeds, mask, rows.detach())):
+    with mock.patch.object(composed, "place_image_embeds", lambda embeds, mask, rows, sp: place(embeds, mask, rows.detach(), sp)):
         return _forward_backward(model, batch)["vision_grad_norm"]
 
 
@@ -258,7 +271,7 @@ def _guard_logits(model, batch: dict) -> dict:
     out = {}
     with torch.no_grad():
         out[GUARDS[0]] = model(**inputs, position_ids=text)
-        with mock.patch("toolkit.vlm.model.place_image_embeds", lambda embeds, mask, rows: embeds):
+        with mock.patch("toolkit.vlm.model.place_image_embeds", lambda embeds, mask, rows, sp: embeds):
             out[GUARDS[1]] = model(**inputs)
         with mock.patch("toolkit.vlm.model.image_token_mask", lambda ids, image_token: (ids == image_token).roll(1, 1)):
             out[GUARDS[2]] = model(**inputs)  # the tower's and DeepStack's rows each placed one token late
@@ -285,7 +298,7 @@ def test_bad_input_is_refused_in_one_line_naming_the_fix(vlm, tmp_path):
                  "processor's", lambda: mrope_position_ids(types, batch["image_grid_thw"], 2))]
     mask = batch["input_ids"] == 104
     refusals.append((DataError, "13 image tokens in input_ids but 12 image features",
-                     lambda: rows_at_image_tokens(torch.zeros(87, 2, 4), mask, torch.zeros(12, 4))))
+                     lambda: rows_at_image_tokens(mask, torch.zeros(12, 4), torch.float32)))
     gemma3 = make_tiny_gemma3_multimodal(tmp_path / "gemma3")
     refusals.append((ConversionError, "the vision tower of a gemma3 checkpoint is carried, not run",
                      lambda: load_vision_tower(gemma3)))

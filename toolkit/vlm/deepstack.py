@@ -4,8 +4,8 @@ Qwen3VLTextModel: after layer i, hidden[image tokens] += deepstack_visual_embeds
 
 megatron-core's TransformerBlock has no such step, so each of those layers gets a forward hook that adds the
 features of the forward in progress (`DeepStack.features`). The layers must all sit on the first pipeline stage,
-where the tower runs (refused otherwise); each TP rank adds the same rows to its whole copy of the hidden states
-(no sequence parallelism). Full activation recompute would re-run those layers after the forward's features are
+where the tower runs (refused otherwise); each TP rank adds the rows of the tokens it holds (all of them, or its
+chunk under sequence parallelism). Full activation recompute would re-run those layers after the forward's features are
 cleared, so it is refused with DeepStack (selective recompute re-runs only the core attention, inside the layer).
 """
 
@@ -22,6 +22,7 @@ from toolkit.vlm.image_tokens import rows_at_image_tokens
 class DeepStack:
     def __init__(self, gpt_model, layers: int, first_stage: bool):
         self.layers = layers
+        self.sequence_parallel = gpt_model.config.sequence_parallel  # each TP rank adds its chunk's rows
         self.mask: torch.Tensor | None = None
         self.rows: list[torch.Tensor] = []
         held = [layer for layer in gpt_model.decoder.layers if layer.layer_number - 1 < layers]  # 1-based numbers
@@ -49,6 +50,6 @@ class DeepStack:
             if self.mask is None:
                 return output
             hidden, *rest = output if isinstance(output, tuple) else (output,)
-            hidden = hidden + rows_at_image_tokens(hidden, self.mask, self.rows[index])
+            hidden = hidden + rows_at_image_tokens(self.mask, self.rows[index], hidden.dtype, self.sequence_parallel)
             return (hidden, *rest) if isinstance(output, tuple) else hidden
         return add

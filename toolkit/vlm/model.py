@@ -64,23 +64,24 @@ class VisionLanguageModel(torch.nn.Module):
         if pixel_values is not None:
             visual = self.vision(pixel_values, image_grid_thw)
             mask = image_token_mask(input_ids, self.image_token_id)
-            embeds = place_image_embeds(embeds, mask, visual.embeds)
+            embeds = place_image_embeds(embeds, mask, visual.embeds, self.language_model.config.sequence_parallel)
             deepstack_rows = visual.deepstack
         with self.deepstack.features(mask, deepstack_rows):
             return self.language_model(input_ids, position_ids, None, decoder_input=embeds, labels=labels)
 
 
 def build_vision_language_model(wrapper_dir: str | Path, checkpoint_dir: str | Path, tp: int = 1, pp: int = 1,
-                                dtype: torch.dtype = torch.float32) -> VisionLanguageModel:
+                                dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> VisionLanguageModel:
     """The model of a Qwen3-VL wrapper checkpoint (its config and vision tower) and the language model converted
-    from it (`toolkit convert hf-to-megatron`), for this process's rank of TP x PP (parallel_state initialised)."""
+    from it (`toolkit convert hf-to-megatron`), for this process's rank of TP x PP (parallel_state initialised),
+    with megatron-core's sequence parallelism where asked (TP > 1; sequences a multiple of TP)."""
     import transformers
 
     from toolkit.blocks.rope_mrope import install_interleaved_mrope
     from toolkit.convert.load import load_converted
     from toolkit.convert.metadata import CheckpointMeta
     from toolkit.layouts import Layout
-    from toolkit.model import build_gpt_model
+    from toolkit.model import build_gpt_model, transformer_config
 
     meta = CheckpointMeta.read(Path(checkpoint_dir))
     spec = meta.model_spec
@@ -88,7 +89,8 @@ def build_vision_language_model(wrapper_dir: str | Path, checkpoint_dir: str | P
     if spec.family != "qwen3_vl" or config.model_type != "qwen3_vl":
         raise ConfigError(f"{checkpoint_dir} ({spec.family}) with {wrapper_dir} ({config.model_type}): images run "
                           "through Qwen3-VL (qwen3_vl) only so far: give a qwen3_vl checkpoint and its wrapper")
-    gpt = build_gpt_model(spec, Layout(tp, pp, meta.vocab_divisor), dtype)
+    layout = Layout(tp, pp, meta.vocab_divisor)
+    gpt = build_gpt_model(spec, layout, dtype, transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel))
     load_converted(gpt, checkpoint_dir, meta=meta)
     rope = config.text_config.rope_parameters
     install_interleaved_mrope(gpt, spec.head_dim, spec.rope_theta, rope.get("mrope_section", DEFAULT_MROPE_SECTION))
