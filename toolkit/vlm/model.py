@@ -71,7 +71,8 @@ class VisionLanguageModel(torch.nn.Module):
 
 
 def build_vision_language_model(wrapper_dir: str | Path, checkpoint_dir: str | Path, tp: int = 1, pp: int = 1,
-                                dtype: torch.dtype = torch.float32, sequence_parallel: bool = False) -> VisionLanguageModel:
+                                dtype: torch.dtype = torch.float32,
+                                sequence_parallel: bool = False) -> VisionLanguageModel:
     """The model of a Qwen3-VL wrapper checkpoint (its config and vision tower) and the language model converted
     from it (`toolkit convert hf-to-megatron`), for this process's rank of TP x PP (parallel_state initialised),
     with megatron-core's sequence parallelism where asked (TP > 1; sequences a multiple of TP)."""
@@ -90,12 +91,14 @@ def build_vision_language_model(wrapper_dir: str | Path, checkpoint_dir: str | P
         raise ConfigError(f"{checkpoint_dir} ({spec.family}) with {wrapper_dir} ({config.model_type}): images run "
                           "through Qwen3-VL (qwen3_vl) only so far: give a qwen3_vl checkpoint and its wrapper")
     layout = Layout(tp, pp, meta.vocab_divisor)
-    gpt = build_gpt_model(spec, layout, dtype, transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel))
+    config_of_layout = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel)
+    gpt = build_gpt_model(spec, layout, dtype, config_of_layout)
     load_converted(gpt, checkpoint_dir, meta=meta)
     rope = config.text_config.rope_parameters
     install_interleaved_mrope(gpt, spec.head_dim, spec.rope_theta, rope.get("mrope_section", DEFAULT_MROPE_SECTION))
     vision = load_vision_tower(wrapper_dir, dtype) if gpt.pre_process else None
     if vision is not None and torch.cuda.is_available():
         vision.cuda()
-    return VisionLanguageModel(gpt, vision, spec.vocab_size, config.image_token_id, config.vision_config.spatial_merge_size,
+    return VisionLanguageModel(gpt, vision, spec.vocab_size, config.image_token_id,
+                               config.vision_config.spatial_merge_size,
                                len(config.vision_config.deepstack_visual_indexes))

@@ -64,7 +64,8 @@ def mrope_position_ids(token_types: torch.Tensor, image_grid_thw: torch.Tensor |
     grids = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
     out = torch.zeros(3, *token_types.shape, dtype=torch.long)
     for b, kinds in enumerate(token_types.cpu()):
-        kept = attention_mask[b].cpu().bool() if attention_mask is not None else torch.ones_like(kinds, dtype=torch.bool)
+        kept = (attention_mask[b].cpu().bool() if attention_mask is not None
+                else torch.ones_like(kinds, dtype=torch.bool))
         out[:, b, kept] = sample_positions(kinds[kept].tolist(), grids, spatial_merge_size)
     if next(grids, None) is not None:
         raise DataError(f"image_grid_thw holds {len(image_grid_thw)} images, more than the batch's image tokens take")
