@@ -543,27 +543,33 @@ QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section
 QWEN3_VL = {**QWEN3, "rope_parameters": QWEN3_VL_ROPE}
 QWEN3_VL_MOE = {**{k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, "rope_parameters": QWEN3_VL_ROPE}
 # Qwen3-VL's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings,
-# its DeepStack mergers after that block
-QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+# its DeepStack mergers after that block; 16-pixel patches as the tiny processor's (QWEN3_VL_PATCH), so that the
+# processor's pixel values run through it
+QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                        num_position_embeddings=16, deepstack_visual_indexes=[0])
+# The ids of Qwen's vision tokens (QWEN_VL_TOKENS) in the tiny processor's tokenizer, as the wrapper's config names them
+QWEN3_VL_TOKEN_IDS = dict(vision_start_token_id=102, vision_end_token_id=103, image_token_id=104, video_token_id=105)
 
 
 def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, moe: bool = False,
-                                  as_saved: bool = False, **text_overrides) -> Path:
+                                  as_saved: bool = False, vision_overrides: dict | None = None,
+                                  **text_overrides) -> Path:
     """Qwen3-VL as published (Qwen3VLForConditionalGeneration, or Qwen3VLMoeForConditionalGeneration with `moe`: the
     tiny Qwen3 / Qwen3-MoE text model with MRoPE under `model.language_model`, `lm_head` beside it, a vision tower
     under `model.visual`), from transformers' own config classes; returns its directory. The MoE experts are fused
     as published (gate_up_proj [E, hidden, 2 x ffn], down_proj [E, ffn, hidden]: toolkit/families/qwen3_vl.py), or
-    with `as_saved` as transformers' save_pretrained writes them (the module's [E, 2 x ffn, hidden] / [E, hidden, ffn])."""
+    with `as_saved` as transformers' save_pretrained writes them (the module's [E, 2 x ffn, hidden] / [E, hidden, ffn]).
+    Its vision tokens are the tiny processor's (make_tiny_qwen3_vl_processor); `vision_overrides`: of the tower's config."""
     import torch
     import transformers
 
     name = "Qwen3VLMoe" if moe else "Qwen3VL"
+    vision_overrides = vision_overrides or {}
     text = {**BASE, **(QWEN3_VL_MOE if moe else QWEN3_VL), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
             **text_overrides}
     config = getattr(transformers, f"{name}Config")(
-        text_config=text, vision_config={**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"]},
-        tie_word_embeddings=text["tie_word_embeddings"])
+        text_config=text, vision_config={**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"], **vision_overrides},
+        tie_word_embeddings=text["tie_word_embeddings"], **QWEN3_VL_TOKEN_IDS)
     torch.manual_seed(seed)
     directory = _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
                                  directory, dtype)
