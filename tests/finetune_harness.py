@@ -243,7 +243,8 @@ GEMMA3_WRAPPER = "gemma3-multimodal"
 # at TP2 x PP2 x DP2 is tests/test_sequence_parallel.py's)
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
                  "phi4-mini": "phi4-mini", "gemma3-wrapper": GEMMA3_WRAPPER, "olmo2": "olmo2", "olmo3": "olmo3",
-                 "smollm3": "smollm3", "qwen3.5": "qwen3.5", "olmo-hybrid": "olmo-hybrid"}
+                 "smollm3": "smollm3", "qwen3.5": "qwen3.5", "olmo-hybrid": "olmo-hybrid",
+                 "nemotron-h": "nemotron-h"}
 
 
 # Recipe keys that change the run but not the HF reference: the layout, the run's precision and

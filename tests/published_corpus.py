@@ -34,8 +34,11 @@ SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32
          # the gated delta net (Qwen3-Next): 2 key heads each serving 2 value heads, as the published 16 / 32
          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 12,
          # Gemma 4's global layers: a head of their own, twice the sliding layers' as published (512 / 256)
-         "global_head_dim": 32}
-LAYERS = {"gemma3_text": 6, "gemma4_text": 6}
+         "global_head_dim": 32,
+         # Nemotron-H's Mamba-2: 4 heads of 16 in 2 B/C groups (TP 2 splits both), chunks shorter than the sequences
+         "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16}
+# Nemotron-H keeps the first 16 symbols of its pattern, the first attention layer among them (Nano 9B v2's 14th)
+LAYERS = {"gemma3_text": 6, "gemma4_text": 6, "nemotron_h": 16}
 HEADS = 4
 EXPERTS = 16
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -91,6 +94,8 @@ def shrink(published: dict) -> tuple[dict, dict]:
         new["linear_num_value_heads"] = SIZES["linear_num_key_heads"] * (v_heads // k_heads)
     if isinstance(cfg.get("layer_types"), list):  # one per layer: the first ones (Qwen3-Next: 3 linear, 1 full)
         new["layer_types"] = cfg["layer_types"][:new["num_hidden_layers"]]
+    if isinstance(cfg.get("hybrid_override_pattern"), str):  # Nemotron-H's, one symbol per layer likewise
+        new["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][:new["num_hidden_layers"]]
     if isinstance(cfg.get("attn_type_list"), list):  # MiniMax-M2's, one per layer likewise
         new["attn_type_list"] = cfg["attn_type_list"][:new["num_hidden_layers"]]
     if isinstance(cfg.get("rotary_dim"), int) and isinstance(cfg.get("head_dim"), int):

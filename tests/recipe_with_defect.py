@@ -5,6 +5,9 @@
   keeps the gradient of its own tokens (sequence-parallel norms, routers) or heads (q/k norms).
   `no-tp-sum:.router.` is a small router-gradient bug, as a router weight that lost its
   `sequence_parallel` tag would have (tests/test_moe_finetune.py).
+* `tp-sum:<part>`: parameters whose name contains <part> are summed over TP as if each rank held a part of one
+  replicated gradient, as a gated delta net's output norm is: on a parameter split over TP (Mamba-2's gated norm,
+  each rank its own groups) the sum mixes different ranks' slices (tests/test_family_nemotron_h.py).
 * `loss-factor:<F>`: every micro-batch's loss is multiplied by F before backward
   (toolkit.train.loss.scaled_loss), a wrong loss scale: the gradients are F times the right ones,
   which Adam and clipping hide from the losses (tests/test_finetune_parity.py, tests/test_fp16.py).
@@ -30,6 +33,11 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
 def leave_out_of_tp_sum(part: str) -> None:
     partial_over_tp = parallel.partial_over_tp
     parallel.partial_over_tp = lambda config, name, param: part not in name and partial_over_tp(config, name, param)
+
+
+def put_into_tp_sum(part: str) -> None:
+    partial_over_tp = parallel.partial_over_tp
+    parallel.partial_over_tp = lambda config, name, param: part in name or partial_over_tp(config, name, param)
 
 
 def scale_the_loss(factor: str) -> None:
@@ -78,7 +86,7 @@ def window_dropped(_: str) -> None:
     context_parallel.ContextParallelAttention.__init__ = without_window
 
 
-DEFECTS = {"no-tp-sum": leave_out_of_tp_sum, "loss-factor": scale_the_loss, "cp-positions-from-zero": rope_positions_from_zero,
+DEFECTS = {"no-tp-sum": leave_out_of_tp_sum, "tp-sum": put_into_tp_sum, "loss-factor": scale_the_loss, "cp-positions-from-zero": rope_positions_from_zero,
            "cp-loss-mean": loss_mean_over_cp, "cp-window-dropped": window_dropped}
 
 if __name__ == "__main__":

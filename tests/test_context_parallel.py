@@ -244,6 +244,8 @@ def test_longrope_under_cp_is_refused_and_windows_and_experts_are_not_on_the_loc
     with pytest.raises(ConfigError, match="gated delta net layers") as refused:  # Qwen3-Next: a state along the sequence
         check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), linear_layers="1110"))
     assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="Mamba-2 layers"):  # Nemotron-H: the scan's state along the sequence
+        check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), linear_layers="M*-M", mamba={"heads": 4}))
     check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), window_size=8, num_experts=4))
     check_context_parallel_family(cfg, dataclasses.replace(tiny_spec(), linear_layers="0000"))
 

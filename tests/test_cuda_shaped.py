@@ -52,7 +52,10 @@ def test_compat_fixes_that_are_not_cpu_specific_apply_with_cuda(monkeypatch):
 
     from toolkit.runtime import distributed, strict_devices
 
+    import torch._dynamo
+
     cuda_present(monkeypatch)
+    was_disabled, torch._dynamo.config.disable = torch._dynamo.config.disable, False  # as a fresh process has it
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(strict_devices, "enabled", lambda: False)
@@ -71,6 +74,29 @@ def test_compat_fixes_that_are_not_cpu_specific_apply_with_cuda(monkeypatch):
     routing_map = torch.nn.functional.one_hot(torch.tensor([0, 2, 2, 1, 3]), 4).bool()
     TopKRouter._apply_expert_bias(router, routing_map, torch.tensor([False, False, False, True, True]))
     assert router.local_tokens_per_expert.tolist() == [1, 0, 2, 0]
+    # the CPU patches, eager fusions among them, are not applied: on GPUs megatron-core's fused helpers compile
+    compiles, torch._dynamo.config.disable = not torch._dynamo.config.disable, was_disabled
+    assert compiles, "cpu_compat.eager_fusions ran with CUDA present"
+
+
+def test_fused_helpers_run_eagerly_after_the_cpu_patches(monkeypatch):
+    """cpu_compat.EAGER_FUSIONS_SPOT: after eager_fusions a torch.compile'd function (megatron-core's jit_fuser)
+    runs as written, with no frame compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from toolkit.runtime import cpu_compat
+
+    fused = torch.compile(lambda x: x * 2 + 1)
+    was = torch._dynamo.config.disable  # a config module: monkeypatch and config.patch refuse this key
+    try:
+        torch._dynamo.config.disable = False
+        cpu_compat.eager_fusions()
+        before = counters["frames"]["total"]
+        assert torch.equal(fused(torch.ones(3)), torch.full((3,), 3.0))
+        assert counters["frames"]["total"] == before, "compiled on CPU"
+    finally:
+        torch._dynamo.config.disable = was
 
 
 def test_more_local_ranks_than_gpus_is_refused_in_one_line(monkeypatch):

@@ -106,3 +106,66 @@ def test_tp2_pp2_both_formats_match_hf_round_trip_bit_exactly_and_wrong_splits_f
     print({piece: f"{r.max_logit_diff:.2e}" for piece, r in zip(GUARDS, reports[len(FORMATS):])})
     for piece, report in zip(GUARDS, reports[len(FORMATS):], strict=True):
         assert report.max_logit_diff > 100 * FP32_TOLERANCE and not report.ok, piece
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_parity(tmp_path_factory):
+    from tests.finetune_harness import parity_setup
+
+    return parity_setup(tmp_path_factory.mktemp("nemotron-h-finetune"), {"nemotron-h": "nemotron-h"})
+
+
+@pytest.mark.multiprocess
+def test_guard_the_mamba_norm_summed_over_tp_fails_the_fine_tune_parity(nemotron_h_parity, tmp_path):
+    """Mamba-2's A_log, D, dt_bias and gated norm are split over TP with the heads (megatron-core tags them
+    tensor_model_parallel), so none is summed over TP, unlike a gated delta net's output norm (one weight over every
+    rank's heads, toolkit/train/parallel.py). Guard of tests/test_finetune_parity.py's nemotron-h case (losses 8.2e-7,
+    grad norms 4.6e-7 relative off HF at TP2 x PP2): the gated norm's gradient summed over TP as that one's
+    (tests/recipe_with_defect.py tp-sum), TP 2 for 3 steps, is 1.7e-4 off on the losses and 2.9e-4 on the norms."""
+    from tests.finetune_harness import LOSS_TOLERANCE_FP32, REPO, run_against_reference
+
+    _, loss, norm = run_against_reference(nemotron_h_parity, tmp_path, 2, "nemotron-h", steps=3,
+                                          parallel={"tp": 2, "pp": 1, "zero_stage": 1},
+                                          script=REPO / "tests" / "recipe_with_defect.py",
+                                          env={"DEFECT": "tp-sum:.mixer.norm."})
+    print(f"Mamba's gated norm summed over TP: max |loss - reference| {loss:.1e}, grad norm relative {norm:.1e}")
+    assert loss > 10 * LOSS_TOLERANCE_FP32, loss
+
+
+# NVIDIA-Nemotron-Nano-9B-v2 (tests/data/published_configs, its sizes in index.json): "9B" on its model card, four
+# attention layers among 27 Mamba-2 and 25 MLP layers
+NANO_9B_V2 = ("nvidia-nemotron-nano-9b-v2", 9, 8_888_227_328)
+
+
+def test_memory_counts_nano_9b_v2s_published_parameters_as_hf_builds_them():
+    """`toolkit memory`'s count (toolkit.memory.params, from the family table: in_proj, conv1d, A_log, D, dt_bias,
+    the gated norm, out_proj per Mamba-2 layer) equals HF's NemotronHForCausalLM built on the meta device at the
+    published sizes, the card's 9B; TP 1 x PP 1 holds them all (131072 already a multiple of 128)."""
+    import transformers
+
+    from tests import published_corpus as corpus
+    from toolkit.memory.params import stage_param_numels, total_params
+
+    name, card_billions, count = NANO_9B_V2
+    cfg = corpus.published_sizes(name)
+    spec = spec_from_config(cfg)[1]
+    assert (spec.num_layers, spec.hybrid_pattern.count("M"), spec.hybrid_pattern.count("*")) == (56, 27, 4)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig.from_dict(cfg))
+    assert total_params(spec) == sum(p.numel() for p in model.parameters()) == count
+    assert round(count / 1e9) == card_billions
+    assert sum(stage_param_numels(spec, 1, 1, 0)) == count
+
+
+def test_packing_is_refused_in_one_line_before_any_process_group(nemotron_h_parity, tmp_path):
+    """MambaLayer takes no document mask: packed documents would share the scan's state, so data.pack is refused."""
+    from tests.finetune_harness import recipe
+    from toolkit.errors import ConfigError
+    from toolkit.train.build import read_checkpoint_meta
+    from toolkit.train.config import load_config
+
+    _, data, models, _ = nemotron_h_parity
+    cfg = load_config(str(recipe(tmp_path, models["nemotron-h"][1], data, data__pack=True)), [])
+    with pytest.raises(ConfigError, match=r"data.pack=true with nemotron_h's Mamba-2 layers") as refused:
+        read_checkpoint_meta(cfg)
+    assert "\n" not in str(refused.value)

@@ -75,6 +75,9 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         # OLMo-Hybrid: its gated delta net layers pre-normed with beta doubled (the gradient through 2 sigmoid(b)),
         # OLMo 3's post-normed attention layers, on each stage; exported under the published names
         ("olmo-hybrid", "OlmoHybridForCausalLM", "model.layers.0.linear_attn.b_proj.weight"),
+        # Nemotron-H: Mamba-2 layers (in_proj's z, x, B, C, dt and the conv each split over TP part by part; A_log, D,
+        # dt_bias and the gated norm split with the heads), attention without RoPE and relu^2 MLP layers on each stage
+        ("nemotron-h", "NemotronHForCausalLM", "model.layers.0.mixer.in_proj.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,

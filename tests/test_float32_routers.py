@@ -109,7 +109,7 @@ def test_the_rows_flagged_float32_cover_what_the_installed_class_keeps_in_float3
         if _installed_release() == "5.24":
             assert all(any(f.endswith(p) for p in patterns) for f in flagged), (name, flagged)
         checked.add(name)
-    # Nemotron-H has no tiny variant (tests/test_hybrid_model.py builds its model): its list names the MoE router's
+    # Nemotron-H, checked on tests/test_hybrid_model.py's model (its tiny variant is the same kind): its list names the MoE router's
     # tensors (gate.weight, e_score_correction_bias), which its dense layers lack and the family refuses for now
     from tests.test_hybrid_model import _hf_model
 

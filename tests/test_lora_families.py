@@ -30,6 +30,9 @@ FAMILIES = {
     "olmo-hybrid": "all-linear",  # its gated delta net's six Linears (q_proj as its attention layers') likewise
     "mistral4": MLA, "minimax-m2": ATTENTION,
     "llama4": [*ATTENTION, "gate_proj", "up_proj", "down_proj"],  # its dense layers' MLPs and the shared experts
+    # Nemotron-H: Mamba-2's in_proj (its z, x, B, C, dt rows each split over TP), the attention and relu^2 MLP layers;
+    # PEFT refuses out_proj and conv1d on Mamba models (its fused kernel reads out_proj.weight itself)
+    "nemotron-h": ["in_proj", *ATTENTION, "up_proj", "down_proj"],
 }
 
 

@@ -41,7 +41,9 @@ def hf_counts(cfg) -> tuple[int, int]:
     return total, active
 
 
-TINY = ("deepseek-v3", "deepseek-v3-full-q", "deepseek-v32", "glm-moe-dsa", "glm-moe-dsa-shared", "glm4-moe", "glm4-moe-air", "gpt-oss", "qwen3-next", "qwen3.5-moe")
+TINY = ("deepseek-v3", "deepseek-v3-full-q", "deepseek-v32", "glm-moe-dsa", "glm-moe-dsa-shared", "glm4-moe", "glm4-moe-air",
+        "gpt-oss", "qwen3-next", "qwen3.5-moe",
+        "nemotron-h")  # Nemotron-H: dense, its Mamba-2, attention and MLP layers each on their own layers
 
 
 @pytest.mark.parametrize("variant", TINY)

@@ -157,6 +157,13 @@ DEFAULT_NORM_WEIGHTS = (0.5, 1.5)
 # residual stream's rounding grows past 1e-4 over six layers at TP 2, the logits still within 6e-6)
 NORM_WEIGHTS.update(dict.fromkeys(("gemma4_text", "gemma4"), (0.25, 0.75)))
 
+# Mamba-2's per-head scalars (Nemotron-H), drawn so that each moves the output: A = -exp(A_log) in (-1, -0.05) and dt =
+# softplus(.. + dt_bias) mostly in (0.1, 0.7) give decays that keep the state for tens of tokens (HF's A_log = log(1..h)
+# and dt of 0.001-0.1 at init barely move the tiny model's loss), dt kept far above HF's clamp at time_step_min 1e-3
+# (toolkit/blocks/mixer_mamba.py); D around zero, each head's skip its own. name ending -> (draw, low, high)
+MAMBA_DRAWS = {"nemotron_h": {"A_log": ("log_uniform", 0.05, 1.0), "dt_bias": ("uniform", -2.0, 0.0),
+                              "D": ("uniform", -1.0, 1.0)}}
+
 # Qwen3-Next with every feature on: gated delta net layers (2 key heads of 8, 4 value heads of 12: two per
 # key head; conv kernel 4) alternating with output-gated attention layers (full_attention_interval 2, so
 # each PP 2 stage holds both), 6 experts top-2 renormalised (3 per EP 2 rank) with a gated shared expert
@@ -250,6 +257,13 @@ LLAMA4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head
               attn_temperature_tuning=True, floor_scale=64, attn_scale=0.1, vocab_size=251, initializer_range=0.1,
               max_position_embeddings=256, router_aux_loss_coef=0.0,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# Nemotron-H with every piece of its dense layers in play: Mamba-2 (4 heads of 16, 2 B/C groups of state 8: TP 2
+# splits heads and groups alike; conv kernel 4; chunks of 16, shorter than the test sequences), attention (GQA 2 of 4
+# heads of 16, no RoPE) and relu^2 MLP layers, the pattern M-*M*- putting each kind on both PP 2 stages; the gated
+# norm's eps at megatron-core's fixed 1e-5 (toolkit/families/nemotron_h.py). num_hidden_layers is the pattern's.
+NEMOTRON_H = dict(hidden_size=64, hybrid_override_pattern="M-*M*-", mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                  ssm_state_size=8, conv_kernel=4, chunk_size=16, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=96, vocab_size=251, layer_norm_epsilon=1e-5, initializer_range=0.1)
 # name -> (config class name, overrides)
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
@@ -309,6 +323,7 @@ VARIANTS = {
     "ministral3": ("Ministral3Config", MINISTRAL3),
     "llama4": ("Llama4TextConfig", LLAMA4),
     "olmo-hybrid": ("OlmoHybridConfig", OLMO_HYBRID),
+    "nemotron-h": ("NemotronHConfig", NEMOTRON_H),
 }
 
 
@@ -388,9 +403,14 @@ def _save_randomised(model, model_type: str, directory: str | Path, dtype: str,
     from toolkit.families import HF_FLOAT32_BUFFERS
 
     low, high = NORM_WEIGHTS.get(model_type, DEFAULT_NORM_WEIGHTS)
+    mamba = MAMBA_DRAWS.get(model_type, {})
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            drawn = mamba.get(name.rpartition(".")[2])
+            if drawn:
+                kind, lo, hi = drawn
+                param.copy_(param.uniform_(lo, hi).log() if kind == "log_uniform" else param.uniform_(lo, hi))
+            elif "norm" in name:
                 param.uniform_(low, high)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight",
                                 "feed_forward.router.weight")):
@@ -535,27 +555,33 @@ QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section
 QWEN3_VL = {**QWEN3, "rope_parameters": QWEN3_VL_ROPE}
 QWEN3_VL_MOE = {**{k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, "rope_parameters": QWEN3_VL_ROPE}
 # Qwen3-VL's vision tower as small as the class allows: one block of width 32, a 4 x 4 grid of position embeddings,
-# its DeepStack mergers after that block
-QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+# its DeepStack mergers after that block; 16-pixel patches as the tiny processor's (QWEN3_VL_PATCH), so that the
+# processor's pixel values run through it
+QWEN3_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                        num_position_embeddings=16, deepstack_visual_indexes=[0])
+# The ids of Qwen's vision tokens (QWEN_VL_TOKENS) in the tiny processor's tokenizer, as the wrapper's config names them
+QWEN3_VL_TOKEN_IDS = dict(vision_start_token_id=102, vision_end_token_id=103, image_token_id=104, video_token_id=105)
 
 
 def make_tiny_qwen3_vl_multimodal(directory: str | Path, dtype: str = "float32", seed: int = 0, moe: bool = False,
-                                  as_saved: bool = False, **text_overrides) -> Path:
+                                  as_saved: bool = False, vision_overrides: dict | None = None,
+                                  **text_overrides) -> Path:
     """Qwen3-VL as published (Qwen3VLForConditionalGeneration, or Qwen3VLMoeForConditionalGeneration with `moe`: the
     tiny Qwen3 / Qwen3-MoE text model with MRoPE under `model.language_model`, `lm_head` beside it, a vision tower
     under `model.visual`), from transformers' own config classes; returns its directory. The MoE experts are fused
     as published (gate_up_proj [E, hidden, 2 x ffn], down_proj [E, ffn, hidden]: toolkit/families/qwen3_vl.py), or
-    with `as_saved` as transformers' save_pretrained writes them (the module's [E, 2 x ffn, hidden] / [E, hidden, ffn])."""
+    with `as_saved` as transformers' save_pretrained writes them (the module's [E, 2 x ffn, hidden] / [E, hidden, ffn]).
+    Its vision tokens are the tiny processor's (make_tiny_qwen3_vl_processor); `vision_overrides`: of the tower's config."""
     import torch
     import transformers
 
     name = "Qwen3VLMoe" if moe else "Qwen3VL"
+    vision_overrides = vision_overrides or {}
     text = {**BASE, **(QWEN3_VL_MOE if moe else QWEN3_VL), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
             **text_overrides}
     config = getattr(transformers, f"{name}Config")(
-        text_config=text, vision_config={**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"]},
-        tie_word_embeddings=text["tie_word_embeddings"])
+        text_config=text, vision_config={**QWEN3_VL_VISION, "out_hidden_size": text["hidden_size"], **vision_overrides},
+        tie_word_embeddings=text["tie_word_embeddings"], **QWEN3_VL_TOKEN_IDS)
     torch.manual_seed(seed)
     directory = _save_randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config), config.model_type,
                                  directory, dtype)

@@ -17,6 +17,7 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     rope_yarn.py              RoPE variant          YaRN without CUDA; a config without YaRN for a layer's own RoPE
     rope_longrope.py          RoPE variant          LongRoPE (Phi-3.5, Phi-4-mini): short/long factors, attention factor
     rope_proportional.py      RoPE variant          Gemma 4's partial rotation with the whole head's frequencies
+    rope_mrope.py             RoPE variant          Qwen3-VL's interleaved MRoPE: angles per token from (T, H, W) positions
     moe_layers.py             MoE layer, router     Gemma 4's MoE block beside a dense MLP, its scaled router
     router_losses.py          router loss           the load-balancing loss: megatron-core's, or HF's (layers pooled)
     decoder_spec.py           layer and block       the decoder layer and block specs composing the above per family

@@ -15,7 +15,8 @@ from pathlib import Path
 from toolkit.errors import ConversionError
 from toolkit.families import ConfigReading, Family, ModelSpec, family_for, read_config
 
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# model.layers.N. in most files; backbone.layers.N. in Nemotron-H's (toolkit/families/nemotron_h.py)
+_HF_LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.")
 
 
 def check_layer_count(cfg: dict, tensor_names, path: Path) -> None:

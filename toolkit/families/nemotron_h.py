@@ -120,4 +120,5 @@ NEMOTRON_H = Family(
     activation=("mlp_hidden_act", "relu2"),
     megatron={"is_hybrid_model": True},
     mtp_prefix="mtp.",  # NemotronHPreTrainedModel._keys_to_ignore_on_load_unexpected = [r"mtp.*"]
+    module_prefix=("backbone.", "model."),  # transformers 5.24's conversion mapping reads backbone.* as model.*
 )

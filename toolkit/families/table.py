@@ -275,6 +275,9 @@ class Family:
     # Where the multi-token-prediction layers are stored under a prefix of their own instead (Qwen3-Next's
     # `mtp.*`, which HF's model ignores on load: `_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`)
     mtp_prefix: str | None = None
+    # (stored prefix, module prefix) where HF's model names its modules otherwise than its files name the tensors
+    # (Nemotron-H: backbone.* stored, model.* in transformers 5.24's module, which PEFT names an adapter's weights by)
+    module_prefix: tuple[str, str] | None = None
     # model_type -> the one of transformers' config classes that reads it, where transformers has none of
     # its own (Kimi-K2's "kimi_k2", whose auto_map names DeepSeek's DeepseekV3Config)
     config_class_of: dict[str, str] = field(default_factory=dict, hash=False)

@@ -27,7 +27,8 @@ COLUMN, ROW = "column", "row"
 # on the HF model adapts the gated delta net's q_proj too.
 _COLUMN_SPLITS = (Split.COLUMN, Split.QKV, Split.GATE_UP, Split.HF_QKV, Split.HF_GATE_UP, Split.GATED_QKV,
                   Split.GDN_IN_PROJ, Split.GDN_IN_PROJ_CAT, Split.GDN_IN_PROJ_EACH, Split.GLOBAL_QKV,
-                  Split.GLOBAL_QK)  # GLOBAL_*: Gemma 4's global layers
+                  Split.GLOBAL_QK,  # GLOBAL_*: Gemma 4's global layers
+                  Split.MAMBA_IN_PROJ)  # Nemotron-H's in_proj, its z, x, B, C and dt rows each over TP
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
     linears = []
     for row in family.rows_for(spec):
         # routed experts are PEFT target_parameters of the fused HF expert weights (toolkit.lora.experts)
-        if not (row.per_layer and row.megatron.endswith(".weight")) or row.per_expert:
+        # a weight of one dimension is no linear (Nemotron-H's gated norm, split over TP as a COLUMN row)
+        if not (row.per_layer and row.megatron.endswith(".weight")) or row.per_expert or len(row.shapes[0]) != 2:
             continue
         if row.split is Split.ROW:
             parallel = ROW
@@ -82,12 +84,19 @@ def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
         else:
             continue
         parts = tuple(
-            Target(name.removesuffix(".weight").rsplit(".", 1)[1], name.removesuffix(".weight"),
+            Target(name.removesuffix(".weight").rsplit(".", 1)[1], module_name(family, name.removesuffix(".weight")),
                    spec.size_of(shape[1]), spec.size_of(shape[0]))
             for name, shape in zip(row.hf, row.shapes)
         )
         linears.append(LinearTargets(row, parallel, parts, ()))
     return linears
+
+
+def module_name(family: Family, stored: str) -> str:
+    """HF's module path of a tensor stored as `stored` (PEFT names an adapter's weights by the module)."""
+    if family.module_prefix and stored.startswith(family.module_prefix[0]):
+        return family.module_prefix[1] + stored.removeprefix(family.module_prefix[0])
+    return stored
 
 
 def available(family: Family, spec: ModelSpec) -> list[str]:

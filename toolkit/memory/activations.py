@@ -127,11 +127,50 @@ def gated_delta_net_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels,
     return 2 * _norm(spec, shape, kernels) + linear_inputs + b * (projected + conv) + rule + gated_norm + mlp
 
 
+def mamba_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
+    """Bytes a Mamba-2 layer (Nemotron-H's M) keeps for backward for one micro-batch, modelled on megatron-core's
+    MambaMixer with mamba_ssm's chunked scan (ssm/mamba_mixer.py, the training path): the input norm; in_proj's
+    input and its output [z; x; B; C; dt]; conv1d's output and its silu (x, B, C channels); dt and A dt's cumulative
+    sum per chunk in fp32 and one [head_dim, state] fp32 state per head and chunk; the scan's output, the gated
+    norm's (out_proj's input) and its fp32 rstd per group. Heads and groups split over TP. Not measured (the CPU
+    path runs the torch scan, toolkit/blocks/kernels/mamba2_ssd.py)."""
+    m, t, b = spec.mamba, shape.tokens, shape.act_bytes
+    inner, bc, heads = m["heads"] * m["head_dim"], 2 * m["groups"] * m["state"], m["heads"] // shape.tp
+    projected = t * (2 * inner + bc + m["heads"]) // shape.tp
+    conv = 2 * t * (inner + bc) // shape.tp
+    chunks = shape.batch * -(-shape.local_seq // m["chunk_size"])
+    scan = FP32 * (2 * t * heads + chunks * heads * m["head_dim"] * m["state"])
+    gated_norm = 2 * b * t * inner // shape.tp + FP32 * t * m["groups"] // shape.tp
+    return _norm(spec, shape, kernels) + b * (shape.hidden_tokens(spec) + projected + conv) + scan + gated_norm
+
+
+def hybrid_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str, symbol: str) -> int:
+    """Bytes one layer of a hybrid pattern keeps (ModelSpec.hybrid_pattern): M a Mamba-2 layer, * attention alone
+    (its norm, linear_qkv's and linear_proj's inputs, the core attention), - a relu^2 MLP alone (its norm,
+    linear_fc1's input, fc1's output and its relu, whose square is linear_fc2's input)."""
+    if recompute == "full":
+        return shape.act_bytes * shape.hidden_tokens(spec)
+    b, t = shape.act_bytes, shape.tokens
+    linear = shape.linear_input_bytes or b
+    if symbol == "M":
+        return mamba_layer_bytes(spec, shape, kernels)
+    if symbol == "*":
+        attention = _selective_attention(spec, shape, kernels) if recompute == "selective" else _attention(spec, shape, kernels)
+        q = spec.num_heads * spec.head_dim
+        return _norm(spec, shape, kernels) + linear * (shape.hidden_tokens(spec) + t * q // shape.tp) + attention
+    f = spec.ffn_hidden_size // shape.tp
+    return _norm(spec, shape, kernels) + linear * (shape.hidden_tokens(spec) + t * f) + 2 * b * t * f
+
+
 def stage_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str, layers: range) -> int:
     """Bytes the layers `layers` keep per layer on average: Qwen3-Next's gated delta net layers and attention
-    layers keep different activations (ModelSpec.linear_layers); any other model's layers the same."""
+    layers keep different activations (ModelSpec.linear_layers), and so do a hybrid pattern's Mamba-2,
+    attention and MLP layers; any other model's layers the same."""
     if not spec.linear_layers:
         return layer_bytes(spec, shape, kernels, recompute)
+    if spec.hybrid_pattern:
+        total = sum(hybrid_layer_bytes(spec, shape, kernels, recompute, spec.hybrid_pattern[n]) for n in layers)
+        return -(-total // len(layers))
     linear = sum(spec.linear_layers[n] == "1" for n in layers)
     total = (linear * gated_delta_net_layer_bytes(spec, shape, kernels, recompute)
              + (len(layers) - linear) * layer_bytes(spec, shape, kernels, recompute))
@@ -139,8 +178,12 @@ def stage_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute
 
 
 def recompute_working_set(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str) -> int:
-    """With full recompute, backward rebuilds one layer's activations at a time."""
-    return layer_bytes(spec, shape, kernels) if recompute == "full" else 0
+    """With full recompute, backward rebuilds one layer's activations at a time (a hybrid pattern's largest)."""
+    if recompute != "full":
+        return 0
+    if spec.hybrid_pattern:
+        return max(hybrid_layer_bytes(spec, shape, kernels, "none", symbol) for symbol in set(spec.hybrid_pattern))
+    return layer_bytes(spec, shape, kernels)
 
 
 def _norm(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:

@@ -12,7 +12,8 @@ from toolkit.families.table import MOE_LAYER, layer_kind
 from toolkit.layouts import Layout
 
 EMBEDDING_PREFIX = "embedding."
-LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
+# the final norm: decoder.final_layernorm in GPTModel, decoder.final_norm in the hybrid stack (Nemotron-H)
+LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")
 # fp8_linears: the decoder layers' linear weights, the routed experts' included, that Transformer Engine
 # runs in FP8 (the router, norms, embedding and output layer stay bf16: toolkit/fp8/local.py says why)
 PARTS = ("all", "dense", "experts", "fp8_linears")

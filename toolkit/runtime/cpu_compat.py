@@ -71,6 +71,14 @@ EXPERT_BIAS_MASK_SPOT = ("transformer/moe/router.py:541-542: TopKRouter._apply_e
                          "which cannot broadcast: every training forward with a padding mask fails (upstream issue "
                          "NVIDIA/Megatron-LM#6111, fixed by #6114 after 0.16.1)")
 
+# Not a failure but a cost: applied with the CPU patches (apply), on a machine without CUDA only.
+EAGER_FUSIONS_SPOT = ("jit.py:16-22: jit_fuser is torch.compile from torch 2.2, on the fused helpers of "
+                      "fusions/fused_bias_swiglu.py, fused_bias_gelu.py, fused_bias_dropout.py, transformer/torch_norm.py "
+                      "(L2Norm), ssm/gated_delta_net/common.py and transformer/moe/router.py. On CPU, inductor compiles C++ for "
+                      "each of them in every process, for every new shape: 2,752 of 10,546 py-spy samples (26%) of the "
+                      "verify launch over the published corpus, where gated delta nets, GLU MLPs, L2 norms and routers "
+                      "compile (docs/benchmarks.md, 'CPU launches'). Eager is what they compute uncompiled")
+
 # Stood in only while a model is built, by the module named (not patched here); listed so that every
 # upstream spot the toolkit works around is found in one place.
 MODEL_BUILD_SPOTS = {
@@ -412,6 +420,13 @@ def mask_expert_bias_counts_per_token() -> None:
     TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
+def eager_fusions() -> None:
+    """See EAGER_FUSIONS_SPOT: torch.compile'd functions run as written (Dynamo's own switch, read at each call)."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 def apply_upstream_fixes() -> None:
     """The fixes for megatron-core bugs that are not about the CPU: applied on every device."""
     define_te_general_gemm()
@@ -427,6 +442,8 @@ def apply(force: bool = False) -> list[str]:
     for name, patch in _PATCHES.items():
         patch()
         APPLIED.append(name)
+    eager_fusions()
+    APPLIED.append("eager_fusions")
     _log.debug("megatron-core CPU patches applied: %s", APPLIED)
     return APPLIED
 

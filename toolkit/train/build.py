@@ -46,6 +46,10 @@ def read_checkpoint_meta(cfg: TrainConfig) -> CheckpointMeta:
                           "original_max_position_embeddings, has no megatron-core counterpart)")
     if cfg.data.pack and spec.window_size:
         raise ConfigError("packing is not supported with a sliding window: megatron-core's windowed attention ignores the document mask")
+    if cfg.data.pack and spec.hybrid_pattern and "M" in spec.hybrid_pattern:
+        raise ConfigError(f"data.pack=true with {spec.family}'s Mamba-2 layers is not supported: megatron-core's MambaLayer "
+                          "takes no document mask, so its scan would carry one document's state into the next; set "
+                          "data.pack=false")
     if cfg.data.pack and model_builder.layer_spec_choice(cfg.peft.enabled, spec)[0] == "te":
         raise ConfigError("packing is not supported on the Transformer Engine path: it needs per-document cu_seqlens, "
                           "which this trainer does not build, and TE would silently ignore the document mask; set data.pack=false")
@@ -111,10 +115,12 @@ def check_context_parallel_family(cfg: TrainConfig, spec) -> None:
     process group; so are, on the Transformer Engine spec, packing (its CP attention takes only the
     causal mask) and sliding windows (its ring, TE_CP_COMM_TYPE, asserts it takes none)."""
     cp = cfg.parallel.cp
-    if spec.linear_layers and "1" in spec.linear_layers:
-        # a gated delta net carries its state along the whole sequence; megatron-core 0.16.1's CP for it
-        # (gated_delta_net_context_parallel) is not wired in (gated_delta_net.py:37)
-        raise ConfigError(f"parallel.cp={cp} with {spec.family}'s gated delta net layers is not supported: their "
+    recurrent = spec.linear_layers and ("Mamba-2" if spec.hybrid_pattern and "M" in spec.hybrid_pattern
+                                        else "gated delta net" if "1" in spec.linear_layers else None)
+    if recurrent:
+        # a gated delta net or a Mamba-2 scan carries its state along the whole sequence; megatron-core 0.16.1's CP for
+        # the former (gated_delta_net_context_parallel) is not wired in (gated_delta_net.py:37), nor its Mamba CP
+        raise ConfigError(f"parallel.cp={cp} with {spec.family}'s {recurrent} layers is not supported: their "
                           "recurrent state runs along the whole sequence, which CP splits; use parallel.cp=1")
     if spec.longrope:
         raise ConfigError(f"parallel.cp={cp} with {spec.family}'s LongRoPE is not supported yet (the toolkit's rotary "
