@@ -239,6 +239,13 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
     return directory
 
 
+def unquantized_text_config(name: str) -> dict:
+    """build_model's `sizes` for an entry's wrapper less its text_config's quantization_config (Kimi-K2.5's INT4,
+    refused as published): the language model that converts."""
+    text = config(name)["text_config"]
+    return {"text_config": {k: v for k, v in text.items() if k != "quantization_config"}}
+
+
 def transformers_model_type(cfg: dict) -> str:
     """The model_type of the transformers config class that reads cfg: a wrapper's own (Gemma3Config
     builds Gemma3ForConditionalGeneration), else its family's class for it (kimi_k2 is read as deepseek_v3)."""

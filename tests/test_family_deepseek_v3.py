@@ -19,6 +19,7 @@ import torch
 
 from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
+from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
 from tests.test_family_glm4_moe import add_mtp_layer, family_parity_pairs
 from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
@@ -64,7 +65,6 @@ REFUSALS = (
     ({"attention_bias": True}, "MLASelfAttention has no biases"),
     ({"rope_interleave": False}, "always de-interleaves the rotary dimensions"),
     ({"num_key_value_heads": 2}, "multi-latent attention has a key and value per head"),
-    ({"rms_norm_eps": 1e-5}, "q_a_layernorm and kv_a_layernorm keep eps 1e-06"),
     ({"kv_lora_rank": 31}, "qk_rope_head_dim 39 is not divisible by --tp 2"),
 )
 YARN_REFUSALS = (
@@ -169,9 +169,47 @@ def _dropped(tiny_deepseek, tmp_path, piece: str):
 
 def parity_pairs(tiny_deepseek, tmp_path) -> tuple[list, int]:
     """(hf, megatron) pairs for the TP2 x PP2 x EP2 parity launch of tests/test_published_parity.py: the
-    low-rank-query YaRN model as per-rank torch files, the full-query RoPE one as torch_dist, then one guard
-    per piece, which must be far off HF's logits; and how many of them must match."""
-    return family_parity_pairs(tiny_deepseek, VARIANTS, GUARDS, _dropped, tmp_path, layer_spec="local")
+    low-rank-query YaRN model as per-rank torch files, the full-query RoPE one as torch_dist, the first at
+    LARGE_NORM_EPS as torch_dist, then one guard per piece, which must be far off HF's logits; and how many of
+    them must match."""
+    pairs, matching = family_parity_pairs(tiny_deepseek, VARIANTS, GUARDS, _dropped, tmp_path, layer_spec="local")
+    eps = large_norm_eps(tiny_deepseek, tmp_path)
+    converted = hf_to_megatron(eps, tmp_path / "ds-eps-dist", tp=2, pp=2, ep=2, fmt="torch_dist", **LOCAL)
+    return [*pairs[:matching], (eps, converted), *pairs[matching:]], matching + 1
+
+
+# rms_norm_eps far from the latent norms' 1e-6, so that an eps of theirs taken from it moves the logits far past 1e-4
+LARGE_NORM_EPS = 1e-1
+
+
+def large_norm_eps(tiny_deepseek, tmp_path):
+    """The fp32 low-rank-query model with rms_norm_eps LARGE_NORM_EPS: HF's pre-norms and final norm take it,
+    q_a_layernorm and kv_a_layernorm keep 1e-6 (toolkit/blocks/norms.py LatentRMSNorm)."""
+    src = shutil.copytree(tiny_deepseek["deepseek-v3"], tmp_path / "ds-eps")
+    edit_config(src, rms_norm_eps=LARGE_NORM_EPS)
+    return src
+
+
+def test_the_latent_norms_at_rms_norm_eps_move_hfs_logits_past_the_parity_tolerance(tiny_deepseek, tmp_path):
+    """The guard of the LARGE_NORM_EPS pair in the parity launch, HF-side: HF's model with its q_a_layernorm and
+    kv_a_layernorm at rms_norm_eps, as megatron-core's MLA builds its q / kv norms (eps=layernorm_epsilon), is far
+    off HF's own, which keeps them at 1e-6; so a model built so could not pass that launch."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import reference_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(large_norm_eps(tiny_deepseek, tmp_path), dtype=torch.float32)
+    tokens = reference_tokens(model.config.vocab_size, 2, 32)
+    attention = model.model.layers[0].self_attn
+    assert (attention.q_a_layernorm.variance_epsilon, attention.kv_a_layernorm.variance_epsilon) == (1e-6, 1e-6)
+    with torch.no_grad():
+        hf = model(tokens, use_cache=False).logits
+        for layer in model.model.layers:
+            layer.self_attn.q_a_layernorm.variance_epsilon = layer.self_attn.kv_a_layernorm.variance_epsilon = \
+                LARGE_NORM_EPS
+        moved = float((model(tokens, use_cache=False).logits - hf).abs().max())
+    print(f"guard, HF's latent norms at rms_norm_eps {LARGE_NORM_EPS}: max |dlogit| {moved:.2e}")
+    assert moved > 100 * FP32_TOLERANCE, moved
 
 
 def assert_guards_fail(reports) -> None:

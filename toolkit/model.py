@@ -151,14 +151,14 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
         local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
                                                          qk_layernorm=config.qk_layernorm,
                                                          multi_latent_attention=config.multi_latent_attention, **experts)
-    if config.multi_latent_attention and layer_spec == "local":
-        from toolkit.blocks.attention_mla import with_mla_core_attention
-
-        local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None)
     if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
         from toolkit.blocks.decoder_spec import sequence_parallel_block_spec
 
-        return sequence_parallel_block_spec(config, local)
+        local = sequence_parallel_block_spec(config, local)
+    if config.multi_latent_attention and layer_spec == "local":  # after SP's norms: its latent norms keep HF's eps
+        from toolkit.blocks.attention_mla import with_mla_core_attention
+
+        local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None)
     return local
 
 

@@ -1,5 +1,6 @@
 """megatron-core 0.16.1's multi-latent attention, made buildable on the local layer spec, without
-Transformer Engine and without CUDA. Three gaps, each closed by the smallest change:
+Transformer Engine and without CUDA, its latent norms at HF's eps (toolkit/blocks/norms.py LatentRMSNorm).
+Four gaps, each closed by the smallest change:
 
 1. MLASelfAttention builds its core attention with `k_channels` (qk_head_dim + qk_pos_emb_head_dim) and
 `v_channels` (v_head_dim) (multi_latent_attention.py:154-164), which Transformer Engine's attention
@@ -30,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from toolkit.blocks.norms import LatentRMSNorm
 from toolkit.runtime import megatron_versions
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -45,8 +47,9 @@ class MLACoreAttention(DotProductAttention):
 
 def with_mla_core_attention(spec, full_rank_query: bool = False):
     """A local-spec layer (ModuleSpec) or block (TransformerBlockSubmodules) with MLACoreAttention as
-    each MLA layer's core attention. `full_rank_query` (q_lora_rank None): no query norm, which such a
-    layer never applies, and which megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
+    each MLA layer's core attention, and its q / kv latent norms LatentRMSNorm (HF's eps, not layernorm_epsilon).
+    `full_rank_query` (q_lora_rank None): no query norm, which such a layer never applies, and which
+    megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -55,8 +58,8 @@ def with_mla_core_attention(spec, full_rank_query: bool = False):
     attention = spec.submodules.self_attention
     if attention.submodules.core_attention is not DotProductAttention:
         return spec
-    query_norm = {"q_layernorm": IdentityOp} if full_rank_query and hasattr(attention.submodules, "q_layernorm") else {}
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=MLACoreAttention, **query_norm))
+    norms = {"q_layernorm": IdentityOp if full_rank_query else LatentRMSNorm, "kv_layernorm": LatentRMSNorm}
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=MLACoreAttention, **norms))
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 
 
