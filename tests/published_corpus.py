@@ -216,7 +216,7 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
     an MXFP4 one (gpt-oss), the fused experts as MXFP4 blocks and scales (quantize_mxfp4)."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.tinymodels import quantize_fp8, quantize_mxfp4, save_random_model
+    from toolkit.tinymodels import kimi_k25_layers_as_published, quantize_fp8, quantize_mxfp4, save_random_model
 
     cfg = {k: v for k, v in {**config(name), **(sizes or {})}.items() if k not in leave_out}
     quantization = cfg.get("quantization_config")
@@ -230,6 +230,8 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
     # as its own model_type: transformers lays out the saved experts by it (Kimi-K2's kimi_k2 has no layout)
     model_config = CONFIG_MAPPING[model_type].from_dict(json.loads(json.dumps({**cfg, "model_type": model_type})))
     save_random_model(model_config, directory, dtype=dtype)
+    if model_type == "kimi_k25":
+        kimi_k25_layers_as_published(directory)
     if mxfp4:
         quantize_mxfp4(directory)
     elif isinstance(quantization, dict):
