@@ -235,15 +235,15 @@ STEPS = 10
 # on the gradient norm (tests/test_finetune_parity.py's guard).
 LOSS_TOLERANCE_BF16 = 2e-2
 GRAD_NORM_TOLERANCE_BF16 = 2e-2
-# The variant parity_setup builds as Gemma 3's 4B / 12B / 27B are published: the tiny Gemma 3 text model
-# inside Gemma3ForConditionalGeneration (toolkit.tinymodels.make_tiny_gemma3_multimodal)
-GEMMA3_WRAPPER = "gemma3-multimodal"
-# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256. Gemma 3 as
-# the wrapper: its fine-tunes cover the text model they convert to (the text checkpoint's own fine-tune
+# The variants parity_setup builds as Gemma 3's 4B / 12B / 27B and Qwen3.5 are published: the tiny text model
+# inside Gemma3ForConditionalGeneration / Qwen3_5ForConditionalGeneration (toolkit.tinymodels)
+GEMMA3_WRAPPER, QWEN3_5_WRAPPER = "gemma3-multimodal", "qwen3.5-multimodal"
+# name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256. Gemma 3 and Qwen3.5 as
+# the wrappers: their fine-tunes cover the text models they convert to (Gemma 3's text checkpoint's own fine-tune
 # at TP2 x PP2 x DP2 is tests/test_sequence_parallel.py's)
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
                  "phi4-mini": "phi4-mini", "gemma3-wrapper": GEMMA3_WRAPPER, "olmo2": "olmo2", "olmo3": "olmo3",
-                 "smollm3": "smollm3", "qwen3.5": "qwen3.5", "olmo-hybrid": "olmo-hybrid",
+                 "smollm3": "smollm3", "qwen3.5-wrapper": QWEN3_5_WRAPPER, "olmo-hybrid": "olmo-hybrid",
                  "nemotron-h": "nemotron-h"}
 
 
@@ -301,7 +301,7 @@ def parity_setup(root: Path, models: dict):
     """Tiny fp32 HF models converted to torch_dist, uneven data, and `reference(name, cfg_path)`:
     the HF reference of model `name` for the recipe at cfg_path (its steps), computed once."""
     from toolkit.convert import hf_to_megatron
-    from toolkit.tinymodels import make_tiny_gemma3_multimodal, make_tiny_model
+    from toolkit.tinymodels import make_tiny_gemma3_multimodal, make_tiny_model, make_tiny_qwen3_5_multimodal
 
     data = write_uneven_data(root / "data.jsonl", 300)
     built = {}
@@ -314,8 +314,8 @@ def parity_setup(root: Path, models: dict):
     of_variant = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers, "olmo-hybrid": {"initializer_range": 0.02}}
     for name, variant in models.items():
         size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **of_variant.get(variant, {}))
-        hf = make_tiny_gemma3_multimodal(root / f"hf-{name}", **size) if variant == GEMMA3_WRAPPER else \
-            make_tiny_model(variant, root / f"hf-{name}", **size)
+        wrapper = {GEMMA3_WRAPPER: make_tiny_gemma3_multimodal, QWEN3_5_WRAPPER: make_tiny_qwen3_5_multimodal}.get(variant)
+        hf = wrapper(root / f"hf-{name}", **size) if wrapper else make_tiny_model(variant, root / f"hf-{name}", **size)
         built[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     cache = ReferenceCache()
 

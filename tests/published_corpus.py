@@ -219,7 +219,7 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
     an MXFP4 one (gpt-oss), the fused experts as MXFP4 blocks and scales (quantize_mxfp4)."""
     from transformers import CONFIG_MAPPING
 
-    from toolkit.tinymodels import quantize_fp8, quantize_mxfp4, save_random_model
+    from toolkit.tinymodels import kimi_k25_layers_as_published, quantize_fp8, quantize_mxfp4, save_random_model
 
     cfg = {k: v for k, v in {**config(name), **(sizes or {})}.items() if k not in leave_out}
     quantization = cfg.get("quantization_config")
@@ -233,6 +233,8 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
     # as its own model_type: transformers lays out the saved experts by it (Kimi-K2's kimi_k2 has no layout)
     model_config = CONFIG_MAPPING[model_type].from_dict(json.loads(json.dumps({**cfg, "model_type": model_type})))
     save_random_model(model_config, directory, dtype=dtype)
+    if model_type == "kimi_k25":
+        kimi_k25_layers_as_published(directory)
     if mxfp4:
         quantize_mxfp4(directory)
     elif isinstance(quantization, dict):
@@ -240,6 +242,13 @@ def build_model(name: str, directory: Path, leave_out: tuple[str, ...] = (), siz
         _expert_bias_in_float32(directory)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return directory
+
+
+def unquantized_text_config(name: str) -> dict:
+    """build_model's `sizes` for an entry's wrapper less its text_config's quantization_config (Kimi-K2.5's INT4,
+    refused as published): the language model that converts."""
+    text = config(name)["text_config"]
+    return {"text_config": {k: v for k, v in text.items() if k != "quantization_config"}}
 
 
 def transformers_model_type(cfg: dict) -> str:

@@ -19,6 +19,7 @@ import torch
 
 from tests.conftest import fp32_and_bf16_models
 from tests.test_convert_bad_input import convert_fails, edit_config, edit_tensors
+from tests.test_convert_parity import FP32_TOLERANCE
 from tests.test_convert_roundtrip import load_all
 from tests.test_family_glm4_moe import add_mtp_layer, family_parity_pairs
 from tests.test_family_glm4_moe import assert_guards_fail as glm4_moe_guards_fail
@@ -64,7 +65,6 @@ REFUSALS = (
     ({"attention_bias": True}, "MLASelfAttention has no biases"),
     ({"rope_interleave": False}, "always de-interleaves the rotary dimensions"),
     ({"num_key_value_heads": 2}, "multi-latent attention has a key and value per head"),
-    ({"rms_norm_eps": 1e-5}, "q_a_layernorm and kv_a_layernorm keep eps 1e-06"),
     ({"kv_lora_rank": 31}, "qk_rope_head_dim 39 is not divisible by --tp 2"),
 )
 YARN_REFUSALS = (
@@ -169,9 +169,53 @@ def _dropped(tiny_deepseek, tmp_path, piece: str):
 
 def parity_pairs(tiny_deepseek, tmp_path) -> tuple[list, int]:
     """(hf, megatron) pairs for the TP2 x PP2 x EP2 parity launch of tests/test_published_parity.py: the
-    low-rank-query YaRN model as per-rank torch files, the full-query RoPE one as torch_dist, then one guard
-    per piece, which must be far off HF's logits; and how many of them must match."""
-    return family_parity_pairs(tiny_deepseek, VARIANTS, GUARDS, _dropped, tmp_path, layer_spec="local")
+    low-rank-query YaRN model as per-rank torch files, the full-query RoPE one as torch_dist, the first at
+    LARGE_NORM_EPS as torch_dist, then one guard per piece, which must be far off HF's logits; and how many of
+    them must match."""
+    pairs, matching = family_parity_pairs(tiny_deepseek, VARIANTS, GUARDS, _dropped, tmp_path, layer_spec="local")
+    eps = large_norm_eps(tiny_deepseek, tmp_path)
+    converted = hf_to_megatron(eps, tmp_path / "ds-eps-dist", tp=2, pp=2, ep=2, fmt="torch_dist", **LOCAL)
+    return [*pairs[:matching], (eps, converted), *pairs[matching:]], matching + 1
+
+
+# rms_norm_eps far from the latent norms' 1e-6, so that an eps of theirs taken from it moves the logits far past 1e-4
+LARGE_NORM_EPS = 1e-1
+
+
+def large_norm_eps(tiny_deepseek, tmp_path):
+    """The fp32 low-rank-query model with rms_norm_eps LARGE_NORM_EPS: HF's pre-norms and final norm take it,
+    q_a_layernorm and kv_a_layernorm keep 1e-6 (toolkit/blocks/norms.py LatentRMSNorm)."""
+    src = shutil.copytree(tiny_deepseek["deepseek-v3"], tmp_path / "ds-eps")
+    edit_config(src, rms_norm_eps=LARGE_NORM_EPS)
+    return src
+
+
+def latent_norms_at_rms_norm_eps(model) -> None:
+    """HF's model with its q_a_layernorm and kv_a_layernorm at the config's rms_norm_eps, as megatron-core's MLA
+    builds its q / kv norms (eps=layernorm_epsilon)."""
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.q_a_layernorm.variance_epsilon = attention.kv_a_layernorm.variance_epsilon = model.config.rms_norm_eps
+
+
+def test_the_latent_norms_at_rms_norm_eps_move_hfs_logits_past_the_parity_tolerance(tiny_deepseek, tmp_path):
+    """The guard of the LARGE_NORM_EPS pair in the parity launch, HF-side: HF's model with its q_a_layernorm and
+    kv_a_layernorm at rms_norm_eps, as megatron-core's MLA builds its q / kv norms (eps=layernorm_epsilon), is far
+    off HF's own, which keeps them at 1e-6; so a model built so could not pass that launch."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.convert.parity import reference_tokens
+
+    model = AutoModelForCausalLM.from_pretrained(large_norm_eps(tiny_deepseek, tmp_path), dtype=torch.float32)
+    tokens = reference_tokens(model.config.vocab_size, 2, 32)
+    attention = model.model.layers[0].self_attn
+    assert (attention.q_a_layernorm.variance_epsilon, attention.kv_a_layernorm.variance_epsilon) == (1e-6, 1e-6)
+    with torch.no_grad():
+        hf = model(tokens, use_cache=False).logits
+        latent_norms_at_rms_norm_eps(model)
+        moved = float((model(tokens, use_cache=False).logits - hf).abs().max())
+    print(f"guard, HF's latent norms at rms_norm_eps {LARGE_NORM_EPS}: max |dlogit| {moved:.2e}")
+    assert moved > 100 * FP32_TOLERANCE, moved
 
 
 def assert_guards_fail(reports) -> None:
@@ -236,10 +280,12 @@ def test_a_gpu_run_with_transformer_engine_fine_tunes_on_the_local_spec(monkeypa
 def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path):
     """The recipe at TP2 x PP2 x DP2 with EP2 (8 ranks) on the tiny fp32 DeepSeek-V3 with every feature on
     (low-rank query, YaRN with mscale / mscale_all_dim, a dense first layer, 12 experts in 4 groups with 2
-    kept, routed scaling 2.5, 2 shared experts, a random expert bias), on megatron-core's local layer spec:
+    kept, routed scaling 2.5, 2 shared experts, a random expert bias, rms_norm_eps LARGE_NORM_EPS with the latent
+    norms at 1e-6), on megatron-core's local layer spec with sequence parallelism:
     HF's losses and gradient norms over 10 steps, every step's tokens per expert as HF's routers chose them,
     the expert bias as loaded (neither side updates it), and the export loads in transformers. Guards: the
-    reference with the expert bias zeroed, or with YaRN's mscales dropped, is far off the run."""
+    reference with the expert bias zeroed, with YaRN's mscales dropped, or with its latent norms at rms_norm_eps, is
+    far off the run."""
     from transformers import AutoModelForCausalLM
 
     from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS, differences, hf_reference
@@ -248,7 +294,7 @@ def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path)
 
     reference = _routing_reference()
     run = family_finetune_parity(tmp_path, "deepseek-v3", 8, FINE_TUNE_LAYOUT, lambda hf: reference, export_hf=True,
-                                 layer_spec=LOCAL["layer_spec"], seed=81)
+                                 layer_spec=LOCAL["layer_spec"], seed=81, rms_norm_eps=LARGE_NORM_EPS)
     hf, data, cfg, metrics = run.hf, run.data, run.cfg, run.metrics
     print(f"DeepSeek-V3 TP2xPP2xDP2 EP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
     assert len(metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
@@ -260,13 +306,14 @@ def test_tp2_pp2_ep2_fine_tune_matches_hf_and_routes_every_token_as_hf(tmp_path)
     assert biases and all(torch.equal(exported[k], original[k]) for k in biases)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").model.layers[0].self_attn.q_proj is None
 
-    for piece in ("expert-bias", "yarn-mscale"):
+    for piece in ("expert-bias", "yarn-mscale", "latent-norms-at-1e-6"):
         guard = shutil.copytree(hf, tmp_path / f"hf-no-{piece}")
         if piece == "expert-bias":
             edit_tensors(guard, lambda t: [v.zero_() for k, v in t.items() if k.endswith("e_score_correction_bias")])
-        else:
+        elif piece == "yarn-mscale":
             rope = make_config("deepseek-v3").to_dict()["rope_parameters"]
             edit_config(guard, rope_parameters={k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")})
-        off = differences(metrics, *hf_reference(guard, data, cfg, STEPS))
+        off = differences(metrics, *hf_reference(guard, data, cfg, STEPS, prepare=latent_norms_at_rms_norm_eps
+                                                 if piece == "latent-norms-at-1e-6" else None))
         print(f"guard, HF without {piece}: {off[0]:.1e} / {off[1]:.1e}")
         assert off[0] > 100 * LOSS_TOLERANCE_FP32, piece

@@ -77,24 +77,24 @@ def test_the_published_int4_weights_are_refused_in_one_line_naming_the_format(ti
                   r"decompressed by the compressed-tensors library[^\n]*$")
 
 
-def test_the_published_language_model_unquantized_is_refused_for_its_norm_eps():
+def test_the_published_language_model_unquantized_takes_its_norm_eps_in_the_pre_norms_only():
     """Kimi-K2.5's published text_config (tests/data/published_configs kimi-k2.5) less its INT4 quantization_config
-    is refused too, in one line: its rms_norm_eps is 1e-5 (Kimi-K2's 1e-6), which HF's q_a_layernorm / kv_a_layernorm
-    never read (they keep 1e-6: checked on HF's model of that config) and megatron-core's MLA q / kv norms would (they
-    take layernorm_epsilon). Those two norms at 1e-5 in HF's own model of the shrunk config move its fp32 logits
-    1.1e-4 (vocabulary 256, 520 tokens) to 1.5e-4 (the corpus' 163840 rows, 64 tokens): past the 1e-4 tolerance, so
-    one eps for every norm would not convert it exactly."""
+    converts (and verifies: tests/test_published_configs.py's launch): its rms_norm_eps is 1e-5 (Kimi-K2's 1e-6), the
+    pre-norms' and final norm's (layernorm_epsilon), which HF's q_a_layernorm / kv_a_layernorm never read (they keep
+    1e-6: checked on HF's model of that config), nor megatron-core's MLA q / kv norms in our spec
+    (toolkit/blocks/norms.py LatentRMSNorm). Refused for it before, in one line (`rms_norm_eps=1e-05 cannot be mapped
+    exactly to megatron-core`): those two norms at 1e-5 in HF's own model of the shrunk config moved its fp32 logits
+    1.1e-4 (vocabulary 256, 520 tokens) to 1.5e-4 (the corpus' 163840 rows, 64 tokens)."""
     import torch
     import transformers
 
     from tests import published_corpus as corpus
-    from toolkit.errors import ConversionError
+    from toolkit.megatron_settings import settings_for
 
     published = corpus.config("kimi-k2.5")
-    text = {k: v for k, v in published["text_config"].items() if k != "quantization_config"}
-    with pytest.raises(ConversionError, match=r"^rms_norm_eps=1e-05 cannot be mapped exactly to megatron-core: HF's "
-                                              r"q_a_layernorm and kv_a_layernorm keep eps 1e-06[^\n]*$"):
-        spec_from_config(corpus.language_config({**published, "text_config": text}))
+    text = corpus.unquantized_text_config("kimi-k2.5")["text_config"]
+    spec = spec_from_config(corpus.language_config({**published, "text_config": text}))[1]
+    assert (spec.family, spec.norm_eps, settings_for(spec).transformer["layernorm_epsilon"]) == ("deepseek_v3", 1e-5, 1e-5)
     config = transformers.AutoConfig.for_model("deepseek_v3", **{k: v for k, v in text.items() if k != "model_type"})
     with torch.device("meta"):
         attention = transformers.DeepseekV3ForCausalLM(config).model.layers[0].self_attn

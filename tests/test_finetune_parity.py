@@ -69,9 +69,6 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         ("olmo3", "Olmo3ForCausalLM", "model.layers.3.self_attn.k_norm.weight"),
         # SmolLM3: layer 2 without RoPE (megatron-core's no_rope_freq), tied embeddings split over the stages
         ("smollm3", "SmolLM3ForCausalLM", "model.layers.2.self_attn.k_proj.weight"),
-        # Qwen3.5: gated delta net layers (their four in_proj_* as megatron-core's one in_proj, split per key head
-        # over TP) and an output-gated full-attention layer on each stage
-        ("qwen3.5", "Qwen3_5ForCausalLM", "model.layers.0.linear_attn.in_proj_qkv.weight"),
         # OLMo-Hybrid: its gated delta net layers pre-normed with beta doubled (the gradient through 2 sigmoid(b)),
         # OLMo 3's post-normed attention layers, on each stage; exported under the published names
         ("olmo-hybrid", "OlmoHybridForCausalLM", "model.layers.0.linear_attn.b_proj.weight"),
@@ -95,34 +92,42 @@ def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained
 
 
 @pytest.mark.multiprocess
-def test_gemma3_wrapper_fine_tunes_at_tp2_pp2_as_hf_and_exports_back_into_the_wrapper(setup, tmp_path):
-    """Gemma 3 as its 4B / 12B / 27B are published (Gemma3ForConditionalGeneration, the text model's
-    weights under language_model.*), converted from the multimodal files: the toolkit's block spec
-    (post-norms, (1 + w) norms, local RoPE base, one KV head under TP 2) fine-tunes as the HF
-    reference, which is the wrapper itself on text (tests/test_gemma3_wrapper.py: its text logits are
-    the text model's). Exported as a text model, and back into the wrapper: its language model the
-    trained one (the text export's bytes), the vision tower's and projector's bytes untouched, and
-    from_pretrained loads it."""
+@pytest.mark.parametrize("model", [
+    # the toolkit's block spec (post-norms, (1 + w) norms, local RoPE base, one KV head under TP 2)
+    "gemma3-wrapper",
+    # gated delta net layers (their four in_proj_* as megatron-core's one in_proj, split per key head over TP) and an
+    # output-gated full-attention layer on each stage, under model.language_model.* with lm_head beside it
+    "qwen3.5-wrapper",
+])
+def test_wrapper_fine_tunes_at_tp2_pp2_as_hf_and_exports_back_into_the_wrapper(setup, tmp_path, model):
+    """Gemma 3 as its 4B / 12B / 27B are published (Gemma3ForConditionalGeneration, the text model's weights under
+    language_model.*) and Qwen3.5 (Qwen3_5ForConditionalGeneration), converted from the multimodal files, fine-tune
+    as the HF reference, which is the wrapper on text (AutoModelForCausalLM of it: tests/test_gemma3_wrapper.py,
+    tests/test_family_qwen3_5.py, its text logits the text model's). Exported as a text model, and back into the
+    wrapper: its language model the trained one (the text export's bytes), every other tensor's bytes (vision
+    tower, projector) untouched, and the multimodal class loads it."""
     import json
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForImageTextToText
 
-    from tests.test_gemma3_wrapper import PREFIX, tensor_hashes
+    from tests.test_gemma3_wrapper import tensor_hashes
     from toolkit.convert import megatron_to_hf
+    from toolkit.convert.wrapper import wrapper_for
     from toolkit.train.checkpoint import find_latest
 
-    run_and_compare(setup, tmp_path, 4, model="gemma3-wrapper", parallel={"tp": 2, "pp": 2, "zero_stage": 1},
-                    export_hf=True)
-    text, wrapper = tmp_path / "run" / "hf", setup[2]["gemma3-wrapper"][0]
-    assert json.loads((text / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
-    wrapped = megatron_to_hf(find_latest(tmp_path / "run") / "model", tmp_path / "wrapped", wrapper=wrapper,
+    run_and_compare(setup, tmp_path, 4, model=model, parallel={"tp": 2, "pp": 2, "zero_stage": 1}, export_hf=True)
+    text, source = tmp_path / "run" / "hf", setup[2][model][0]
+    wrapper = wrapper_for(json.loads((source / "config.json").read_text()))
+    assert json.loads((text / "config.json").read_text())["architectures"] == [wrapper.text_architecture]
+    wrapped = megatron_to_hf(find_latest(tmp_path / "run") / "model", tmp_path / "wrapped", wrapper=source,
                              progress=False)
-    before, after, trained = tensor_hashes(wrapper), tensor_hashes(wrapped), tensor_hashes(text)
-    other = [n for n in before if not n.startswith(PREFIX)]
+    before, after, trained = tensor_hashes(source), tensor_hashes(wrapped), tensor_hashes(text)
+    language = {n: wrapper.text_name(n) for n in before if wrapper.text_name(n) is not None}
+    other = [n for n in before if n not in language]
     assert after.keys() == before.keys() and other and all(after[n] == before[n] for n in other)
-    assert {n[len(PREFIX):]: h for n, h in after.items() if n.startswith(PREFIX)} == trained
-    assert not any(trained[n[len(PREFIX):]] == h for n, h in before.items() if n.startswith(PREFIX)), "untrained"
-    assert type(AutoModelForCausalLM.from_pretrained(wrapped)).__name__ == "Gemma3ForConditionalGeneration"
+    assert {t: after[n] for n, t in language.items()} == trained
+    assert not any(trained[t] == before[n] for n, t in language.items()), "untrained"
+    assert type(AutoModelForImageTextToText.from_pretrained(wrapped)).__name__ == wrapper.architecture
 
 
 @pytest.mark.multiprocess

@@ -37,6 +37,7 @@ WINDOWS_PROVEN_ELSEWHERE = {"phi-3-mini-4k-instruct": "tests/test_family_phi3.py
                             "gemma-3-12b-it": GEMMA3_WINDOW, "gemma-3-27b-it": GEMMA3_WINDOW,
                             "olmo-3-7b": "tests/test_family_olmo3.py", "olmo-3.1-32b-think": "tests/test_family_olmo3.py",
                             "gemma-4-31b-it": "tests/test_family_gemma4.py", "gemma-4-26b-a4b-it": "tests/test_family_gemma4.py"}
+KIMI_K25 = "kimi-k2.5"
 NOT_KEYS = ("model_type", "architectures", "transformers_version")
 # A wrapper's sub-configs are not optional keys: each key inside text_config is left out in turn instead
 # (without a text_config, transformers would build its class's default language model, which is no model published)
@@ -214,7 +215,7 @@ def test_the_parity_sequence_passes_every_window_but_those_proven_elsewhere():
 @pytest.mark.multiprocess
 def test_published_configs_convert_at_tp2_pp2_ep2_and_match_hf_logits(tmp_path):
     """One launch of 8 processes (TP2 x PP2 x EP2; the dense models run with DP 2) verifies every
-    converting config of the corpus on sequences longer than its windows."""
+    converting config of the corpus on sequences longer than its windows, and two variants of published ones."""
     from toolkit.convert.parity import verify_many
 
     cases = [(name, corpus.build_model(name, tmp_path / name)) for name in corpus.distinct_converting()]
@@ -222,6 +223,10 @@ def test_published_configs_convert_at_tp2_pp2_ep2_and_match_hf_logits(tmp_path):
     # the global RoPE base, this was silently wrong (transformers' default is 1e6)
     cases.append((f"{GEMMA3} without {GEMMA3_TEXT_CONFIG_LEAVES_OUT}",
                   corpus.build_model(GEMMA3, tmp_path / "gemma3-defaults", leave_out=GEMMA3_TEXT_CONFIG_LEAVES_OUT)))
+    # and Kimi-K2.5 less its INT4 quantization_config (refused as published): rms_norm_eps 1e-5 with the MLA latent
+    # norms at HF's 1e-6, refused before for that eps (tests/test_family_kimi_k25.py)
+    cases.append((f"{KIMI_K25} without its quantization_config",
+                  corpus.build_model(KIMI_K25, tmp_path / "kimi-k25", sizes=corpus.unquantized_text_config(KIMI_K25))))
     pairs = []
     for i, (name, src) in enumerate(cases):
         ep = 2 if spec_from_config(corpus.language_config(json.loads((src / "config.json").read_text())))[1].is_moe else 1

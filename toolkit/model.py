@@ -156,7 +156,11 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
         local = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
                                                          qk_layernorm=config.qk_layernorm,
                                                          multi_latent_attention=config.multi_latent_attention, **experts)
-    if config.multi_latent_attention and layer_spec == "local":
+    if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
+        from toolkit.blocks.decoder_spec import sequence_parallel_block_spec
+
+        local = sequence_parallel_block_spec(config, local)
+    if config.multi_latent_attention and layer_spec == "local":  # after SP's norms: its latent norms keep HF's eps
         from toolkit.blocks.attention_mla import with_mla_core_attention
 
         core = {}
@@ -164,15 +168,7 @@ def _layer_spec_module(layer_spec: str, config, spec: ModelSpec | None = None):
             from toolkit.blocks.attention_dsa import dsa_core_attention
 
             core = {"core": dsa_core_attention()}
-        if spec is not None and spec.mla.get("latent_norm_eps"):  # HF's own eps in the latent norms (GLM-5)
-            from toolkit.blocks.norms import LatentRMSNorm
-
-            core["latent_norm"] = LatentRMSNorm
         local = with_mla_core_attention(local, full_rank_query=config.q_lora_rank is None, **core)
-    if config.sequence_parallel and layer_spec == "local":  # its torch norms refuse SP (Transformer Engine's take it)
-        from toolkit.blocks.decoder_spec import sequence_parallel_block_spec
-
-        return sequence_parallel_block_spec(config, local)
     return local
 
 

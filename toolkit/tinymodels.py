@@ -693,16 +693,20 @@ def make_tiny_kimi_k25_multimodal(directory: str | Path, dtype: str = "float32",
     saved = json.loads(file.read_text())
     saved["text_config"]["model_type"] = "kimi_k2"
     file.write_text(json.dumps(saved, indent=2) + "\n")
-    # transformers 5.24 reverses its unanchored `blocks` -> `layers` rename (meant for the vision tower) on save, so
-    # it writes the language model's layers as `language_model.model.blocks.*`; the published files (and its load,
-    # which renames them back) have `language_model.model.layers.*`
+    return kimi_k25_layers_as_published(directory)
+
+
+def kimi_k25_layers_as_published(directory: str | Path) -> Path:
+    """transformers 5.24 reverses its unanchored `blocks` -> `layers` rename (meant for the vision tower) on save, so
+    it writes the language model's layers as `language_model.model.blocks.*`; the published files (and its load,
+    which renames them back) have `language_model.model.layers.*`: renamed so in the saved file."""
     from safetensors.torch import load_file, save_file
 
     weights = Path(directory) / "model.safetensors"
     tensors = load_file(weights)
     save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()},
               weights, metadata={"format": "pt"})
-    return directory
+    return Path(directory)
 # Llama 4's vision tower as small as the class allows: one layer of width 32, 2 x 2 patches of 14 pixels
 LLAMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                      patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)

@@ -12,7 +12,8 @@ named by the same pattern (`attention_<kind>.py`, `mixer_<kind>.py`, `rope_<vari
     context_parallel.py       core attention        the sequence split over CP ranks and the attention across them
     mixer_gated_delta_net.py  token mixer           Qwen3-Next's gated delta net (megatron-core's GatedDeltaNet)
     mixer_mamba.py            token mixer           Nemotron-H's Mamba-2 mixer (megatron-core's MambaMixer)
-    norms.py                  norms                 fp32 RMSNorm (1 + w), whole-projection q/k norm, gated, value norm
+    norms.py                  norms                 fp32 RMSNorm (1 + w), whole-projection q/k norm, gated, value norm,
+                                                    MLA's latent norms at HF's eps
     linears.py                linears               post-normed row-parallel linear, Gemma 4's keys-as-values qkv
     rope_yarn.py              RoPE variant          YaRN without CUDA; a config without YaRN for a layer's own RoPE
     rope_longrope.py          RoPE variant          LongRoPE (Phi-3.5, Phi-4-mini): short/long factors, attention factor

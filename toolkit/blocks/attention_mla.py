@@ -1,5 +1,6 @@
 """megatron-core 0.16.1's multi-latent attention, made buildable on the local layer spec, without
-Transformer Engine and without CUDA. Three gaps, each closed by the smallest change:
+Transformer Engine and without CUDA, its latent norms at HF's eps (toolkit/blocks/norms.py LatentRMSNorm).
+Four gaps, each closed by the smallest change:
 
 1. MLASelfAttention builds its core attention with `k_channels` (qk_head_dim + qk_pos_emb_head_dim) and
 `v_channels` (v_head_dim) (multi_latent_attention.py:154-164), which Transformer Engine's attention
@@ -30,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from toolkit.blocks.norms import LatentRMSNorm
 from toolkit.runtime import megatron_versions
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -43,25 +45,23 @@ class MLACoreAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-def with_mla_core_attention(spec, full_rank_query: bool = False, core=MLACoreAttention, latent_norm=None):
+def with_mla_core_attention(spec, full_rank_query: bool = False, core=MLACoreAttention):
     """A local-spec layer (ModuleSpec) or block (TransformerBlockSubmodules) with `core` (MLACoreAttention;
-    DeepSeek Sparse Attention's, toolkit/blocks/attention_dsa.py) as each MLA layer's core attention.
+    DeepSeek Sparse Attention's, toolkit/blocks/attention_dsa.py) as each MLA layer's core attention, and its
+    q / kv latent norms LatentRMSNorm (HF's eps, not layernorm_epsilon).
     `full_rank_query` (q_lora_rank None): no query norm, which such a layer never applies, and which
-    megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259). `latent_norm`: the q / kv latent norms'
-    class where it is not the spec's (toolkit/blocks/norms.py LatentRMSNorm)."""
+    megatron-core 0.19 refuses in the spec (mla_qk_norm_config.py:259)."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if isinstance(spec, TransformerBlockSubmodules):
-        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query, core, latent_norm)
+        return replace(spec, layer_specs=[with_mla_core_attention(layer, full_rank_query, core)
                                           for layer in spec.layer_specs])
     attention = spec.submodules.self_attention
     if attention.submodules.core_attention is not DotProductAttention:
         return spec
-    query_norm = {"q_layernorm": IdentityOp} if full_rank_query and hasattr(attention.submodules, "q_layernorm") else {}
-    if latent_norm is not None:
-        query_norm = {"kv_layernorm": latent_norm, **({} if full_rank_query else {"q_layernorm": latent_norm}), **query_norm}
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=core, **query_norm))
+    norms = {"q_layernorm": IdentityOp if full_rank_query else LatentRMSNorm, "kv_layernorm": LatentRMSNorm}
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=core, **norms))
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 
 

@@ -7,8 +7,9 @@
   It also runs under sequence parallelism, which WrappedTorchNorm refuses (torch_norm.py:32):
   its weight is tagged `sequence_parallel` as megatron-core's own norms tag theirs, so that its
   gradient, partial on each TP rank, is summed over TP (toolkit.train.parallel).
-- LatentRMSNorm: multi-latent attention's q / kv latent norm at HF's fixed eps (GLM-5).
 - ConfigEpsRMSNorm: RMSNorm at the config's eps where megatron-core's builder passes none (the Mamba layer).
+- LatentRMSNorm: multi-latent attention's q / kv latent norms at HF's eps of their own (1e-6), where
+  megatron-core's MLA builds them at layernorm_epsilon.
 - GatedRMSNorm: Qwen3-Next's gated delta net output norm, a plain w, never (1 + w): HF's
   Qwen3NextRMSNormGated, unlike the model's other norms.
 - ProjectionRMSNorm: q/k RMSNorm over the whole projection (all heads), where megatron-core's
@@ -28,6 +29,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from toolkit.blocks.kernels.mamba2_ssd import RMSNormGated
+from toolkit.families.mla import HF_LATENT_NORM_EPS
 
 
 class RMSNorm(torch.nn.Module):
@@ -50,17 +52,6 @@ class RMSNorm(torch.nn.Module):
         return (normed * self.scale(self.weight)).type_as(x)
 
 
-class LatentRMSNorm(RMSNorm):
-    """Multi-latent attention's q / kv latent norm at HF's own eps (DeepseekV3RMSNorm's default, 1e-6), whatever eps
-    megatron-core's MLASelfAttention passes it (layernorm_epsilon): GLM-5's rms_norm_eps 1e-5 norms the layers, not
-    its q_a_layernorm / kv_a_layernorm (toolkit/families/mla.py latent_norm_eps)."""
-
-    def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
-        from toolkit.families.mla import HF_LORA_NORM_EPS
-
-        super().__init__(config, hidden_size, HF_LORA_NORM_EPS)
-
-
 class ConfigEpsRMSNorm(RMSNorm):
     """RMSNorm whose eps is the config's layernorm_epsilon where its builder passes none: MambaLayer before 0.19
     builds its norm with (config, hidden_size) only (0.16.1 ssm/mamba_layer.py:85, 0.18.0 :98), where TENorm's
@@ -68,6 +59,17 @@ class ConfigEpsRMSNorm(RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
         super().__init__(config, hidden_size, config.layernorm_epsilon if eps is None else eps)
+
+
+class LatentRMSNorm(RMSNorm):
+    """MLA's q_layernorm / kv_layernorm at HF's HF_LATENT_NORM_EPS whatever eps its builder passes: HF's
+    DeepseekV3Attention and Mistral4Attention build q_a_layernorm / kv_a_layernorm with the RMSNorm's default
+    eps (modeling_deepseek_v3.py:380, :392; modeling_mistral4.py:394, :406), rms_norm_eps being the pre-norms'
+    only, where megatron-core's MLASelfAttention passes eps=layernorm_epsilon (0.19.2
+    multi_latent_attention.py:619-629). Kimi-K2.5's rms_norm_eps is 1e-5."""
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
+        super().__init__(config, hidden_size, HF_LATENT_NORM_EPS)
 
 
 class GatedRMSNorm(RMSNorm):

@@ -54,7 +54,7 @@ def read(cfg: dict) -> dict:
     read_dense_layers_agree(cfg)
     share = read_index_share(cfg)
     layers = share.pop("layers", None)
-    return {"mla": read_mla({"rope_interleave": True, **cfg}, latent_norms_own_eps=True),
+    return {"mla": read_mla({"rope_interleave": True, **cfg}),
             "dsa": {**read_dsa(cfg, rope_interleaved=True), **share}, "linear_layers": layers}
 
 

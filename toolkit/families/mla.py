@@ -17,9 +17,10 @@ Field names: megatron qk_head_dim = HF qk_nope_head_dim, qk_pos_emb_head_dim = q
 
 Refused, each in one line: attention_bias (biases on q_a_proj, kv_a_proj_with_mqa and o_proj, which
 MLASelfAttention builds with bias=False), rope_interleave=false (megatron-core always de-interleaves),
-num_key_value_heads other than num_attention_heads (HF's eager attention would repeat the keys),
-rms_norm_eps other than 1e-6 (HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm's default eps
-1e-6, megatron-core with layernorm_epsilon).
+num_key_value_heads other than num_attention_heads (HF's eager attention would repeat the keys).
+rms_norm_eps is the pre-norms' and the final norm's only: HF builds q_a_layernorm / kv_a_layernorm with the
+RMSNorm's default eps 1e-6 whatever it says (Kimi-K2.5's is 1e-5), megatron-core with layernorm_epsilon, so
+the layer spec builds those two at HF_LATENT_NORM_EPS (toolkit/blocks/norms.py LatentRMSNorm).
 
 TP splits (local spec): the down projections are ColumnParallelLinear, their output rows split over TP
 and all-gathered in forward (:593-619); the up projections split by heads, linear_proj by its input.
@@ -34,8 +35,9 @@ from toolkit.families.llama import L, M
 from toolkit.families.table import row
 from toolkit.splits import Split
 
-# HF's DeepseekV3RMSNorm default eps, which q_a_layernorm and kv_a_layernorm keep whatever rms_norm_eps says
-HF_LORA_NORM_EPS = 1e-6
+# HF's DeepseekV3RMSNorm / Mistral4RMSNorm default eps, which q_a_layernorm and kv_a_layernorm keep whatever
+# rms_norm_eps says (modeling_deepseek_v3.py:39, :380, :392)
+HF_LATENT_NORM_EPS = 1e-6
 
 A = L + "self_attn."
 S = M + "self_attention."
@@ -61,11 +63,9 @@ MLA_ROWS = (
 SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def read_mla(cfg: dict, latent_norms_own_eps: bool = False) -> dict:
+def read_mla(cfg: dict) -> dict:
     """ModelSpec.mla: q_lora_rank (None: a full q_proj), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-    v_head_dim; refusing what MLASelfAttention computes otherwise. `latent_norms_own_eps`: the family builds
-    the q / kv latent norms at HF's HF_LORA_NORM_EPS (toolkit/blocks/norms.py LatentRMSNorm, GLM-5), so any
-    rms_norm_eps maps exactly (recorded as latent_norm_eps)."""
+    v_head_dim; refusing what MLASelfAttention computes otherwise."""
     if cfg.get("attention_bias"):
         raise ConversionError("deepseek_v3 with attention_bias=true cannot be mapped exactly to megatron-core: "
                               "MLASelfAttention has no biases on q_a_proj, kv_a_proj_with_mqa or o_proj")
@@ -77,10 +77,6 @@ def read_mla(cfg: dict, latent_norms_own_eps: bool = False) -> dict:
         raise ConversionError(f"num_key_value_heads={cfg.get('num_key_value_heads')!r} with num_attention_heads="
                               f"{cfg.get('num_attention_heads')!r}: multi-latent attention has a key and value per head "
                               "(HF would repeat them), so they must be equal")
-    if float(cfg.get("rms_norm_eps")) != HF_LORA_NORM_EPS and not latent_norms_own_eps:
-        raise ConversionError(f"rms_norm_eps={cfg.get('rms_norm_eps')!r} cannot be mapped exactly to megatron-core: HF's "
-                              f"q_a_layernorm and kv_a_layernorm keep eps {HF_LORA_NORM_EPS} whatever it says, "
-                              "megatron-core's q/kv norms take layernorm_epsilon")
     _refuse_yarn_otherwise(cfg)
     sizes = {key: cfg.get(key) for key in ("q_lora_rank", *SIZES)}
     for key, value in sizes.items():
@@ -89,7 +85,7 @@ def read_mla(cfg: dict, latent_norms_own_eps: bool = False) -> dict:
                                   + (" or null" if key == "q_lora_rank" else ""))
     if sizes["qk_rope_head_dim"] % 2:
         raise ConversionError(f"qk_rope_head_dim={sizes['qk_rope_head_dim']} is odd: RoPE rotates pairs")
-    return {**sizes, **({"latent_norm_eps": HF_LORA_NORM_EPS} if latent_norms_own_eps else {})}
+    return sizes
 
 
 def _refuse_yarn_otherwise(cfg: dict) -> None:
