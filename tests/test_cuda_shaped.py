@@ -10,15 +10,17 @@ filesystem writer, DeepSpeed's config, PEFT.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 
 import pytest
 import torch
 
-from toolkit.errors import ConfigError, DistributedError
+from toolkit.errors import ConfigError, ConversionError, DistributedError
 from toolkit.families import spec_from_config
 from toolkit.layouts import Layout
+from toolkit.runtime import megatron_versions
 from toolkit.tinymodels import VARIANTS, make_config
 
 
@@ -26,6 +28,11 @@ def cuda_present(monkeypatch, devices: int = 1) -> None:
     """What torch answers on a machine with `devices` GPUs (a CPU build of torch cannot)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+
+
+# DeepSeek Sparse Attention's families: refused in one line before megatron-core 0.19 (megatron_versions.exact_dsa)
+DSA_VARIANTS = {"deepseek-v32", "glm-moe-dsa", "glm-moe-dsa-shared"}
+BUILDABLE = sorted(v for v in VARIANTS if megatron_versions.exact_dsa() or v not in DSA_VARIANTS)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -37,6 +44,10 @@ def test_every_family_builds_its_config_with_the_gpu_flags(monkeypatch, variant)
 
     _, spec = spec_from_config(make_config(variant).to_dict())
     cuda_present(monkeypatch)
+    if variant not in BUILDABLE:
+        with pytest.raises(ConversionError, match=re.escape("use megatron-core >= 0.19")):
+            transformer_config(spec, Layout(1, 1), torch.bfloat16)
+        return
     config = transformer_config(spec, Layout(1, 1), torch.bfloat16)
     assert not config.use_cpu_initialization and config.bias_dropout_fusion  # the GPU flags are on
     # fused where megatron-core has a kernel: SwiGLU, not gpt-oss's clamped one (mlp.py:183-212)
@@ -304,10 +315,10 @@ def test_cuda_only_paths_in_one_launch(lora_checkpoint):
     hf, adapter, cfg, root = lora_checkpoint
     tokens = held_out_tokens()
     [out] = run_on_processes("tests.mp_workers:cuda_shaped_checks", 1, str(cfg), tokens, str(root / "saved"),
-                             sorted(VARIANTS))
+                             BUILDABLE)
     failed = {name: result["error"] for name, result in out.items() if "error" in result}
     assert not failed, "\n".join(f"{name}: {error}" for name, error in failed.items())
-    assert sorted(out["gpu_layer_specs"]) == sorted(VARIANTS)
+    assert sorted(out["gpu_layer_specs"]) == BUILDABLE
     assert out["save_from_device"]["equal"]
     if "refused" in out["mamba_ssm_kernels"]:  # megatron-core 0.16.1 on a CPU-only torch (no triton)
         from toolkit.runtime import megatron_versions
@@ -327,6 +338,8 @@ def test_sparse_attention_runs_megatron_cores_tilelang_kernels_where_cuda_has_th
     """DeepSeek Sparse Attention (toolkit/blocks/attention_dsa.py): with CUDA and megatron-core's TileLang DSA kernels
     (as its own dependency check answers), its fused backend; without either, its torch path ('none'), which is
     what the CPU runs (tests/test_family_deepseek_v32.py). Guard: the same check on this CPU says 'none'."""
+    if not megatron_versions.exact_dsa():
+        pytest.skip(f"DeepSeek Sparse Attention is refused on megatron-core {megatron_versions.installed()} (< 0.19)")
     from megatron.core import utils
 
     from toolkit.blocks.attention_dsa import kernel_backend

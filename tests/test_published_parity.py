@@ -63,6 +63,7 @@ from tests.test_longrope import longrope_hf  # noqa: F401  (fixtures)
 from tests.test_moe_dense_layers import DENSE_LAYER_VARIANTS, dense_layer_moe  # noqa: F401
 from toolkit.convert import hf_to_megatron
 from toolkit.convert.parity import verify_many
+from toolkit.runtime import megatron_versions
 
 FORMATS = ("torch", "torch_dist")
 
@@ -94,8 +95,9 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     mi3, _ = ministral3.parity_pairs(tiny_ministral3, tmp_path)  # all must match
     mm, mm_matching = minimax.parity_pairs(tiny_minimax, tmp_path)
     oh, oh_matching = olmo_hybrid.parity_pairs(tiny_olmo_hybrid, tmp_path)
-    dsa, dsa_matching = deepseek_v32.parity_pairs(tiny_deepseek_v32, tmp_path)
-    glm5, _ = glm_moe_dsa.parity_pairs(tiny_glm_moe_dsa, tmp_path)  # all must match
+    exact_dsa = megatron_versions.exact_dsa()  # refused before megatron-core 0.19 (CI's oldest lane)
+    dsa, dsa_matching = deepseek_v32.parity_pairs(tiny_deepseek_v32, tmp_path) if exact_dsa else ([], 0)
+    glm5 = glm_moe_dsa.parity_pairs(tiny_glm_moe_dsa, tmp_path)[0] if exact_dsa else []  # all must match
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
     pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching] + oh[:oh_matching]
               + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)] + dsa[:dsa_matching] + glm5)
@@ -118,4 +120,5 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     minimax.assert_guards_fail(mm_guards)
     mistral4.assert_guards_fail(m4_reports[m4_matching:])
     olmo_hybrid.assert_guards_fail(oh_guards)
-    deepseek_v32.assert_guards_fail(dsa_guards)
+    if exact_dsa:
+        deepseek_v32.assert_guards_fail(dsa_guards)

@@ -151,11 +151,16 @@ def mamba_mixer_module():
     return mamba_mixer
 
 
+def exact_dsa() -> bool:
+    """Whether the installed megatron-core computes DeepSeek Sparse Attention as HF does (see CHANGES, 0.19.0)."""
+    return installed() >= Version("0.19.0")
+
+
 def require_exact_dsa() -> None:
     """DeepSeek Sparse Attention as HF computes it needs megatron-core 0.19's DSAIndexer (see CHANGES, 0.19.0)."""
     from toolkit.errors import ConversionError
 
-    if installed() < Version("0.19.0"):
+    if not exact_dsa():
         raise ConversionError(f"DeepSeek Sparse Attention (index_topk) cannot be computed as HF does on megatron-core "
                               f"{installed()}: its indexer rotates the other end of q and k and always applies the "
                               "Hadamard rotation (experimental_attention_variant/dsa.py); use megatron-core >= 0.19")
