@@ -194,3 +194,15 @@ def test_lora_throughput_counts_no_weight_gradients_for_the_frozen_base(llama8b)
         assert adapted.tokens_per_gpu_s > full.tokens_per_gpu_s
     recomputed = step_time(llama8b, setup, 256, "full", 8, lora=lora).compute / adapted.compute
     assert recomputed == pytest.approx(3 / 2, rel=0.05)  # one extra forward on top of two passes
+
+
+def test_a_gpu_memory_without_a_unit_is_one_line_that_names_the_fix(tmp_path, capsys):
+    """`--gpu-memory 80` used to be read as 80 bytes ('nothing fits in 8 x 0 GiB'): a size without a unit is refused."""
+    from toolkit.cli import main
+
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(MODELS / "llama-3-8b"), "--gpus", "8", "--gpu-memory", "80",
+                 "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: '80' has no unit: write it as 80GiB (or GB, TiB, ...)"]
+    assert not out.exists()

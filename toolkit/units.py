@@ -6,13 +6,15 @@ import re
 
 from toolkit.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+_UNITS = {"b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
 
 
 def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match and match.group(2).lower()
+    if match and not unit:  # `--gpu-memory 80` meant 80 GiB, not 80 bytes
+        raise ConfigError(f"{text!r} has no unit: write it as {match.group(1)}GiB (or GB, TiB, ...)")
     if not match or unit not in _UNITS:
         raise ConfigError(f"cannot read {text!r} as a size (examples: 80GiB, 80GB, 2TiB)")
     return int(float(match.group(1)) * _UNITS[unit])
