@@ -23,9 +23,9 @@ from toolkit.families import family_for, read_config
 from toolkit.tinymodels import make_tiny_model
 
 PUBLISHED = Path(__file__).parent / "data" / "published_configs"
-# Published configs whose guess differs from the class's reading: DeepseekV3Config derives head_dim
+# Published configs whose guess differs from the class's reading: DeepseekV3Config (and V3.2's) derives head_dim
 # (absent from the files) from qk_rope_head_dim, the guess from hidden_size / num_attention_heads.
-GUESSED_OTHERWISE = {"deepseek-v3.json", "kimi-k2-instruct.json"}
+GUESSED_OTHERWISE = {"deepseek-v3.json", "deepseek-v3.2-exp.json", "kimi-k2-instruct.json"}
 
 # The CLI, then whether this process imported transformers itself (it must not, on a right guess).
 CLI = """

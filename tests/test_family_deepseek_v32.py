@@ -63,14 +63,20 @@ def _kept(top: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def world_of_one():
-    """A gloo process group of this process alone, which megatron-core's RoPE asks its CP group from."""
+    """A gloo process group of this process alone, which megatron-core's RoPE asks its CP group from.
+    The session's DeepSpeed oracle (tests/ds_oracle.py) may hold one already in this worker: then it
+    is used as it is and left to its owner."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         yield types.SimpleNamespace(tp=dist.group.WORLD, cp=dist.group.WORLD)
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def test_the_indexer_keeps_hfs_top_k_keys_and_each_piece_matters(world_of_one, monkeypatch):
