@@ -16,6 +16,8 @@ Who owns what:
                  data order, checkpoint markers, metrics and the export to HF
   toolkit.lora    with peft.enabled=true: LoRA around megatron-core's linears, the base frozen
                  (applied in step 3b), the adapter saved and exported as an HF PEFT directory
+  toolkit.vlm    a vision-language checkpoint (Qwen3-VL): transformers' vision tower on the first stage,
+                 images read by the model's processor (toolkit.train.image_rows), vlm.freeze (step 3)
   method=dpo     preference pairs (toolkit.train.preference) and TRL's DPO losses and metrics
                  (toolkit.train.preference_loss) against a frozen reference (toolkit.train.reference,
                  step 3c), whose log-probs a forward-only pass computes before each step
@@ -98,13 +100,14 @@ class Run:
     same_layout: bool  # the resume point was written on this layout (else: its layout-independent state)
     optimizer_start: object  # toolkit.train.megatron_optimizer.MegatronOptimizerState (model.optimizer_state)
     data: object  # toolkit.train.recipe_data.DataRows: read and checked before the model is built
+    wrapper: Path | None  # a vision-language checkpoint's published one (tower, processor); None for a text model
 
 
 def prepare(config_path, overrides) -> Run:
     """1. Config, checkpoint, tokenizer, layout, run directory, resume point and data (read, tokenized
     and checked): every check that needs no processes, so a mistake is one line before any rank
     starts working and before the model is built."""
-    from toolkit.train import build, checkpoint, megatron_optimizer, recipe_data
+    from toolkit.train import build, checkpoint, megatron_optimizer, recipe_data, vlm_data
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
@@ -138,8 +141,11 @@ def prepare(config_path, overrides) -> Run:
     if cfg.model.optimizer_state is not None and resume_from is None:
         optimizer_start = megatron_optimizer.check(cfg.model.optimizer_state, meta, cfg.parallel.tp,
                                                    keep_step=cfg.model.optimizer_step == "keep")
-    data = recipe_data.read_data(cfg, tokenizer)
-    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start, data)
+    wrapper = build.vision_language_wrapper(cfg, meta)
+    processor = vlm_data.load_processor(wrapper) if wrapper is not None else None
+    data = recipe_data.read_data(cfg, tokenizer, processor)
+    return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start, data,
+               wrapper)
 
 
 def finetune(run: Run) -> int:
@@ -178,8 +184,9 @@ def finetune(run: Run) -> int:
     progress.stage(f"building the model (TP {info.tp} x PP {info.pp}{cp_named} x DP {info.dp}) and loading its weights "
                    f"from {cfg.model.checkpoint}")
 
-    # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights.
-    model, layout = build.build_model(meta, cfg)
+    # 3-4. Model on this rank's pipeline stage, with its TP shard of the converted weights (a vision-language
+    #      checkpoint's: with the vision tower on the first stage, vlm.freeze's parts frozen).
+    model, layout = build.build_model(meta, cfg, run.wrapper)
     if info.rank == 0:
         print("layer spec: {} ({})".format(*layer_spec_choice(cfg.peft.enabled, spec)), flush=True)
         if cfg.precision == "fp8":
@@ -241,11 +248,12 @@ def finetune(run: Run) -> int:
     model_length = build.model_length(cfg)  # data.seq_len, padded under CP to the zig-zag split's multiple
 
     objective = DpoObjective.from_config(cfg) if reference is not None else None
+    inputs = build.model_inputs(run.wrapper)  # what a micro-batch becomes on the way to the model (images, or not)
     rows_per_pair = 2 if reference is not None else 1  # a pair is two rows of one micro-batch
 
     def context(batches, counts):
         return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, model_length, cfg.micro_batch * rows_per_pair,
-                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel, objective)
+                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel, objective, inputs=inputs)
 
     # wandb.sample_generations: the validation prompts greedily continued at each eval (PP = 1).
     samples = prompts_of(valid_data.rows, cfg.wandb.sample_generations) \

@@ -236,7 +236,9 @@ def model_config(spec, cfg: TrainConfig, layout: Layout, layer_spec: str):
     return config, aux_loss
 
 
-def build_model(meta: CheckpointMeta, cfg: TrainConfig):
+def build_model(meta: CheckpointMeta, cfg: TrainConfig, wrapper: Path | None = None):
+    """This rank's model: GPTModel (VirtualStages of them with parallel.vpp), or with a vision-language checkpoint's
+    `wrapper` (vision_language_wrapper) the VisionLanguageModel around it, vlm.freeze's parts frozen."""
     from toolkit.convert.load import load_converted
     from toolkit.model import build_gpt_model
 
@@ -254,7 +256,58 @@ def build_model(meta: CheckpointMeta, cfg: TrainConfig):
         from toolkit.fp8.local import apply_fp8
 
         apply_fp8(virtual.chunks(model), cfg.fp8.recipe, cfg.fp8.first_last_bf16, spec.num_layers)
+    if wrapper is not None:  # parallel.vpp=1 (check_vision_language)
+        from toolkit.vlm.freeze import freeze
+        from toolkit.vlm.model import around_language_model, wrapper_config
+
+        model = around_language_model(model, wrapper, wrapper_config(wrapper, spec, cfg.model.checkpoint), spec, dtype)
+        freeze(model, cfg.vlm.freeze)
     return model, layout
+
+
+def vision_language_wrapper(cfg: TrainConfig, meta: CheckpointMeta) -> Path | None:
+    """The published checkpoint of a vision-language model (vlm.wrapper, else the HF model model.checkpoint was
+    converted from): its config, vision tower and processor; None for a text model. The recipe's settings that do
+    not run with images yet are refused here, in one line each."""
+    from toolkit.vlm.vision_tower import TOWERS
+
+    if meta.model_spec.family not in TOWERS:
+        return None
+    wrapper = cfg.vlm.wrapper or meta.hf_source
+    if not wrapper or not (Path(wrapper) / "config.json").is_file():
+        raise ConfigError(f"{cfg.model.checkpoint} is a vision-language model ({meta.model_spec.family}) whose published "
+                          f"checkpoint (config, vision tower, processor) is not at {wrapper or 'a recorded path'}: give "
+                          "its directory as vlm.wrapper=DIR")
+    check_vision_language(cfg)
+    return Path(wrapper)
+
+
+# Recipe settings not run with images yet: (is it set, the line that refuses it)
+NOT_WITH_IMAGES = (
+    (lambda cfg: cfg.parallel.vpp > 1, "parallel.vpp > 1 (the tower on the first of several chunks): use parallel.vpp=1"),
+    (lambda cfg: cfg.parallel.cp > 1, "parallel.cp > 1 (MRoPE takes no CP chunks): use parallel.cp=1"),
+    (lambda cfg: cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp: use parallel.dp_engine=deepspeed"),
+    (lambda cfg: cfg.data.pack, "data.pack=true (images in packed rows): set data.pack=false"),
+    (lambda cfg: cfg.method == "dpo", "method=dpo: use method=sft"),
+    (lambda cfg: cfg.peft.enabled, "peft.enabled=true (LoRA around the tower): set peft.enabled=false"),
+    (lambda cfg: cfg.wandb.sample_generations > 0, "wandb.sample_generations (greedy decoding with images): set it to 0"),
+    (lambda cfg: cfg.export_hf and not {"vision", "projector"} <= set(cfg.vlm.freeze),
+     "export_hf=true with the tower trained (vlm.freeze without vision or projector): the HF export carries the tower "
+     "as published, not its trained weights; set export_hf=false or vlm.freeze=vision,projector"),
+)
+
+
+def check_vision_language(cfg: TrainConfig) -> None:
+    for refused, line in NOT_WITH_IMAGES:
+        if refused(cfg):
+            raise ConfigError(f"a vision-language checkpoint with {line}")
+
+
+def model_inputs(wrapper: Path | None):
+    """What each micro-batch becomes on the way to the model (toolkit.train.model_inputs)."""
+    from toolkit.train.model_inputs import image_text_inputs, text_inputs
+
+    return text_inputs if wrapper is None else image_text_inputs
 
 
 def ds_setup(cfg: TrainConfig, dp: int):
@@ -311,6 +364,11 @@ def build_data(cfg: TrainConfig, info: ParallelInfo, rows: DataRows):
 
         def source(rows, seed, shuffle):
             return PairSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, seed, shuffle)
+    elif rows.images:  # a vision-language checkpoint's rows, with their images (CP and packing refused)
+        from toolkit.train.image_rows import ImageBatchSource
+
+        def source(rows, seed, shuffle):
+            return ImageBatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, seed, shuffle, False)
     else:
         def source(rows, seed, shuffle):
             return BatchSource(rows, cfg.global_batch, cfg.micro_batch, info.dp, info.dp_rank, seed, shuffle, cfg.data.pack,

@@ -210,6 +210,24 @@ class DpoConfig:
     label_smoothing: Annotated[float, Bound(ge=0.0, lt=0.5)] = 0.0  # loss_type=robust only (TRL's)
 
 
+# The parts of a vision-language model `vlm.freeze` names (toolkit/vlm/freeze.py): the vision tower's encoder, its
+# projector into the language model (Qwen3-VL's patch merger and DeepStack mergers), the language model
+VLM_PARTS = ("vision", "projector", "language")
+
+
+@dataclass
+class VlmConfig:
+    """Vision-language checkpoints (Qwen3-VL; docs/guide/vlm.md): images in the data, the vision tower on the
+    first pipeline stage."""
+
+    # the parts not trained (a list, or comma-separated on the command line), as LLaMA-Factory's defaults
+    # freeze_vision_tower and freeze_multi_modal_projector; [] trains every weight
+    freeze: list[Literal["vision", "projector", "language"]] = field(default_factory=lambda: ["vision", "projector"])
+    # the checkpoint as published (its config, vision tower and processor); null: the HF model model.checkpoint
+    # was converted from, as `toolkit convert` recorded it
+    wrapper: str | None = None
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -219,6 +237,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    vlm: VlmConfig = field(default_factory=VlmConfig)  # Read only where model.checkpoint is a vision-language model.
     # sft: next-token loss on the responses; dpo: preference pairs {"prompt", "chosen", "rejected"}
     # against a frozen reference (the starting weights, or the base with the LoRA adapter disabled)
     method: Literal["sft", "dpo"] = "sft"
@@ -306,6 +325,11 @@ def _coerce(value, hint):
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError("; ".join(errors))
+    if origin is list:  # a YAML list, or comma-separated text from the command line
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"expected a list, got {value!r}")
+        return [_coerce(v, args[0]) for v in items]
     if origin is tuple:
         items = json.loads(value) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or len(items) != len(args):
@@ -445,7 +469,14 @@ def validate(cfg: TrainConfig) -> None:
     _validate_optimizer_state(cfg)
     _validate_sample_generations(cfg)
     _validate_dpo(cfg)
+    _validate_vlm_freeze(cfg.vlm.freeze)
     _validate_run_dir(cfg.run_dir)
+
+
+def _validate_vlm_freeze(freeze: list[str]) -> None:
+    if set(freeze) == set(VLM_PARTS):
+        raise ConfigError(f"vlm.freeze={','.join(freeze)} freezes every part: nothing would train; leave one out "
+                          "(e.g. vlm.freeze=vision,projector trains the language model)")
 
 
 def _validate_sample_generations(cfg: TrainConfig) -> None:

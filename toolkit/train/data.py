@@ -160,8 +160,8 @@ def parse_counted(parse, tokenizer, where: str, record, opts: ReadOptions, stats
     stats.lines += 1
     found = image_in(record)
     if found:
-        raise DataError(f"{where}: the data holds images ({found}), and fine-tuning is on text only (images are "
-                        "not read): remove the image parts and image columns from the data")
+        raise DataError(f"{where}: the data holds images ({found}), and this checkpoint is a text model (images train "
+                        "on a vision-language one, docs/guide/vlm.md): remove the image parts and image columns")
     try:
         if isinstance(record, Exception):
             raise record

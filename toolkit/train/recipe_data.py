@@ -42,14 +42,16 @@ class DataRows:
     train: list[Row]
     valid: list[Row] | None
     stats: object  # toolkit.train.data.DataStats of the training data
+    images: bool = False  # rows of toolkit.train.image_rows (a vision-language checkpoint's), carrying their images
 
 
-def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
+def read_data(cfg: TrainConfig, tokenizer, processor=None) -> DataRows:
     """Every rank reads the same data and reaches the same verdict: data that cannot train is one
     DataError here, before any process group. With data.prepared (the default) each source is
     tokenized once, by one process, into a cache every rank maps (toolkit.train.prepare_data); the
-    refusals are decided from the counts it stored, at every start."""
-    from toolkit.train import chat_templates, data, data_sources, preference
+    refusals are decided from the counts it stored, at every start. With a vision-language model's
+    `processor`, records with images are its (toolkit.train.image_rows), read in memory."""
+    from toolkit.train import chat_templates, data, data_sources, image_rows, preference
 
     d = cfg.data
     chat_templates.apply(tokenizer, d.chat_template)
@@ -58,7 +60,9 @@ def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
     opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
     cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
     dpo = cfg.method == "dpo"  # preference pairs (toolkit.train.preference), two rows each
-    read_source = _prepared_reader(cfg, tokenizer, opts, cache) if d.prepared else _memory_reader(cfg, tokenizer, opts, cache)
+    prepared = d.prepared and processor is None
+    read_source = image_rows.reader(tokenizer, processor, opts, cache) if processor is not None else \
+        _prepared_reader(cfg, tokenizer, opts, cache) if prepared else _memory_reader(cfg, tokenizer, opts, cache)
 
     def read(source, stats):
         samples = read_source(source, stats)
@@ -67,7 +71,9 @@ def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
         return samples
 
     def to_rows(samples, stats):
-        if d.prepared:
+        if processor is not None:
+            return image_rows.to_rows(samples, d.seq_len + 1, data.pad_token(tokenizer))
+        if prepared:
             from toolkit.train.row_views import row_view
 
             rows = row_view(samples, d.seq_len + 1, data.pad_token(tokenizer), cfg.method, d.pack)
@@ -80,7 +86,7 @@ def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
     stats = data.DataStats()
     train_sources = data_sources.sources(d.train_file, d.weights, d.split)
     parts = [(s, read(s, stats)) for s in train_sources]
-    samples = mixed(parts, cfg.seed, stats) if d.prepared else data.mix(parts, cfg.seed, stats)
+    samples = mixed(parts, cfg.seed, stats) if prepared else data.mix(parts, cfg.seed, stats)
     train = to_rows(samples, stats)
     if len(train) < cfg.global_batch:
         unit = "pairs" if dpo else "packed rows" if d.pack else "samples"
@@ -91,7 +97,7 @@ def read_data(cfg: TrainConfig, tokenizer) -> DataRows:
     if d.valid_file or d.valid_split:
         source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
         valid = to_rows(read(source, data.DataStats()), data.DataStats())
-    return DataRows(train, valid, stats)
+    return DataRows(train, valid, stats, images=processor is not None)
 
 
 def _memory_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.train import loss as loss_lib
+from toolkit.train.model_inputs import text_inputs
 from toolkit.train.virtual import VirtualStages
 
 
@@ -30,6 +31,8 @@ class StepContext:
     # token cross-entropy (toolkit.train.loss). method=dpo: toolkit.train.preference_loss.DpoObjective.
     objective: Callable | None = None
     sums: list[float] | None = None  # after run_schedule: the objective's "sums" over the global batch
+    # inputs(batch, device, ctx) -> (args, kwargs) of the model's forward (toolkit.train.model_inputs)
+    inputs: Callable = text_inputs
 
 
 def reduce_step_totals(loss_sum: torch.Tensor | None, stop_requested: bool, device, width: int = 1):
@@ -53,14 +56,8 @@ def _forward_step_func(model_call, ctx: StepContext, device):
     """`model_call(chunk)`: what runs the forward of the model chunk the schedule hands over."""
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        tokens = batch["tokens"].to(device)
-        # global positions of this CP rank's chunks (toolkit.blocks.context_parallel), else 0..s-1; megatron-core's
-        # RoPE takes the same chunks' positions itself, these reach only absolute position embeddings
-        positions = batch["positions"].to(device) if "positions" in batch else \
-            torch.arange(tokens.shape[1], device=device)[None].expand(tokens.shape[0], -1)
-        mask = batch.get("attention_mask")
-        extra = {"padding_mask": routing_padding_mask(batch["padding"].to(device), ctx)} if ctx.moe else {}
-        logits = model_call(model)(tokens, positions, None if mask is None else mask.to(device), **extra)
+        args, kwargs = ctx.inputs(batch, device, ctx)
+        logits = model_call(model)(*args, **kwargs)
 
         def loss_func(output):
             if ctx.objective is not None:
@@ -72,18 +69,6 @@ def _forward_step_func(model_call, ctx: StepContext, device):
         return logits, loss_func
 
     return forward_step
-
-
-def routing_padding_mask(padding: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """[b, s], True at padding: megatron-core then leaves those tokens out of the load-balancing
-    loss (router.py:598-611), as HF does with an attention mask. Under sequence parallelism GPTModel
-    scatters it over TP on the first stage only (gpt_model.py:314); later stages get their slice here."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
-
-    if ctx.sequence_parallel and not ps.is_pipeline_first_stage():
-        return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
-    return padding
 
 
 def schedule_outputs(model_call, module, batches: list[dict], ctx: StepContext, forward_only: bool) -> list[dict]:

@@ -63,8 +63,11 @@ class VirtualStages(torch.nn.ModuleList):
 
 
 def chunks(module) -> list:
-    """The model chunks of `module`: the chunks of VirtualStages, or the module itself."""
-    return list(module) if isinstance(module, VirtualStages) else [module]
+    """The model chunks of `module`: the chunks of VirtualStages, a vision-language model's language model
+    (toolkit.vlm.model: its GPTModel), or the module itself."""
+    if isinstance(module, VirtualStages):
+        return list(module)
+    return [getattr(module, "language_model", module)]
 
 
 def stages(module) -> list[tuple[int, int, object]]:

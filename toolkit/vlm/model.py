@@ -51,6 +51,17 @@ class VisionLanguageModel(torch.nn.Module):
     def set_input_tensor(self, tensor) -> None:
         self.language_model.set_input_tensor(tensor)
 
+    def sharded_state_dict(self, *args, **kwargs) -> dict:
+        """The language model's (megatron-core's keys, as a text model's), and the tower's tensors under `vision.`,
+        whole on each first-stage rank (replicated over TP and DP): what the layout-independent state reads."""
+        from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+        state = self.language_model.sharded_state_dict(*args, **kwargs)
+        if self.vision is not None:
+            state.update({f"vision.{name}": make_sharded_tensor_for_checkpoint(param, f"vision.{name}")
+                          for name, param in self.vision.model.named_parameters()})
+        return state
+
     def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None):
@@ -76,9 +87,6 @@ def build_vision_language_model(wrapper_dir: str | Path, checkpoint_dir: str | P
     """The model of a Qwen3-VL wrapper checkpoint (its config and vision tower) and the language model converted
     from it (`toolkit convert hf-to-megatron`), for this process's rank of TP x PP (parallel_state initialised),
     with megatron-core's sequence parallelism where asked (TP > 1; sequences a multiple of TP)."""
-    import transformers
-
-    from toolkit.blocks.rope_mrope import install_interleaved_mrope
     from toolkit.convert.load import load_converted
     from toolkit.convert.metadata import CheckpointMeta
     from toolkit.layouts import Layout
@@ -86,14 +94,30 @@ def build_vision_language_model(wrapper_dir: str | Path, checkpoint_dir: str | P
 
     meta = CheckpointMeta.read(Path(checkpoint_dir))
     spec = meta.model_spec
-    config = transformers.AutoConfig.from_pretrained(str(wrapper_dir))  # Qwen3VLConfig
-    if spec.family != "qwen3_vl" or config.model_type != "qwen3_vl":
-        raise ConfigError(f"{checkpoint_dir} ({spec.family}) with {wrapper_dir} ({config.model_type}): images run "
-                          "through Qwen3-VL (qwen3_vl) only so far: give a qwen3_vl checkpoint and its wrapper")
+    config = wrapper_config(wrapper_dir, spec, checkpoint_dir)
     layout = Layout(tp, pp, meta.vocab_divisor)
     config_of_layout = transformer_config(spec, layout, dtype, sequence_parallel=sequence_parallel)
     gpt = build_gpt_model(spec, layout, dtype, config_of_layout)
     load_converted(gpt, checkpoint_dir, meta=meta)
+    return around_language_model(gpt, wrapper_dir, config, spec, dtype)
+
+
+def wrapper_config(wrapper_dir: str | Path, spec, checkpoint_dir: str | Path):
+    """The wrapper's Qwen3VLConfig, refused in one line where it or the checkpoint is not Qwen3-VL's."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(wrapper_dir))  # Qwen3VLConfig
+    if spec.family != "qwen3_vl" or config.model_type != "qwen3_vl":
+        raise ConfigError(f"{checkpoint_dir} ({spec.family}) with {wrapper_dir} ({config.model_type}): images run "
+                          "through Qwen3-VL (qwen3_vl) only so far: give a qwen3_vl checkpoint and its wrapper")
+    return config
+
+
+def around_language_model(gpt, wrapper_dir: str | Path, config, spec, dtype: torch.dtype) -> VisionLanguageModel:
+    """`gpt` (this rank's converted language model, loaded) with interleaved MRoPE, DeepStack and, on the first
+    stage, the wrapper's vision tower."""
+    from toolkit.blocks.rope_mrope import install_interleaved_mrope
+
     rope = config.text_config.rope_parameters
     install_interleaved_mrope(gpt, spec.head_dim, spec.rope_theta, rope.get("mrope_section", DEFAULT_MROPE_SECTION))
     vision = load_vision_tower(wrapper_dir, dtype) if gpt.pre_process else None

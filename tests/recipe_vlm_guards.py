@@ -1,0 +1,63 @@
+"""The fine-tuning recipe run several times in one launch (tests/test_vlm_finetune.py): as it is, then one step of
+each guard named by VLM_GUARDS (comma-separated), each into GUARD_ROOT/<guard>, with one piece of the
+vision-language model broken on purpose:
+
+* `mrope-1d`: the MRoPE positions computed as 1D (every token's T, H and W its text position);
+* `image-rows-one-late`: the tower's rows (and DeepStack's) placed one token after the image tokens;
+* `deepstack-dropped`: DeepStack's features never added after the first decoder layers.
+
+Patched here, in the worker, so the product has no test switch. Each run ends megatron-core's groups, and the next
+builds them again; the default process group is kept from the first run to the last (joined again, its rendezvous
+would read the first one's addresses)."""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+
+
+def text_positions(token_types, image_grid_thw, spatial_merge_size, attention_mask=None):
+    positions = torch.arange(token_types.shape[1], device=token_types.device)
+    return positions.expand(3, *token_types.shape)
+
+
+def rows_one_late(input_ids, image_token_id):
+    return (input_ids == image_token_id).roll(1, 1)
+
+
+def without_deepstack(self, index):
+    return lambda module, args, output: output
+
+
+GUARDS = {"mrope-1d": ("toolkit.vlm.model.mrope_position_ids", text_positions),
+          "image-rows-one-late": ("toolkit.vlm.model.image_token_mask", rows_one_late),
+          "deepstack-dropped": ("toolkit.vlm.deepstack.DeepStack._hook", without_deepstack)}
+
+
+def model_parallel_only() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def main() -> int:
+    from toolkit.runtime import distributed
+
+    finetune = runpy.run_path(str(RECIPE), run_name="finetune_recipe")["main"]
+    argv = sys.argv[1:]
+    with mock.patch.object(distributed, "shutdown", model_parallel_only):
+        code = finetune(argv)
+        for guard in filter(None, os.environ.get("VLM_GUARDS", "").split(",")):
+            with mock.patch(*GUARDS[guard]):
+                code = code or finetune([*argv, "steps=1", f"run_dir={Path(os.environ['GUARD_ROOT']) / guard}"])
+    distributed.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Vision-language fine-tuning: `recipes/finetune.py` on a tiny Qwen3-VL (transformers' Qwen3VLConfig and
+Qwen3VLForConditionalGeneration with its vision tower, save_pretrained, its processor beside it) and chat JSONL with
+images of different sizes (several in one sample, several sizes in one micro-batch) and text-only conversations
+(one micro-batch without any image), against tests/vlm_reference.py: transformers' model and processor in one
+process with torch's AdamW over the same global batches and the same frozen parts.
+
+One launch of 4 ranks (tests/recipe_vlm_guards.py) at TP2 x PP2: the recipe's 10 fp32 steps, losses within
+LOSS_TOLERANCE_FP32 and gradient norms within GRAD_NORM_TOLERANCE (relative) of HF's, then in the same processes one
+step of each guard, which must miss HF's first loss by far more than the tolerance: MRoPE positions computed as 1D
+(text positions), the image features placed one token late, DeepStack dropped.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, REPO, launch, read_metrics, recipe
+from tests.vlm_reference import hf_vlm_reference
+
+GUARDS = ("mrope-1d", "image-rows-one-late", "deepstack-dropped")  # tests/recipe_vlm_guards.py's defects
+# each guard's first loss at least this many loss tolerances from HF's (measured: 1D positions 122, the rows one
+# token late 70, DeepStack dropped 220)
+GUARD_MARGIN = 50
+# (width, height): tokens after Qwen3-VL's 2 x 2 merge of 16-pixel patches (the tiny processor's resize to 32 px blocks)
+IMAGES = {"small.png": (28, 28), "wide.png": (84, 56), "tall.png": (64, 96), "square.png": (96, 96),
+          "strip.png": (32, 64)}
+FREEZE = ["vision"]  # the projector trains too: its gradient reaches the tower's DeepStack and merger rows
+
+
+def _user(*parts) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": f"pics/{p}"} if p.endswith(".png")
+                                        else {"type": "text", "text": p} for p in parts]}
+
+
+def _chat(user, reply: str) -> dict:
+    return {"messages": [user if isinstance(user, dict) else {"role": "user", "content": user},
+                         {"role": "assistant", "content": reply}]}
+
+
+def records() -> list[dict]:
+    """12 records: 4 global batches of 4 rows (2 micro-batches of 2) cycled over 10 steps; rows 6 and 7 are a
+    micro-batch of text alone."""
+    return [
+        _chat(_user("small.png", "Which is wider?", "wide.png"), "The second."),
+        {"messages": [{"role": "user", "content": "<image>Describe it."}, {"role": "assistant", "content": "Tall."}],
+         "images": ["pics/tall.png"]},
+        _chat("Hi?", "Hello there."),
+        _chat(_user("square.png", "Colour?"), "Grey noise."),
+        _chat(_user("Two:", "strip.png", "wide.png"), "A strip, then a wide one."),
+        _chat(_user("tall.png", "Shape?"), "Tall and thin."),
+        _chat("What is 2 + 2?", "4."),
+        _chat("Name a colour.", "Blue."),
+        _chat(_user("square.png", "small.png", "Bigger?"), "The first."),
+        _chat(_user("wide.png", "Orientation?"), "Landscape."),
+        _chat("Say yes.", "Yes."),
+        _chat(_user("strip.png", "tall.png", "Same height?"), "No, the second is taller."),
+    ]
+
+
+@pytest.fixture(scope="module")
+def vlm_data(tmp_path_factory):
+    """(the tiny Qwen3-VL with its processor, its converted checkpoint, the JSONL beside its images)."""
+    from PIL import Image
+
+    from toolkit.convert import hf_to_megatron
+    from toolkit.tinymodels import make_tiny_qwen3_vl_multimodal, make_tiny_qwen3_vl_processor
+
+    root = tmp_path_factory.mktemp("vlm-finetune")
+    hf_dir = make_tiny_qwen3_vl_multimodal(root / "hf", seed=3)
+    make_tiny_qwen3_vl_processor(hf_dir)  # the processor beside the weights, as published checkpoints ship it
+    checkpoint = hf_to_megatron(hf_dir, root / "megatron", fmt="torch_dist", progress=False)
+    (root / "data" / "pics").mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    for name, (w, h) in IMAGES.items():
+        pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=generator).numpy()
+        Image.fromarray(pixels).save(root / "data" / "pics" / name)
+    data = root / "data" / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records()))
+    return hf_dir, checkpoint, data
+
+
+SEQ_LEN = 112  # the longest sample is 108 tokens: none truncated (the reference reads each whole)
+GUARD_SCRIPT = REPO / "tests" / "recipe_vlm_guards.py"
+
+
+@pytest.mark.multiprocess
+def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piece_is_needed(vlm_data, tmp_path):
+    hf_dir, checkpoint, data = vlm_data
+    cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, global_batch=4, micro_batch=2,
+                      vlm={"freeze": FREEZE})
+    launch(4, cfg_path, "parallel.tp=2", "parallel.pp=2", script=GUARD_SCRIPT,
+           env={"VLM_GUARDS": ",".join(GUARDS), "GUARD_ROOT": str(tmp_path / "guards")})
+    cfg = yaml.safe_load(cfg_path.read_text())
+    losses, norms = hf_vlm_reference(hf_dir, data, cfg, cfg["steps"], FREEZE)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == list(range(1, len(losses) + 1))
+    loss_diff = max(abs(m["loss"] - r) for m, r in zip(metrics, losses))
+    norm_diff = max(abs(m["grad_norm"] / r - 1) for m, r in zip(metrics, norms))
+    guards = {g: read_metrics(tmp_path / "guards" / g)[0] for g in GUARDS}
+    moved = {g: abs(m["loss"] - losses[0]) for g, m in guards.items()}
+    print(f"TP2 x PP2, 10 steps: max |loss - HF| {loss_diff:.1e}, grad norm relative {norm_diff:.1e}; guards' first "
+          "loss off HF's by " + ", ".join(f"{g} {d:.1e}" for g, d in moved.items()) + "; their grad norm by " +
+          ", ".join(f"{g} {abs(m['grad_norm'] / norms[0] - 1):.1e}" for g, m in guards.items()))
+    assert loss_diff < LOSS_TOLERANCE_FP32, [m["loss"] for m in metrics]
+    assert norm_diff < GRAD_NORM_TOLERANCE, [m["grad_norm"] for m in metrics]
+    for guard, off in moved.items():
+        assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
