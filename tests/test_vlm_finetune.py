@@ -109,3 +109,46 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     assert norm_diff < GRAD_NORM_TOLERANCE, [m["grad_norm"] for m in metrics]
     for guard, off in moved.items():
         assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["vlm.freeze=visoin"], r"vlm.freeze='visoin': must be one of vision, projector, language"),
+    (["vlm.freeze=vision,projector,language"], "freezes every part: nothing would train"),
+    (["vlm.wrapper=/no/such/dir"], r"whose published checkpoint \(config, vision tower, processor\) is not at "
+                                   "/no/such/dir: give its directory as vlm.wrapper=DIR"),
+    (["data.pack=true"], "a vision-language checkpoint with data.pack=true"),
+    (["parallel.vpp=3", "parallel.pp=2"], "a vision-language checkpoint with parallel.vpp > 1"),
+    (["peft.enabled=true"], "a vision-language checkpoint with peft.enabled=true"),
+    (["export_hf=true", "vlm.freeze=vision"], "export_hf=true with the tower trained"),
+])
+def test_bad_vlm_settings_are_one_line_naming_the_fix_before_any_process_starts(vlm_data, tmp_path, monkeypatch,
+                                                                                overrides, line):
+    from tests.finetune_harness import recipe_prepare
+    from toolkit.errors import ToolkitError
+
+    _, checkpoint, data = vlm_data
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, global_batch=4)
+    with pytest.raises(ToolkitError, match=line) as refused:
+        recipe_prepare()(str(cfg_path), overrides)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_default_freezes_the_tower_and_projector_and_names_every_part(vlm_data):
+    """vlm.freeze's default is LLaMA-Factory's (vision tower and projector frozen); every parameter of the model is
+    one of the three parts, by the names HF's own parts (tests/vlm_reference.py's HF_PARTS) have."""
+    from tests.vlm_reference import HF_PARTS
+    from toolkit.train.config import config_from_mapping
+    from toolkit.vlm.freeze import part_of
+
+    hf_dir, checkpoint, data = vlm_data
+    assert config_from_mapping({"model": {"checkpoint": str(checkpoint)}, "data": {"train_file": str(data)}}
+                               ).vlm.freeze == ["vision", "projector"]
+    from safetensors import safe_open
+
+    with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+        visual = [n for n in f.keys() if n.startswith("model.visual.")]
+    for name in visual:  # the tower as VisionLanguageModel holds it: vision.model.<HF's name under model.visual>
+        ours = part_of("vision.model." + name.removeprefix("model.visual."))
+        assert name.startswith(HF_PARTS[ours]), name
+    assert part_of("language_model.decoder.layers.0.mlp.linear_fc1.weight") == "language"
