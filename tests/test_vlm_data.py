@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.vlm_reference import trained_mask
 from toolkit.tinymodels import make_tiny_qwen3_vl_processor
 from toolkit.train.data import parse_line
 from toolkit.train.data_sources import DataError, Source, records
@@ -118,21 +119,9 @@ def test_exif_rotation_and_palette_images_read_as_transformers_reads_a_path(proc
         assert_is_reference(encode(processor, trl_record(*given), tmp_path), expected)
 
 
-def expected_mask(processor, ids: list[int]) -> list[int]:
-    """1 on each assistant turn, from its <|im_start|> to the end of its line after <|im_end|>, as the text path trains."""
-    start = processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
-    header = processor.tokenizer.encode("assistant\n", add_special_tokens=False)
-    starts = [i for i, t in enumerate(ids) if t == start] + [len(ids)]
-    mask = [0] * len(ids)
-    for a, b in zip(starts, starts[1:]):
-        if ids[a + 1: a + 1 + len(header)] == header:
-            mask[a:b] = [1] * (b - a)
-    return mask
-
-
 def test_only_assistant_turns_are_trained(processor, images):
     sample = encode(processor, trl_record(), images)
-    mask = expected_mask(processor, sample.input_ids)
+    mask = trained_mask(processor.tokenizer, sample.input_ids)  # the fine-tune's reference's own
     assert sum(mask) and sum(mask) < len(mask)
     assert sample.labels == [t if m else IGNORE_INDEX for t, m in zip(sample.input_ids, mask)]
     trained = processor.tokenizer.decode([t for t in sample.labels if t != IGNORE_INDEX])
