@@ -1,7 +1,7 @@
 """Multimodal conversations -> what a vision-language model trains on, as transformers' processor makes it.
 
-Preview: the recipe does not read these yet (toolkit.train.data refuses records with images); the
-model side comes later. A record is a conversation with images in either form TRL and LLaMA-Factory read:
+The recipe reads these for a vision-language checkpoint (toolkit.train.image_rows; a text checkpoint's
+data path, toolkit.train.data, refuses records with images). A record is a conversation with images in either form TRL and LLaMA-Factory read:
 
   {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "..."}]}, ...]}
   {"messages": [{"role": "user", "content": "<image>What is it?"}, ...], "images": ["cat.png"]}

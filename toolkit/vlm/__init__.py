@@ -6,7 +6,9 @@ module per piece (model.py composes them; the MRoPE rotary module is a block, to
     vision_tower.py   transformers' vision tower loaded from the wrapper checkpoint, run on the first stage
     image_tokens.py   the image tokens' mask, and rows placed at them in transformers' order
     deepstack.py      Qwen3-VL's DeepStack: visual rows added after the first decoder layers
+    freeze.py         vlm.freeze: the vision, projector and language parts, by parameter name
     model.py          VisionLanguageModel: the pieces in one forward, and its builder
 
-Qwen3-VL (dense) so far; the recipe does not train on images yet (docs/guide/vlm.md).
+Qwen3-VL (dense) so far; recipes/finetune.py builds it for a Qwen3-VL checkpoint (toolkit.train.build), freezes
+vlm.freeze's parts (freeze.py) and trains it on images (docs/guide/vlm.md).
 """
