@@ -120,6 +120,7 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     (["parallel.vpp=3", "parallel.pp=2"], "a vision-language checkpoint with parallel.vpp > 1"),
     (["peft.enabled=true"], "a vision-language checkpoint with peft.enabled=true"),
     (["export_hf=true", "vlm.freeze=vision"], "export_hf=true with the tower trained"),
+    (["parallel.recompute=full"], "a vision-language checkpoint with parallel.recompute=full"),
 ])
 def test_bad_vlm_settings_are_one_line_naming_the_fix_before_any_process_starts(vlm_data, tmp_path, monkeypatch,
                                                                                 overrides, line):
@@ -152,3 +153,13 @@ def test_the_default_freezes_the_tower_and_projector_and_names_every_part(vlm_da
         ours = part_of("vision.model." + name.removeprefix("model.visual."))
         assert name.startswith(HF_PARTS[ours]), name
     assert part_of("language_model.decoder.layers.0.mlp.linear_fc1.weight") == "language"
+
+
+def test_toolkit_data_prepare_says_images_are_read_at_each_start(vlm_data, tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit.train.recipe_data import prepare_for_recipe
+
+    _, checkpoint, data = vlm_data
+    with pytest.raises(ToolkitError, match="is a vision-language model .qwen3_vl.: the recipe reads its data, images "
+                                           "included, in memory at every start; there is nothing to prepare"):
+        prepare_for_recipe(str(recipe(tmp_path, checkpoint, data)), [])

@@ -286,6 +286,8 @@ def vision_language_wrapper(cfg: TrainConfig, meta: CheckpointMeta) -> Path | No
 NOT_WITH_IMAGES = (
     (lambda cfg: cfg.parallel.vpp > 1, "parallel.vpp > 1 (the tower on the first of several chunks): use parallel.vpp=1"),
     (lambda cfg: cfg.parallel.cp > 1, "parallel.cp > 1 (MRoPE takes no CP chunks): use parallel.cp=1"),
+    (lambda cfg: cfg.parallel.recompute == "full", "parallel.recompute=full (DeepStack's recomputed layers would miss "
+     "the visual features, toolkit.vlm.deepstack): use parallel.recompute=selective or none"),
     (lambda cfg: cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp: use parallel.dp_engine=deepspeed"),
     (lambda cfg: cfg.data.pack, "data.pack=true (images in packed rows): set data.pack=false"),
     (lambda cfg: cfg.method == "dpo", "method=dpo: use method=sft"),

@@ -152,4 +152,16 @@ def prepare_for_recipe(config: str | None, overrides: list[str]):
     if not cfg.data.prepared:
         raise ToolkitError("data.prepared=false: the recipe tokenizes in memory at every start, there is nothing to "
                            "prepare (leave data.prepared at its default, true)")
+    _refuse_vision_language(cfg)
     return cfg, read_data(cfg, load_tokenizer(cfg))
+
+
+def _refuse_vision_language(cfg: TrainConfig) -> None:
+    from toolkit.convert.metadata import META_FILE, CheckpointMeta
+    from toolkit.vlm.vision_tower import TOWERS
+
+    checkpoint = Path(cfg.model.checkpoint)  # a missing one is load_tokenizer's to refuse
+    family = CheckpointMeta.read(checkpoint).model_spec.family if (checkpoint / META_FILE).is_file() else None
+    if family in TOWERS:
+        raise ToolkitError(f"{cfg.model.checkpoint} is a vision-language model ({family}): the recipe reads its data, "
+                           "images included, in memory at every start; there is nothing to prepare")
