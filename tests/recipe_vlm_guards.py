@@ -1,15 +1,18 @@
-"""The fine-tuning recipe run several times in one launch (tests/test_vlm_finetune.py): as it is, then one step of
-each guard named by VLM_GUARDS (comma-separated), each into GUARD_ROOT/<guard>, with one piece of the
-vision-language model broken on purpose:
+"""The fine-tuning recipe run several times in one launch (tests/test_vlm_finetune.py): as it is, then each run named
+by VLM_RUNS (comma-separated), into GUARD_ROOT/<name>: one step of each guard, with one piece of the
+vision-language model broken on purpose,
 
 * `mrope-1d`: the MRoPE positions computed as 1D (every token's T, H and W its text position);
 * `image-rows-one-late`: the tower's rows (and DeepStack's) placed one token after the image tokens;
-* `deepstack-dropped`: DeepStack's features never added after the first decoder layers.
+* `deepstack-dropped`: DeepStack's features never added after the first decoder layers;
+
+or two steps of `projector-frozen`, the recipe as it is with vlm.freeze=vision,projector (the default).
 
 Patched here, in the worker, so the product has no test switch. Each run ends megatron-core's groups, and the next
 builds them again; the default process group is kept from the first run to the last (joined again, its rendezvous
-would read the first one's addresses)."""
+would read the first one's addresses), and the checkpoint's save plan is made again for each."""
 
+import contextlib
 import os
 import runpy
 import sys
@@ -34,9 +37,12 @@ def without_deepstack(self, index):
     return lambda module, args, output: output
 
 
-GUARDS = {"mrope-1d": ("toolkit.vlm.model.mrope_position_ids", text_positions),
-          "image-rows-one-late": ("toolkit.vlm.model.image_token_mask", rows_one_late),
-          "deepstack-dropped": ("toolkit.vlm.deepstack.DeepStack._hook", without_deepstack)}
+ONE_STEP = ("steps=1",)
+# name -> (what is patched, with what, the run's own settings)
+RUNS = {"mrope-1d": ("toolkit.vlm.model.mrope_position_ids", text_positions, ONE_STEP),
+        "image-rows-one-late": ("toolkit.vlm.model.image_token_mask", rows_one_late, ONE_STEP),
+        "deepstack-dropped": ("toolkit.vlm.deepstack.DeepStack._hook", without_deepstack, ONE_STEP),
+        "projector-frozen": (None, None, ("steps=2", "vlm.freeze=vision,projector"))}
 
 
 def model_parallel_only() -> None:
@@ -47,14 +53,17 @@ def model_parallel_only() -> None:
 
 def main() -> int:
     from toolkit.runtime import distributed
+    from toolkit.train import torch_dist_save
 
     finetune = runpy.run_path(str(RECIPE), run_name="finetune_recipe")["main"]
     argv = sys.argv[1:]
     with mock.patch.object(distributed, "shutdown", model_parallel_only):
         code = finetune(argv)
-        for guard in filter(None, os.environ.get("VLM_GUARDS", "").split(",")):
-            with mock.patch(*GUARDS[guard]):
-                code = code or finetune([*argv, "steps=1", f"run_dir={Path(os.environ['GUARD_ROOT']) / guard}"])
+        for name in filter(None, os.environ.get("VLM_RUNS", "").split(",")):
+            target, replacement, settings = RUNS[name]
+            torch_dist_save._strategy = None  # a process's save plan holds its first run's parameters
+            with mock.patch(target, replacement) if target else contextlib.nullcontext():
+                code = code or finetune([*argv, *settings, f"run_dir={Path(os.environ['GUARD_ROOT']) / name}"])
     distributed.shutdown()
     return code
 

@@ -7,7 +7,8 @@ process with torch's AdamW over the same global batches and the same frozen part
 One launch of 4 ranks (tests/recipe_vlm_guards.py) at TP2 x PP2: the recipe's 10 fp32 steps, losses within
 LOSS_TOLERANCE_FP32 and gradient norms within GRAD_NORM_TOLERANCE (relative) of HF's, then in the same processes one
 step of each guard, which must miss HF's first loss by far more than the tolerance: MRoPE positions computed as 1D
-(text positions), the image features placed one token late, DeepStack dropped.
+(text positions), the image features placed one token late, DeepStack dropped; and two steps with the projector
+frozen too (vlm.freeze's default), against HF's with the same frozen parts, and not HF's without.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, global_batch=4, micro_batch=2,
                       vlm={"freeze": FREEZE})
     launch(4, cfg_path, "parallel.tp=2", "parallel.pp=2", script=GUARD_SCRIPT,
-           env={"VLM_GUARDS": ",".join(GUARDS), "GUARD_ROOT": str(tmp_path / "guards")})
+           env={"VLM_RUNS": ",".join((*GUARDS, "projector-frozen")), "GUARD_ROOT": str(tmp_path / "guards")})
     cfg = yaml.safe_load(cfg_path.read_text())
     losses, norms = hf_vlm_reference(hf_dir, data, cfg, cfg["steps"], FREEZE)
     metrics = read_metrics(tmp_path / "run")
@@ -109,6 +110,20 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     assert norm_diff < GRAD_NORM_TOLERANCE, [m["grad_norm"] for m in metrics]
     for guard, off in moved.items():
         assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
+    _projector_frozen_matches_hf(hf_dir, data, cfg, read_metrics(tmp_path / "guards" / "projector-frozen"), losses)
+
+
+def _projector_frozen_matches_hf(hf_dir, data, cfg, metrics, trained_projector_losses) -> None:
+    """Two steps with vlm.freeze=vision,projector: HF's with the same parts frozen; the second loss is not the one
+    with the projector trained (the first, before any update, is)."""
+    losses, norms = hf_vlm_reference(hf_dir, data, {**cfg, "steps": 2}, 2, ["vision", "projector"])
+    loss_diff = max(abs(m["loss"] - r) for m, r in zip(metrics, losses))
+    norm_diff = max(abs(m["grad_norm"] / r - 1) for m, r in zip(metrics, norms))
+    moved = abs(metrics[1]["loss"] - trained_projector_losses[1])  # both steps in the warmup: the same LR
+    print(f"projector frozen, 2 steps: max |loss - HF| {loss_diff:.1e}, grad norm relative {norm_diff:.1e}; the second "
+          f"loss off HF's with the projector trained by {moved:.1e}")
+    assert len(metrics) == 2 and loss_diff < LOSS_TOLERANCE_FP32 and norm_diff < GRAD_NORM_TOLERANCE
+    assert moved > GUARD_MARGIN * LOSS_TOLERANCE_FP32
 
 
 @pytest.mark.parametrize("overrides, line", [
@@ -121,6 +136,8 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     (["peft.enabled=true"], "a vision-language checkpoint with peft.enabled=true"),
     (["export_hf=true", "vlm.freeze=vision"], "export_hf=true with the tower trained"),
     (["parallel.recompute=full"], "a vision-language checkpoint with parallel.recompute=full"),
+    (["parallel.pp=2", "vlm.freeze=vision,language"], "vlm.freeze=language at parallel.pp > 1: the later stages would "
+                                                      "hold nothing to train"),
 ])
 def test_bad_vlm_settings_are_one_line_naming_the_fix_before_any_process_starts(vlm_data, tmp_path, monkeypatch,
                                                                                 overrides, line):

@@ -293,6 +293,9 @@ NOT_WITH_IMAGES = (
     (lambda cfg: cfg.method == "dpo", "method=dpo: use method=sft"),
     (lambda cfg: cfg.peft.enabled, "peft.enabled=true (LoRA around the tower): set peft.enabled=false"),
     (lambda cfg: cfg.wandb.sample_generations > 0, "wandb.sample_generations (greedy decoding with images): set it to 0"),
+    (lambda cfg: cfg.parallel.pp > 1 and "language" in cfg.vlm.freeze,
+     "vlm.freeze=language at parallel.pp > 1: the later stages would hold nothing to train (DeepSpeed's ZeRO "
+     "optimizer needs parameters on every rank); use parallel.pp=1, or train the language model"),
     (lambda cfg: cfg.export_hf and not {"vision", "projector"} <= set(cfg.vlm.freeze),
      "export_hf=true with the tower trained (vlm.freeze without vision or projector): the HF export carries the tower "
      "as published, not its trained weights; set export_hf=false or vlm.freeze=vision,projector"),
