@@ -91,23 +91,26 @@ GUARD_SCRIPT = REPO / "tests" / "recipe_vlm_guards.py"
 @pytest.mark.multiprocess
 def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piece_is_needed(vlm_data, tmp_path):
     hf_dir, checkpoint, data = vlm_data
-    cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, global_batch=4, micro_batch=2,
-                      vlm={"freeze": FREEZE})
+    cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, data__valid_file=str(data), global_batch=4,
+                      micro_batch=2, vlm={"freeze": FREEZE})
     launch(4, cfg_path, "parallel.tp=2", "parallel.pp=2", script=GUARD_SCRIPT,
            env={"VLM_RUNS": ",".join((*GUARDS, "projector-frozen")), "GUARD_ROOT": str(tmp_path / "guards")})
     cfg = yaml.safe_load(cfg_path.read_text())
-    losses, norms = hf_vlm_reference(hf_dir, data, cfg, cfg["steps"], FREEZE)
+    losses, norms, eval_loss = hf_vlm_reference(hf_dir, data, cfg, cfg["steps"], FREEZE)
     metrics = read_metrics(tmp_path / "run")
+    eval_diff = abs(metrics[-1]["eval_loss"] - eval_loss)  # the last step's evaluation over the whole file
     assert [m["step"] for m in metrics] == list(range(1, len(losses) + 1))
     loss_diff = max(abs(m["loss"] - r) for m, r in zip(metrics, losses))
     norm_diff = max(abs(m["grad_norm"] / r - 1) for m, r in zip(metrics, norms))
     guards = {g: read_metrics(tmp_path / "guards" / g)[0] for g in GUARDS}
     moved = {g: abs(m["loss"] - losses[0]) for g, m in guards.items()}
-    print(f"TP2 x PP2, 10 steps: max |loss - HF| {loss_diff:.1e}, grad norm relative {norm_diff:.1e}; guards' first "
+    print(f"TP2 x PP2, 10 steps: max |loss - HF| {loss_diff:.1e}, grad norm relative {norm_diff:.1e}, eval loss "
+          f"{eval_diff:.1e}; guards' first "
           "loss off HF's by " + ", ".join(f"{g} {d:.1e}" for g, d in moved.items()) + "; their grad norm by " +
           ", ".join(f"{g} {abs(m['grad_norm'] / norms[0] - 1):.1e}" for g, m in guards.items()))
     assert loss_diff < LOSS_TOLERANCE_FP32, [m["loss"] for m in metrics]
     assert norm_diff < GRAD_NORM_TOLERANCE, [m["grad_norm"] for m in metrics]
+    assert eval_diff < LOSS_TOLERANCE_FP32
     for guard, off in moved.items():
         assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
     _projector_frozen_matches_hf(hf_dir, data, cfg, read_metrics(tmp_path / "guards" / "projector-frozen"), losses)
@@ -116,7 +119,7 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
 def _projector_frozen_matches_hf(hf_dir, data, cfg, metrics, trained_projector_losses) -> None:
     """Two steps with vlm.freeze=vision,projector: HF's with the same parts frozen; the second loss is not the one
     with the projector trained (the first, before any update, is)."""
-    losses, norms = hf_vlm_reference(hf_dir, data, {**cfg, "steps": 2}, 2, ["vision", "projector"])
+    losses, norms, _ = hf_vlm_reference(hf_dir, data, {**cfg, "steps": 2}, 2, ["vision", "projector"])
     loss_diff = max(abs(m["loss"] - r) for m, r in zip(metrics, losses))
     norm_diff = max(abs(m["grad_norm"] / r - 1) for m, r in zip(metrics, norms))
     moved = abs(metrics[1]["loss"] - trained_projector_losses[1])  # both steps in the warmup: the same LR
@@ -132,6 +135,7 @@ def _projector_frozen_matches_hf(hf_dir, data, cfg, metrics, trained_projector_l
     (["vlm.wrapper=/no/such/dir"], r"whose published checkpoint \(config, vision tower, processor\) is not at "
                                    "/no/such/dir: give its directory as vlm.wrapper=DIR"),
     (["data.pack=true"], "a vision-language checkpoint with data.pack=true"),
+    (["data.truncation=left"], "a vision-language checkpoint with data.truncation=left or data.overlong=drop"),
     (["parallel.vpp=3", "parallel.pp=2"], "a vision-language checkpoint with parallel.vpp > 1"),
     (["peft.enabled=true"], "a vision-language checkpoint with peft.enabled=true"),
     (["export_hf=true", "vlm.freeze=vision"], "export_hf=true with the tower trained"),

@@ -78,9 +78,10 @@ def sample_loss_sum(model, sample: dict) -> tuple[torch.Tensor, int]:
 
 
 def hf_vlm_reference(hf_dir: Path, data: Path, cfg: dict, steps: int, freeze: list[str],
-                     rows=None) -> tuple[list[float], list[float]]:
-    """(losses, gradient norms before clipping), one per step: loss = the global batch's token losses summed over
-    its trained tokens' count, as the recipe's. `rows`: the samples, else reference_samples of `data`."""
+                     rows=None) -> tuple[list[float], list[float], float]:
+    """(losses, gradient norms before clipping, one per step; the trained model's loss over every sample):
+    loss = the token losses summed over their trained tokens' count, as the recipe's (a global batch's, or its
+    evaluation's of a whole file). `rows`: the samples, else reference_samples of `data`."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
     samples = rows if rows is not None else reference_samples(AutoProcessor.from_pretrained(str(hf_dir)), data)
@@ -108,4 +109,6 @@ def hf_vlm_reference(hf_dir: Path, data: Path, cfg: dict, steps: int, freeze: li
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
-    return losses, norms
+    with torch.no_grad():
+        sums = [sample_loss_sum(model.eval(), sample) for sample in samples]
+    return losses, norms, float(sum(total for total, _ in sums) / sum(n for _, n in sums))

@@ -290,6 +290,9 @@ NOT_WITH_IMAGES = (
      "the visual features, toolkit.vlm.deepstack): use parallel.recompute=selective or none"),
     (lambda cfg: cfg.parallel.dp_engine == "fsdp", "parallel.dp_engine=fsdp: use parallel.dp_engine=deepspeed"),
     (lambda cfg: cfg.data.pack, "data.pack=true (images in packed rows): set data.pack=false"),
+    (lambda cfg: cfg.data.truncation == "left" or cfg.data.overlong == "drop",
+     "data.truncation=left or data.overlong=drop (an image sample keeps its first seq_len + 1 tokens, "
+     "toolkit.train.vlm_data): leave data.truncation=right and data.overlong=truncate"),
     (lambda cfg: cfg.method == "dpo", "method=dpo: use method=sft"),
     (lambda cfg: cfg.peft.enabled, "peft.enabled=true (LoRA around the tower): set peft.enabled=false"),
     (lambda cfg: cfg.wandb.sample_generations > 0, "wandb.sample_generations (greedy decoding with images): set it to 0"),
