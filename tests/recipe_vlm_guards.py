@@ -1,12 +1,13 @@
 """The fine-tuning recipe run several times in one launch (tests/test_vlm_finetune.py): as it is, then each run named
-by VLM_RUNS (comma-separated), into GUARD_ROOT/<name>: one step of each guard, with one piece of the
+by VLM_RUNS (comma-separated), into GUARD_ROOT/<name>/run: one step of each guard, with one piece of the
 vision-language model broken on purpose,
 
 * `mrope-1d`: the MRoPE positions computed as 1D (every token's T, H and W its text position);
 * `image-rows-one-late`: the tower's rows (and DeepStack's) placed one token after the image tokens;
 * `deepstack-dropped`: DeepStack's features never added after the first decoder layers;
 
-or two steps of `projector-frozen`, the recipe as it is with vlm.freeze=vision,projector (the default).
+or two steps of `projector-frozen`, the recipe as it is with vlm.freeze=vision,projector (the default); or
+`resumed`, the first run as if it had stopped after its step-5 checkpoint (save_every=5), resumed (resume=auto).
 
 Patched here, in the worker, so the product has no test switch. Each run ends megatron-core's groups, and the next
 builds them again; the default process group is kept from the first run to the last (joined again, its rendezvous
@@ -42,7 +43,21 @@ ONE_STEP = ("steps=1",)
 RUNS = {"mrope-1d": ("toolkit.vlm.model.mrope_position_ids", text_positions, ONE_STEP),
         "image-rows-one-late": ("toolkit.vlm.model.image_token_mask", rows_one_late, ONE_STEP),
         "deepstack-dropped": ("toolkit.vlm.deepstack.DeepStack._hook", without_deepstack, ONE_STEP),
-        "projector-frozen": (None, None, ("steps=2", "vlm.freeze=vision,projector"))}
+        "projector-frozen": (None, None, ("steps=2", "vlm.freeze=vision,projector")),
+        "resumed": (None, None, ("resume=auto",))}
+
+
+def stopped_at_step_5(argv: list[str], run_dir: Path) -> None:
+    """`run_dir`: a copy of the first run's as if it had stopped after its step-5 checkpoint (rank 0 copies)."""
+    import torch.distributed as dist
+    import yaml
+
+    from tests.finetune_harness import copy_stopped_at_step_5
+
+    if dist.get_rank() == 0:
+        first = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())["run_dir"]
+        copy_stopped_at_step_5(Path(first), run_dir.parent)
+    dist.barrier()
 
 
 def model_parallel_only() -> None:
@@ -62,8 +77,11 @@ def main() -> int:
         for name in filter(None, os.environ.get("VLM_RUNS", "").split(",")):
             target, replacement, settings = RUNS[name]
             torch_dist_save._strategy = None  # a process's save plan holds its first run's parameters
+            run_dir = Path(os.environ["GUARD_ROOT"]) / name / "run"
+            if name == "resumed":
+                stopped_at_step_5(argv, run_dir)
             with mock.patch(target, replacement) if target else contextlib.nullcontext():
-                code = code or finetune([*argv, *settings, f"run_dir={Path(os.environ['GUARD_ROOT']) / name}"])
+                code = code or finetune([*argv, *settings, f"run_dir={run_dir}"])
     distributed.shutdown()
     return code
 

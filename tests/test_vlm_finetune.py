@@ -92,9 +92,9 @@ GUARD_SCRIPT = REPO / "tests" / "recipe_vlm_guards.py"
 def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piece_is_needed(vlm_data, tmp_path):
     hf_dir, checkpoint, data = vlm_data
     cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, data__valid_file=str(data), global_batch=4,
-                      micro_batch=2, vlm={"freeze": FREEZE})
+                      micro_batch=2, save_every=5, vlm={"freeze": FREEZE})
     launch(4, cfg_path, "parallel.tp=2", "parallel.pp=2", script=GUARD_SCRIPT,
-           env={"VLM_RUNS": ",".join((*GUARDS, "projector-frozen")), "GUARD_ROOT": str(tmp_path / "guards")})
+           env={"VLM_RUNS": ",".join((*GUARDS, "projector-frozen", "resumed")), "GUARD_ROOT": str(tmp_path / "guards")})
     cfg = yaml.safe_load(cfg_path.read_text())
     losses, norms, eval_loss = hf_vlm_reference(hf_dir, data, cfg, cfg["steps"], FREEZE)
     metrics = read_metrics(tmp_path / "run")
@@ -102,7 +102,7 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     assert [m["step"] for m in metrics] == list(range(1, len(losses) + 1))
     loss_diff = max(abs(m["loss"] - r) for m, r in zip(metrics, losses))
     norm_diff = max(abs(m["grad_norm"] / r - 1) for m, r in zip(metrics, norms))
-    guards = {g: read_metrics(tmp_path / "guards" / g)[0] for g in GUARDS}
+    guards = {g: read_metrics(tmp_path / "guards" / g / "run")[0] for g in GUARDS}
     moved = {g: abs(m["loss"] - losses[0]) for g, m in guards.items()}
     print(f"TP2 x PP2, 10 steps: max |loss - HF| {loss_diff:.1e}, grad norm relative {norm_diff:.1e}, eval loss "
           f"{eval_diff:.1e}; guards' first "
@@ -113,7 +113,11 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     assert eval_diff < LOSS_TOLERANCE_FP32
     for guard, off in moved.items():
         assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
-    _projector_frozen_matches_hf(hf_dir, data, cfg, read_metrics(tmp_path / "guards" / "projector-frozen"), losses)
+    _projector_frozen_matches_hf(hf_dir, data, cfg, read_metrics(tmp_path / "guards" / "projector-frozen" / "run"),
+                                 losses)
+    resumed = read_metrics(tmp_path / "guards" / "resumed" / "run")  # steps 1-5 copied, 6-10 after the resume
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed] == \
+        [(m["step"], m["loss"], m["grad_norm"]) for m in metrics]
 
 
 def _projector_frozen_matches_hf(hf_dir, data, cfg, metrics, trained_projector_losses) -> None:
