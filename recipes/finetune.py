@@ -107,7 +107,7 @@ def prepare(config_path, overrides) -> Run:
     """1. Config, checkpoint, tokenizer, layout, run directory, resume point and data (read, tokenized
     and checked): every check that needs no processes, so a mistake is one line before any rank
     starts working and before the model is built."""
-    from toolkit.train import build, checkpoint, megatron_optimizer, recipe_data, vlm_data
+    from toolkit.train import build, checkpoint, megatron_optimizer, recipe_data
     from toolkit.train.config import load_config
     from toolkit.train.schedule import LRSchedule
 
@@ -142,8 +142,7 @@ def prepare(config_path, overrides) -> Run:
         optimizer_start = megatron_optimizer.check(cfg.model.optimizer_state, meta, cfg.parallel.tp,
                                                    keep_step=cfg.model.optimizer_step == "keep")
     wrapper = build.vision_language_wrapper(cfg, meta)
-    processor = vlm_data.load_processor(wrapper) if wrapper is not None else None
-    data = recipe_data.read_data(cfg, tokenizer, processor)
+    data = recipe_data.read_data(cfg, tokenizer, wrapper)
     return Run(cfg, meta, tokenizer, dp, layout_key, schedule, resume_from, lora, same_layout, optimizer_start, data,
                wrapper)
 

@@ -188,3 +188,25 @@ def test_toolkit_data_prepare_says_images_are_read_at_each_start(vlm_data, tmp_p
     with pytest.raises(ToolkitError, match="is a vision-language model .qwen3_vl.: the recipe reads its data, images "
                                            "included, in memory at every start; there is nothing to prepare"):
         prepare_for_recipe(str(recipe(tmp_path, checkpoint, data)), [])
+
+
+def test_text_alone_on_a_vision_language_checkpoint_needs_no_processor(vlm_data, tmp_path, monkeypatch):
+    """Text-only data reads as the text path's rows (every token text, no images) and loads no processor: a wrapper
+    without the processor's files will do; the image data's rows carry their images."""
+    import shutil
+
+    from tests.finetune_harness import recipe_prepare
+
+    hf_dir, checkpoint, data = vlm_data
+    bare = tmp_path / "bare-wrapper"
+    shutil.copytree(hf_dir, bare, ignore=shutil.ignore_patterns("processor_config.json", "chat_template.jinja"))
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps(r) + "\n" for r in records() if "images" not in r and "pics/" not in json.dumps(r))
+                    * 2)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    prepare = recipe_prepare()
+    rows = prepare(str(recipe(tmp_path, checkpoint, text, data__seq_len=SEQ_LEN, global_batch=4)),
+                   [f"vlm.wrapper={bare}"]).data.train
+    assert len(rows) == 8 and all(r.pixel_values is None and not any(r.token_types) for r in rows)
+    rows = prepare(str(recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, global_batch=4)), []).data.train
+    assert sum(r.pixel_values is not None for r in rows) == 8 and sum(sum(r.token_types) for r in rows) > 0

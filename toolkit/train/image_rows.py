@@ -9,6 +9,7 @@ Read in memory (data.prepared is not read: the prepared store holds tokens, not 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 
 from toolkit.train import data, data_sources
 from toolkit.train.data import BatchSource, Row
-from toolkit.train.vlm_data import IGNORE_INDEX, VLMSample, VLMStats, encode_vlm_conversation
+from toolkit.train.vlm_data import IGNORE_INDEX, VLMSample, VLMStats, encode_vlm_conversation, load_processor
 
 TOKEN_TYPES = "mm_token_type_ids"  # the processor's per-token kinds (0 text, 1 image), which MRoPE's positions read
 
@@ -30,8 +31,11 @@ class ImageRow(Row):
     image_grid_thw: torch.Tensor | None = None
 
 
-def reader(tokenizer, processor, opts: data.ReadOptions, cache: Path):
-    """read(source, stats) -> the source's samples: a VLMSample for a record with images, a text Sample else."""
+def reader(tokenizer, wrapper: Path, opts: data.ReadOptions, cache: Path):
+    """read(source, stats) -> the source's samples: a VLMSample for a record with images, by the processor of
+    `wrapper` (loaded at the first image: text alone needs none), a text Sample else."""
+    processor = functools.cache(lambda: load_processor(wrapper))
+
     def read(source, stats: data.DataStats):
         base_dir = Path(source.name).parent  # images are paths relative to the data file's directory
         encoded, samples = VLMStats(), []
@@ -40,7 +44,7 @@ def reader(tokenizer, processor, opts: data.ReadOptions, cache: Path):
                 samples += data.read_samples([(where, record)], tokenizer, opts, stats)
                 continue
             stats.lines += 1
-            sample = encode_vlm_conversation(processor, record, base_dir, opts.max_tokens - 1, where, encoded)
+            sample = encode_vlm_conversation(processor(), record, base_dir, opts.max_tokens - 1, where, encoded)
             if sample is not None:
                 stats.tokens += len(sample.input_ids)
                 samples.append(sample)

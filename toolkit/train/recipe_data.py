@@ -45,12 +45,13 @@ class DataRows:
     images: bool = False  # rows of toolkit.train.image_rows (a vision-language checkpoint's), carrying their images
 
 
-def read_data(cfg: TrainConfig, tokenizer, processor=None) -> DataRows:
+def read_data(cfg: TrainConfig, tokenizer, wrapper: Path | None = None) -> DataRows:
     """Every rank reads the same data and reaches the same verdict: data that cannot train is one
     DataError here, before any process group. With data.prepared (the default) each source is
     tokenized once, by one process, into a cache every rank maps (toolkit.train.prepare_data); the
-    refusals are decided from the counts it stored, at every start. With a vision-language model's
-    `processor`, records with images are its (toolkit.train.image_rows), read in memory."""
+    refusals are decided from the counts it stored, at every start. With a vision-language checkpoint's
+    `wrapper` (its published checkpoint), records with images are its processor's (toolkit.train.image_rows), read
+    in memory."""
     from toolkit.train import chat_templates, data, data_sources, image_rows, preference
 
     d = cfg.data
@@ -60,8 +61,8 @@ def read_data(cfg: TrainConfig, tokenizer, processor=None) -> DataRows:
     opts = data.ReadOptions(d.seq_len + 1, d.overlong, d.malformed, d.truncation, dict(vars(d.columns)))
     cache = Path(d.cache_dir or Path(cfg.run_dir) / "data_cache")
     dpo = cfg.method == "dpo"  # preference pairs (toolkit.train.preference), two rows each
-    prepared = d.prepared and processor is None
-    read_source = image_rows.reader(tokenizer, processor, opts, cache) if processor is not None else \
+    prepared = d.prepared and wrapper is None
+    read_source = image_rows.reader(tokenizer, wrapper, opts, cache) if wrapper is not None else \
         _prepared_reader(cfg, tokenizer, opts, cache) if prepared else _memory_reader(cfg, tokenizer, opts, cache)
 
     def read(source, stats):
@@ -71,7 +72,7 @@ def read_data(cfg: TrainConfig, tokenizer, processor=None) -> DataRows:
         return samples
 
     def to_rows(samples, stats):
-        if processor is not None:
+        if wrapper is not None:
             return image_rows.to_rows(samples, d.seq_len + 1, data.pad_token(tokenizer))
         if prepared:
             from toolkit.train.row_views import row_view
@@ -97,7 +98,7 @@ def read_data(cfg: TrainConfig, tokenizer, processor=None) -> DataRows:
     if d.valid_file or d.valid_split:
         source = data_sources.Source(d.valid_file, "train") if d.valid_file else data_sources.Source(train_sources[0].name, d.valid_split)
         valid = to_rows(read(source, data.DataStats()), data.DataStats())
-    return DataRows(train, valid, stats, images=processor is not None)
+    return DataRows(train, valid, stats, images=wrapper is not None)
 
 
 def _memory_reader(cfg: TrainConfig, tokenizer, opts, cache: Path):
