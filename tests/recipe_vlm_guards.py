@@ -7,7 +7,8 @@ vision-language model broken on purpose,
 * `deepstack-dropped`: DeepStack's features never added after the first decoder layers;
 
 or two steps of `projector-frozen`, the recipe as it is with vlm.freeze=vision,projector (the default); or
-`resumed`, the first run as if it had stopped after its step-5 checkpoint (save_every=5), resumed (resume=auto).
+`resumed`, the first run as if it had stopped after its step-5 checkpoint (save_every=5), resumed (resume=auto); or
+three steps of `tp2-dp2`, the same ranks as TP2 x DP2.
 
 Patched here, in the worker, so the product has no test switch. Each run ends megatron-core's groups, and the next
 builds them again; the default process group is kept from the first run to the last (joined again, its rendezvous
@@ -44,7 +45,8 @@ RUNS = {"mrope-1d": ("toolkit.vlm.model.mrope_position_ids", text_positions, ONE
         "image-rows-one-late": ("toolkit.vlm.model.image_token_mask", rows_one_late, ONE_STEP),
         "deepstack-dropped": ("toolkit.vlm.deepstack.DeepStack._hook", without_deepstack, ONE_STEP),
         "projector-frozen": (None, None, ("steps=2", "vlm.freeze=vision,projector")),
-        "resumed": (None, None, ("resume=auto",))}
+        "resumed": (None, None, ("resume=auto",)),
+        "tp2-dp2": (None, None, ("steps=3", "parallel.tp=2", "parallel.pp=1"))}
 
 
 def stopped_at_step_5(argv: list[str], run_dir: Path) -> None:

@@ -94,7 +94,8 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     cfg_path = recipe(tmp_path, checkpoint, data, data__seq_len=SEQ_LEN, data__valid_file=str(data), global_batch=4,
                       micro_batch=2, save_every=5, vlm={"freeze": FREEZE})
     launch(4, cfg_path, "parallel.tp=2", "parallel.pp=2", script=GUARD_SCRIPT,
-           env={"VLM_RUNS": ",".join((*GUARDS, "projector-frozen", "resumed")), "GUARD_ROOT": str(tmp_path / "guards")})
+           env={"VLM_RUNS": ",".join((*GUARDS, "projector-frozen", "resumed", "tp2-dp2")),
+                "GUARD_ROOT": str(tmp_path / "guards")})
     cfg = yaml.safe_load(cfg_path.read_text())
     losses, norms, eval_loss = hf_vlm_reference(hf_dir, data, cfg, cfg["steps"], FREEZE)
     metrics = read_metrics(tmp_path / "run")
@@ -115,6 +116,12 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
         assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
     _projector_frozen_matches_hf(hf_dir, data, cfg, read_metrics(tmp_path / "guards" / "projector-frozen" / "run"),
                                  losses)
+    # TP2 x DP2, 3 steps: in the second, one DP rank's micro-batch holds text alone (rows 6 and 7)
+    dp2 = read_metrics(tmp_path / "guards" / "tp2-dp2" / "run")
+    dp2_loss = max(abs(m["loss"] - r) for m, r in zip(dp2, losses))  # the first 3 steps are the warmup's: same LR
+    dp2_norm = max(abs(m["grad_norm"] / r - 1) for m, r in zip(dp2, norms))
+    print(f"TP2 x DP2, 3 steps: max |loss - HF| {dp2_loss:.1e}, grad norm relative {dp2_norm:.1e}")
+    assert len(dp2) == 3 and dp2_loss < LOSS_TOLERANCE_FP32 and dp2_norm < GRAD_NORM_TOLERANCE
     resumed = read_metrics(tmp_path / "guards" / "resumed" / "run")  # steps 1-5 copied, 6-10 after the resume
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in resumed] == \
         [(m["step"], m["loss"], m["grad_norm"]) for m in metrics]
@@ -144,6 +151,7 @@ def _projector_frozen_matches_hf(hf_dir, data, cfg, metrics, trained_projector_l
     (["peft.enabled=true"], "a vision-language checkpoint with peft.enabled=true"),
     (["export_hf=true", "vlm.freeze=vision"], "export_hf=true with the tower trained"),
     (["parallel.recompute=full"], "a vision-language checkpoint with parallel.recompute=full"),
+    (["parallel.zero_stage=2", "vlm.freeze=vision"], "parallel.zero_stage > 1 with the tower trained"),
     (["parallel.pp=2", "vlm.freeze=vision,language"], "vlm.freeze=language at parallel.pp > 1: the later stages would "
                                                       "hold nothing to train"),
 ])

@@ -299,6 +299,10 @@ NOT_WITH_IMAGES = (
     (lambda cfg: cfg.parallel.pp > 1 and "language" in cfg.vlm.freeze,
      "vlm.freeze=language at parallel.pp > 1: the later stages would hold nothing to train (DeepSpeed's ZeRO "
      "optimizer needs parameters on every rank); use parallel.pp=1, or train the language model"),
+    (lambda cfg: cfg.parallel.zero_stage > 1 and not {"vision", "projector"} <= set(cfg.vlm.freeze),
+     "parallel.zero_stage > 1 with the tower trained (vlm.freeze without vision or projector): ZeRO-2/3 reduce "
+     "gradients in the order the backward makes them, which a micro-batch without images changes; use "
+     "parallel.zero_stage=1 or vlm.freeze=vision,projector"),
     (lambda cfg: cfg.export_hf and not {"vision", "projector"} <= set(cfg.vlm.freeze),
      "export_hf=true with the tower trained (vlm.freeze without vision or projector): the HF export carries the tower "
      "as published, not its trained weights; set export_hf=false or vlm.freeze=vision,projector"),

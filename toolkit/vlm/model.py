@@ -51,6 +51,13 @@ class VisionLanguageModel(torch.nn.Module):
     def set_input_tensor(self, tensor) -> None:
         self.language_model.set_input_tensor(tensor)
 
+    def _zero_from_trained_tower(self) -> torch.Tensor | float:
+        """0, in the graph of every trained tower parameter: a micro-batch without images still gives each a
+        gradient (of zeros), so that every data-parallel rank has the same gradients for DeepSpeed to reduce
+        (without it ZeRO's reduction mismatched over DP where one rank's micro-batch held text alone)."""
+        trained = [p for p in self.vision.parameters() if p.requires_grad] if self.vision is not None else []
+        return sum(p.sum() for p in trained) * 0.0 if trained else 0.0
+
     def sharded_state_dict(self, *args, **kwargs) -> dict:
         """The language model's (megatron-core's keys, as a text model's), and the tower's tensors under `vision.`,
         whole on each first-stage rank (replicated over TP and DP): what the layout-independent state reads."""
@@ -77,6 +84,8 @@ class VisionLanguageModel(torch.nn.Module):
             mask = image_token_mask(input_ids, self.image_token_id)
             embeds = place_image_embeds(embeds, mask, visual.embeds, self.language_model.config.sequence_parallel)
             deepstack_rows = visual.deepstack
+        else:
+            embeds = embeds + self._zero_from_trained_tower()
         with self.deepstack.features(mask, deepstack_rows):
             return self.language_model(input_ids, position_ids, None, decoder_input=embeds, labels=labels)
 
