@@ -327,7 +327,9 @@ def finetune(run: Run) -> int:
     elif cfg.export_hf and info.rank == 0 and (cfg.steps > start_step or not (run_dir / checkpoint.HF_EXPORT).exists()):
         from toolkit.convert import megatron_to_hf
 
-        megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / checkpoint.HF_EXPORT, overwrite=True, progress=False)
+        # into a vision-language checkpoint's published one (its tower as published: a trained tower is refused)
+        megatron_to_hf(checkpoint.find_latest(run_dir) / "model", run_dir / checkpoint.HF_EXPORT, overwrite=True, progress=False,
+                       wrapper=run.wrapper)
         print(f"exported HF model to {run_dir / 'hf'} (peak FLOP/s reference: {peak_source})", flush=True)
     progress.close()
     logger.close()

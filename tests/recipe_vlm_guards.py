@@ -6,7 +6,8 @@ vision-language model broken on purpose,
 * `image-rows-one-late`: the tower's rows (and DeepStack's) placed one token after the image tokens;
 * `deepstack-dropped`: DeepStack's features never added after the first decoder layers;
 
-or two steps of `projector-frozen`, the recipe as it is with vlm.freeze=vision,projector (the default); or
+or two steps of `projector-frozen`, the recipe as it is with vlm.freeze=vision,projector (the default), exported to
+HF; or
 `resumed`, the first run as if it had stopped after its step-5 checkpoint (save_every=5), resumed (resume=auto); or
 three steps of `tp2-dp2`, the same ranks as TP2 x DP2.
 
@@ -44,7 +45,7 @@ ONE_STEP = ("steps=1",)
 RUNS = {"mrope-1d": ("toolkit.vlm.model.mrope_position_ids", text_positions, ONE_STEP),
         "image-rows-one-late": ("toolkit.vlm.model.image_token_mask", rows_one_late, ONE_STEP),
         "deepstack-dropped": ("toolkit.vlm.deepstack.DeepStack._hook", without_deepstack, ONE_STEP),
-        "projector-frozen": (None, None, ("steps=2", "vlm.freeze=vision,projector")),
+        "projector-frozen": (None, None, ("steps=2", "vlm.freeze=vision,projector", "export_hf=true")),
         "resumed": (None, None, ("resume=auto",)),
         "tp2-dp2": (None, None, ("steps=3", "parallel.tp=2", "parallel.pp=1"))}
 

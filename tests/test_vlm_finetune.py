@@ -114,8 +114,7 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
     assert eval_diff < LOSS_TOLERANCE_FP32
     for guard, off in moved.items():
         assert off > GUARD_MARGIN * LOSS_TOLERANCE_FP32, guard
-    _projector_frozen_matches_hf(hf_dir, data, cfg, read_metrics(tmp_path / "guards" / "projector-frozen" / "run"),
-                                 losses)
+    _projector_frozen_matches_hf(hf_dir, data, cfg, tmp_path / "guards" / "projector-frozen" / "run", losses)
     # TP2 x DP2, 3 steps: in the second, one DP rank's micro-batch holds text alone (rows 6 and 7)
     dp2 = read_metrics(tmp_path / "guards" / "tp2-dp2" / "run")
     dp2_loss = max(abs(m["loss"] - r) for m, r in zip(dp2, losses))  # the first 3 steps are the warmup's: same LR
@@ -127,17 +126,33 @@ def test_tp2_pp2_ten_steps_match_hf_with_images_of_different_sizes_and_each_piec
         [(m["step"], m["loss"], m["grad_norm"]) for m in metrics]
 
 
-def _projector_frozen_matches_hf(hf_dir, data, cfg, metrics, trained_projector_losses) -> None:
+def _projector_frozen_matches_hf(hf_dir, data, cfg, run_dir, trained_projector_losses) -> None:
     """Two steps with vlm.freeze=vision,projector: HF's with the same parts frozen; the second loss is not the one
-    with the projector trained (the first, before any update, is)."""
-    losses, norms, _ = hf_vlm_reference(hf_dir, data, {**cfg, "steps": 2}, 2, ["vision", "projector"])
+    with the projector trained (the first, before any update, is). Its export (RUN_DIR/hf, into the published
+    checkpoint) loads as Qwen3VLForConditionalGeneration with the tower as published and HF's trained model's loss."""
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    from tests.vlm_reference import reference_samples, sample_loss_sum
+
+    metrics = read_metrics(run_dir)
+    losses, norms, trained_loss = hf_vlm_reference(hf_dir, data, {**cfg, "steps": 2}, 2, ["vision", "projector"])
     loss_diff = max(abs(m["loss"] - r) for m, r in zip(metrics, losses))
     norm_diff = max(abs(m["grad_norm"] / r - 1) for m, r in zip(metrics, norms))
     moved = abs(metrics[1]["loss"] - trained_projector_losses[1])  # both steps in the warmup: the same LR
+    exported = Qwen3VLForConditionalGeneration.from_pretrained(str(run_dir / "hf"), dtype=torch.float32).eval()
+    published = Qwen3VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).model.visual
+    with torch.no_grad():
+        sums = [sample_loss_sum(exported, s)
+                for s in reference_samples(AutoProcessor.from_pretrained(str(run_dir / "hf")), data)]
+    export_diff = abs(float(sum(t for t, _ in sums) / sum(n for _, n in sums)) - trained_loss)
     print(f"projector frozen, 2 steps: max |loss - HF| {loss_diff:.1e}, grad norm relative {norm_diff:.1e}; the second "
-          f"loss off HF's with the projector trained by {moved:.1e}")
+          f"loss off HF's with the projector trained by {moved:.1e}; the export's loss off HF's trained model's by "
+          f"{export_diff:.1e}")
     assert len(metrics) == 2 and loss_diff < LOSS_TOLERANCE_FP32 and norm_diff < GRAD_NORM_TOLERANCE
     assert moved > GUARD_MARGIN * LOSS_TOLERANCE_FP32
+    assert export_diff < LOSS_TOLERANCE_FP32
+    assert all(torch.equal(a, b) for a, b in zip(exported.model.visual.state_dict().values(),
+                                                 published.state_dict().values()))
 
 
 @pytest.mark.parametrize("overrides, line", [
