@@ -124,9 +124,10 @@ SHARED_INDEX_LAYER, SHARED_INDEX_ATTENTION = "3", "shared_index"
 
 
 # A hybrid model's layers (Nemotron-H: megatron-core's HybridModel), by their symbol in its layer pattern, which
-# is ModelSpec.linear_layers there: a Mamba-2 layer, an attention-only layer, an MLP-only layer
-MAMBA_LAYER, MLP_LAYER = "mamba", "mlp"
-HYBRID_SYMBOLS = {"M": MAMBA_LAYER, "*": FULL_ATTENTION, "-": MLP_LAYER}
+# is ModelSpec.linear_layers there: a Mamba-2 layer, an attention-only layer, an MLP-only layer, a Mixture-of-Experts
+# layer alone (Nemotron 3's E)
+MAMBA_LAYER, MLP_LAYER, EXPERTS_LAYER = "mamba", "mlp", "experts"
+HYBRID_SYMBOLS = {"M": MAMBA_LAYER, "*": FULL_ATTENTION, "-": MLP_LAYER, "E": EXPERTS_LAYER}
 
 
 def attention_kind(linear_layers: str | None, layer: int) -> str:
