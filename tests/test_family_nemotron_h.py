@@ -235,7 +235,7 @@ def test_memory_counts_the_published_parameters_as_hf_builds_them(name, card_bil
     the gated norm, out_proj per Mamba-2 layer; the router, its expert bias, the routed and shared experts per MoE
     layer) equals HF's NemotronHForCausalLM built on the meta device at the published sizes; TP 1 x PP 1 holds them
     all (131072 already a multiple of 128). Nano 30B-A3B's active count too."""
-    from toolkit.memory.params import active_params, stage_param_numels, total_params
+    from toolkit.memory.params import active_params, stage_buffer_bytes, stage_param_numels, total_params
 
     cfg = corpus.published_sizes(name)
     spec = spec_from_config(cfg)[1]
@@ -247,6 +247,9 @@ def test_memory_counts_the_published_parameters_as_hf_builds_them(name, card_bil
     assert sum(stage_param_numels(spec, 1, 1, 0)) == count
     if spec.is_moe:
         assert active_params(spec) == active == NANO_30B_ACTIVE
+        # the expert bias buffer and megatron-core's token counts beside it: float32 [128] x 2 in each of the 23 E
+        # layers, none in the Mamba-2 and attention layers
+        assert stage_buffer_bytes(spec, 1, 0) == 23 * 2 * 4 * 128
 
 
 def test_packing_is_refused_in_one_line_before_any_process_group(nemotron_h_parity, tmp_path):

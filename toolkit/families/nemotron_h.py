@@ -56,6 +56,10 @@ layer_norm_epsilon other than 1e-5 (megatron-core's gated norm has eps 1e-5 what
 mamba_mixer.py:417-419, while HF's takes layer_norm_epsilon, :442), Mamba heads not a multiple of n_groups.
 Not refused: attention_bias, sliding_window, residual_in_fp32, which HF's modules read nowhere.
 
+LoRA adapts what PEFT adapts on NemotronHForCausalLM: in_proj, q/k/v/o_proj, up_proj / down_proj (the MLP layers' and
+the shared experts'); out_proj and conv1d are refused as PEFT refuses them on Mamba models, and so is all-linear,
+which takes out_proj (PEFT_REFUSED, toolkit/lora/targets.py).
+
 Exact only where HF's dt clamp at time_step_min does not bite and for unpadded or right-padded sequences
 (toolkit/blocks/mixer_mamba.py)."""
 
@@ -77,6 +81,10 @@ SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E
 # NemotronHConfig's fields of the Mamba-2 mixer, as ModelSpec.mamba's keys
 MAMBA_KEYS = {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "groups": "n_groups", "state": "ssm_state_size",
               "conv_kernel": "conv_kernel", "chunk_size": "chunk_size"}
+# PEFT 0.21's _check_lora_target_modules_mamba (tuners/tuners_utils.py:145-163) raises for these target names on
+# model_type nemotron_h (its fused Mamba kernels read out_proj.weight and conv1d.weight themselves)
+PEFT_MAMBA = "PEFT refuses LoRA on it for Mamba-based models ('incompatible with Mamba-based models')"
+PEFT_REFUSED = {"out_proj": PEFT_MAMBA, "conv1d": PEFT_MAMBA}
 # megatron-core's MambaMixer gated norm: ExtendedRMSNorm(eps=1e-5) (ssm/mamba_mixer.py:417-419)
 MAMBA_GATED_NORM_EPS = 1e-5
 
@@ -161,6 +169,7 @@ NEMOTRON_H = Family(
     activation=("mlp_hidden_act", "relu2"),
     megatron={"is_hybrid_model": True},
     router=ROUTER,
+    peft_refused=PEFT_REFUSED,
     mtp_prefix="mtp.",  # NemotronHPreTrainedModel._keys_to_ignore_on_load_unexpected = [r"mtp.*"]
     module_prefix=("backbone.", "model."),  # transformers 5.24's conversion mapping reads backbone.* as model.*
 )

@@ -289,6 +289,9 @@ class Family:
     # qk_rope_head_dim / (qk_nope_head_dim + qk_rope_head_dim) (Mistral 4), which megatron-core's
     # qk_pos_emb_head_dim already is: read as that share (rotary_percent 1), any other value refused
     mla_rope_share: bool = False
+    # PEFT target names PEFT's LoRA refuses on this family's HF model -> why, as a refusal names it (Nemotron-H: PEFT
+    # refuses out_proj and conv1d on Mamba-based models); the toolkit refuses them too, and all-linear where it takes one
+    peft_refused: dict[str, str] = field(default_factory=dict, hash=False)
     # rope_parameters.rope_theta null means no RoPE on any layer (OLMo-Hybrid as published: OlmoHybridModel
     # builds no rotary embedding then, megatron-core's position_embedding_type 'none'); else it is required
     nope_without_theta: bool = False
