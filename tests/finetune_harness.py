@@ -244,7 +244,12 @@ GEMMA3_WRAPPER, QWEN3_5_WRAPPER = "gemma3-multimodal", "qwen3.5-multimodal"
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
                  "phi4-mini": "phi4-mini", "gemma3-wrapper": GEMMA3_WRAPPER, "olmo2": "olmo2", "olmo3": "olmo3",
                  "smollm3": "smollm3", "qwen3.5-wrapper": QWEN3_5_WRAPPER, "olmo-hybrid": "olmo-hybrid",
-                 "nemotron-h": "nemotron-h"}
+                 "nemotron-3": "nemotron-h"}
+# Nemotron-H's tiny variant with Nemotron 3's MoE layers (E: 4 experts top-2 by the sigmoid router with its expert
+# bias, one shared expert) among its Mamba-2, attention and MLP layers, each kind on both PP 2 stages
+NEMOTRON3_LAYERS = {"hybrid_override_pattern": "M-*EM*E-", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48}
+OF_NAME = {"nemotron-3": NEMOTRON3_LAYERS}
 
 
 # Recipe keys that change the run but not the HF reference: the layout, the run's precision and
@@ -313,7 +318,7 @@ def parity_setup(root: Path, models: dict):
     # At 0.02: 2.1e-6 and 5.5e-6.
     of_variant = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers, "olmo-hybrid": {"initializer_range": 0.02}}
     for name, variant in models.items():
-        size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **of_variant.get(variant, {}))
+        size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **of_variant.get(variant, {}), **OF_NAME.get(name, {}))
         wrapper = {GEMMA3_WRAPPER: make_tiny_gemma3_multimodal, QWEN3_5_WRAPPER: make_tiny_qwen3_5_multimodal}.get(variant)
         hf = wrapper(root / f"hf-{name}", **size) if wrapper else make_tiny_model(variant, root / f"hf-{name}", **size)
         built[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))

@@ -30,6 +30,10 @@ class StepContext:
     # token cross-entropy (toolkit.train.loss). method=dpo: toolkit.train.preference_loss.DpoObjective.
     objective: Callable | None = None
     sums: list[float] | None = None  # after run_schedule: the objective's "sums" over the global batch
+    # megatron-core's HybridModel (Nemotron 3's MoE layers), which passes the padding mask on unscattered under sequence
+    # parallelism on every stage (0.19.2 hybrid_model.py:508-521, 0.16.1 mamba_model.py:258), where GPTModel scatters it
+    # on its first stage (gpt_model.py:352-359)
+    hybrid: bool = False
 
 
 def reduce_step_totals(loss_sum: torch.Tensor | None, stop_requested: bool, device, width: int = 1):
@@ -77,11 +81,12 @@ def _forward_step_func(model_call, ctx: StepContext, device):
 def routing_padding_mask(padding: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """[b, s], True at padding: megatron-core then leaves those tokens out of the load-balancing
     loss (router.py:598-611), as HF does with an attention mask. Under sequence parallelism GPTModel
-    scatters it over TP on the first stage only (gpt_model.py:314); later stages get their slice here."""
+    scatters it over TP on the first stage only (gpt_model.py:352-359); later stages get their slice here, and every
+    stage of a hybrid model (StepContext.hybrid)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-    if ctx.sequence_parallel and not ps.is_pipeline_first_stage():
+    if ctx.sequence_parallel and (ctx.hybrid or not ps.is_pipeline_first_stage()):
         return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
     return padding
 
