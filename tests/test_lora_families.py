@@ -33,7 +33,16 @@ FAMILIES = {
     # Nemotron-H: Mamba-2's in_proj (its z, x, B, C, dt rows each split over TP), the attention and relu^2 MLP layers;
     # PEFT refuses out_proj and conv1d on Mamba models (its fused kernel reads out_proj.weight itself)
     "nemotron-h": ["in_proj", *ATTENTION, "up_proj", "down_proj"],
+    # and Nemotron 3's MoE layer: the shared expert's up_proj / down_proj (the routed experts take none: they have no gate)
+    "nemotron-3": ["in_proj", *ATTENTION, "up_proj", "down_proj"],
 }
+# Nemotron-H as its tiny variant, and with a Nemotron 3 MoE layer (E: routed experts and the shared expert's up_proj,
+# down_proj Linears)
+NEMOTRON_PATTERNS = {"nemotron-h": {}, "nemotron-3": {"hybrid_override_pattern": "M-*E", "n_routed_experts": 4,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "moe_shared_expert_intermediate_size": 48}}
+# FAMILIES' names that are a tiny variant with other settings: (the variant, its overrides)
+TINY_OF = {"nemotron-3": ("nemotron-h", NEMOTRON_PATTERNS["nemotron-3"])}
 
 
 @pytest.mark.multiprocess
@@ -46,7 +55,8 @@ def test_families_with_an_adapter_give_peft_logits_at_tp2_and_export_it_back_as_
 
     tokens, jobs, dirs = held_out_tokens(), [], {}
     for variant, targets in FAMILIES.items():
-        hf = make_tiny_model(variant, tmp_path / variant / "hf", dtype="float32", vocab_size=250)
+        tiny, overrides = TINY_OF.get(variant, (variant, {}))
+        hf = make_tiny_model(tiny, tmp_path / variant / "hf", dtype="float32", vocab_size=250, **overrides)
         megatron = hf_to_megatron(hf, tmp_path / variant / "mc", fmt="torch_dist", progress=False)
         adapter = write_peft_adapter(hf, tmp_path / variant / "adapter", targets, r=4, alpha=8.0)
         exported = tmp_path / variant / "exported"
@@ -144,11 +154,6 @@ def test_adapter_on_mlps_peft_would_rewrite_onto_the_experts_loads_as_trained(tm
     assert worst < 1e-6, worst
 
 
-# Nemotron-H as its tiny variant, and with a Nemotron 3 MoE layer (E: routed experts and the shared expert's up_proj,
-# down_proj Linears)
-NEMOTRON_PATTERNS = {"nemotron-h": {}, "nemotron-3": {"hybrid_override_pattern": "M-*E", "n_routed_experts": 4,
-                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                                      "moe_shared_expert_intermediate_size": 48}}
 MAMBA_TARGETS = ("all-linear", ("out_proj",), ("conv1d",), ("in_proj", *ATTENTION, "up_proj", "down_proj"))
 
 
