@@ -210,9 +210,10 @@ def assert_guards_fail(reports) -> None:
 # NVIDIA-Nemotron-Nano-9B-v2 (tests/data/published_configs, its sizes in index.json): "9B" on its model card, four
 # attention layers among 27 Mamba-2 and 25 MLP layers
 NANO_9B_V2 = ("nvidia-nemotron-nano-9b-v2", 9, 8_888_227_328)
-# NVIDIA-Nemotron-3-Nano-30B-A3B: "30B total" on its model card (31.6B by HF's count), 23 Mamba-2, 23 MoE and 6
-# attention layers; a token goes through 6 of the 128 routed experts per MoE layer, 3.58B parameters with the
-# embeddings and lm_head (2.88B without), the card's "3.5B active"
+# NVIDIA-Nemotron-3-Nano-30B-A3B: "30B total" in public descriptions (31.6B by HF's count), 23 Mamba-2, 23 MoE and 6
+# attention layers; a token goes through 6 of the 128 routed experts per MoE layer: 3.58B parameters with the
+# embeddings and lm_head, 3.23B without the input embeddings (704,643,072 with both, half each), 2.88B without either;
+# public descriptions say "3.5B active" (NeMo Megatron-Bridge's, Jetson AI Lab's model pages)
 NANO_30B_A3B = (NANO_30B, 32, 31_577_937_344)
 NANO_30B_ACTIVE = 3_580_073_408
 
