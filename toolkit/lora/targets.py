@@ -77,6 +77,9 @@ def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
         # a weight of one dimension is no linear (Nemotron-H's gated norm, split over TP as a COLUMN row)
         if not (row.per_layer and row.megatron.endswith(".weight")) or row.per_expert or len(row.shapes[0]) != 2:
             continue
+        # a linear of a layer kind the model lacks (Nemotron-H's shared experts without an E layer)
+        if not any(row.on_layer(n, spec.moe_layers, spec.linear_layers) for n in range(spec.num_layers)):
+            continue
         if row.split is Split.ROW:
             parallel = ROW
         elif row.split in _COLUMN_SPLITS:
