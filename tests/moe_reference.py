@@ -124,7 +124,8 @@ def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
 
     def step_loss(model, global_rows, cfg, device):
         seq_len, micro = cfg["data"]["seq_len"], cfg["micro_batch"]
-        coeff, topk = model.config.router_aux_loss_coef, model.config.num_experts_per_tok
+        text = model.config.get_text_config()  # a multimodal wrapper's language model's (Qwen3-VL-MoE's text_config)
+        coeff, topk = text.router_aux_loss_coef, text.num_experts_per_tok
         total, count, aux = 0.0, 0, 0.0
         margin, routing = float("inf"), None
         micro_batches = [global_rows[i : i + micro] for i in range(0, len(global_rows), micro)]

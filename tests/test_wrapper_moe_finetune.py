@@ -1,9 +1,10 @@
 """The MoE language models inside the vision-language checkpoints of 2026 (issue 40) fine-tune on text from the
 wrapper's files and export back into the wrapper: GLM-4.6V (Glm46VForConditionalGeneration around GLM-4.5V's
 glm4v_moe_text: GLM-4.5's router, groups, expert bias and shared experts without q/k norms, with an MRoPE) and
-Kimi-K2.5 (Kimi_K25ForConditionalGeneration around DeepSeek-V3's language model).
+Kimi-K2.5 (Kimi_K25ForConditionalGeneration around DeepSeek-V3's language model) and Qwen3-VL-MoE
+(Qwen3VLMoeForConditionalGeneration around Qwen3-MoE's, with MRoPE and its experts fused as published).
 
-HF is the reference: the wrapper itself on text, one forward per document (neither trains a load-balancing loss),
+HF is the reference: the wrapper itself on text (one forward per document where no load-balancing loss trains),
 10 fp32 steps, losses within 1e-5 and gradient norms within 1e-4 relative, every step's tokens per expert as HF's
 routers chose them. At TP2 x EP2 with sequence parallelism (DP2 on 4 processes, expert TP 2): the pipeline split of a wrapper's language model
 is the dense wrappers' (tests/test_finetune_parity.py), the routers' pieces keep their guards in
@@ -18,16 +19,25 @@ from functools import partial
 import pytest
 
 from tests.finetune_harness import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE_FP32, STEPS
-from tests.moe_reference import family_finetune_parity, routed_per_document
+from tests.moe_reference import family_finetune_parity, moe_step_loss, pad_token_id, route_in_fp64, routed_per_document
 from tests.test_gemma3_wrapper import tensor_hashes
-from toolkit.tinymodels import make_tiny_glm4v_multimodal, make_tiny_kimi_k25_multimodal
+from toolkit.tinymodels import make_tiny_glm4v_multimodal, make_tiny_kimi_k25_multimodal, make_tiny_qwen3_vl_multimodal
 
-# name: (the tiny wrapper's maker, the layer spec its language model converts for). GLM-4.6V's published text_config
-# has router_aux_loss_coef 1e-4, which the recipe trains (as HF does with output_router_logits); here it is 0, so that
-# the reference is the plain per-document loss (with it, the recipe's gradient norm is 1.6e-5 relative off a reference
-# without it, and the routers' rows of experts no token chose train, moving later steps' routing)
-WRAPPERS = {"glm4.6v": (partial(make_tiny_glm4v_multimodal, glm46v=True, seed=81, router_aux_loss_coef=0.0), "te"),
-            "kimi-k2.5": (partial(make_tiny_kimi_k25_multimodal, seed=82), "local")}
+# name: the tiny wrapper's maker, the layer spec its language model converts for, and the reference's step loss with
+# what the recipe sets for it. GLM-4.6V's published text_config has router_aux_loss_coef 1e-4, which the recipe trains
+# (as HF does with output_router_logits); here it is 0, so that the reference is the plain per-document loss (with
+# it, the recipe's gradient norm is 1.6e-5 relative off a reference without it, and the routers' rows of experts no
+# token chose train, moving later steps' routing). Qwen3-VL-MoE trains Qwen3-MoE's load-balancing loss
+# (router_aux_loss_coef 0.1 here), routers in fp64 on both sides, as tests/test_moe_finetune.py's Qwen3-MoE.
+PER_DOCUMENT = dict(step_loss_for=lambda hf: routed_per_document())
+WITH_AUX_LOSS = dict(step_loss_for=lambda hf: moe_step_loss(pad_token_id(hf)), moe={"router_dtype": "fp64"},
+                     prepare=route_in_fp64)
+WRAPPERS = {
+    "glm4.6v": (partial(make_tiny_glm4v_multimodal, glm46v=True, seed=81, router_aux_loss_coef=0.0), "te", PER_DOCUMENT),
+    "kimi-k2.5": (partial(make_tiny_kimi_k25_multimodal, seed=82), "local", PER_DOCUMENT),
+    "qwen3-vl-moe": (partial(make_tiny_qwen3_vl_multimodal, moe=True, seed=83, router_aux_loss_coef=0.1), "te",
+                     WITH_AUX_LOSS),
+}
 
 
 @pytest.mark.multiprocess
@@ -39,14 +49,14 @@ def test_moe_wrapper_fine_tunes_at_tp2_ep2_as_hf_and_exports_back_into_the_wrapp
     from toolkit.convert.wrapper import wrapper_for
     from toolkit.train.checkpoint import find_latest
 
-    make, layer_spec = WRAPPERS[name]
-    reference = routed_per_document()
-    run = family_finetune_parity(tmp_path, name, 4, {"tp": 2, "ep": 2, "sequence_parallel": True}, lambda hf: reference,
-                                 make=make, layer_spec=layer_spec, export_hf=True)
+    make, layer_spec, reference = WRAPPERS[name]
+    run = family_finetune_parity(tmp_path, name, 4, {"tp": 2, "ep": 2, "sequence_parallel": True}, make=make,
+                                 layer_spec=layer_spec, export_hf=True, **reference)
     print(f"{name} TP2xDP2xEP2: max |loss - HF| {run.loss:.1e}, grad norm relative {run.norm:.1e}")
     assert len(run.metrics) == STEPS and run.loss < LOSS_TOLERANCE_FP32 and run.norm < GRAD_NORM_TOLERANCE, \
         (run.loss, run.norm)
-    assert [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics] == reference.routing
+    routing = [[layer for layer in m["tokens_per_expert"] if any(layer)] for m in run.metrics]
+    assert routing == [[layer for layer in step if any(layer)] for step in run.step_loss.routing]
 
     wrapper = wrapper_for(json.loads((run.hf / "config.json").read_text()))
     wrapped = megatron_to_hf(find_latest(tmp_path / "run") / "model", tmp_path / "wrapped", wrapper=run.hf,
