@@ -252,7 +252,8 @@ def finetune(run: Run) -> int:
 
     def context(batches, counts):
         return StepContext(len(batches), dp, counts.loss_tokens, vocab_mask, model_length, cfg.micro_batch * rows_per_pair,
-                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel, objective, inputs=inputs)
+                           counts.real_tokens, spec.is_moe, cfg.parallel.sequence_parallel, objective,
+                           hybrid=spec.hybrid_pattern is not None, inputs=inputs)
 
     # wandb.sample_generations: the validation prompts greedily continued at each eval (PP = 1).
     samples = prompts_of(valid_data.rows, cfg.wandb.sample_generations) \

@@ -238,13 +238,24 @@ GRAD_NORM_TOLERANCE_BF16 = 2e-2
 # The variants parity_setup builds as Gemma 3's 4B / 12B / 27B and Qwen3.5 are published: the tiny text model
 # inside Gemma3ForConditionalGeneration / Qwen3_5ForConditionalGeneration (toolkit.tinymodels)
 GEMMA3_WRAPPER, QWEN3_5_WRAPPER = "gemma3-multimodal", "qwen3.5-multimodal"
+# The text models inside the vision-language wrappers of 2026 (issue 40), each as its wrapper class is published:
+# Qwen3-VL (Qwen3VLForConditionalGeneration), GLM-4.6V-Flash (Glm46VForConditionalGeneration, the dense glm4v_text)
+# and Ministral 3 (Mistral3ForConditionalGeneration)
+QWEN3_VL_WRAPPER, GLM46V_FLASH_WRAPPER, MINISTRAL3_WRAPPER = "qwen3-vl-multimodal", "glm4.6v-flash-multimodal", \
+    "ministral3-multimodal"
 # name -> toolkit.tinymodels variant; each with 4 layers and a vocab of 250 padded to 256. Gemma 3 and Qwen3.5 as
 # the wrappers: their fine-tunes cover the text models they convert to (Gemma 3's text checkpoint's own fine-tune
 # at TP2 x PP2 x DP2 is tests/test_sequence_parallel.py's)
 PARITY_MODELS = {"untied": "llama-odd-vocab", "tied": "llama-tied", "qwen3": "qwen3", "phi3": "phi3",
                  "phi4-mini": "phi4-mini", "gemma3-wrapper": GEMMA3_WRAPPER, "olmo2": "olmo2", "olmo3": "olmo3",
                  "smollm3": "smollm3", "qwen3.5-wrapper": QWEN3_5_WRAPPER, "olmo-hybrid": "olmo-hybrid",
-                 "nemotron-h": "nemotron-h"}
+                 "nemotron-3": "nemotron-h", "qwen3-vl-wrapper": QWEN3_VL_WRAPPER,
+                 "glm4.6v-flash-wrapper": GLM46V_FLASH_WRAPPER, "ministral3-wrapper": MINISTRAL3_WRAPPER}
+# Nemotron-H's tiny variant with Nemotron 3's MoE layers (E: 4 experts top-2 by the sigmoid router with its expert
+# bias, one shared expert) among its Mamba-2, attention and MLP layers, each kind on both PP 2 stages
+NEMOTRON3_LAYERS = {"hybrid_override_pattern": "M-*EM*E-", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48}
+OF_NAME = {"nemotron-3": NEMOTRON3_LAYERS}
 
 
 # Recipe keys that change the run but not the HF reference: the layout, the run's precision and
@@ -301,7 +312,11 @@ def parity_setup(root: Path, models: dict):
     """Tiny fp32 HF models converted to torch_dist, uneven data, and `reference(name, cfg_path)`:
     the HF reference of model `name` for the recipe at cfg_path (its steps), computed once."""
     from toolkit.convert import hf_to_megatron
-    from toolkit.tinymodels import make_tiny_gemma3_multimodal, make_tiny_model, make_tiny_qwen3_5_multimodal
+    from functools import partial
+
+    from toolkit.tinymodels import (make_tiny_gemma3_multimodal, make_tiny_glm4v_multimodal,
+                                    make_tiny_mistral3_multimodal, make_tiny_model, make_tiny_qwen3_5_multimodal,
+                                    make_tiny_qwen3_vl_multimodal)
 
     data = write_uneven_data(root / "data.jsonl", 300)
     built = {}
@@ -312,9 +327,13 @@ def parity_setup(root: Path, models: dict):
     # optimizer amplifying fp32 rounding of two different kernels, not a layout's sum (TP1 drifts as much).
     # At 0.02: 2.1e-6 and 5.5e-6.
     of_variant = {"gemma3": gemma3_layers, GEMMA3_WRAPPER: gemma3_layers, "olmo-hybrid": {"initializer_range": 0.02}}
+    wrappers = {GEMMA3_WRAPPER: make_tiny_gemma3_multimodal, QWEN3_5_WRAPPER: make_tiny_qwen3_5_multimodal,
+                QWEN3_VL_WRAPPER: make_tiny_qwen3_vl_multimodal,
+                GLM46V_FLASH_WRAPPER: partial(make_tiny_glm4v_multimodal, glm46v=True, dense=True),
+                MINISTRAL3_WRAPPER: partial(make_tiny_mistral3_multimodal, text_variant="ministral3")}
     for name, variant in models.items():
-        size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **of_variant.get(variant, {}))
-        wrapper = {GEMMA3_WRAPPER: make_tiny_gemma3_multimodal, QWEN3_5_WRAPPER: make_tiny_qwen3_5_multimodal}.get(variant)
+        size = dict(dtype="float32", num_hidden_layers=4, vocab_size=250, **of_variant.get(variant, {}), **OF_NAME.get(name, {}))
+        wrapper = wrappers.get(variant)
         hf = wrapper(root / f"hf-{name}", **size) if wrapper else make_tiny_model(variant, root / f"hf-{name}", **size)
         built[name] = (hf, hf_to_megatron(hf, root / f"mc-{name}", fmt="torch_dist", progress=False))
     cache = ReferenceCache()

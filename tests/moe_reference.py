@@ -124,7 +124,8 @@ def moe_step_loss(pad_id: int, aux_loss: str = "megatron"):
 
     def step_loss(model, global_rows, cfg, device):
         seq_len, micro = cfg["data"]["seq_len"], cfg["micro_batch"]
-        coeff, topk = model.config.router_aux_loss_coef, model.config.num_experts_per_tok
+        text = model.config.get_text_config()  # a multimodal wrapper's language model's (Qwen3-VL-MoE's text_config)
+        coeff, topk = text.router_aux_loss_coef, text.num_experts_per_tok
         total, count, aux = 0.0, 0, 0.0
         margin, routing = float("inf"), None
         micro_batches = [global_rows[i : i + micro] for i in range(0, len(global_rows), micro)]
@@ -215,9 +216,10 @@ class FamilyRun:
 
 def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: dict, step_loss_for,
                            moe: dict | None = None, prepare=None, on_step=None, export_hf: bool = False,
-                           layer_spec: str = "te", **model) -> FamilyRun:
-    """The recipe on a tiny fp32 `variant` (`model`: its config changes), converted to torch_dist (with
-    `layer_spec`'s parameter names), at
+                           layer_spec: str = "te", make=None, **model) -> FamilyRun:
+    """The recipe on a tiny fp32 `variant` (`model`: its config changes; `make(directory, **model)` builds it
+    instead where given, e.g. a multimodal wrapper's maker), converted to torch_dist (with `layer_spec`'s parameter
+    names), at
     `parallel` (ZeRO-1) on `nprocs` processes over uneven data, against the single-process HF
     reference of tests.finetune_harness.hf_reference with the family's step loss, `step_loss_for(hf
     directory)`, `prepare` and `on_step`, over STEPS steps. The caller asserts on the result (a guard reuses its
@@ -227,7 +229,8 @@ def family_finetune_parity(tmp_path: Path, variant: str, nprocs: int, parallel: 
     from toolkit.convert import hf_to_megatron
     from toolkit.tinymodels import make_tiny_model
 
-    hf = make_tiny_model(variant, tmp_path / "hf", dtype="float32", vocab_size=250, **model)
+    size = dict(dtype="float32", vocab_size=250, **model)
+    hf = make(tmp_path / "hf", **size) if make else make_tiny_model(variant, tmp_path / "hf", **size)
     mc = hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False, layer_spec=layer_spec)
     data = write_uneven_data(tmp_path / "data.jsonl", 300)
     cfg = recipe(tmp_path, mc, data, parallel={"zero_stage": 1, **parallel}, moe=moe or {}, export_hf=export_hf)

@@ -26,6 +26,7 @@ CONVERTS = "converts"
 # or fewer than it. Experts: at most 16, so top-8 routing still chooses (Mixtral's 8 stay 8).
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "vocab_size": 256, "head_dim": 16,
+         "moe_shared_expert_intermediate_size": 48,  # Nemotron 3's shared expert
          # multi-latent attention (DeepSeek-V3, Kimi-K2): every size distinct, as the tiny test models
          "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
          # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2): 4 heads of 16, RoPE on 8 of them as the attention's,
@@ -37,7 +38,8 @@ SIZES = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32
          "global_head_dim": 32,
          # Nemotron-H's Mamba-2: 4 heads of 16 in 2 B/C groups (TP 2 splits both), chunks shorter than the sequences
          "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16}
-# Nemotron-H keeps the first 16 symbols of its pattern, the first attention layer among them (Nano 9B v2's 14th)
+# Nemotron-H keeps the first 16 symbols of its pattern, the first attention layer among them (Nano 9B v2's 14th;
+# Nemotron 3 Nano 30B-A3B's MEMEM*EMEMEM*EME, Mamba-2, MoE and attention layers on both stages of PP 2)
 LAYERS = {"gemma3_text": 6, "gemma4_text": 6, "nemotron_h": 16}
 HEADS = 4
 EXPERTS = 16

@@ -53,6 +53,12 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
     run_and_compare(setup, tmp_path, 2, model="tied", parallel={"tp": 1, "pp": 2, "zero_stage": 1})
 
 
+# MoE layers at TP > 1 train under sequence parallelism, as megatron-core requires (toolkit/train/build.py); Nemotron 3's
+# failed there before the padding mask was scattered for the hybrid model ('The size of tensor a (24) must match the size
+# of tensor b (48)': toolkit/train/model_inputs.py routing_padding_mask)
+SEQUENCE_PARALLEL = {"nemotron-3": {"sequence_parallel": True}}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "model, architecture, trained",
@@ -73,8 +79,9 @@ def test_tied_embeddings_at_pp2_match_reference(setup, tmp_path):
         # OLMo 3's post-normed attention layers, on each stage; exported under the published names
         ("olmo-hybrid", "OlmoHybridForCausalLM", "model.layers.0.linear_attn.b_proj.weight"),
         # Nemotron-H: Mamba-2 layers (in_proj's z, x, B, C, dt and the conv each split over TP part by part; A_log, D,
-        # dt_bias and the gated norm split with the heads), attention without RoPE and relu^2 MLP layers on each stage
-        ("nemotron-h", "NemotronHForCausalLM", "model.layers.0.mixer.in_proj.weight"),
+        # dt_bias and the gated norm split with the heads), attention without RoPE and relu^2 MLP layers on each stage,
+        # and Nemotron 3's MoE layers (the router in fp32 with its expert bias, experts and shared expert over TP)
+        ("nemotron-3", "NemotronHForCausalLM", "model.layers.3.mixer.gate.weight"),
     ],
 )
 def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained(setup, tmp_path, model,
@@ -84,7 +91,8 @@ def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained
     import torch
     from transformers import AutoModelForCausalLM
 
-    run_and_compare(setup, tmp_path, 4, model=model, parallel={"tp": 2, "pp": 2, "zero_stage": 1}, export_hf=True)
+    parallel = {"tp": 2, "pp": 2, "zero_stage": 1, **SEQUENCE_PARALLEL.get(model, {})}
+    run_and_compare(setup, tmp_path, 4, model=model, parallel=parallel, export_hf=True)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
     original = AutoModelForCausalLM.from_pretrained(setup[2][model][0], dtype=torch.float32)
     assert type(exported).__name__ == architecture
@@ -98,6 +106,10 @@ def test_new_family_at_tp2_pp2_matches_reference_and_exports_for_from_pretrained
     # gated delta net layers (their four in_proj_* as megatron-core's one in_proj, split per key head over TP) and an
     # output-gated full-attention layer on each stage, under model.language_model.* with lm_head beside it
     "qwen3.5-wrapper",
+    # the text models of the 2026 vision-language checkpoints (issue 40): Qwen3-VL's Qwen3 with interleaved MRoPE
+    # (plain RoPE on text), GLM-4.6V-Flash's dense GLM-4 (partial MRoPE, four norms, fused gate_up_proj) and
+    # Ministral 3's YaRN with its query scale, each under its wrapper's names
+    "qwen3-vl-wrapper", "glm4.6v-flash-wrapper", "ministral3-wrapper",
 ])
 def test_wrapper_fine_tunes_at_tp2_pp2_as_hf_and_exports_back_into_the_wrapper(setup, tmp_path, model):
     """Gemma 3 as its 4B / 12B / 27B are published (Gemma3ForConditionalGeneration, the text model's weights under
@@ -113,12 +125,16 @@ def test_wrapper_fine_tunes_at_tp2_pp2_as_hf_and_exports_back_into_the_wrapper(s
     from tests.test_gemma3_wrapper import tensor_hashes
     from toolkit.convert import megatron_to_hf
     from toolkit.convert.wrapper import wrapper_for
+    from toolkit.families import family_for
     from toolkit.train.checkpoint import find_latest
 
     run_and_compare(setup, tmp_path, 4, model=model, parallel={"tp": 2, "pp": 2, "zero_stage": 1}, export_hf=True)
     text, source = tmp_path / "run" / "hf", setup[2][model][0]
-    wrapper = wrapper_for(json.loads((source / "config.json").read_text()))
-    assert json.loads((text / "config.json").read_text())["architectures"] == [wrapper.text_architecture]
+    cfg = json.loads((source / "config.json").read_text())
+    wrapper = wrapper_for(cfg)
+    # the language model's own class, or its family's (Qwen3-VL's and GLM-4.6V's text models have no causal-LM class)
+    architecture = wrapper.text_architecture or family_for(cfg[wrapper.text_config]["model_type"]).architecture
+    assert json.loads((text / "config.json").read_text())["architectures"] == [architecture]
     wrapped = megatron_to_hf(find_latest(tmp_path / "run") / "model", tmp_path / "wrapped", wrapper=source,
                              progress=False)
     before, after, trained = tensor_hashes(source), tensor_hashes(wrapped), tensor_hashes(text)

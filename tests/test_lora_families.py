@@ -33,7 +33,16 @@ FAMILIES = {
     # Nemotron-H: Mamba-2's in_proj (its z, x, B, C, dt rows each split over TP), the attention and relu^2 MLP layers;
     # PEFT refuses out_proj and conv1d on Mamba models (its fused kernel reads out_proj.weight itself)
     "nemotron-h": ["in_proj", *ATTENTION, "up_proj", "down_proj"],
+    # and Nemotron 3's MoE layer: the shared expert's up_proj / down_proj (the routed experts take none: they have no gate)
+    "nemotron-3": ["in_proj", *ATTENTION, "up_proj", "down_proj"],
 }
+# Nemotron-H as its tiny variant, and with a Nemotron 3 MoE layer (E: routed experts and the shared expert's up_proj,
+# down_proj Linears)
+NEMOTRON_PATTERNS = {"nemotron-h": {}, "nemotron-3": {"hybrid_override_pattern": "M-*E", "n_routed_experts": 4,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "moe_shared_expert_intermediate_size": 48}}
+# FAMILIES' names that are a tiny variant with other settings: (the variant, its overrides)
+TINY_OF = {"nemotron-3": ("nemotron-h", NEMOTRON_PATTERNS["nemotron-3"])}
 
 
 @pytest.mark.multiprocess
@@ -46,7 +55,8 @@ def test_families_with_an_adapter_give_peft_logits_at_tp2_and_export_it_back_as_
 
     tokens, jobs, dirs = held_out_tokens(), [], {}
     for variant, targets in FAMILIES.items():
-        hf = make_tiny_model(variant, tmp_path / variant / "hf", dtype="float32", vocab_size=250)
+        tiny, overrides = TINY_OF.get(variant, (variant, {}))
+        hf = make_tiny_model(tiny, tmp_path / variant / "hf", dtype="float32", vocab_size=250, **overrides)
         megatron = hf_to_megatron(hf, tmp_path / variant / "mc", fmt="torch_dist", progress=False)
         adapter = write_peft_adapter(hf, tmp_path / variant / "adapter", targets, r=4, alpha=8.0)
         exported = tmp_path / variant / "exported"
@@ -142,3 +152,61 @@ def test_adapter_on_mlps_peft_would_rewrite_onto_the_experts_loads_as_trained(tm
     worst = float((peft_logits(hf, ours, tokens) - peft_logits(hf, reference, tokens)).abs().max())
     print(f"PeftModel.from_pretrained(ours) vs PEFT's own adapter: max |logit difference| {worst:.1e}")
     assert worst < 1e-6, worst
+
+
+MAMBA_TARGETS = ("all-linear", ("out_proj",), ("conv1d",), ("in_proj", *ATTENTION, "up_proj", "down_proj"))
+
+
+def _peft_targets(config, target_modules, target_parameters=()):
+    """The modules (and parameters) real PEFT (get_peft_model on HF's model) adapts, or its refusal."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    try:
+        peft = get_peft_model(model, LoraConfig(r=2, target_modules=target_modules,
+                                                target_parameters=list(target_parameters) or None))
+    except ValueError as refused:
+        return refused
+    return set(peft.base_model.targeted_module_names) | set(getattr(peft.base_model, "targeted_parameter_names", []))
+
+
+def test_lora_on_nemotron_h_trains_what_peft_trains_and_refuses_in_one_line_what_peft_refuses():
+    """PEFT refuses out_proj and conv1d on Mamba-based models (nemotron_h), and so all-linear, our default, which takes
+    every Linear and out_proj among them: each refused in one line naming the module and the fix (the old code trained
+    all-linear and out_proj). What PEFT accepts adapts the very modules PEFT adapts, layer by layer, the MoE layer's
+    shared expert included. LoRA on Nemotron 3's routed experts (PEFT's target_parameters on their fused up_proj) is
+    refused: they have no gate, which this adapter's experts need."""
+    from toolkit.errors import AdapterError
+    from toolkit.families import family_named
+    from toolkit.families.spec import read_spec
+    from toolkit.lora import adapter, targets
+    from toolkit.lora.peft_dir import LoraSettings
+    from toolkit.tinymodels import make_config
+
+    family = family_named("nemotron_h")
+    for variant, overrides in NEMOTRON_PATTERNS.items():
+        config = make_config("nemotron-h", **overrides)
+        spec = read_spec(config.to_dict(), family)
+        for modules in MAMBA_TARGETS:
+            theirs = _peft_targets(config, modules)
+            wanted = [modules] if isinstance(modules, str) else list(modules)
+            if isinstance(theirs, ValueError):
+                assert "incompatible with Mamba-based models" in str(theirs), theirs
+                with pytest.raises(AdapterError, match=r"^(LoRA on (out_proj|conv1d) of nemotron_h is not supported: "
+                                   r"PEFT refuses .*leave it out of peft.target_modules|peft.target_modules=all-linear on "
+                                   r"nemotron_h takes out_proj: .*name the others instead: peft.target_modules=in_proj,q_proj,)") as refused:
+                    targets.resolve(family, spec, wanted)
+                assert "\n" not in str(refused.value), (variant, modules)
+                continue
+            ours = {part.module_at(layer) for linear in targets.resolve(family, spec, wanted)
+                    for layer in linear.layers(spec) for part in linear.parts if part.name in linear.chosen}
+            assert ours == theirs, (variant, modules, sorted(ours ^ theirs))
+            assert any(".shared_experts." in m for m in ours) == (variant == "nemotron-3"), variant
+    config = make_config("nemotron-h", **NEMOTRON_PATTERNS["nemotron-3"])
+    assert any(m.endswith("mixer.experts.up_proj") for m in _peft_targets(config, ["q_proj"], ["mixer.experts.up_proj"]))
+    spec = read_spec(config.to_dict(), family)
+    with pytest.raises(AdapterError, match=r"^peft.target_parameters \(mixer.experts.up_proj\) on nemotron_h's routed "
+                       r"experts is not supported: they have no gate .*leave peft.target_parameters out") as refused:
+        adapter.resolve_settings(family, spec, LoraSettings(2, 4.0, 0.0, ("q_proj",), False, ("mixer.experts.up_proj",)))
+    assert "\n" not in str(refused.value)

@@ -104,3 +104,20 @@ def test_adapter_export_from_a_run_without_adapter_is_refused(base, tmp_path, ca
 def test_init_from_without_peft_enabled_is_refused(base, tmp_path):
     adapter = write_peft_adapter(base["hf"], tmp_path / "adapter", ["q_proj"])
     refused(base, tmp_path, "peft.enabled is false", "peft.enabled=false", f"peft.init_from={adapter}")
+
+
+def test_the_default_targets_on_nemotron_h_are_refused_as_peft_refuses_them(tmp_path):
+    """peft.target_modules' default, all-linear, takes Mamba-2's out_proj, which PEFT refuses on Mamba-based models:
+    refused in one line naming the modules to list, before anything is written; those listed, the recipe prepares."""
+    from toolkit.tinymodels import make_tiny_model
+
+    hf = make_tiny_model("nemotron-h", tmp_path / "hf", dtype="float32", vocab_size=250)
+    base = {"mc": hf_to_megatron(hf, tmp_path / "mc", fmt="torch_dist", progress=False),
+            "data": write_uneven_data(tmp_path / "data.jsonl", 40)}
+    for run in ("default", "conv", "listed"):
+        (tmp_path / run).mkdir()
+    refused(base, tmp_path / "default", r"^peft.target_modules=all-linear on nemotron_h takes out_proj: PEFT refuses "
+            r".*name the others instead: peft.target_modules=in_proj,q_proj,k_proj,v_proj,o_proj,up_proj,down_proj$")
+    refused(base, tmp_path / "conv", r"^LoRA on conv1d of nemotron_h is not supported: .*leave it out of "
+            r"peft.target_modules$", "peft.target_modules=in_proj,conv1d")
+    prepare(base, tmp_path / "listed", "peft.target_modules=in_proj,q_proj,k_proj,v_proj,o_proj,up_proj,down_proj")

@@ -18,7 +18,8 @@ wrapper in both formats and GLM-4.1V's (its guards in tests/test_family_glm4v.py
 formats (tests/test_family_kimi_k25.py); Ministral 3 in both formats and inside the mistral3 wrapper
 (tests/test_family_ministral3.py); OLMo-Hybrid in both formats and with its guards, three deliberately
 wrong conversions (tests/test_family_olmo_hybrid.py); DeepSeek-V3.2's sparse attention in both formats and with its
-guards (tests/test_family_deepseek_v32.py), and GLM-5's in both formats (tests/test_family_glm_moe_dsa.py)."""
+guards (tests/test_family_deepseek_v32.py), GLM-5's in both formats (tests/test_family_glm_moe_dsa.py), and Nemotron 3
+Nano 30B-A3B as published in both formats with its guards (tests/test_family_nemotron_h.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from tests import test_family_llama4 as llama4
 from tests import test_family_minimax_m2 as minimax
 from tests import test_family_ministral3 as ministral3
 from tests import test_family_mistral4 as mistral4
+from tests import test_family_nemotron_h as nemotron_h
 from tests import test_family_olmo_hybrid as olmo_hybrid
 from tests import test_family_qwen3_5 as qwen3_5
 from tests import test_family_qwen3_next as qwen3_next
@@ -99,10 +101,13 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     dsa, dsa_matching = deepseek_v32.parity_pairs(tiny_deepseek_v32, tmp_path) if exact_dsa else ([], 0)
     glm5 = glm_moe_dsa.parity_pairs(tiny_glm_moe_dsa, tmp_path)[0] if exact_dsa else []  # all must match
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
+    n3, n3_matching = nemotron_h.parity_pairs(tmp_path)
     pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching] + oh[:oh_matching]
-              + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)] + dsa[:dsa_matching] + glm5)
-    reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4 + oh[oh_matching:] + dsa[dsa_matching:],
-                          tp=2, pp=2, ep=2)
+              + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)] + dsa[:dsa_matching] + glm5 + n3[:n3_matching])
+    reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4 + oh[oh_matching:] + dsa[dsa_matching:]
+                          + n3[n3_matching:], tp=2, pp=2, ep=2)
+    n3_guards = reports[len(reports) - len(n3) + n3_matching:]
+    reports = reports[:len(reports) - len(n3) + n3_matching]
     dsa_guards = reports[len(reports) - len(dsa) + dsa_matching:]
     reports = reports[:len(reports) - len(dsa) + dsa_matching]
     oh_guards = reports[len(reports) - len(oh) + oh_matching:]
@@ -120,5 +125,6 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     minimax.assert_guards_fail(mm_guards)
     mistral4.assert_guards_fail(m4_reports[m4_matching:])
     olmo_hybrid.assert_guards_fail(oh_guards)
+    nemotron_h.assert_guards_fail(n3_guards)
     if exact_dsa:
         deepseek_v32.assert_guards_fail(dsa_guards)

@@ -253,7 +253,7 @@ def build_hybrid_model(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
             max_sequence_length=gpt["max_sequence_length"], position_embedding_type=gpt["position_embedding_type"],
             share_embeddings_and_output_weights=gpt["share_embeddings_and_output_weights"],
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(), parallel_output=True,
-            **{stack_argument: hybrid_stack_spec(spec.mamba["conv_kernel"], spec.mamba["chunk_size"]),
+            **{stack_argument: hybrid_stack_spec(spec.mamba["conv_kernel"], spec.mamba["chunk_size"], spec.num_experts),
                pattern_argument: spec.hybrid_pattern})
     if torch.cuda.is_available():
         model.cuda()

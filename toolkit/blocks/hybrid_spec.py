@@ -8,6 +8,8 @@ the layer pattern (HF's hybrid_override_pattern / layers_block_type):
        position_embedding_type 'none', as NemotronHAttention applies none)
     -  MLPLayer with pre_mlp_layernorm and the MLP only (NemotronHMLP: up_proj, relu^2, down_proj; megatron-core's
        squared_relu without a GLU)
+    E  TransformerLayer with pre_mlp_layernorm and megatron-core's local MoE only (Nemotron 3's NemotronHMoE: router,
+       SequentialMLP experts and the shared expert, each relu^2 without a GLU), its norm keyed as the MLP layer's
 
 The stack builds its final norm as TENorm whatever the spec (0.19.2 models/hybrid/hybrid_block.py:215,
 0.16.1 ssm/mamba_block.py:166), which raises without Transformer Engine: `buildable_hybrid_stack` makes it
@@ -24,8 +26,10 @@ from toolkit.blocks.mixer_mamba import mamba_mixer_spec
 from toolkit.blocks.norms import ConfigEpsRMSNorm, RMSNorm
 
 
-def hybrid_stack_spec(conv_kernel: int, chunk_size: int):
+def hybrid_stack_spec(conv_kernel: int, chunk_size: int, num_experts: int = 0):
+    """The stack spec; `num_experts` routed experts in its E layers (0: a pattern without them)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -53,11 +57,16 @@ def hybrid_stack_spec(conv_kernel: int, chunk_size: int):
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+    experts = {"moe_layer": ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=RMSNorm,
+        mlp=get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False),
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))} if num_experts else {}
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
         norm=ConfigEpsRMSNorm, mixer=mamba_mixer_spec(conv_kernel, chunk_size), mamba_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"}))
     return ModuleSpec(module=stack, submodules=submodules(
-        mamba_layer=mamba, attention_layer=with_sdpa_core_attention(attention), mlp_layer=mlp))
+        mamba_layer=mamba, attention_layer=with_sdpa_core_attention(attention), mlp_layer=mlp, **experts))
 
 
 @contextlib.contextmanager

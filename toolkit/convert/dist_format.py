@@ -230,8 +230,11 @@ def extra_state_objects(num_layers: int, num_experts: int = 0, shared_expert: bo
     if linear_layers and set(linear_layers) <= set(naming.HYBRID_EXTRA_STATE):  # a hybrid model's pattern
         # and its output layer's: HybridModel (MambaModel before 0.18) keeps it in its sharded state dict, where
         # GPTModel.sharded_state_dict pops it (0.19.2 gpt_model.py:890-897)
+        # and its MoE layers' experts, keyed by (expert, experts) as in a GPT model's per-layer keys
         names = [*naming.hybrid_extra_state_names(linear_layers), naming.OUTPUT_LAYER_EXTRA_STATE]
-        return {f"{name}/shard_0_1": [None] for name in names}
+        experts = {f"{naming.layer_name(layer, EXPERTS_PREFIX)}linear_fc{k}._extra_state/shard_{e}_{num_experts}": [None]
+                   for layer, symbol in enumerate(linear_layers) if symbol == "E" for k in (1, 2) for e in range(num_experts)}
+        return {**{f"{name}/shard_0_1": [None] for name in names}, **experts}
     if moe_layers is not None or linear_layers is not None:
         kinds = moe_layers or ("1" if num_experts else "0") * num_layers
         return _per_layer_extra_state_objects(num_experts, shared_expert, kinds, attention, linear_layers)

@@ -182,24 +182,31 @@ def detect_layer_spec(names) -> str:
 
 # The output layer's `_extra_state` (ColumnParallelLinear.get_extra_state: None), in a hybrid model's state
 OUTPUT_LAYER_EXTRA_STATE = "output_layer._extra_state"
-# A hybrid model's layers (Nemotron-H) by their pattern symbol: the linears with an `_extra_state`
-HYBRID_EXTRA_STATE = {"M": ("mixer.in_proj", "mixer.out_proj"), "*": EXTRA_STATE_MODULES[:2], "-": MLP_EXTRA_STATE}
+# A hybrid model's layers (Nemotron-H) by their pattern symbol: the linears with an `_extra_state` (a MoE layer's
+# experts' too, one pair per local expert: hybrid_extra_state_names)
+HYBRID_EXTRA_STATE = {"M": ("mixer.in_proj", "mixer.out_proj"), "*": EXTRA_STATE_MODULES[:2], "-": MLP_EXTRA_STATE,
+                      "E": SHARED_EXPERT_EXTRA_STATE}
 
 
 def hybrid_symbols(names) -> str | None:
     """The pattern symbol of each layer of canonical or local `names` (stage-local layers from 0) where they
-    are a hybrid model's: "M" a Mamba-2 mixer, "*" attention without an MLP, "-" an MLP without attention;
+    are a hybrid model's: "M" a Mamba-2 mixer, "*" attention without an MLP, "-" an MLP without attention, "E" a
+    router and experts without attention;
     None where every layer has both attention and an MLP (a GPT model)."""
     held: dict[int, set[str]] = {}
+    names = list(names)
     for layer, suffix in map(split_layer, names):
         if layer is not None:
             held.setdefault(layer, set()).add(suffix.split(".", 1)[0])
-    symbols = ["M" if "mixer" in parts else "-" if "self_attention" not in parts else "*" if "mlp" not in parts else ""
-               for _, parts in sorted(held.items())]
+    experts = router_layers(names)
+    symbols = ["M" if "mixer" in parts else ("E" if layer in experts else "-") if "self_attention" not in parts
+               else "*" if "mlp" not in parts else "" for layer, parts in sorted(held.items())]
     return "".join(symbols) if all(symbols) and symbols else None
 
 
-def hybrid_extra_state_names(symbols: str) -> list[str]:
-    """`_extra_state` entries of a hybrid model's rank (its layers' `symbols`, hybrid_symbols)."""
+def hybrid_extra_state_names(symbols: str, local_experts: int = 0) -> list[str]:
+    """`_extra_state` entries of a hybrid model's rank (its layers' `symbols`, hybrid_symbols; `local_experts` in each
+    E layer, SequentialMLP's local_experts.{i})."""
+    experts = tuple(f"mlp.experts.local_experts.{i}.linear_fc{k}" for i in range(local_experts) for k in (1, 2))
     return [layer_name(layer, f"{module}._extra_state") for layer, symbol in enumerate(symbols)
-            for module in HYBRID_EXTRA_STATE[symbol]]
+            for module in HYBRID_EXTRA_STATE[symbol] + (experts if symbol == "E" else ())]

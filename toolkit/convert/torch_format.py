@@ -69,7 +69,7 @@ def _rank_state(model: dict, args: argparse.Namespace, layer_spec: str, num_stag
     named = {naming.to_spec_name(name, layer_spec, moe=naming.split_layer(name)[0] in moe): t for name, t in model.items()}
     shared = any(naming.split_layer(name)[1].startswith(naming.SHARED_EXPERT_PREFIX) for name in model)
     hybrid = naming.hybrid_symbols(model)  # a hybrid model's layers: each kind's linears (Nemotron-H)
-    named.update(dict.fromkeys(naming.hybrid_extra_state_names(hybrid) if hybrid else naming.extra_state_names(
+    named.update(dict.fromkeys(naming.hybrid_extra_state_names(hybrid, local_experts) if hybrid else naming.extra_state_names(
         num_stage_layers, local_experts, layer_spec, shared, moe, naming.attention_linears(model), naming.gdn_layers(model))))
     return {"model": named, "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
 

@@ -1,5 +1,6 @@
-"""Nemotron-H (NemotronHForCausalLM: Nemotron-H-8B / 47B / 56B, NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2): Mamba-2,
-attention-only and MLP-only layers in the order of a layer pattern, built as megatron-core's HybridModel (MambaModel
+"""Nemotron-H (NemotronHForCausalLM: Nemotron-H-8B / 47B / 56B, NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2) and Nemotron 3
+(NVIDIA-Nemotron-3-Nano-30B-A3B): Mamba-2, attention-only, MLP-only and Mixture-of-Experts layers in the order of a
+layer pattern, built as megatron-core's HybridModel (MambaModel
 before 0.18: toolkit/runtime/megatron_versions.py hybrid_model_class) of the toolkit's local stack spec
 (toolkit/blocks/hybrid_spec.py), read through transformers 5.24's NemotronHConfig. Each piece of HF's
 models/nemotron_h/modeling_nemotron_h.py against megatron-core 0.19.2 (0.16.1 where it differs):
@@ -28,6 +29,18 @@ models/nemotron_h/modeling_nemotron_h.py against megatron-core 0.19.2 (0.16.1 wh
   layer_norm_epsilon; norm_f (:1083)      decoder.final_norm (hybrid_block.py:215; 0.16.1 ssm/mamba_block.py:166)
   embeddings (:1080), lm_head (:1165),    embedding.word_embeddings, output_layer (VOCAB splits)
   never tied (_tied_weights_keys {} :1159)
+  NemotronHMoE (:715), pattern symbol E: MoELayer (local spec: SequentialMLP, TopKRouter, SharedExpertMLP) in a
+  experts(x) + shared_experts(x)          TransformerLayer of pre_mlp_layernorm and the MoE only (toolkit/blocks/
+                                          hybrid_spec.py), its norm keyed as an MLP layer's
+  NemotronHTopkRouter (:759): sigmoid     DeepSeek-V3's router (toolkit/families/sigmoid_router.py): sigmoid scores,
+  of fp32 logits, e_score_correction_     the expert bias buffer (float32 as HF keeps it, _keep_in_fp32_modules_strict
+  bias for the choice, group top-k,       :1012), group-limited top-k, renormalised where norm_topk_prob, times
+  norm_topk_prob, routed_scaling_factor   routed_scaling_factor; the router in fp32 (moe_router_dtype)
+  NemotronHExperts (:654): per expert     SequentialMLP's local_experts.#.linear_fc1 / linear_fc2 without a GLU
+  down(relu2(up x)), stored per expert    (squared_relu, as the MLP layers), split over expert TP as column / row;
+  (experts.#.up_proj / down_proj)         EP numbering local, the converter maps it to the global expert
+  shared_experts: NemotronHMLP of width   SharedExpertMLP of moe_shared_expert_intermediate_size, ungated (HF reads
+  moe_shared_expert_intermediate_size     no n_shared_experts: one shared MLP of that width)
   mtp.* ignored on load (:1013)           left out, and said (Family.mtp_prefix)
 
 Pipeline stages: the pattern (without '|') split evenly, as Layout.stage_layers splits layers: 0.19.2
@@ -35,31 +48,43 @@ models/hybrid/hybrid_layer_allocation.py select_pipeline_segment (:435-443), 0.1
 _select_layers_for_pipeline_parallel (:172); torch_dist keys every layer by its global number
 (hybrid_block.py sharded_state_dict :429-443; 0.16.1 mamba_block.py :390-402), never stacked.
 
-Refused in one line: a 'moe' layer (pattern symbol E, Nemotron 3's MoE: not mapped yet), mlp_bias, use_bias
+Refused in one line: moe_latent_size (the latent projections around the experts, fc1/fc2_latent_proj: not mapped),
+what the sigmoid router cannot reproduce (toolkit/families/sigmoid_router.py), mlp_bias, use_bias
 (MambaMixer asserts no bias), use_conv_bias false (it asserts a conv bias), mamba_hidden_act other than silu,
 mlp_hidden_act other than relu2, tie_word_embeddings (HF never ties them: its export would not be the model),
 layer_norm_epsilon other than 1e-5 (megatron-core's gated norm has eps 1e-5 whatever the config says,
 mamba_mixer.py:417-419, while HF's takes layer_norm_epsilon, :442), Mamba heads not a multiple of n_groups.
 Not refused: attention_bias, sliding_window, residual_in_fp32, which HF's modules read nowhere.
 
+LoRA adapts what PEFT adapts on NemotronHForCausalLM: in_proj, q/k/v/o_proj, up_proj / down_proj (the MLP layers' and
+the shared experts'); out_proj and conv1d are refused as PEFT refuses them on Mamba models, and so is all-linear,
+which takes out_proj (PEFT_REFUSED, toolkit/lora/targets.py).
+
 Exact only where HF's dt clamp at time_step_min does not bite and for unpadded or right-padded sequences
 (toolkit/blocks/mixer_mamba.py)."""
 
 from toolkit.errors import ConversionError
+from toolkit.families.experts import LOCAL_EXPERT, SHARED_EXPERT
 from toolkit.families.hf_values import positive_ints
-from toolkit.families.table import FULL_ATTENTION, MAMBA_LAYER, MLP_LAYER, Family, row
+from toolkit.families.router import Router, positive
+from toolkit.families.sigmoid_router import read_sigmoid_routing
+from toolkit.families.table import EXPERTS_LAYER, FULL_ATTENTION, MAMBA_LAYER, MLP_LAYER, MOE_LAYER, Family, row
 from toolkit.splits import Split
 
 L = "backbone.layers.*."  # as published and as transformers 5.24 saves it (its conversion mapping reads it as model.)
 M = "decoder.layers.*."
 X = L + "mixer."
 
-# transformers' _pattern_to_list / _list_to_pattern (configuration_nemotron_h.py): each layer type's symbol, the
-# ones megatron-core builds here; 'moe' (E) is refused
-SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+# transformers' _pattern_to_list / _list_to_pattern (configuration_nemotron_h.py): each layer type's symbol, as
+# megatron-core's hybrid pattern names them too (LayerSymbols)
+SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 # NemotronHConfig's fields of the Mamba-2 mixer, as ModelSpec.mamba's keys
 MAMBA_KEYS = {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "groups": "n_groups", "state": "ssm_state_size",
               "conv_kernel": "conv_kernel", "chunk_size": "chunk_size"}
+# PEFT 0.21's _check_lora_target_modules_mamba (tuners/tuners_utils.py:145-163) raises for these target names on
+# model_type nemotron_h (its fused Mamba kernels read out_proj.weight and conv1d.weight themselves)
+PEFT_MAMBA = "PEFT refuses LoRA on it for Mamba-based models ('incompatible with Mamba-based models')"
+PEFT_REFUSED = {"out_proj": PEFT_MAMBA, "conv1d": PEFT_MAMBA}
 # megatron-core's MambaMixer gated norm: ExtendedRMSNorm(eps=1e-5) (ssm/mamba_mixer.py:417-419)
 MAMBA_GATED_NORM_EPS = 1e-5
 
@@ -86,9 +111,20 @@ MLP_ROWS = tuple(row(*r, attention=MLP_LAYER) for r in (
     (M + "mlp.linear_fc1.weight", X + "up_proj.weight", Split.COLUMN, ("ffn", "hidden")),
     (M + "mlp.linear_fc2.weight", X + "down_proj.weight", Split.ROW, ("hidden", "ffn")),
 ))
+EXPERTS_ROWS = tuple(row(*r, kind=MOE_LAYER, attention=EXPERTS_LAYER, **extra) for *r, extra in (
+    (M + "mlp.linear_fc1.layer_norm_weight", NORM, Split.REPLICATED, ("hidden",), {}),
+    # transformers >= 5.24 keeps the router weight in float32 too (_keep_in_fp32_modules_strict `gate.weight`)
+    (M + "mlp.router.weight", X + "gate.weight", Split.REPLICATED, ("experts", "hidden"), {"float32_parameter": True}),
+    (M + "mlp.router.expert_bias", X + "gate.e_score_correction_bias", Split.REPLICATED, ("experts",),
+     {"float32_buffer": True}),
+    (LOCAL_EXPERT + "linear_fc1.weight", X + "experts.#.up_proj.weight", Split.COLUMN, ("moe_ffn", "hidden"), {}),
+    (LOCAL_EXPERT + "linear_fc2.weight", X + "experts.#.down_proj.weight", Split.ROW, ("hidden", "moe_ffn"), {}),
+    (SHARED_EXPERT + "linear_fc1.weight", X + "shared_experts.up_proj.weight", Split.COLUMN, ("shared_ffn", "hidden"), {}),
+    (SHARED_EXPERT + "linear_fc2.weight", X + "shared_experts.down_proj.weight", Split.ROW, ("hidden", "shared_ffn"), {}),
+))
 ROWS = (
     row("embedding.word_embeddings.weight", "backbone.embeddings.weight", Split.VOCAB, ("vocab", "hidden")),
-    *MAMBA_ROWS, *ATTENTION_ROWS, *MLP_ROWS,
+    *MAMBA_ROWS, *ATTENTION_ROWS, *MLP_ROWS, *EXPERTS_ROWS,
     row("decoder.final_norm.weight", "backbone.norm_f.weight", Split.REPLICATED, ("hidden",)),
     row("output_layer.weight", "lm_head.weight", Split.VOCAB, ("vocab", "hidden")),
 )
@@ -99,9 +135,8 @@ def read(cfg: dict) -> dict:
     types = cfg.get("layers_block_type") or []
     for i, t in enumerate(types):
         if t not in SYMBOLS:
-            why = " (pattern symbol E: Nemotron 3's MoE layers are not mapped yet)" if t == "moe" else ""
             raise ConversionError(f"nemotron_h with layers_block_type[{i}]={t!r} cannot be mapped exactly to "
-                                  f"megatron-core{why} (accepted: {', '.join(map(repr, SYMBOLS))})")
+                                  f"megatron-core (accepted: {', '.join(map(repr, SYMBOLS))})")
     if not types:
         raise ConversionError("config.json has no layers_block_type (nor hybrid_override_pattern): Nemotron-H's "
                               "layer pattern is needed")
@@ -113,12 +148,28 @@ def read(cfg: dict) -> dict:
             "norm_eps": float(cfg.get("layer_norm_epsilon")), "rope_theta": None}
 
 
+def has_experts(cfg: dict) -> bool:
+    """Nemotron 3: a 'moe' layer (E) in the pattern; NemotronHConfig's expert fields size nothing otherwise."""
+    return "moe" in (cfg.get("layers_block_type") or [])
+
+
+def read_routing(cfg: dict) -> dict:
+    """DeepSeek-V3's sigmoid routing, with NemotronHMoE's one shared expert of moe_shared_expert_intermediate_size
+    (:733; DeepSeek's is n_shared_experts x moe_intermediate_size, which HF's NemotronHMoE never reads)."""
+    return {**read_sigmoid_routing(cfg), "shared_ffn_hidden_size": positive(cfg, "moe_shared_expert_intermediate_size")}
+
+
+ROUTER = Router(experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", renormalise_key="norm_topk_prob",
+                read=read_routing, when=has_experts)
+
 NEMOTRON_H = Family(
     name="nemotron_h", model_types=("nemotron_h",), architecture="NemotronHForCausalLM", rows=ROWS, read=read,
-    refuse_flags=("mlp_bias", "use_bias", "tie_word_embeddings"),
+    refuse_flags=("mlp_bias", "use_bias", "tie_word_embeddings", "moe_latent_size"),
     accepted={"use_conv_bias": (True,), "mamba_hidden_act": ("silu",), "layer_norm_epsilon": (MAMBA_GATED_NORM_EPS,)},
     activation=("mlp_hidden_act", "relu2"),
     megatron={"is_hybrid_model": True},
+    router=ROUTER,
+    peft_refused=PEFT_REFUSED,
     mtp_prefix="mtp.",  # NemotronHPreTrainedModel._keys_to_ignore_on_load_unexpected = [r"mtp.*"]
     module_prefix=("backbone.", "model."),  # transformers 5.24's conversion mapping reads backbone.* as model.*
 )

@@ -63,8 +63,15 @@ class Router:
     # More MoeFields read from config.json (cfg -> dict of MoeFields fields), refusing what is not
     # exact: the sigmoid router of DeepSeek-V3 / GLM-4.5 (toolkit/families/sigmoid_router.py)
     read: Callable[[dict], dict] | None = field(default=None, hash=False)
-    # config.json flag that turns the experts on (Gemma 4's enable_moe_block); None: a MoE family always has them
-    when: str | None = None
+    # config.json flag that turns the experts on (Gemma 4's enable_moe_block), or a test of the config (Nemotron-H:
+    # an 'E' in its layer pattern); None: a MoE family always has them
+    when: str | Callable[[dict], bool] | None = None
+
+    def applies(self, cfg: dict) -> bool:
+        """Whether the model of `cfg` has experts."""
+        if self.when is None:
+            return True
+        return bool(self.when(cfg) if callable(self.when) else cfg.get(self.when))
 
 
 @dataclass(frozen=True)

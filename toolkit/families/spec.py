@@ -342,8 +342,7 @@ def read_spec(cfg: dict, family: Family) -> ModelSpec:
     hidden = _count(cfg, "hidden_size")
     heads = _count(cfg, "num_attention_heads")
     window = cfg.get(family.window_key) if family.window_key else None
-    moe = (read_moe(cfg, family.name, family.router)
-           if family.router and (family.router.when is None or cfg.get(family.router.when)) else None)
+    moe = read_moe(cfg, family.name, family.router) if family.router and family.router.applies(cfg) else None
     own = family.read(cfg) if family.read else {}
     # what a family reads itself (Nemotron-H: its layer count from layers_block_type, layer_norm_epsilon, no RoPE)
     fields = {"rope_scaling_factor": None, **({} if "rope_theta" in own else _rope(cfg, family)), **own}

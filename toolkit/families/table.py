@@ -124,9 +124,10 @@ SHARED_INDEX_LAYER, SHARED_INDEX_ATTENTION = "3", "shared_index"
 
 
 # A hybrid model's layers (Nemotron-H: megatron-core's HybridModel), by their symbol in its layer pattern, which
-# is ModelSpec.linear_layers there: a Mamba-2 layer, an attention-only layer, an MLP-only layer
-MAMBA_LAYER, MLP_LAYER = "mamba", "mlp"
-HYBRID_SYMBOLS = {"M": MAMBA_LAYER, "*": FULL_ATTENTION, "-": MLP_LAYER}
+# is ModelSpec.linear_layers there: a Mamba-2 layer, an attention-only layer, an MLP-only layer, a Mixture-of-Experts
+# layer alone (Nemotron 3's E)
+MAMBA_LAYER, MLP_LAYER, EXPERTS_LAYER = "mamba", "mlp", "experts"
+HYBRID_SYMBOLS = {"M": MAMBA_LAYER, "*": FULL_ATTENTION, "-": MLP_LAYER, "E": EXPERTS_LAYER}
 
 
 def attention_kind(linear_layers: str | None, layer: int) -> str:
@@ -288,6 +289,9 @@ class Family:
     # qk_rope_head_dim / (qk_nope_head_dim + qk_rope_head_dim) (Mistral 4), which megatron-core's
     # qk_pos_emb_head_dim already is: read as that share (rotary_percent 1), any other value refused
     mla_rope_share: bool = False
+    # PEFT target names PEFT's LoRA refuses on this family's HF model -> why, as a refusal names it (Nemotron-H: PEFT
+    # refuses out_proj and conv1d on Mamba-based models); the toolkit refuses them too, and all-linear where it takes one
+    peft_refused: dict[str, str] = field(default_factory=dict, hash=False)
     # rope_parameters.rope_theta null means no RoPE on any layer (OLMo-Hybrid as published: OlmoHybridModel
     # builds no rotary embedding then, megatron-core's position_embedding_type 'none'); else it is required
     nope_without_theta: bool = False

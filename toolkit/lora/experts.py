@@ -107,6 +107,12 @@ def resolve(family: Family, spec: ModelSpec, target_parameters, dropout: float) 
     if not spec.is_moe:
         raise AdapterError(f"peft.target_parameters ({', '.join(given)}) adapts routed experts, which the "
                            f"{family.name} family does not have")
+    ungated = [r for r in family.rows if r.per_expert and r.megatron.endswith("linear_fc1.weight") and len(r.hf) == 1]
+    if ungated:  # Nemotron 3's experts: one up_proj per expert, no gate (NemotronHExperts, fused as up_proj [E, I, H])
+        raise AdapterError(f"peft.target_parameters ({', '.join(given)}) on {family.name}'s routed experts is not "
+                           f"supported: they have no gate ({ungated[0].hf[0]}), where LoRA on the experts here is on "
+                           "a fused gate_up_proj; leave peft.target_parameters out (the shared experts' up_proj, "
+                           "down_proj take LoRA as peft.target_modules)")
     module = experts_module(family)
     unknown = [g for g, n in zip(given, names) if not _peft_matches(g, module, n)]
     if unknown:

@@ -77,6 +77,9 @@ def linear_rows(family: Family, spec: ModelSpec) -> list[LinearTargets]:
         # a weight of one dimension is no linear (Nemotron-H's gated norm, split over TP as a COLUMN row)
         if not (row.per_layer and row.megatron.endswith(".weight")) or row.per_expert or len(row.shapes[0]) != 2:
             continue
+        # a linear of a layer kind the model lacks (Nemotron-H's shared experts without an E layer)
+        if not any(row.on_layer(n, spec.moe_layers, spec.linear_layers) for n in range(spec.num_layers)):
+            continue
         if row.split is Split.ROW:
             parallel = ROW
         elif row.split in _COLUMN_SPLITS:
@@ -112,6 +115,7 @@ def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_no
         raise AdapterError(f"LoRA on the Mixture-of-Experts router ({router[0]}) is not supported: the router is "
                            "kept frozen so that routing stays the base model's; leave it out of peft.target_modules "
                            "and peft.target_parameters")
+    _refuse_what_peft_refuses(family, names, target_modules)
     unknown = sorted(wanted - set(names))
     if unknown:
         raise AdapterError(f"target module(s) {', '.join(unknown)} not in the {family.name} family "
@@ -124,6 +128,20 @@ def resolve(family: Family, spec: ModelSpec, target_modules: list[str], allow_no
         if picked:
             chosen.append(LinearTargets(linear.row, linear.parallel, linear.parts, picked))
     return chosen
+
+
+def _refuse_what_peft_refuses(family: Family, names: list[str], target_modules: list[str]) -> None:
+    """A target PEFT refuses on the family's HF model (Family.peft_refused), named or taken by all-linear, which
+    PEFT expands to every Linear but the output layer."""
+    named = [n for n in target_modules if n in family.peft_refused]
+    if named:
+        raise AdapterError(f"LoRA on {named[0]} of {family.name} is not supported: {family.peft_refused[named[0]]}; "
+                           f"leave it out of peft.target_modules")
+    taken = [n for n in dict.fromkeys(names) if n in family.peft_refused]
+    if ALL_LINEAR in target_modules and taken:
+        others = ",".join(n for n in dict.fromkeys(names) if n not in family.peft_refused)
+        raise AdapterError(f"peft.target_modules={ALL_LINEAR} on {family.name} takes {taken[0]}: "
+                           f"{family.peft_refused[taken[0]]}; name the others instead: peft.target_modules={others}")
 
 
 def check_rank(r: int, linears: list[LinearTargets]) -> None:

@@ -147,13 +147,16 @@ def mamba_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels) -> int:
 def hybrid_layer_bytes(spec: ModelSpec, shape: Shape, kernels: Kernels, recompute: str, symbol: str) -> int:
     """Bytes one layer of a hybrid pattern keeps (ModelSpec.hybrid_pattern): M a Mamba-2 layer, * attention alone
     (its norm, linear_qkv's and linear_proj's inputs, the core attention), - a relu^2 MLP alone (its norm,
-    linear_fc1's input, fc1's output and its relu, whose square is linear_fc2's input)."""
+    linear_fc1's input, fc1's output and its relu, whose square is linear_fc2's input), E a Mixture-of-Experts layer
+    alone (its norm and a MoE layer's MLP half, _moe; not measured on Nemotron 3)."""
     if recompute == "full":
         return shape.act_bytes * shape.hidden_tokens(spec)
     b, t = shape.act_bytes, shape.tokens
     linear = shape.linear_input_bytes or b
     if symbol == "M":
         return mamba_layer_bytes(spec, shape, kernels)
+    if symbol == "E":
+        return _norm(spec, shape, kernels) + _moe(spec, shape, kernels)
     if symbol == "*":
         attention = _selective_attention(spec, shape, kernels) if recompute == "selective" else _attention(spec, shape, kernels)
         q = spec.num_heads * spec.head_dim

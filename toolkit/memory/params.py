@@ -8,7 +8,6 @@ import math
 
 from toolkit.families import family_named
 from toolkit.families.spec import ModelSpec
-from toolkit.families.table import MOE_LAYER, layer_kind
 from toolkit.layouts import Layout
 
 EMBEDDING_PREFIX = "embedding."
@@ -101,7 +100,7 @@ def stage_buffer_bytes(spec: ModelSpec, pp: int, stage: int) -> int:
     the sigmoid router's expert bias (a float32 [experts] per MoE layer, on every TP and EP rank; no
     gradient, no optimizer state) and the float32 token counts megatron-core keeps beside it to
     update it (local_tokens_per_expert, router.py:163-180)."""
-    per_layer = sum(FP32_BYTES * ROUTER_BUFFERS_PER_BIAS * spec.num_experts
-                    for row in family_named(spec.family).rows_for(spec) if row.is_buffer)
     layers = Layout(1, pp).stage_layers(spec, stage)
-    return per_layer * sum(layer_kind(spec.moe_layers, n) == MOE_LAYER for n in layers)
+    return sum(FP32_BYTES * ROUTER_BUFFERS_PER_BIAS * spec.num_experts * sum(row.on_layer(n, spec.moe_layers, spec.linear_layers)
+                                                                           for n in layers)
+               for row in family_named(spec.family).rows_for(spec) if row.is_buffer)

@@ -26,11 +26,12 @@ def text_inputs(batch: dict, device, ctx) -> tuple[tuple, dict]:
 def routing_padding_mask(padding: torch.Tensor, ctx) -> torch.Tensor:
     """[b, s], True at padding: megatron-core then leaves those tokens out of the load-balancing
     loss (router.py:598-611), as HF does with an attention mask. Under sequence parallelism GPTModel
-    scatters it over TP on the first stage only (gpt_model.py:314); later stages get their slice here."""
+    scatters it over TP on the first stage only (gpt_model.py:352-359); later stages get their slice here, and every
+    stage of a hybrid model (StepContext.hybrid)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-    if ctx.sequence_parallel and not ps.is_pipeline_first_stage():
+    if ctx.sequence_parallel and (ctx.hybrid or not ps.is_pipeline_first_stage()):
         return scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
     return padding
 

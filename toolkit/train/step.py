@@ -31,6 +31,10 @@ class StepContext:
     # token cross-entropy (toolkit.train.loss). method=dpo: toolkit.train.preference_loss.DpoObjective.
     objective: Callable | None = None
     sums: list[float] | None = None  # after run_schedule: the objective's "sums" over the global batch
+    # megatron-core's HybridModel (Nemotron 3's MoE layers), which passes the padding mask on unscattered under sequence
+    # parallelism on every stage (0.19.2 hybrid_model.py:508-521, 0.16.1 mamba_model.py:258), where GPTModel scatters it
+    # on its first stage (gpt_model.py:352-359)
+    hybrid: bool = False
     # inputs(batch, device, ctx) -> (args, kwargs) of the model's forward (toolkit.train.model_inputs)
     inputs: Callable = text_inputs
 
