@@ -24,7 +24,9 @@ from unittest import mock
 
 import torch
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "finetune.py"
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "finetune.py"
+sys.path.insert(0, str(REPO))  # launched as a script: tests.finetune_harness imports from the checkout (CI sets no PYTHONPATH)
 
 
 def text_positions(token_types, image_grid_thw, spatial_merge_size, attention_mask=None):
