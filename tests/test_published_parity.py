@@ -19,7 +19,8 @@ formats (tests/test_family_kimi_k25.py); Ministral 3 in both formats and inside 
 (tests/test_family_ministral3.py); OLMo-Hybrid in both formats and with its guards, three deliberately
 wrong conversions (tests/test_family_olmo_hybrid.py); DeepSeek-V3.2's sparse attention in both formats and with its
 guards (tests/test_family_deepseek_v32.py), GLM-5's in both formats (tests/test_family_glm_moe_dsa.py), and Nemotron 3
-Nano 30B-A3B as published in both formats with its guards (tests/test_family_nemotron_h.py)."""
+Nano 30B-A3B as published in both formats with its guards (tests/test_family_nemotron_h.py). On megatron-core 0.16.1
+without triton (CI's oldest lane) the DSA and Mamba pairs are left out: their layers are refused there in one line."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     dsa, dsa_matching = deepseek_v32.parity_pairs(tiny_deepseek_v32, tmp_path) if exact_dsa else ([], 0)
     glm5 = glm_moe_dsa.parity_pairs(tiny_glm_moe_dsa, tmp_path)[0] if exact_dsa else []  # all must match
     g4, _ = gemma4.parity_pairs(tiny_gemma4, tmp_path)  # all must match
-    n3, n3_matching = nemotron_h.parity_pairs(tmp_path)
+    mamba = megatron_versions.mamba_builds()  # not on megatron-core 0.16.1 without triton (CI's oldest lane)
+    n3, n3_matching = nemotron_h.parity_pairs(tmp_path) if mamba else ([], 0)
     pairs += (q3n + q35 + g4 + l4 + q3vl + g4v + g4vd + k25 + mi3 + mm[:mm_matching] + oh[:oh_matching]
               + [minimax.fp8_parity_pair(tiny_minimax, tmp_path)] + dsa[:dsa_matching] + glm5 + n3[:n3_matching])
     reports = verify_many(pairs + glm + oss + ds + mm[mm_matching:] + m4 + oh[oh_matching:] + dsa[dsa_matching:]
@@ -125,6 +127,7 @@ def test_published_variants_match_hf_at_tp2_pp2_ep2(longrope_hf, dense_layer_moe
     minimax.assert_guards_fail(mm_guards)
     mistral4.assert_guards_fail(m4_reports[m4_matching:])
     olmo_hybrid.assert_guards_fail(oh_guards)
-    nemotron_h.assert_guards_fail(n3_guards)
+    if mamba:
+        nemotron_h.assert_guards_fail(n3_guards)
     if exact_dsa:
         deepseek_v32.assert_guards_fail(dsa_guards)

@@ -30,7 +30,7 @@ CHANGES = (
      "te_version(): Transformer Engine's own version"),
     ("0.17.0", "inference/contexts/attention_context/triton/tensor_ops.py imports triton under a guard; 0.16.1 "
      "imports it unguarded, and ssm/mamba_mixer.py imports that module: without triton (a CPU-only torch has "
-     "none) 0.16.1 cannot build a Mamba layer", "mamba_mixer_module(): the module, or one line naming the fix"),
+     "none) 0.16.1 cannot build a Mamba layer", "mamba_mixer_module(): the module, or one line naming the fix; mamba_builds() says which"),
     ("0.17.0", "Python >= 3.12 (Requires-Python)", "pyproject allows >=3.11: pip on 3.11 resolves 0.16.1"),
     ("0.19.0", "torch_dist stores the non-tensor state as a ShardedObject 'common_state' inside the DCP "
      "files instead of common.pt (serialization.py save; load_common_state_dict reads both)",
@@ -149,6 +149,13 @@ def mamba_mixer_module():
             "has none; inference/contexts/attention_context/triton/tensor_ops.py): pip install triton, or use "
             "megatron-core >= 0.17, which imports it only where it is there") from None
     return mamba_mixer
+
+
+def mamba_builds() -> bool:
+    """Whether megatron-core's Mamba mixer imports here: 0.16.1 needs triton for it (see CHANGES, 0.17.0)."""
+    import importlib.util
+
+    return installed() >= Version("0.17.0") or importlib.util.find_spec("triton") is not None
 
 
 def exact_dsa() -> bool:
