@@ -84,15 +84,20 @@ def check_fp8(cfg: TrainConfig, spec) -> None:
                           "only; use moe.dispatcher=alltoall")
 
 
+def check_trains(spec) -> None:
+    """Refuse a model the recipe does not yet train as HF does, whatever the layout."""
+    if spec.dsa:  # tests/test_family_deepseek_v32.py: the first step's loss 4.1e-4 off HF's in a tiny model
+        raise ConfigError(f"fine-tuning {spec.family} (DeepSeek Sparse Attention) is not supported yet: "
+                          "megatron-core's sparse attention does not yet train as HF computes it; convert, "
+                          "convert verify and megatron-to-hf work")
+
+
 def check_layout(cfg: TrainConfig, world_size: int, meta: CheckpointMeta) -> int:
     """Refuse layouts that don't fit, before any heavy work, with the converter's own model x
     layout check (Layout.check, which also refuses EP on a dense model or not dividing the
     experts); returns DP."""
+    check_trains(meta.model_spec)
     tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
-    if meta.model_spec.dsa:  # tests/test_family_deepseek_v32.py: the first step's loss 4.1e-4 off HF's in a tiny model
-        raise ConfigError(f"fine-tuning {meta.model_spec.family} (DeepSeek Sparse Attention) is not supported yet: "
-                          "megatron-core's sparse attention does not yet train as HF computes it; convert, "
-                          "convert verify and megatron-to-hf work")
     try:
         Layout(tp, pp, meta.vocab_divisor, ep).check(meta.model_spec, RECIPE_NAMES)
     except ConversionError as e:
